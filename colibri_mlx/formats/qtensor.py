@@ -1,0 +1,50 @@
+"""QTensor: one quantized weight matrix exactly as the container stores it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """Raw container bytes of a quantized ``W[O, I]`` plus what is needed to read them.
+
+    ``packed`` is the 1-D uint8 weight stream and ``scales`` the 1-D float32 ``.qs`` array
+    (a 1-element tag for fmt 6). Both may be numpy arrays (memory-mapped views from the
+    container) or ``mx.array`` (after :meth:`to_mlx`). fmt 6 holds the *rotated* matrix
+    ``W @ Q``: inputs must be rotated before multiplying (FORMAT.md §3.6).
+    """
+
+    packed: Any
+    scales: Any
+    fmt: int
+    O: int
+    I: int
+    gs: Optional[int] = None
+    name: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.O, self.I)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes) + int(self.scales.nbytes)
+
+    def dequantize(self):
+        """float32 numpy ``[O, I]`` (rotated basis for fmt 6)."""
+        import numpy as np
+
+        from . import decode
+
+        return decode(self.fmt, np.asarray(self.packed), np.asarray(self.scales), self.O, self.I, self.gs)
+
+    def to_mlx(self) -> "QTensor":
+        import mlx.core as mx
+        import numpy as np
+
+        if isinstance(self.packed, mx.array):
+            return self
+        return QTensor(mx.array(np.asarray(self.packed)), mx.array(np.asarray(self.scales)),
+                       self.fmt, self.O, self.I, self.gs, self.name)
