@@ -39,7 +39,9 @@ DEFAULT_GS = 64  # converter default --group-size
 SCALE_FLOOR = np.float32(1e-8)
 I3_GROUP, I3_GROUP_BYTES = 64, 24
 E8_BLOCK, E8_BLOCK_BYTES = 256, 98
-E8_TAG = np.float32(6.0)  # converter's fmt 6 .qs value; only its size (4 bytes) is checked
+# The converter quantizes in blocks of COLI_QUANT_ROWS=8192 rows to cap the float32
+# temporaries (embed/lm_head are ~150k rows); we do the same.
+ROWS_PER_CHUNK = 8192  # converter's fmt 6 .qs value; only its size (4 bytes) is checked
 
 
 class FormatError(ValueError):
@@ -354,7 +356,12 @@ def encode(fmt: int, w, gs: Optional[int] = None) -> tuple[np.ndarray, np.ndarra
     if c.fmt != 0 and not np.isfinite(w).all():
         raise FormatError(f"encode fmt {c.fmt}: weight has non-finite values; absmax scales would be NaN")
     O, I = w.shape
-    packed, scales = c.quantize(w, gs)
+    if c.fmt in (0, 6) or O <= ROWS_PER_CHUNK:
+        packed, scales = c.quantize(w, gs)
+    else:  # rows are independent, so chunking is bit-identical; it caps the temporaries
+        parts = [c.quantize(w[r:r + ROWS_PER_CHUNK], gs) for r in range(0, O, ROWS_PER_CHUNK)]
+        packed = np.concatenate([p.reshape(-1) for p, _ in parts])
+        scales = np.concatenate([s.reshape(-1) for _, s in parts])
     packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
     scales = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
     _check_lengths(c, packed.size, scales.size, O, I, gs, "encoder output")
