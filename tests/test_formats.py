@@ -363,3 +363,37 @@ def test_row_chunked_encode_is_bit_identical(fmt, gs, monkeypatch):
     monkeypatch.setattr(codecs, "ROWS_PER_CHUNK", 3)
     chunked = F.encode(fmt, w, gs)
     assert all(np.array_equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_fmt6_routes_through_the_e8_module_and_checks_its_output(monkeypatch):
+    """A stand-in e8 module: encode/decode must delegate, pass shapes, and validate lengths."""
+    import sys
+    import types
+
+    import colibri_mlx.formats as formats_pkg
+
+    calls = []
+    stub = types.ModuleType("colibri_mlx.formats.e8")
+
+    def encode_e8(w):
+        calls.append(("encode", w.shape, w.dtype))
+        return np.arange(98 * w.shape[0] * -(-w.shape[1] // 256), dtype=np.uint8), np.array([6.0], np.float32)
+
+    def decode_e8(packed, O, I):
+        calls.append(("decode", packed.shape, O, I))
+        return np.full((O, I), 0.25, np.float32)
+
+    stub.encode_e8, stub.decode_e8 = encode_e8, decode_e8
+    monkeypatch.setitem(sys.modules, "colibri_mlx.formats.e8", stub)
+    monkeypatch.setattr(formats_pkg, "e8", stub, raising=False)
+    w = np.random.default_rng(5).standard_normal((3, 300))
+    packed, scales = F.encode(6, w)
+    assert packed.size == 3 * 2 * 98 and scales.tolist() == [6.0]
+    out = F.decode(6, packed, scales, 3, 300)
+    assert out.shape == (3, 300) and np.all(out == 0.25)
+    assert calls == [("encode", (3, 300), np.float32), ("decode", (588,), 3, 300)]
+    with pytest.raises(FormatError, match="needs 588 weight bytes and 1 float32 scales; got 588 bytes and 2"):
+        F.decode(6, packed, np.array([6.0, 6.0], np.float32), 3, 300)
+    stub.encode_e8 = lambda w: (np.zeros(5, np.uint8), np.array([6.0], np.float32))
+    with pytest.raises(FormatError, match="encoder output"):
+        F.encode(6, w)
