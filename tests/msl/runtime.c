@@ -1,0 +1,469 @@
+/* MSL simulator runtime: runs one compiled Metal kernel over a dispatchThreads grid.
+ *
+ * Every thread of a threadgroup is a coroutine with its own small stack. The scheduler runs each
+ * runnable thread until it blocks (threadgroup barrier, SIMD-group operation) or returns, in the
+ * order chosen by the caller (forward or reverse: a missing barrier shows up in one of them).
+ * When every thread is blocked it releases whatever can proceed:
+ *   - a SIMD group whose live lanes all wait at the same SIMD operation (same kind, same source
+ *     line) is released together; each lane then reads all lanes' deposited values (lockstep);
+ *   - when every live thread waits at threadgroup_barrier, all are released.
+ * Anything else is a divergence/deadlock and is reported as an error instead of hanging.
+ * Threadgroups run one after another on this OS thread, so function-local `threadgroup` arrays
+ * (emitted as statics in the section msl_tgmem) are shared by exactly one threadgroup; the section
+ * is poisoned with 0xFF bytes (NaN / -1) before each threadgroup.
+ *
+ * The process running this is a fork()ed child of the Python driver: a fault (guard page hit,
+ * stack overflow) is reported through the shared error record and the child exits.
+ */
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+#define MSL_SIMD_WIDTH 32
+#define MSL_SLOT_BYTES 64
+#define MSL_MAX_THREADS 1024
+#define MSL_STACK_BYTES (64 * 1024)
+#define MSL_MAX_BUFFERS 64
+
+enum { ST_RUNNABLE = 0, ST_BARRIER = 1, ST_SIMD = 2, ST_DONE = 3 };
+
+/* Thread info read by the shim (layout mirrored in metal_shim.h). */
+typedef struct {
+  uint32_t tpig[3], tptg[3], tgpig[3];
+  uint32_t index_in_tg, simd_lane, simd_group;
+} msl_thread_info;
+
+typedef struct {
+  uint32_t grid[3], tg[3], tgs_per_grid[3], tg_actual[3];
+  uint32_t threads_in_tg, simdgroups_in_tg;
+} msl_dispatch_info;
+
+/* Error record shared with the parent process (it lives in a MAP_SHARED page). */
+typedef struct {
+  int32_t code; /* 0 ok, 1 scheduler error, 2 fault, 3 stack overflow */
+  int32_t buffer; /* buffer index for faults, -1 otherwise */
+  int64_t offset; /* byte offset of the fault relative to the buffer start */
+  char message[2048];
+} msl_error;
+
+typedef struct {
+  void *sp; /* x86-64: saved stack pointer */
+#if !defined(__x86_64__)
+  ucontext_t uc;
+#endif
+  char *stack; /* usable stack base (above the guard page) */
+  int state;
+  int simd_kind, simd_site;
+  msl_thread_info info;
+} msl_thread;
+
+typedef struct {
+  int generation; /* counts completed exchanges; selects the slot buffer */
+  uint32_t active_mask;
+  unsigned char slots[2][MSL_SIMD_WIDTH][MSL_SLOT_BYTES];
+} msl_simdgroup;
+
+extern void msl_kernel_entry(void **buffers);
+
+msl_dispatch_info msl_dispatch;
+static msl_thread *threads;
+static msl_simdgroup simdgroups[MSL_MAX_THREADS / MSL_SIMD_WIDTH];
+static msl_thread *current;
+static void *scheduler_sp;
+#if !defined(__x86_64__)
+static ucontext_t scheduler_uc;
+#endif
+static void **kernel_buffers;
+static msl_error *error_out;
+static char *stack_region;
+static size_t stack_region_bytes;
+static uintptr_t buf_lo[MSL_MAX_BUFFERS], buf_hi[MSL_MAX_BUFFERS];
+static int n_buffers;
+
+extern char __start_msl_tgmem[] __attribute__((weak));
+extern char __stop_msl_tgmem[] __attribute__((weak));
+
+/* ---- context switching ------------------------------------------------------------------- */
+#if defined(__x86_64__)
+/* Saves callee-saved registers + MXCSR/x87 CW on the current stack, stores rsp in *from, switches
+ * to `to`. No signal-mask syscall (unlike swapcontext), so a switch costs a few nanoseconds. */
+void msl_switch(void **from, void *to);
+__asm__(".text\n.globl msl_switch\n.type msl_switch,@function\nmsl_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
+        "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+        "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+        "  ret\n"
+        ".size msl_switch, .-msl_switch\n"
+        ".globl msl_trampoline\n.type msl_trampoline,@function\nmsl_trampoline:\n"
+        "  movq %r12, %rdi\n  callq *%r13\n  ud2\n"
+        ".size msl_trampoline, .-msl_trampoline\n");
+void msl_trampoline(void);
+#endif
+
+static void thread_main(void *arg);
+
+static void to_scheduler(void) {
+#if defined(__x86_64__)
+  msl_switch(&current->sp, scheduler_sp);
+#else
+  swapcontext(&current->uc, &scheduler_uc);
+#endif
+}
+
+static void resume(msl_thread *t) {
+  current = t;
+#if defined(__x86_64__)
+  msl_switch(&scheduler_sp, t->sp);
+#else
+  swapcontext(&scheduler_uc, &t->uc);
+#endif
+  current = NULL;
+}
+
+static void start_thread(msl_thread *t) {
+#if defined(__x86_64__)
+  uintptr_t top = ((uintptr_t)t->stack + MSL_STACK_BYTES) & ~(uintptr_t)15;
+  uint64_t *sp = (uint64_t *)top;
+  /* msl_switch's `ret` pops this, leaving rsp == top (16-byte aligned) for the trampoline's call */
+  *--sp = (uint64_t)(uintptr_t)msl_trampoline;
+  *--sp = 0;                             /* rbp */
+  *--sp = 0;                             /* rbx */
+  *--sp = (uint64_t)(uintptr_t)t;        /* r12: argument */
+  *--sp = (uint64_t)(uintptr_t)thread_main; /* r13: function */
+  *--sp = 0;                             /* r14 */
+  *--sp = 0;                             /* r15 */
+  uint32_t csr[2];
+  __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+  __asm__ volatile("fnstcw %0" : "=m"(*(uint16_t *)&csr[1]));
+  *--sp = (uint64_t)csr[0] | ((uint64_t)(csr[1] & 0xffff) << 32);
+  t->sp = sp;
+#else
+  getcontext(&t->uc);
+  t->uc.uc_stack.ss_sp = t->stack;
+  t->uc.uc_stack.ss_size = MSL_STACK_BYTES;
+  t->uc.uc_link = NULL;
+  makecontext(&t->uc, (void (*)(void))thread_main, 1, t);
+#endif
+  t->state = ST_RUNNABLE;
+}
+
+static void thread_main(void *arg) {
+  msl_thread *t = (msl_thread *)arg;
+  (void)t;
+  msl_kernel_entry(kernel_buffers);
+  current->state = ST_DONE;
+  to_scheduler();
+  abort(); /* a finished thread is never resumed */
+}
+
+/* ---- API used by the shim ---------------------------------------------------------------- */
+const msl_thread_info *msl_current_info(void) { return &current->info; }
+
+void msl_threadgroup_barrier(void) {
+  current->state = ST_BARRIER;
+  to_scheduler();
+}
+
+/* Deposit `size` bytes for this lane, wait until the SIMD group exchanges, return the slot buffer
+ * (MSL_SIMD_WIDTH slots of MSL_SLOT_BYTES) and the mask of lanes that took part. */
+const void *msl_simd_exchange(const void *value, int size, int kind, int site, uint32_t *active) {
+  msl_thread *t = current;
+  msl_simdgroup *g = &simdgroups[t->info.simd_group];
+  if (size > MSL_SLOT_BYTES) size = MSL_SLOT_BYTES;
+  memcpy(g->slots[g->generation & 1][t->info.simd_lane], value, (size_t)size);
+  t->state = ST_SIMD;
+  t->simd_kind = kind;
+  t->simd_site = site;
+  to_scheduler();
+  /* The scheduler bumped the generation when releasing the group. */
+  *active = g->active_mask;
+  return g->slots[(g->generation - 1) & 1];
+}
+
+/* ---- scheduler --------------------------------------------------------------------------- */
+static const char *kind_name(int kind) {
+  static const char *names[] = {"simdgroup_barrier", "simd_sum", "simd_max", "simd_min",
+                                "simd_prefix_inclusive_sum", "simd_prefix_exclusive_sum",
+                                "simd_shuffle", "simd_shuffle_down", "simd_shuffle_up",
+                                "simd_shuffle_xor", "simd_broadcast", "simd_broadcast_first",
+                                "simd_product", "simd_and", "simd_or", "simd_xor", "simd_all",
+                                "simd_any", "simd_ballot", "simd_is_first"};
+  if (kind >= 0 && kind < (int)(sizeof(names) / sizeof(names[0]))) return names[kind];
+  return "simd op";
+}
+
+static int fail(const char *fmt_tg, const msl_thread_info *where, const char *detail) {
+  error_out->code = 1;
+  snprintf(error_out->message, sizeof(error_out->message), "%s in threadgroup (%u,%u,%u): %s",
+           fmt_tg, where->tgpig[0], where->tgpig[1], where->tgpig[2], detail);
+  return -1;
+}
+
+/* Releases SIMD groups whose live lanes all wait at one SIMD op. Returns how many threads were
+ * released, or -1 on a divergence. */
+static int release_simdgroups(int n) {
+  int released = 0;
+  for (int base = 0; base < n; base += MSL_SIMD_WIDTH) {
+    int end = base + MSL_SIMD_WIDTH < n ? base + MSL_SIMD_WIDTH : n;
+    int at_simd = 0, live = 0, first = -1;
+    for (int i = base; i < end; i++) {
+      if (threads[i].state == ST_DONE) continue;
+      live++;
+      if (threads[i].state == ST_SIMD) {
+        at_simd++;
+        if (first < 0) first = i;
+      }
+    }
+    if (at_simd == 0) continue;
+    char detail[512];
+    for (int i = base; i < end; i++) {
+      msl_thread *t = &threads[i];
+      if (t->state == ST_DONE) continue;
+      if (t->state != ST_SIMD || t->simd_kind != threads[first].simd_kind ||
+          t->simd_site != threads[first].simd_site) {
+        if (t->state == ST_SIMD)
+          snprintf(detail, sizeof detail,
+                   "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
+                   "waits at %s (line %d)",
+                   base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
+                   threads[first].simd_site, i - base, kind_name(t->simd_kind), t->simd_site);
+        else
+          snprintf(detail, sizeof detail,
+                   "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
+                   "waits at threadgroup_barrier",
+                   base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
+                   threads[first].simd_site, i - base);
+        return fail("deadlock", &threads[i].info, detail);
+      }
+    }
+    msl_simdgroup *g = &simdgroups[base / MSL_SIMD_WIDTH];
+    g->active_mask = 0;
+    for (int i = base; i < end; i++)
+      if (threads[i].state == ST_SIMD) {
+        g->active_mask |= 1u << (i - base);
+        threads[i].state = ST_RUNNABLE;
+      }
+    g->generation++;
+    released += live;
+  }
+  return released;
+}
+
+static int run_threadgroup(const uint32_t tgid[3], int reverse) {
+  msl_dispatch_info *d = &msl_dispatch;
+  uint32_t ext[3];
+  for (int k = 0; k < 3; k++) {
+    uint32_t start = tgid[k] * d->tg[k];
+    ext[k] = d->grid[k] - start < d->tg[k] ? d->grid[k] - start : d->tg[k];
+  }
+  int n = (int)(ext[0] * ext[1] * ext[2]);
+  memcpy(d->tg_actual, ext, sizeof ext);
+  d->threads_in_tg = (uint32_t)n;
+  d->simdgroups_in_tg = (uint32_t)((n + MSL_SIMD_WIDTH - 1) / MSL_SIMD_WIDTH);
+  if (__start_msl_tgmem && __stop_msl_tgmem > __start_msl_tgmem)
+    memset(__start_msl_tgmem, 0xFF, (size_t)(__stop_msl_tgmem - __start_msl_tgmem));
+  for (int i = 0; i < n; i++) {
+    msl_thread *t = &threads[i];
+    uint32_t lx = (uint32_t)i % ext[0], ly = ((uint32_t)i / ext[0]) % ext[1],
+             lz = (uint32_t)i / (ext[0] * ext[1]);
+    t->info.tptg[0] = lx, t->info.tptg[1] = ly, t->info.tptg[2] = lz;
+    for (int k = 0; k < 3; k++) {
+      t->info.tgpig[k] = tgid[k];
+      t->info.tpig[k] = tgid[k] * d->tg[k] + t->info.tptg[k];
+    }
+    t->info.index_in_tg = (uint32_t)i;
+    t->info.simd_lane = (uint32_t)i % MSL_SIMD_WIDTH;
+    t->info.simd_group = (uint32_t)i / MSL_SIMD_WIDTH;
+    start_thread(t);
+  }
+  for (int g = 0; g < (n + MSL_SIMD_WIDTH - 1) / MSL_SIMD_WIDTH; g++) simdgroups[g].generation = 0;
+  for (;;) {
+    for (int j = 0; j < n; j++) {
+      msl_thread *t = &threads[reverse ? n - 1 - j : j];
+      if (t->state == ST_RUNNABLE) resume(t);
+    }
+    int released = release_simdgroups(n);
+    if (released < 0) return -1;
+    if (released > 0) continue;
+    int done = 0, at_barrier = 0, first_done = -1, first_barrier = -1;
+    for (int i = 0; i < n; i++) {
+      if (threads[i].state == ST_DONE) {
+        done++;
+        if (first_done < 0) first_done = i;
+      } else if (threads[i].state == ST_BARRIER) {
+        at_barrier++;
+        if (first_barrier < 0) first_barrier = i;
+      }
+    }
+    if (done == n) return 0;
+    if (at_barrier + done == n && done == 0) {
+      for (int i = 0; i < n; i++) threads[i].state = ST_RUNNABLE;
+      continue;
+    }
+    char detail[512];
+    snprintf(detail, sizeof detail,
+             "divergent threadgroup_barrier: %d of %d threads wait at the barrier (first: thread "
+             "%d) but %d threads already returned (first: thread %d)",
+             at_barrier, n, first_barrier, done, first_done);
+    return fail("deadlock", &threads[first_barrier >= 0 ? first_barrier : 0].info, detail);
+  }
+}
+
+/* ---- fault reporting --------------------------------------------------------------------- */
+static void on_fault(int sig, siginfo_t *si, void *ctx) {
+  (void)ctx;
+  uintptr_t a = (uintptr_t)si->si_addr;
+  error_out->code = 2;
+  error_out->buffer = -1;
+  for (int i = 0; i < n_buffers; i++) {
+    if (a >= buf_lo[i] - 4096 && a < buf_hi[i] + 4096 && !(a >= buf_lo[i] && a < buf_hi[i])) {
+      error_out->buffer = i;
+      error_out->offset = (int64_t)(a - buf_lo[i]);
+    }
+  }
+  if (error_out->buffer < 0 && stack_region && a >= (uintptr_t)stack_region &&
+      a < (uintptr_t)stack_region + stack_region_bytes)
+    error_out->code = 3;
+  snprintf(error_out->message, sizeof(error_out->message), "signal %d at address %p", sig,
+           si->si_addr);
+  if (current) {
+    const msl_thread_info *w = &current->info;
+    size_t len = strlen(error_out->message);
+    snprintf(error_out->message + len, sizeof(error_out->message) - len,
+             " in thread (%u,%u,%u) of threadgroup (%u,%u,%u)", w->tptg[0], w->tptg[1],
+             w->tptg[2], w->tgpig[0], w->tgpig[1], w->tgpig[2]);
+  }
+  _exit(70);
+}
+
+static void install_fault_handler(void) {
+  static char altstack[64 * 1024];
+  stack_t ss = {.ss_sp = altstack, .ss_size = sizeof altstack, .ss_flags = 0};
+  sigaltstack(&ss, NULL);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigaction(SIGSEGV, &sa, NULL);
+  sigaction(SIGBUS, &sa, NULL);
+  sigaction(SIGFPE, &sa, NULL);
+  sigaction(SIGILL, &sa, NULL);
+}
+
+/* ---- entry point ------------------------------------------------------------------------- */
+/* buffers[i] spans [buffers[i], buffers[i] + sizes[i]) and is followed by a guard page.
+ * reverse: 1 runs threads and threadgroups in reverse order. */
+int msl_run(void **buffers, const int64_t *sizes, int nbuf, const uint32_t *grid,
+            const uint32_t *tg, int reverse, msl_error *err) {
+  error_out = err;
+  memset(err, 0, sizeof *err);
+  err->buffer = -1;
+  kernel_buffers = buffers;
+  n_buffers = nbuf < MSL_MAX_BUFFERS ? nbuf : MSL_MAX_BUFFERS;
+  for (int i = 0; i < n_buffers; i++) {
+    buf_lo[i] = (uintptr_t)buffers[i];
+    buf_hi[i] = (uintptr_t)buffers[i] + (uintptr_t)sizes[i];
+  }
+  msl_dispatch_info *d = &msl_dispatch;
+  uint32_t total = 1;
+  for (int k = 0; k < 3; k++) {
+    d->grid[k] = grid[k];
+    d->tg[k] = tg[k] < grid[k] ? tg[k] : grid[k]; /* MLX clamps the threadgroup to the grid */
+    if (d->tg[k] == 0) d->tg[k] = 1;
+    d->tgs_per_grid[k] = (grid[k] + d->tg[k] - 1) / d->tg[k];
+    total *= d->tg[k];
+  }
+  if (total > MSL_MAX_THREADS) {
+    err->code = 1;
+    snprintf(err->message, sizeof err->message, "threadgroup of %u threads exceeds %d", total,
+             MSL_MAX_THREADS);
+    return -1;
+  }
+  long page = sysconf(_SC_PAGESIZE);
+  size_t per = MSL_STACK_BYTES + (size_t)page; /* guard page below each stack */
+  stack_region_bytes = per * total;
+  stack_region = mmap(NULL, stack_region_bytes, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (stack_region == MAP_FAILED) {
+    err->code = 1;
+    snprintf(err->message, sizeof err->message, "cannot allocate coroutine stacks");
+    return -1;
+  }
+  threads = calloc(total, sizeof(msl_thread));
+  for (uint32_t i = 0; i < total; i++) {
+    mprotect(stack_region + per * i, (size_t)page, PROT_NONE);
+    threads[i].stack = stack_region + per * i + page;
+  }
+  install_fault_handler();
+  if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return 0;
+  uint32_t ntg[3] = {d->tgs_per_grid[0], d->tgs_per_grid[1], d->tgs_per_grid[2]};
+  uint64_t count = (uint64_t)ntg[0] * ntg[1] * ntg[2];
+  for (uint64_t j = 0; j < count; j++) {
+    uint64_t i = reverse ? count - 1 - j : j;
+    uint32_t id[3] = {(uint32_t)(i % ntg[0]), (uint32_t)((i / ntg[0]) % ntg[1]),
+                      (uint32_t)(i / ((uint64_t)ntg[0] * ntg[1]))};
+    if (run_threadgroup(id, reverse) != 0) return -1;
+  }
+  return 0;
+}
+
+/* ---- half-precision conversion libcalls (LLVM emits these on x86 without F16C) ------------- */
+static float half_bits_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do { man <<= 1; e++; } while (!(man & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static uint16_t float_to_half_bits(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000, absx = x & 0x7fffffffu;
+  if (absx >= 0x7f800000u) /* inf or nan (keep nan quiet) */
+    return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 | ((absx >> 13) & 0x3ff) : 0));
+  if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to inf */
+  if (absx < 0x38800000u) { /* subnormal half or zero */
+    if (absx < 0x33000000u) return (uint16_t)sign;
+    uint32_t e = absx >> 23, m = (absx & 0x7fffff) | 0x800000;
+    int shift = (int)(126 - e) + 14; /* 14..24 */
+    uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+  }
+  uint32_t r = ((absx >> 13) - (112u << 10)), rem = absx & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
+  return (uint16_t)(sign | r);
+}
+
+float __gnu_h2f_ieee(uint16_t h) { return half_bits_to_float(h); }
+uint16_t __gnu_f2h_ieee(float f) { return float_to_half_bits(f); }
+float __extendhfsf2(uint16_t h) { return half_bits_to_float(h); }
+uint16_t __truncsfhf2(float f) { return float_to_half_bits(f); }
+uint16_t __truncdfhf2(double d) {
+  /* double -> float -> half can double-round; kernels convert from float, so this is rare. */
+  return float_to_half_bits((float)d);
+}

@@ -1,0 +1,513 @@
+"""Run a `mx.fast.metal_kernel` source on the Linux CPU with Metal threadgroup/SIMD semantics.
+
+`run_metal_kernel` writes the kernel function exactly as MLX 0.32 does
+(mlx/backend/common/metal_kernel.cpp, MLX_PLATFORM.md §B1), compiles it with clang against
+metal_shim.h (Metal stdlib + MLX utils subset) and runtime.c (coroutine scheduler), and runs it in
+a forked child process so that a fault (guard page hit, stack overflow) or a hang becomes a
+SimulatorError instead of killing the test run. See README.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "metal_shim.h"
+RUNTIME = HERE / "runtime.c"
+CACHE_DIR = Path(tempfile.gettempdir()) / f"colibri_msl_cache_{os.getuid()}"
+PAGE = mmap.PAGESIZE
+CANARY = 0xA5
+MAX_CONSTANT_ARRAY_SIZE = 8  # MLX: inputs with fewer elements go to the constant address space
+
+# Flags: SYCL-device address-space rules (see metal_shim.h) and native __fp16 arithmetic.
+CLANG_FLAGS = [
+    "-std=c++17", "-O2", "-fPIC", "-shared", "-fno-exceptions", "-fno-rtti",
+    "-Xclang", "-fsycl-is-device",
+    "-Xclang", "-fnative-half-type", "-Xclang", "-fnative-half-arguments-and-returns",
+    "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value",
+    "-ffp-contract=off",
+]
+
+METAL_ATTRIBUTES = [  # (name, type, C++ expression) in MLX's order
+    ("dispatch_quadgroups_per_threadgroup", "uint", "(msl_dispatch.tg[0]*msl_dispatch.tg[1]*msl_dispatch.tg[2]+3)/4"),
+    ("dispatch_simdgroups_per_threadgroup", "uint", "(msl_dispatch.tg[0]*msl_dispatch.tg[1]*msl_dispatch.tg[2]+31)/32"),
+    ("dispatch_threads_per_threadgroup", "uint3", "msl_u3(msl_dispatch.tg)"),
+    ("grid_origin", "uint3", "uint3(0)"),
+    ("grid_size", "uint3", "msl_u3(msl_dispatch.grid)"),
+    ("quadgroup_index_in_threadgroup", "uint", "msl_current_info()->index_in_tg/4"),
+    ("quadgroups_per_threadgroup", "uint", "(msl_dispatch.threads_in_tg+3)/4"),
+    ("simdgroup_index_in_threadgroup", "uint", "msl_current_info()->simd_group"),
+    ("simdgroups_per_threadgroup", "uint", "msl_dispatch.simdgroups_in_tg"),
+    ("thread_execution_width", "uint", "32u"),
+    ("thread_index_in_quadgroup", "uint", "msl_current_info()->index_in_tg%4"),
+    ("thread_index_in_simdgroup", "uint", "msl_current_info()->simd_lane"),
+    ("thread_index_in_threadgroup", "uint", "msl_current_info()->index_in_tg"),
+    ("thread_position_in_grid", "uint3", "msl_u3(msl_current_info()->tpig)"),
+    ("thread_position_in_threadgroup", "uint3", "msl_u3(msl_current_info()->tptg)"),
+    ("threadgroup_position_in_grid", "uint3", "msl_u3(msl_current_info()->tgpig)"),
+    ("threadgroups_per_grid", "uint3", "msl_u3(msl_dispatch.tgs_per_grid)"),
+    ("threads_per_grid", "uint3", "msl_u3(msl_dispatch.grid)"),
+    ("threads_per_simdgroup", "uint", "32u"),
+    ("threads_per_threadgroup", "uint3", "msl_u3(msl_dispatch.tg_actual)"),
+]
+
+# numpy dtype -> MLX type string (mlx/backend/common/compiled.cpp get_type_string)
+_TYPE_STRINGS = {
+    np.dtype(np.float32): "float", np.dtype(np.float16): "float16_t", np.dtype(np.float64): "double",
+    np.dtype(np.bool_): "bool", np.dtype(np.int8): "int8_t", np.dtype(np.int16): "int16_t",
+    np.dtype(np.int32): "int32_t", np.dtype(np.int64): "int64_t", np.dtype(np.uint8): "uint8_t",
+    np.dtype(np.uint16): "uint16_t", np.dtype(np.uint32): "uint32_t", np.dtype(np.uint64): "uint64_t",
+}
+BFLOAT16 = "bfloat16"  # pass this string (or an ml_dtypes bfloat16 dtype) for bfloat16_t
+
+# Metal vector constructors (float4(a, b, c, d), float4(half4_value)) are not C++; they are
+# rewritten into a call of the shim's msl_vec_make. The `(?<![\w.])` keeps ushort2 from matching short2.
+_VEC_CTOR = re.compile(
+    r"(?<![\w.])((?:float|half|int|uint|short|ushort|char|uchar|long|ulong)[234])\s*\(")
+# A function-local `threadgroup T name[...];` becomes per-threadgroup static storage.
+_TG_DECL = re.compile(r"(?<![\w])threadgroup(\s+[\w:<>, ]+?\s+\w+\s*(?:\[[^\]\n]*\]\s*)*;)")
+
+
+class SimulatorError(RuntimeError):
+    """The kernel failed to compile, deadlocked, diverged, faulted or left outputs unwritten."""
+
+
+def clang_available() -> bool:
+    return shutil.which("clang++") is not None or shutil.which("clang") is not None
+
+
+def _clang() -> str:
+    exe = shutil.which("clang++") or shutil.which("clang")
+    if exe is None:
+        raise SimulatorError("clang is not installed (apt-get install -y clang)")
+    return exe
+
+
+def _is_bfloat16(dtype) -> bool:
+    return (isinstance(dtype, str) and dtype in ("bfloat16", "bfloat16_t")) or (
+        not isinstance(dtype, str) and np.dtype(dtype).name == "bfloat16")
+
+
+def _type_string(dtype) -> str:
+    if _is_bfloat16(dtype):
+        return "bfloat16_t"
+    try:
+        return _TYPE_STRINGS[np.dtype(dtype)]
+    except KeyError:
+        raise SimulatorError(f"unsupported dtype {dtype!r} (no Metal type string)") from None
+
+
+def _storage_dtype(dtype) -> np.dtype:
+    return np.dtype(np.uint16) if _is_bfloat16(dtype) else np.dtype(dtype)
+
+
+def rewrite_for_clang(text: str) -> str:
+    """Source-level adaptations of Metal syntax that clang's C++ cannot express (see README)."""
+    text = _VEC_CTOR.sub(lambda m: f"::metal::msl_vec_make<{m.group(1)}>(", text)
+    return _TG_DECL.sub(lambda m: "MSL_TGMEM threadgroup" + m.group(1), text)
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """One kernel buffer argument."""
+    name: str
+    decl: str  # the parameter as MLX writes it, without [[buffer(i)]]
+    ctype: str  # pointee type for the call expression
+    space: str  # "constant" or "device"
+    is_ref: bool
+
+
+def _template_value(value) -> tuple[str, str]:
+    if isinstance(value, bool):
+        return "bool", str(int(value))  # MLX streams bools as 0/1
+    if isinstance(value, (int, np.integer)):
+        return "int", str(int(value))
+    return "typename", _type_string(value)
+
+
+def generate_source(name, input_names, output_names, source, header, inputs, output_dtypes,
+                    template=None, atomic_outputs=False):
+    """The kernel source MLX 0.32 would compile, plus an extern "C" entry for the simulator.
+
+    Returns (metal_source, cpp_source, buffer_args)."""
+    args: list[_Arg] = []
+    kernel_name = "custom_kernel_" + name
+    lines: list[str] = []
+    tdef = ""
+    if template:
+        kinds = [_template_value(v) for _, v in template]
+        lines.append("template <" + ", ".join(f"{k} {n}" for (n, _), (k, _) in zip(template, kinds)) + ">")
+        tdef = "<" + ", ".join(v for _, v in kinds) + ">"
+        thash = tdef.replace("<", "_").replace(">", "_").replace(", ", "_")[:-1]
+        kernel_name += "_" + thash
+    for arr in inputs:
+        kernel_name += "_" + _type_string(arr.dtype if not isinstance(arr, _Bf16Array) else BFLOAT16)
+        kernel_name += "s" if arr.ndim == 0 else ("c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
+    for dt in output_dtypes:
+        kernel_name += "_" + _type_string(dt)
+    params: list[str] = []
+    for nm, arr in zip(input_names, inputs):
+        tstr = _type_string(BFLOAT16 if isinstance(arr, _Bf16Array) else arr.dtype)
+        space = "constant" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "device"
+        ref = "&" if arr.ndim == 0 else "*"
+        args.append(_Arg(nm, f"const {space} {tstr}{ref} {nm}", tstr, space, arr.ndim == 0))
+        if arr.ndim > 0:
+            if nm + "_shape" in source:
+                args.append(_Arg(nm + "_shape", f"const constant int* {nm}_shape", "int", "constant", False))
+            if nm + "_strides" in source:
+                args.append(_Arg(nm + "_strides", f"const constant int64_t* {nm}_strides", "int64_t", "constant", False))
+            if nm + "_ndim" in source:
+                args.append(_Arg(nm + "_ndim", f"const constant int& {nm}_ndim", "int", "constant", True))
+    for nm, dt in zip(output_names, output_dtypes):
+        tstr = _type_string(dt)
+        if atomic_outputs:
+            tstr = f"atomic<{tstr}>"
+        args.append(_Arg(nm, f"device {tstr}* {nm}", tstr, "device", False))
+    for i, a in enumerate(args):
+        params.append(f"  {a.decl} [[buffer({i})]]")
+    attrs = [(n, t, e) for n, t, e in METAL_ATTRIBUTES if n in source]
+    params += [f"  {t} {n} [[{n}]]" for n, t, _ in attrs]
+    lines.append(f"[[kernel]] void {kernel_name}(")
+    metal_source = header + "\n".join(lines) + "\n" + ",\n".join(params) + ") {\n" + source + "\n}\n"
+    if template:
+        metal_source += (f'\ntemplate [[host_name("{kernel_name}")]] [[kernel]] '
+                         f"decltype({kernel_name}{tdef}) {kernel_name}{tdef};\n")
+    call = []
+    for i, a in enumerate(args):
+        ptr = f"(const {a.space} {a.ctype}*)msl_buffers[{i}]" if a.space == "constant" or a.name in input_names \
+            else f"({a.space} {a.ctype}*)msl_buffers[{i}]"
+        call.append(f"*{ptr}" if a.is_ref else ptr)
+    call += [e for _, _, e in attrs]
+    entry = (
+        "\nstatic inline uint3 msl_u3(const uint32_t* v) { return uint3{v[0], v[1], v[2]}; }\n"
+        'extern "C" void msl_kernel_entry(void** msl_buffers) {\n'
+        f"  {kernel_name}{tdef}(\n    " + ",\n    ".join(call) + ");\n}\n")
+    cpp_source = '#include "metal_shim.h"\n#line 1 "kernel.metal"\n' + rewrite_for_clang(metal_source) + entry
+    return metal_source, cpp_source, args
+
+
+class _Bf16Array(np.ndarray):
+    """uint16 storage that the signature declares as bfloat16_t."""
+
+
+def _as_input_array(x) -> np.ndarray:
+    if isinstance(x, bool):
+        return np.asarray(x, dtype=np.bool_)
+    if isinstance(x, int):
+        return np.asarray(x, dtype=np.int32)
+    if isinstance(x, float):
+        return np.asarray(x, dtype=np.float32)
+    arr = np.asarray(x)
+    if arr.dtype.name == "bfloat16":
+        return np.ascontiguousarray(arr).view(np.uint16).view(_Bf16Array)
+    return np.ascontiguousarray(arr)
+
+
+def _tool_hash() -> str:
+    h = hashlib.sha256()
+    for p in (SHIM, RUNTIME, Path(__file__)):
+        h.update(p.read_bytes())
+    h.update(" ".join(CLANG_FLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def _runtime_object() -> Path:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    obj = CACHE_DIR / f"runtime_{hashlib.sha256(RUNTIME.read_bytes()).hexdigest()[:16]}.o"
+    if not obj.exists():
+        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+        cc = shutil.which("clang") or _clang()
+        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", "-fPIC", "-c", str(RUNTIME), "-o", str(tmp)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SimulatorError(f"runtime.c failed to compile:\n{res.stderr}")
+        os.replace(tmp, obj)
+    return obj
+
+
+_CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__local'": "'threadgroup'",
+                   "__global ": "device ", "__private ": "constant ", "__local ": "threadgroup "}
+
+
+def _metal_spelling(msg: str) -> str:
+    for k, v in _CLANG_AS_NAMES.items():
+        msg = msg.replace(k, v)
+    return msg
+
+
+def compile_kernel(cpp_source: str) -> Path:
+    """Compile (cached by source hash) to a shared library; SimulatorError carries clang's message."""
+    key = hashlib.sha256((_tool_hash() + cpp_source).encode()).hexdigest()[:24]
+    lib = CACHE_DIR / f"kernel_{key}.so"
+    if lib.exists():
+        return lib
+    runtime_obj = _runtime_object()
+    src = CACHE_DIR / f"kernel_{key}.cpp"
+    src.write_text(cpp_source)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
+    cmd = [_clang(), *CLANG_FLAGS, "-I", str(HERE), str(src), str(runtime_obj), "-o", str(tmp), "-lm"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SimulatorError(f"kernel failed to compile ({src}):\n{_metal_spelling(res.stderr)}")
+    os.replace(tmp, lib)
+    return lib
+
+
+class _MslError(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("buffer", ctypes.c_int32), ("offset", ctypes.c_int64),
+                ("message", ctypes.c_char * 2048)]
+
+
+class _GuardedBuffer:
+    """Shared (fork-visible) memory whose data ends right before a PROT_NONE page.
+
+    The bytes between the aligned end of the data and the guard page are canaries."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        padded = max(16, -(-nbytes // 16) * 16)
+        data_pages = -(-padded // PAGE)
+        self.map = mmap.mmap(-1, (data_pages + 2) * PAGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.start_offset = PAGE + data_pages * PAGE - padded
+        self.address = base + self.start_offset
+        self.map[:] = bytes([CANARY]) * len(self.map)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for off in (0, (data_pages + 1) * PAGE):
+            if libc.mprotect(base + off, PAGE, 0) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect failed")
+        self._base = base
+        self._data_pages = data_pages
+
+    def view(self) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=np.uint8, count=self.nbytes, offset=self.start_offset)
+
+    def canaries_intact(self) -> int:
+        """-1 if intact, else the byte offset (from the data start) of the first clobbered canary."""
+        lo = bytes(self.map[PAGE:self.start_offset])
+        hi = bytes(self.map[self.start_offset + self.nbytes:(self._data_pages + 1) * PAGE])
+        for i, b in enumerate(hi):
+            if b != CANARY:
+                return self.nbytes + i
+        for i, b in enumerate(lo):
+            if b != CANARY:
+                return i - len(lo)
+        return -1
+
+    def close(self):
+        libc = ctypes.CDLL(None)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mprotect(self._base, len(self.map), 3)
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a numpy view still exists; the GC frees the mapping later
+
+
+def _poison(dtype) -> np.ndarray:
+    """One element of poison: NaN for floats, 0xAB bytes for everything else."""
+    if _is_bfloat16(dtype):
+        return np.array([0x7FC1], dtype=np.uint16)
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return np.array([np.nan], dtype=dt)
+    return np.frombuffer(bytes([0xAB]) * dt.itemsize, dtype=dt).copy()
+
+
+def _run_child(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
+    err_map = mmap.mmap(-1, ctypes.sizeof(_MslError))
+    err = _MslError.from_buffer(err_map)
+    pid = os.fork()
+    if pid == 0:  # child: run the kernel, report through err_map, never return to Python
+        code = 1
+        try:
+            dll = ctypes.CDLL(str(lib))
+            ptrs = (ctypes.c_void_p * max(1, len(bufs)))(*[b.address for b in bufs])
+            sizes = (ctypes.c_int64 * max(1, len(bufs)))(*[b.nbytes for b in bufs])
+            g = (ctypes.c_uint32 * 3)(*grid)
+            t = (ctypes.c_uint32 * 3)(*tg)
+            dll.msl_run.restype = ctypes.c_int
+            rc = dll.msl_run(ptrs, sizes, len(bufs), g, t, reverse, ctypes.byref(err))
+            code = 0 if rc == 0 else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise SimulatorError(f"kernel did not finish within {timeout:.0f} s (infinite loop?)")
+        time.sleep(0.002)
+    result = _MslError()
+    ctypes.memmove(ctypes.byref(result), ctypes.byref(err), ctypes.sizeof(_MslError))
+    del err
+    err_map.close()
+    if os.WIFSIGNALED(status):
+        result.code = 2
+        result.message = f"child killed by signal {os.WTERMSIG(status)}".encode()
+    elif os.WEXITSTATUS(status) != 0 and result.code == 0:
+        result.code = 1
+        result.message = f"child exited with status {os.WEXITSTATUS(status)}".encode()
+    return result
+
+
+def _describe_error(e: _MslError, names: list[str], bufs) -> str:
+    msg = e.message.decode(errors="replace")
+    if e.code == 2 and e.buffer >= 0:
+        nb = bufs[e.buffer].nbytes
+        where = (f"{e.offset - nb} bytes past the end" if e.offset >= nb else f"{-e.offset} bytes before the start")
+        return f"out-of-bounds access to buffer '{names[e.buffer]}' ({nb} bytes): {where} ({msg})"
+    if e.code == 3:
+        return f"stack overflow in a kernel thread (64 KiB coroutine stacks) ({msg})"
+    if e.code == 2:
+        return f"kernel crashed: {msg}"
+    return msg
+
+
+def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                     header: str = "", *, inputs: Sequence, output_shapes: Sequence, output_dtypes: Sequence,
+                     grid: tuple[int, int, int], threadgroup: tuple[int, int, int], template=None,
+                     init_value=None, atomic_outputs: bool = False, allow_unwritten: bool = False,
+                     schedules: Sequence[str] = ("forward", "reverse"), timeout: float = 120.0,
+                     return_source: bool = False) -> list[np.ndarray]:
+    """Simulate `mx.fast.metal_kernel(name, input_names, output_names, source, header)(...)`.
+
+    The kernel runs once per schedule (thread/threadgroup order); outputs must agree bit for bit
+    across schedules (a race such as a missing barrier makes them differ) unless atomic_outputs.
+    Outputs are NaN/0xAB-poisoned first unless init_value is given; a still-poisoned element is an
+    error unless allow_unwritten. bfloat16 outputs come back as uint16 bit patterns unless
+    ml_dtypes is importable. Returns the outputs (and the generated Metal source if return_source).
+    """
+    if not (len(input_names) == len(inputs)):
+        raise SimulatorError(f"[metal_kernel] Expected `inputs` to have size {len(input_names)} but got size {len(inputs)}.")
+    if not (len(output_names) == len(output_shapes) == len(output_dtypes)):
+        raise SimulatorError("[metal_kernel] output_names, output_shapes and output_dtypes differ in length")
+    if not output_names:
+        raise SimulatorError("[metal_kernel] Must specify at least one output.")
+    arrays = [_as_input_array(x) for x in inputs]
+    metal_source, cpp_source, args = generate_source(
+        name, list(input_names), list(output_names), source, header, arrays, list(output_dtypes),
+        template, atomic_outputs)
+    lib = compile_kernel(cpp_source)
+
+    arg_data: dict[str, np.ndarray] = {}
+    for nm, arr in zip(input_names, arrays):
+        arg_data[nm] = np.ascontiguousarray(arr).view(np.ndarray)
+        if arr.ndim > 0:
+            arg_data[nm + "_shape"] = np.asarray(arr.shape, dtype=np.int32)
+            arg_data[nm + "_strides"] = np.asarray([s // arr.itemsize for s in arr.strides], dtype=np.int64)
+            arg_data[nm + "_ndim"] = np.asarray(arr.ndim, dtype=np.int32)
+    out_dtypes = [_storage_dtype(dt) for dt in output_dtypes]
+    out_sizes = [int(np.prod(shape, dtype=np.int64)) for shape in output_shapes]
+    grid3 = tuple(int(v) for v in grid)
+    tg3 = tuple(int(v) for v in threadgroup)
+    if any(v <= 0 for v in tg3) or any(v < 0 for v in grid3):
+        raise SimulatorError(f"invalid grid {grid3} / threadgroup {tg3}")
+
+    results = []
+    for schedule in schedules:
+        bufs = []
+        try:
+            for a in args:
+                if a.name in output_names:
+                    continue
+                data = arg_data[a.name]
+                buf = _GuardedBuffer(data.nbytes)
+                buf.view()[:] = data.reshape(-1).view(np.uint8)
+                bufs.append(buf)
+            out_bufs = []
+            for i, dt in enumerate(out_dtypes):
+                buf = _GuardedBuffer(out_sizes[i] * dt.itemsize)
+                fill = (np.array([init_value]).astype(np.float64).astype(dt) if init_value is not None
+                        and not _is_bfloat16(output_dtypes[i]) else _poison(output_dtypes[i]))
+                if init_value is not None and _is_bfloat16(output_dtypes[i]):
+                    fill = _float_to_bf16_bits(np.array([init_value], dtype=np.float32))
+                buf.view().view(dt)[:] = fill[0]
+                out_bufs.append(buf)
+                bufs.append(buf)
+            order = [a.name for a in args if a.name not in output_names] + list(output_names)
+            # runtime buffer order is the kernel argument order
+            by_name = dict(zip(order, bufs))
+            ordered = [by_name[a.name] for a in args]
+            err = _run_child(lib, ordered, grid3, tg3, 1 if schedule == "reverse" else 0, timeout)
+            if err.code != 0:
+                raise SimulatorError(f"kernel '{name}' ({schedule} schedule): "
+                                     + _describe_error(err, [a.name for a in args], ordered))
+            for a, b in zip(args, ordered):
+                bad = b.canaries_intact()
+                if bad != -1:
+                    raise SimulatorError(f"kernel '{name}': out-of-bounds write to buffer '{a.name}' "
+                                         f"at byte offset {bad} (buffer is {b.nbytes} bytes)")
+            outs = [out_bufs[i].view().view(out_dtypes[i]).copy().reshape(output_shapes[i])
+                    for i in range(len(out_bufs))]
+        finally:
+            for b in bufs:
+                b.close()
+        if init_value is None and not allow_unwritten:
+            _check_written(name, output_names, outs, output_dtypes)
+        results.append(outs)
+
+    for sched, outs in zip(schedules[1:], results[1:]):
+        for oname, a, b in zip(output_names, results[0], outs):
+            if atomic_outputs:
+                continue  # float atomics legitimately depend on the order
+            same = np.array_equal(a.view(np.uint8), b.view(np.uint8))
+            if not same:
+                diff = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8))
+                idx = int(diff[0]) // a.itemsize
+                raise SimulatorError(
+                    f"kernel '{name}': output '{oname}' depends on the thread schedule "
+                    f"({schedules[0]} vs {sched}: element {idx} is {a.reshape(-1)[idx]!r} vs "
+                    f"{b.reshape(-1)[idx]!r}) - a race: missing threadgroup_barrier/simdgroup_barrier?")
+    outs = [_maybe_bf16(o, dt) for o, dt in zip(results[0], output_dtypes)]
+    return (outs, metal_source) if return_source else outs
+
+
+def _float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _maybe_bf16(out: np.ndarray, dtype) -> np.ndarray:
+    if not _is_bfloat16(dtype):
+        return out
+    try:
+        import ml_dtypes
+        return out.view(ml_dtypes.bfloat16)
+    except ImportError:
+        return out
+
+
+def _check_written(name, output_names, outs, output_dtypes):
+    for oname, out, dt in zip(output_names, outs, output_dtypes):
+        flat = out.reshape(-1)
+        if _is_bfloat16(dt):
+            poisoned = flat.view(np.uint16) == 0x7FC1
+        elif flat.dtype.kind == "f":
+            poisoned = np.isnan(flat)
+        else:
+            poisoned = flat == _poison(dt)[0]
+        if poisoned.any():
+            i = int(np.flatnonzero(poisoned)[0])
+            raise SimulatorError(
+                f"kernel '{name}': output {oname} element {i} never written "
+                f"({int(poisoned.sum())} of {flat.size} elements still hold the poison value; "
+                "pass allow_unwritten=True if that is intended, or init_value)")
