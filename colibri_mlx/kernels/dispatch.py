@@ -1,0 +1,185 @@
+"""Backend choice, kernel construction and call/fallback counters for every hot path.
+
+Each hot path has three implementations (ARCHITECTURE.md, "Kernels"): ``reference`` (pure
+``mx`` ops, the oracle and the fallback), ``metal`` (``metal_kernels/<name>.metal`` through
+``mx.fast.metal_kernel``) and ``cuda`` (``metal_kernels/cuda/<name>.cu`` through
+``mx.fast.cuda_kernel``). This module decides which one runs and counts what ran.
+
+A GPU kernel that declines a shape or format calls :func:`record_fallback` with the reason;
+the stats line shows it. On the CPU backend the reference *is* the path, not a fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+
+METAL = "metal"
+CUDA = "cuda"
+REFERENCE = "reference"
+
+ENV_VAR = "COLIBRI_KERNELS"
+
+# metal_kernels/ sits at the repository root, beside the package (ARCHITECTURE.md layout).
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "metal_kernels"
+BODY_MARKER = "// ==== kernel body ===="
+
+_lock = threading.Lock()
+_calls: Counter = Counter()
+_fallbacks: Counter = Counter()
+_force_reference = False
+
+
+# ---------------------------------------------------------------------------------------
+# Backend choice
+
+
+def gpu_backend() -> Optional[str]:
+    """``"metal"`` or ``"cuda"`` when MLX has that GPU backend, else None (CPU build)."""
+    if mx.metal.is_available():
+        return METAL
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return CUDA
+    return None
+
+
+def reference_forced() -> bool:
+    return _force_reference or os.environ.get(ENV_VAR, "").strip().lower() == REFERENCE
+
+
+def backend() -> str:
+    """The implementation hot paths use now: metal, cuda or reference."""
+    if reference_forced():
+        return REFERENCE
+    return gpu_backend() or REFERENCE
+
+
+class _ForceReference(contextlib.AbstractContextManager):
+    """``force_reference(True)`` sets the flag; ``with force_reference():`` sets it for a block."""
+
+    def __init__(self, on: bool):
+        global _force_reference
+        self._previous = _force_reference
+        _force_reference = bool(on)
+
+    def __exit__(self, *exc):
+        global _force_reference
+        _force_reference = self._previous
+        return False
+
+
+def force_reference(on: bool = True) -> _ForceReference:
+    return _ForceReference(on)
+
+
+# ---------------------------------------------------------------------------------------
+# Counters
+
+
+def record_call(path: str, impl: str, n: int = 1) -> None:
+    with _lock:
+        _calls[(path, impl)] += n
+
+
+def record_fallback(path: str, reason: str) -> None:
+    """A GPU kernel declined: count it and the reference call that replaces it."""
+    with _lock:
+        _fallbacks[f"{path}: {reason} -> reference"] += 1
+        _calls[(path, REFERENCE)] += 1
+
+
+def counters() -> dict[str, Any]:
+    """``{"backend": ..., "calls": {"qgemv/cuda": n, ...}, "fallbacks": {reason: n}}``."""
+    with _lock:
+        return {
+            "backend": backend(),
+            "calls": {f"{p}/{i}": n for (p, i), n in sorted(_calls.items())},
+            "fallbacks": dict(sorted(_fallbacks.items())),
+        }
+
+
+def reset_counters() -> None:
+    with _lock:
+        _calls.clear()
+        _fallbacks.clear()
+
+
+def format_counters() -> str:
+    """One line for the ``colibri generate`` stats: calls per path/impl and fallbacks."""
+    c = counters()
+    calls = ", ".join(f"{k} {n}" for k, n in c["calls"].items()) or "none"
+    nfb = sum(c["fallbacks"].values())
+    line = f"kernels[{c['backend']}]: {calls}; fallback {nfb}"
+    if nfb:
+        line += " (" + "; ".join(f"{r} x{n}" for r, n in c["fallbacks"].items()) + ")"
+    return line
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel sources and objects
+
+
+def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
+    """``(header, body)`` of ``metal_kernels/<name>.metal`` or ``metal_kernels/cuda/<name>.cu``.
+
+    MLX writes the kernel signature itself and takes only the body; helpers must go in the
+    header. One file holds both, split at ``BODY_MARKER``.
+    """
+    path = KERNEL_DIR / (f"{name}.metal" if backend_name == METAL else f"cuda/{name}.cu")
+    text = path.read_text()
+    if BODY_MARKER not in text:
+        raise RuntimeError(f"{path}: missing the line {BODY_MARKER!r} that separates header and body")
+    header, body = text.split(BODY_MARKER, 1)
+    return header, body
+
+
+@dataclass
+class LaunchSpec:
+    """Everything one custom-kernel launch needs, identical for MLX and the MSL simulator."""
+
+    name: str
+    input_names: Sequence[str]
+    output_names: Sequence[str]
+    source: str
+    header: str
+    inputs: list
+    output_shapes: list
+    output_dtypes: list
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    template: list = field(default_factory=list)
+    init_value: Optional[float] = None
+
+
+_kernels: dict = {}
+
+
+def _kernel_object(backend_name: str, spec: LaunchSpec):
+    key = (backend_name, spec.name, spec.source, spec.header,
+           tuple(spec.input_names), tuple(spec.output_names))
+    k = _kernels.get(key)
+    if k is None:
+        make = mx.fast.metal_kernel if backend_name == METAL else mx.fast.cuda_kernel
+        # Created lazily: cuda_kernel raises at creation on builds without CUDA.
+        k = make(name=spec.name, input_names=list(spec.input_names),
+                 output_names=list(spec.output_names), source=spec.source, header=spec.header)
+        _kernels[key] = k
+    return k
+
+
+def launch(backend_name: str, spec: LaunchSpec) -> list:
+    kernel = _kernel_object(backend_name, spec)
+    kwargs = dict(inputs=spec.inputs, output_shapes=spec.output_shapes,
+                  output_dtypes=spec.output_dtypes, grid=spec.grid,
+                  threadgroup=spec.threadgroup, template=spec.template)
+    if spec.init_value is not None:
+        kwargs["init_value"] = spec.init_value
+    return kernel(**kwargs)

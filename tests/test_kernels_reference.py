@@ -1,0 +1,157 @@
+"""The pure-MLX reference (oracle and CPU path) against a float64 numpy dequantizer, and the
+qmatmul front door: routing, counters, forcing the reference, visible fallbacks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx import kernels
+from colibri_mlx.formats import GS_CANDIDATES
+from colibri_mlx.kernels import dispatch, qgemv, reference
+from kernel_oracle import assert_close, dequant_f64, random_qtensor, random_x
+
+# Odd I (odd nibble count, unaligned rows), partial fmt 5 groups and fmt 6 super-blocks.
+SHAPES = [(5, 37), (3, 256), (7, 300), (4, 64), (6, 129)]
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("O,I", SHAPES)
+def test_reference_dequantize_matches_float64(fmt, O, I):
+    qt = random_qtensor(fmt, O, I, gs=32, seed=O * I + fmt)
+    got = np.asarray(reference.dequantize(qt)).astype(np.float64)
+    want = dequant_f64(qt)
+    # Each weight is one float32 product (code * scale): exact to 2^-24 relative.
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("S", [1, 2, 3, 5, 8])
+def test_reference_qmatmul_every_fmt_and_S(fmt, S):
+    for O, I in SHAPES:
+        qt = random_qtensor(fmt, O, I, gs=16, seed=S + fmt)
+        x = random_x(S, I, seed=S * 7 + I)
+        assert_close(reference.qmatmul(x, qt), x, qt, f"fmt {fmt} S={S} {O}x{I}")
+
+
+@pytest.mark.parametrize("gs", GS_CANDIDATES)
+def test_reference_fmt4_every_group_size(gs):
+    # I = 200 leaves a partial last group for every gs except 16... and 200 % 48 != 0 too.
+    for I in (200, 3 * gs, 513):
+        qt = random_qtensor(4, 9, I, gs=gs, seed=gs + I)
+        x = random_x(4, I, seed=gs)
+        assert_close(reference.qmatmul(x, qt), x, qt, f"fmt 4 gs={gs} I={I}")
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_reference_low_precision_x(dtype):
+    qt = random_qtensor(4, 8, 96, gs=32, seed=3)
+    x = random_x(3, 96, dtype=dtype)
+    y = reference.qmatmul(x, qt)
+    assert y.dtype == dtype
+    assert_close(y, x, qt, str(dtype))
+
+
+def test_reference_row_tiles_match_untiled(monkeypatch):
+    qt = random_qtensor(5, 37, 130, seed=11)
+    x = random_x(2, 130)
+    whole = np.asarray(reference.qmatmul(x, qt))
+    monkeypatch.setattr(reference, "TILE_WEIGHTS", 130 * 5)  # 5 rows per tile, last one partial
+    tiled = np.asarray(reference.qmatmul(x, qt))
+    np.testing.assert_array_equal(tiled, whole)
+
+
+def test_reference_realistic_size_fmt4():
+    qt = random_qtensor(4, 2048, 7168, gs=64, seed=5)
+    x = random_x(1, 7168, seed=6)
+    assert_close(reference.qmatmul(x, qt), x, qt, "2048x7168 fmt 4")
+
+
+# ---------------------------------------------------------------------------------------
+# qmatmul front door
+
+
+@pytest.fixture(autouse=True)
+def _clean_counters():
+    kernels.reset_counters()
+    yield
+    kernels.reset_counters()
+
+
+def test_qmatmul_float_weight_and_batch_dims():
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((6, 10)).astype(np.float32))
+    x = mx.array(rng.standard_normal((2, 3, 10)).astype(np.float32))
+    y = kernels.qmatmul(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
+    assert kernels.counters()["calls"] == {"dense/matmul": 1}
+
+
+def test_qmatmul_qtensor_decode_and_prefill_paths_on_cpu():
+    qt = random_qtensor(2, 12, 70, seed=2)
+    x = random_x(11, 70)
+    y_decode = kernels.qmatmul(x[:3].reshape(1, 3, 70), qt)
+    assert y_decode.shape == (1, 3, 12)
+    assert_close(y_decode.reshape(3, 12), x[:3], qt, "decode")
+    assert_close(kernels.qmatmul(x, qt), x, qt, "prefill S=11")
+    calls = kernels.counters()["calls"]
+    # On the CPU backend the reference is the path, not a fallback.
+    assert calls == {"qgemv/reference": 1, "qmm/dequant-matmul": 1}
+    assert kernels.counters()["fallbacks"] == {}
+    assert "fallback 0" in kernels.format_counters()
+
+
+def test_qmatmul_rejects_wrong_width():
+    qt = random_qtensor(1, 4, 16)
+    with pytest.raises(ValueError, match="16"):
+        kernels.qmatmul(random_x(1, 15), qt)
+
+
+def test_force_reference_flag_env_and_context(monkeypatch):
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert kernels.backend() == "cuda"
+    with kernels.force_reference():
+        assert kernels.backend() == "reference"
+    assert kernels.backend() == "cuda"
+    kernels.force_reference(True)
+    try:
+        assert kernels.backend() == "reference"
+    finally:
+        kernels.force_reference(False)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert kernels.backend() == "reference"
+
+
+def test_gpu_kernel_runs_and_declines_are_counted(monkeypatch):
+    """With a (faked) CUDA backend the kernel path is taken; a decline is a counted fallback."""
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: "cuda")
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    launched = []
+
+    def fake_kernel(x, qt, impl):
+        launched.append((qt.fmt, impl))
+        return reference.qmatmul(x, qt)
+
+    monkeypatch.setattr(qgemv, "qgemv", fake_kernel)
+    good = random_qtensor(4, 8, 64, gs=32)
+    kernels.qmatmul(random_x(2, 64), good)
+    odd_gs = random_qtensor(4, 8, 64, gs=32)
+    odd_gs = type(odd_gs)(odd_gs.packed, np.ones(8 * 8, np.float32), 4, 8, 64, 8, "blk.0.odd")
+    x = random_x(1, 64)
+    y = kernels.qmatmul(x, odd_gs)
+    assert_close(y, x, odd_gs, "declined call still correct")
+    c = kernels.counters()
+    assert launched == [(4, "cuda")]
+    assert c["calls"] == {"qgemv/cuda": 1, "qgemv/reference": 1}
+    assert c["fallbacks"] == {"qgemv: fmt 4 with gs=8 (needs a multiple of 16) -> reference": 1}
+    line = kernels.format_counters()
+    assert "fallback 1" in line and "gs=8" in line
+
+
+def test_decline_reasons():
+    qt = random_qtensor(2, 4, 32)
+    assert qgemv.decline_reason(random_x(8, 32), qt) is None
+    assert "S=9" in qgemv.decline_reason(random_x(9, 32), qt)
+    assert "dtype" in qgemv.decline_reason(random_x(1, 32).astype(mx.int32), qt)
