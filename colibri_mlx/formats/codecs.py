@@ -282,14 +282,21 @@ class E8Lattice(Codec, fmt=6):
         return 1
 
     def quantize(self, w, gs):
-        from . import e8  # imported late: the fmt 6 codec is a separate, heavier module
-
-        return e8.encode_e8(w)
+        return _e8_module().encode_e8(w)
 
     def dequantize(self, packed, scales, O, I, gs):
-        from . import e8
+        return _e8_module().decode_e8(packed.reshape(-1), O, I)
 
-        return e8.decode_e8(packed.reshape(-1), O, I)
+
+def _e8_module():
+    """The fmt 6 codec, imported when first needed (a separate, heavier module)."""
+    try:
+        from . import e8
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.e8":
+            raise
+        raise FormatError("fmt 6 (e8-iq3-lattice) needs colibri_mlx.formats.e8, which is not installed") from None
+    return e8
 
 # ---------------------------------------------------------------------------------------
 # Public surface: every byte-count question and every encode/decode goes through here.
