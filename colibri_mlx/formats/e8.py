@@ -1,0 +1,299 @@
+"""fmt 6 "e8-iq3-lattice": IQ3_XXS-style super-blocks over Walsh–Hadamard-rotated rows.
+
+Layout, decoding, rotation and encoder search follow FORMAT.md §3 (upstream ``c/quant.h``,
+``c/tools/iq3_pack.py``). Stored weights are the rotated rows ``W @ Q``; inputs go through
+:func:`rotate` before the matmul. The encoder reproduces ``iq3_pack.encode`` byte for byte,
+including its float32 arithmetic (see :func:`_nearest_grid` for how near-ties are settled).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+QK = 256            # weights per super-block
+SUB = 32            # weights per sub-block (one u32 of signs + 4-bit scale code)
+BLOCK_BYTES = 98    # 64 grid indices + 8 u32 sign/scale words + fp16 d
+TAG = 6.0           # the `.qs` value the converter writes; only its 4-byte size matters
+MAX_ROT_BLOCK = 32768
+_N_CODES = 16
+
+# GGML iq3xxs_grid (FORMAT.md Appendix A) as little-endian u32 words: byte 0 is element 0.
+_GRID_WORDS = """
+    0x04040404 0x04040414 0x04040424 0x04040c0c 0x04040c1c 0x04040c3e 0x04041404 0x04041414
+    0x04041c0c 0x04042414 0x04043e1c 0x04043e2c 0x040c040c 0x040c041c 0x040c0c04 0x040c0c14
+    0x040c140c 0x040c142c 0x040c1c04 0x040c1c14 0x040c240c 0x040c2c24 0x040c3e04 0x04140404
+    0x04140414 0x04140424 0x04140c0c 0x04141404 0x04141414 0x04141c0c 0x04141c1c 0x04141c3e
+    0x04142c0c 0x04142c3e 0x04143e2c 0x041c040c 0x041c043e 0x041c0c04 0x041c0c14 0x041c142c
+    0x041c3e04 0x04240c1c 0x04241c3e 0x04242424 0x04242c3e 0x04243e1c 0x04243e2c 0x042c040c
+    0x042c043e 0x042c1c14 0x042c2c14 0x04341c2c 0x04343424 0x043e0c04 0x043e0c24 0x043e0c34
+    0x043e241c 0x043e340c 0x0c04040c 0x0c04041c 0x0c040c04 0x0c040c14 0x0c04140c 0x0c04141c
+    0x0c041c04 0x0c041c14 0x0c041c24 0x0c04243e 0x0c042c04 0x0c0c0404 0x0c0c0414 0x0c0c0c0c
+    0x0c0c1404 0x0c0c1414 0x0c14040c 0x0c14041c 0x0c140c04 0x0c140c14 0x0c14140c 0x0c141c04
+    0x0c143e14 0x0c1c0404 0x0c1c0414 0x0c1c1404 0x0c1c1c0c 0x0c1c2434 0x0c1c3434 0x0c24040c
+    0x0c24042c 0x0c242c04 0x0c2c1404 0x0c2c1424 0x0c2c2434 0x0c2c3e0c 0x0c34042c 0x0c3e1414
+    0x0c3e2404 0x14040404 0x14040414 0x14040c0c 0x14040c1c 0x14041404 0x14041414 0x14041434
+    0x14041c0c 0x14042414 0x140c040c 0x140c041c 0x140c042c 0x140c0c04 0x140c0c14 0x140c140c
+    0x140c1c04 0x140c341c 0x140c343e 0x140c3e04 0x14140404 0x14140414 0x14140c0c 0x14140c3e
+    0x14141404 0x14141414 0x14141c3e 0x14142404 0x14142c2c 0x141c040c 0x141c0c04 0x141c0c24
+    0x141c3e04 0x141c3e24 0x14241c2c 0x14242c1c 0x142c041c 0x142c143e 0x142c240c 0x142c3e24
+    0x143e040c 0x143e041c 0x143e0c34 0x143e242c 0x1c04040c 0x1c040c04 0x1c040c14 0x1c04140c
+    0x1c04141c 0x1c042c04 0x1c04342c 0x1c043e14 0x1c0c0404 0x1c0c0414 0x1c0c1404 0x1c0c1c0c
+    0x1c0c2424 0x1c0c2434 0x1c14040c 0x1c14041c 0x1c140c04 0x1c14142c 0x1c142c14 0x1c143e14
+    0x1c1c0c0c 0x1c1c1c1c 0x1c241c04 0x1c24243e 0x1c243e14 0x1c2c0404 0x1c2c0434 0x1c2c1414
+    0x1c2c2c2c 0x1c340c24 0x1c341c34 0x1c34341c 0x1c3e1c1c 0x1c3e3404 0x24040424 0x24040c3e
+    0x24041c2c 0x24041c3e 0x24042c1c 0x24042c3e 0x240c3e24 0x24141404 0x24141c3e 0x24142404
+    0x24143404 0x24143434 0x241c043e 0x241c242c 0x24240424 0x24242c0c 0x24243424 0x242c142c
+    0x242c241c 0x242c3e04 0x243e042c 0x243e0c04 0x243e0c14 0x243e1c04 0x2c040c14 0x2c04240c
+    0x2c043e04 0x2c0c0404 0x2c0c0434 0x2c0c1434 0x2c0c2c2c 0x2c140c24 0x2c141c14 0x2c143e14
+    0x2c1c0414 0x2c1c2c1c 0x2c240c04 0x2c24141c 0x2c24143e 0x2c243e14 0x2c2c0414 0x2c2c1c0c
+    0x2c342c04 0x2c3e1424 0x2c3e2414 0x34041424 0x34042424 0x34042434 0x34043424 0x340c140c
+    0x340c340c 0x34140c3e 0x34143424 0x341c1c04 0x341c1c34 0x34242424 0x342c042c 0x342c2c14
+    0x34341c1c 0x343e041c 0x343e140c 0x3e04041c 0x3e04042c 0x3e04043e 0x3e040c04 0x3e041c14
+    0x3e042c14 0x3e0c1434 0x3e0c2404 0x3e140c14 0x3e14242c 0x3e142c14 0x3e1c0404 0x3e1c0c2c
+    0x3e1c1c1c 0x3e1c3404 0x3e24140c 0x3e24240c 0x3e2c0404 0x3e2c0414 0x3e2c1424 0x3e341c04"""
+GRID = np.array([int(w, 16) for w in _GRID_WORDS.split()], dtype="<u4").view(np.uint8).reshape(256, 4)
+GRID.setflags(write=False)
+# Doubled magnitudes {4..62} halved: the values iq3_pack multiplies by db.
+_GRID_HALF = GRID.astype(np.float32) * np.float32(0.5)
+_GRID_NORM2 = (_GRID_HALF * _GRID_HALF).sum(1)
+
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _parallel(fn, n, chunk):
+    """Run ``fn(lo, hi)`` over ``range(0, n, chunk)`` on a few threads (numpy drops the GIL)."""
+    spans = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+    if _THREADS == 1 or len(spans) == 1:
+        for lo, hi in spans:
+            fn(lo, hi)
+        return
+    with ThreadPoolExecutor(_THREADS) as pool:
+        for _ in pool.map(lambda s: fn(*s), spans):
+            pass
+
+
+# ---- rotation (FORMAT.md §3.6) ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def sign_bits(n: int) -> np.ndarray:
+    """[n] bool, True = negate: xorshift64* seeded ``417 + n``, LSB-first (``e8_signs``)."""
+    mask = (1 << 64) - 1
+    state = 417 + n
+    stream = bytearray()
+    for _ in range((n + 7) // 8):
+        state ^= state >> 12
+        state ^= (state << 25) & mask
+        state ^= state >> 27
+        stream.append(((state * 2685821657736338717) & mask) >> 56)
+    bits = np.unpackbits(np.frombuffer(bytes(stream), np.uint8), bitorder="little")[:n]
+    bits = bits.astype(bool)
+    bits.setflags(write=False)
+    return bits
+
+
+@functools.lru_cache(maxsize=None)
+def _sign_factors(n: int) -> np.ndarray:
+    return np.where(sign_bits(n), np.float32(-1.0), np.float32(1.0))
+
+
+def block_tiling(n: int) -> list[int]:
+    """Power-of-two blocks covering ``n``: lowest set bit of the remainder, capped at 32768."""
+    if n < 0:
+        raise ValueError(f"rotation length must be >= 0, got {n}")
+    out, rem = [], n
+    while rem:
+        b = rem & -rem
+        while b > MAX_ROT_BLOCK:
+            b >>= 1
+        out.append(b)
+        rem -= b
+    return out
+
+
+def _fwht_rows(x: np.ndarray) -> np.ndarray:
+    """Unnormalized Sylvester FWHT of each row, butterflies at stride 1, 2, 4, ... (float32)."""
+    rows, b = x.shape
+    src, dst = x, np.empty_like(x)
+    h = 1
+    while h < b:
+        s = src.reshape(rows, b // (2 * h), 2, h)
+        t = dst.reshape(rows, b // (2 * h), 2, h)
+        np.add(s[:, :, 0], s[:, :, 1], out=t[:, :, 0])
+        np.subtract(s[:, :, 0], s[:, :, 1], out=t[:, :, 1])
+        src, dst = t.reshape(rows, b), src
+        h <<= 1
+    return src
+
+
+def rotate_rows(w: np.ndarray) -> np.ndarray:
+    """Rotate float32 rows along the last axis: per block sign flip, FWHT, divide by sqrt(b).
+
+    Bit-identical to upstream ``iq3_pack.rotate_rows`` (same butterfly order and rounding).
+    Used for weights (``W -> W @ Q``) and equally valid for activations (``x -> Q^T x``).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    dim = w.shape[-1]
+    rows = np.ascontiguousarray(w.reshape(-1, dim))
+    out = np.empty_like(rows)
+    tiling = block_tiling(dim)
+
+    def work(lo, hi):
+        off = 0
+        for b in tiling:
+            blk = rows[lo:hi, off:off + b] * _sign_factors(b)
+            out[lo:hi, off:off + b] = _fwht_rows(blk) / np.sqrt(b, dtype=np.float32)
+            off += b
+
+    # ~1 MiB of rows per task keeps every butterfly pass in cache.
+    _parallel(work, len(rows), max(1, (1 << 18) // max(dim, 1)))
+    return out.reshape(w.shape)
+
+
+def rotate(x):
+    """MLX version of :func:`rotate_rows` along the last axis; computes in float32.
+
+    Uses ``mx.hadamard_transform`` (scale 1, then divide by sqrt(b) like upstream), which on
+    the CPU backend is bit-identical to the stride-1,2,4,... butterflies.
+    """
+    import mlx.core as mx
+
+    x = x.astype(mx.float32)
+    dim = x.shape[-1]
+    parts, off = [], 0
+    for b in block_tiling(dim):
+        blk = x[..., off:off + b] * mx.array(_sign_factors(b))
+        if b > 1:
+            blk = mx.hadamard_transform(blk, scale=1.0)
+        parts.append(blk / mx.array(np.sqrt(b, dtype=np.float32)))
+        off += b
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+
+# ---- decoding (FORMAT.md §3.2–3.3) --------------------------------------------------------
+
+def _check_packed(packed: np.ndarray, O: int, I: int) -> np.ndarray:
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise ValueError(f"fmt 6 packed weights must be uint8, got {packed.dtype}")
+    nsb = -(-I // QK)
+    want = BLOCK_BYTES * O * nsb
+    if packed.size != want:
+        raise ValueError(f"fmt 6 [{O}, {I}] needs {want} bytes (98 per 256 inputs per row), "
+                         f"got {packed.size}")
+    return packed.reshape(O * nsb, BLOCK_BYTES)
+
+
+def decode_e8(packed: np.ndarray, O: int, I: int) -> np.ndarray:
+    """Packed fmt 6 bytes -> float32 ``[O, I]`` in the rotated basis (the stored ``W @ Q``).
+
+    A partial last super-block (``I % 256 != 0``) is decoded like the kernel does: the block is
+    stored whole and its tail weights are dropped.
+    """
+    blocks = _check_packed(packed, O, I)
+    n = len(blocks)
+    mag = _GRID_HALF[blocks[:, :64]].reshape(n, 8, SUB)
+    words = np.ascontiguousarray(blocks[:, 64:96]).view("<u4").astype(np.uint32)    # [n, 8]
+    d = np.ascontiguousarray(blocks[:, 96:98]).view("<f2").astype(np.float32)        # [n, 1]
+    code = (words >> 28).astype(np.float32)
+    db = d * (np.float32(0.5) + code) * np.float32(0.5)                              # exact
+    lanes = (words[:, :, None] >> (7 * np.arange(4, dtype=np.uint32))) & 0x7F         # [n,8,4]
+    lanes = lanes.astype(np.uint8)
+    parity = np.unpackbits(lanes[..., None], axis=-1).sum(-1, dtype=np.uint8) & 1
+    sign8 = lanes | (parity << 7)
+    neg = np.unpackbits(sign8[..., None], axis=-1, bitorder="little").reshape(n, 8, SUB)
+    w = mag * db[:, :, None]
+    np.negative(w, out=w, where=neg.astype(bool))
+    nsb = -(-I // QK)
+    return w.reshape(O, nsb * QK)[:, :I]
+
+
+# ---- encoding (FORMAT.md §3.9) ------------------------------------------------------------
+
+def encode_e8(w_unrotated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unrotated ``W[O, I]`` -> (packed uint8 of ``98*O*I/256`` bytes, scales ``[6.0]``).
+
+    Rotates rows first, as upstream's converter (``quant_e8``) does.
+    """
+    w = _check_encode_input(w_unrotated)
+    return encode_rotated_e8(rotate_rows(w))
+
+
+def encode_rotated_e8(w_rot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Already-rotated ``[O, I]`` -> (packed, scales); the ``iq3_pack.encode`` step alone."""
+    w = _check_encode_input(w_rot)
+    blocks = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, QK)
+    out = np.empty((len(blocks), BLOCK_BYTES), dtype=np.uint8)
+
+    def work(lo, hi):
+        out[lo:hi] = _encode_blocks(blocks[lo:hi])
+
+    _parallel(work, len(blocks), 1024)
+    return out.reshape(-1), np.array([TAG], dtype=np.float32)
+
+
+def _check_encode_input(w) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"fmt 6 encodes a 2-D weight [O, I], got shape {w.shape}")
+    if w.shape[1] % QK:
+        raise ValueError(f"fmt 6 needs I % {QK} == 0 (as upstream's converter), got I={w.shape[1]}")
+    if not np.issubdtype(w.dtype, np.floating):
+        raise ValueError(f"fmt 6 encodes float weights, got {w.dtype}")
+    return w.astype(np.float32, copy=False)
+
+
+def _encode_blocks(x: np.ndarray) -> np.ndarray:
+    """[N, 256] float32 rotated weights -> [N, 98] super-blocks."""
+    n = len(x)
+    neg = (x < 0).reshape(n, QK // 8, 8)          # -0.0 counts as positive
+    mag = np.abs(x)
+    _fix_parity(neg, mag.reshape(n, QK // 8, 8))
+    d = np.sqrt((mag * mag).mean(-1, keepdims=True)) / 20.0 + 1e-12      # float32, as upstream
+    d16 = d.astype(np.float16)
+    d = d16.astype(np.float32)                    # search with the value that is stored
+    codes, idx = _search(mag.reshape(n * 8, SUB), np.repeat(d, 8, axis=0))
+
+    out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
+    out[:, :64] = idx.reshape(n, 64)
+    seven = np.packbits(neg.reshape(n, 8, 4, 8)[..., :7], axis=-1, bitorder="little")
+    seven = seven[..., 0].astype(np.uint32)                                   # [n, 8, 4]
+    words = (seven << (7 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+    words |= codes.reshape(n, 8).astype(np.uint32) << 28
+    out[:, 64:96] = words.astype("<u4").view(np.uint8)
+    out[:, 96:98] = d16.astype("<f2").view(np.uint8)
+    return out
+
+
+def _fix_parity(neg8: np.ndarray, mag8: np.ndarray) -> None:
+    """Make every 8-group's negative count even by flipping its smallest magnitude (in place)."""
+    odd = (neg8.sum(-1) & 1).astype(bool)
+    first_min = mag8.argmin(-1)
+    neg8 ^= odd[..., None] & (np.arange(8) == first_min[..., None])
+
+
+def _search(m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sub-block [S, 32] magnitudes and [S, 1] super-scale: (best code [S], indices [S, 8])."""
+    s = len(m)
+    best_err = np.full(s, np.inf, dtype=np.float32)
+    best_code = np.zeros(s, dtype=np.uint8)
+    best_idx = np.zeros((s, 8), dtype=np.uint8)
+    for code in range(_N_CODES):
+        db = d * (0.5 + code) * 0.5
+        q = (m / np.maximum(db, 1e-20)).reshape(-1, 4)
+        idx = _nearest_grid(q).reshape(s, 8)
+        rec = _GRID_HALF[idx].reshape(s, SUB) * db
+        err = ((rec - m) ** 2).sum(-1)
+        take = err < best_err
+        best_err = np.where(take, err, best_err)
+        best_code[take] = code
+        best_idx[take] = idx[take]
+    return best_code, best_idx
+
+
+def _nearest_grid(q: np.ndarray) -> np.ndarray:
+    """[N, 4] float32 -> [N] uint8: argmin of ``|g|^2 - 2 q.g`` in float32, first on ties."""
+    return np.argmin(_GRID_NORM2 - 2.0 * (q @ _GRID_HALF.T), axis=1).astype(np.uint8)
