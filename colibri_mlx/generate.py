@@ -1,0 +1,176 @@
+"""Text generation: sampling, ``generate_tokens`` (ids in, ids out), ``stream_generate`` and
+``generate`` (text in, text out).
+
+Sampling order (the usual one, as in transformers' logits processors): repetition penalty on the
+raw logits, then temperature, top-k, top-p (nucleus), min-p, then a categorical draw from an
+explicit ``mx.random`` key (``seed``) so that a run is reproducible. ``temperature == 0`` is greedy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+
+@dataclass
+class GenerationResponse:
+    """One generated token: its text delta and id, plus running statistics."""
+
+    text: str
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: Optional[str] = None  # "stop" (end-of-sequence token), "length", or None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def apply_repetition_penalty(logits: mx.array, seen: Sequence[int], penalty: float) -> mx.array:
+    """transformers' rule: a seen token's logit is divided by ``penalty`` if positive, else multiplied."""
+    if penalty == 1.0 or not seen:
+        return logits
+    ids = mx.array(sorted(set(int(t) for t in seen)), dtype=mx.int32)
+    picked = logits[ids]
+    logits[ids] = mx.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def filter_logits(logits: mx.array, p: SamplingParams) -> mx.array:
+    """Temperature-scaled logits ``[V]`` with the tokens outside top-k / top-p / min-p at -inf."""
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = mx.sort(logits)[-p.top_k]
+        logits = mx.where(logits >= kth, logits, -mx.inf)
+    if p.top_p < 1.0:
+        order = mx.argsort(-logits)
+        probs = mx.softmax(logits[order], precise=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+        mass_before = mx.cumsum(probs) - probs
+        keep_sorted = mass_before < p.top_p
+        keep = mx.zeros(logits.shape, mx.bool_)
+        keep[order] = keep_sorted
+        logits = mx.where(keep, logits, -mx.inf)
+    if p.min_p > 0.0:
+        probs = mx.softmax(logits, precise=True)
+        logits = mx.where(probs >= p.min_p * probs.max(), logits, -mx.inf)
+    return logits
+
+
+def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable[[mx.array], int]:
+    if params.temperature == 0:
+        return lambda logits: int(mx.argmax(logits).item())
+    key = mx.random.key(seed if seed is not None else time.time_ns() % (1 << 63))
+
+    def sample(logits):
+        nonlocal key
+        key, sub = mx.random.split(key)
+        return int(mx.random.categorical(filter_logits(logits, params), key=sub).item())
+
+    return sample
+
+
+def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+                    seed: Optional[int] = None, cache=None, stop_ids: Sequence[int] = ()) -> Iterator[tuple[int, dict]]:
+    """Yield ``(token, stats)`` per generated token; ``stats`` has prompt/generation timing.
+
+    ``cache`` continues a conversation: ``prompt_ids`` are the new tokens only. Generation ends
+    at a stop id (yielded, ``finish_reason="stop"``), at ``max_tokens`` or at the context limit.
+    """
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    cache = model.make_cache() if cache is None else cache
+    limit = model.max_length
+    if cache.offset + len(prompt_ids) > limit:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens (+{cache.offset} in the cache) exceeds the "
+                         f"context limit of {limit} tokens")
+    sampler = make_sampler(params, seed)
+    stop = set(int(s) for s in stop_ids)
+    seen = list(prompt_ids)
+    t0 = time.perf_counter()
+    logits = model(mx.array([prompt_ids]), cache)[0, -1]
+    mx.eval(logits)
+    stats = {"prompt_tokens": len(prompt_ids), "prompt_time": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    for n in range(1, max_tokens + 1):
+        token = sampler(apply_repetition_penalty(logits, seen, params.repetition_penalty))
+        seen.append(token)
+        stats["generation_tokens"], stats["generation_time"] = n, time.perf_counter() - t1
+        if token in stop:
+            stats["finish_reason"] = "stop"
+        elif n == max_tokens or cache.offset >= limit:
+            stats["finish_reason"] = "length"
+        else:
+            stats["finish_reason"] = None
+        yield token, dict(stats)
+        if stats["finish_reason"] is not None:
+            return
+        logits = model(mx.array([[token]]), cache)[0, -1]
+        mx.eval(logits)
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+def _stop_ids(model, tokenizer) -> set[int]:
+    return set(getattr(tokenizer, "eos_token_ids", ())) | set(model.args.eos_token_id)
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                    top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
+                    cache=None) -> Iterator[GenerationResponse]:
+    """Yield one :class:`GenerationResponse` per token. ``prompt``: text (encoded as is, no chat
+    template) or token ids. Pass ``cache`` to continue a conversation."""
+    params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty)
+    detok = tokenizer.detokenizer()
+    for token, s in generate_tokens(model, _prompt_ids(tokenizer, prompt), max_tokens, params, seed, cache,
+                                    _stop_ids(model, tokenizer)):
+        finished = s["finish_reason"] is not None
+        if s["finish_reason"] == "stop":
+            text = detok.flush()
+        else:
+            text = detok.add(token)
+            if finished:
+                text += detok.flush()
+        yield GenerationResponse(
+            text=text, token=token, prompt_tokens=s["prompt_tokens"],
+            prompt_tps=s["prompt_tokens"] / max(s["prompt_time"], 1e-9),
+            generation_tokens=s["generation_tokens"],
+            generation_tps=s["generation_tokens"] / max(s["generation_time"], 1e-9),
+            peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=s["finish_reason"])
+
+
+def generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
+             cache=None) -> str:
+    """The generated text (end-of-sequence token not included)."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k,
+                                                   min_p, repetition_penalty, seed, cache))

@@ -1,0 +1,84 @@
+"""Latent KV cache for multi-head latent attention.
+
+Per layer and token the cache keeps what MLA needs to rebuild keys and values: the normalized
+latent (``kv_lora_rank`` floats, 512 for DeepSeek-V3/GLM-5) and the roped shared key
+(``qk_rope_head_dim``, 64), plus, on DSA "full" layers, the indexer key (``index_head_dim``).
+
+A batch of sequences shares one time axis. Sequences of different prompt lengths are
+left-padded: ``left_padding[b]`` leading slots of sequence ``b`` hold padding, are never attended
+to, and do not count as positions (a sequence's first real token has position 0).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+GROW_STEP = 256
+
+
+class LayerCache:
+    """Growable ``[B, T, width]`` buffers, one per stream (latent, rope key, indexer key)."""
+
+    def __init__(self):
+        self.buffers: dict[str, mx.array] = {}
+        self.length = 0
+
+    def append(self, stream: str, rows: mx.array, start: int) -> mx.array:
+        """Write ``rows [B, L, W]`` at ``start`` and return ``[B, start+L, W]`` for this stream."""
+        B, L, W = rows.shape
+        buf = self.buffers.get(stream)
+        end = start + L
+        if buf is None or buf.shape[1] < end:
+            capacity = ((end + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
+            grown = mx.zeros((B, capacity, W), dtype=rows.dtype)
+            if buf is not None and start > 0:
+                grown[:, :start] = buf[:, :start]
+            buf = grown
+        buf[:, start:end] = rows
+        self.buffers[stream] = buf
+        return buf[:, :end]
+
+    def read(self, stream: str, end: int) -> mx.array:
+        return self.buffers[stream][:, :end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+
+class LatentCache:
+    """The whole model's cache: one :class:`LayerCache` per decoder layer, a shared offset."""
+
+    def __init__(self, num_layers: int, max_length: int | None = None):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.offset = 0  # slots filled (padding included)
+        self.left_padding: mx.array | None = None  # int32 [B]; None = no padding
+        self.max_length = max_length
+
+    def __getitem__(self, i: int) -> LayerCache:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.left_padding is None else self.left_padding.shape[0]
+
+    def set_left_padding(self, left_padding, batch_size: int) -> None:
+        if self.offset != 0:
+            raise ValueError("left_padding can only be given on the first call with an empty cache")
+        pad = mx.zeros((batch_size,), dtype=mx.int32) if left_padding is None else mx.array(left_padding, dtype=mx.int32)
+        if pad.shape != (batch_size,):
+            raise ValueError(f"left_padding has shape {pad.shape}, expected ({batch_size},)")
+        self.left_padding = pad
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+
+    def reset(self) -> None:
+        self.__init__(len(self.layers), self.max_length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)

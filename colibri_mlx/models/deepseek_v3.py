@@ -1,0 +1,540 @@
+"""DeepSeek-V3/R1, Kimi-K2, DeepSeek-V3.2 and GLM-5.x (``glm_moe_dsa``) in MLX.
+
+Numerics follow transformers 5.23 (``models/deepseek_v3``, ``deepseek_v32``, ``glm_moe_dsa``),
+the parity oracle of tests/test_model_parity.py. Reads top to bottom: config, norms, attention
+(MLA + DSA lightning indexer), dense MLP, router, MoE, decoder layer, model, ``sanitize``.
+
+Weights are float32 ``mx.array`` (from Hugging Face checkpoints) or QTensor (from containers).
+Every projection goes through ``kernels.qmatmul``; routed experts through :func:`routed_experts`
+and absorbed decode attention through :func:`latent_attention` — the three hot paths.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import mlx.core as mx
+import numpy as np
+
+from .. import kernels
+from ..formats.qtensor import QTensor
+from . import mla_reference, moe_reference
+from .cache import LatentCache
+from .rope import apply_rope, make_rope, rope_parameters, softmax_scale
+
+# model_type -> family handled here; aliases map onto it (Kimi-K2 is DeepSeek-V3 with other sizes).
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "deepseek_v32": "deepseek_v32",
+               "glm_moe_dsa": "glm_moe_dsa"}
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+
+# Query blocks up to this many tokens use the absorbed (latent-space) attention.
+ABSORBED_MAX_TOKENS = 4
+# The q/kv latent norms use a fixed epsilon in every reference implementation.
+LATENT_NORM_EPS = 1e-6
+INDEXER_NORM_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    first_k_dense_replace: int = 0
+    mlp_layer_types: list | None = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope: dict = field(default_factory=dict)
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    indexer_types: list | None = None
+    eos_token_id: list = field(default_factory=list)
+
+    REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
+                "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+    def __post_init__(self):
+        self.family = MODEL_TYPES[self.model_type]
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.mlp_layer_types is None:
+            n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
+            self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
+        if self.n_routed_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"config.json: n_group={self.n_group}, topk_group={self.topk_group} do not fit "
+                             f"n_routed_experts={self.n_routed_experts}")
+        self.dsa = self.family in DSA_FAMILIES
+        if self.dsa and self.q_lora_rank is None:
+            raise ValueError(f"config.json: {self.model_type} needs q_lora_rank (its indexer reads the q latent)")
+        # DeepSeek-V3.2 ropes its indexer half-split; GLM-5 interleaved (transformers' GlmMoeDsaIndexer).
+        self.indexer_rope_interleave = self.family == "glm_moe_dsa"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
+        model_type = config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: {sorted(MODEL_TYPES)}")
+        missing = [k for k in cls.REQUIRED if config.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json: missing required field(s) {missing} for model_type {model_type!r}")
+        _check_supported(config)
+        names = set(cls.__dataclass_fields__) - {"rope", "eos_token_id", "indexer_types"}
+        kwargs = {k: config[k] for k in names if config.get(k) is not None}
+        eos = config.get("eos_token_id")
+        kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        kwargs["rope"] = rope_parameters(config)
+        if MODEL_TYPES[model_type] in DSA_FAMILIES:
+            kwargs["indexer_types"] = _indexer_types(config, MODEL_TYPES[model_type])
+        return cls(**kwargs)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.num_hidden_layers or self.mlp_layer_types[i] == "sparse"
+
+    def indexer_kind(self, i: int) -> str | None:
+        """"full" (own indexer), "shared" (reuse the last full layer's selection) or None (no DSA)."""
+        if not self.dsa:
+            return None
+        return self.indexer_types[i] if i < self.num_hidden_layers else "full"
+
+
+def _check_supported(config: Mapping[str, Any]) -> None:
+    checks = [("scoring_func", ("sigmoid",)), ("topk_method", ("noaux_tc",)), ("hidden_act", ("silu",))]
+    for key, allowed in checks:
+        if config.get(key) is not None and config[key] not in allowed:
+            raise ValueError(f"config.json: {key}={config[key]!r} is not supported (expected one of {allowed})")
+
+
+def _indexer_types(config: Mapping[str, Any], family: str) -> list:
+    n = config["num_hidden_layers"]
+    if family == "deepseek_v32":
+        return ["full"] * n
+    types = config.get("indexer_types")
+    if types is None and config.get("index_topk_pattern") is not None:
+        pattern = config["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None:
+        freq = max(config.get("index_topk_freq", 1), 1)
+        offset = config.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if len(types) != n or any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ValueError(f"config.json: indexer_types must be {n} entries of 'full'/'shared' starting with "
+                         f"'full', got {types}")
+    return list(types)
+
+
+# ------------------------------------------------------------------------- weights by name
+
+
+class WeightTable:
+    """Tensors by checkpoint name, fetched on demand with the shape config.json implies.
+
+    ``fetch(name, shape)`` returns a float ``mx.array`` or a QTensor. Every take is checked
+    against the expected shape, and :meth:`check_all_used` refuses tensors nothing asked for.
+    """
+
+    IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+    def __init__(self, names: Iterable[str], fetch: Callable[[str, tuple], Any], source: str):
+        self.names = set(names)
+        self.fetch = fetch
+        self.source = source
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def take(self, name: str, shape: tuple) -> Any:
+        if name not in self.names:
+            raise ValueError(f"{self.source}: missing tensor {name!r} (expected shape {tuple(shape)})")
+        value = self.fetch(name, tuple(shape))
+        got = tuple(value.shape)
+        if got != tuple(shape):
+            raise ValueError(f"{self.source}: tensor {name!r} has shape {got}, config.json implies {tuple(shape)}")
+        self.used.add(name)
+        return value
+
+    def maybe(self, name: str, shape: tuple) -> Any:
+        return self.take(name, shape) if name in self.names else None
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(n.startswith(prefix) for n in self.names)
+
+    def check_all_used(self) -> None:
+        extra = sorted(n for n in self.names - self.used if not self.IGNORED.search(n))
+        if extra:
+            more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
+            raise ValueError(f"{self.source}: tensors not used by this config.json: {extra[:8]}{more}; "
+                             "was the checkpoint built for another config?")
+
+
+def linear(x: mx.array, w, bias: mx.array | None = None) -> mx.array:
+    y = kernels.qmatmul(x, w)
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def embedding_rows(table, ids: mx.array) -> mx.array:
+    """Rows ``ids`` of an embedding table (float or row-quantized QTensor) as float32."""
+    if not isinstance(table, QTensor):
+        return table[ids]
+    from ..formats import decode, scale_nbytes, weight_nbytes
+
+    if table.fmt == 6:
+        raise ValueError(f"{table.name}: an fmt 6 (rotated) embedding table cannot be looked up by row")
+    row_bytes = weight_nbytes(table.fmt, 1, table.I, table.gs)
+    row_scales = scale_nbytes(table.fmt, 1, table.I, table.gs) // 4
+    flat = np.array(ids).reshape(-1)
+    packed = np.asarray(table.packed).reshape(table.O, row_bytes)[flat].reshape(-1)
+    scales = np.asarray(table.scales).reshape(table.O, row_scales)[flat].reshape(-1)
+    rows = decode(table.fmt, packed, scales, flat.size, table.I, table.gs)
+    return mx.array(rows).reshape(*ids.shape, table.I)
+
+
+# -------------------------------------------------------------------------------- attention
+
+
+class Indexer:
+    """DSA lightning indexer: scores past tokens per query and keeps the top ``index_topk``."""
+
+    def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
+        nh, hd = args.index_n_heads, args.index_head_dim
+        self.n_heads, self.head_dim, self.topk = nh, hd, args.index_topk
+        self.rope_dim = args.qk_rope_head_dim
+        self.interleaved = args.indexer_rope_interleave
+        self.wq_b = w.take(prefix + "wq_b.weight", (nh * hd, args.q_lora_rank))
+        self.wk = w.take(prefix + "wk.weight", (hd, args.hidden_size))
+        self.k_norm_weight = w.take(prefix + "k_norm.weight", (hd,))
+        self.k_norm_bias = w.take(prefix + "k_norm.bias", (hd,))
+        self.weights_proj = w.take(prefix + "weights_proj.weight", (nh, args.hidden_size))
+
+    def _rope(self, x, cos, sin):
+        r = self.rope_dim
+        return mx.concatenate([apply_rope(x[..., :r], cos, sin, self.interleaved), x[..., r:]], axis=-1)
+
+    def select(self, x, q_latent, cos, sin, mask, layer_cache, start):
+        """Bool ``[B, 1, L, T]`` of selected keys, or None while every query sees ≤ topk keys."""
+        B, L, _ = x.shape
+        q = linear(q_latent, self.wq_b).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = self._rope(q, cos, sin)
+        k = mx.fast.layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, INDEXER_NORM_EPS)
+        k = self._rope(k[:, None], cos, sin)[:, 0]
+        keys = layer_cache.append("index_key", k, start) if layer_cache is not None else k
+        T = keys.shape[1]
+        if T <= self.topk:
+            return None
+        scores = mx.maximum((q @ keys[:, None].swapaxes(-1, -2)) * self.head_dim**-0.5, 0)  # [B, nh, L, T]
+        head_weights = linear(x, self.weights_proj) * self.n_heads**-0.5  # [B, L, nh]
+        index_scores = (head_weights[:, :, None, :] @ scores.transpose(0, 2, 1, 3))[:, :, 0]  # [B, L, T]
+        index_scores = mx.where(mask[:, 0], index_scores, -mx.inf)
+        return top_k_mask(index_scores, self.topk)[:, None]
+
+
+def top_k_mask(scores: mx.array, k: int) -> mx.array:
+    """Bool mask of the ``k`` largest entries along the last axis; ties at the threshold go to the
+    lowest positions (upstream colibri's rule; torch.topk leaves them unspecified)."""
+    threshold = mx.sort(scores, axis=-1)[..., -k][..., None]
+    above = scores > threshold
+    at = scores == threshold
+    room = k - above.sum(axis=-1, keepdims=True)
+    return above | (at & (mx.cumsum(at.astype(mx.int32), axis=-1) <= room))
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, w: WeightTable, prefix: str, layer_idx: int):
+        D, H = args.hidden_size, args.num_attention_heads
+        self.args, self.n_heads = args, H
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.scale = softmax_scale(args.rope, args.qk_head_dim)
+        bias = args.attention_bias
+        if args.q_lora_rank is None:
+            self.q_proj = w.take(prefix + "q_proj.weight", (H * args.qk_head_dim, D))
+        else:
+            self.q_a_proj = w.take(prefix + "q_a_proj.weight", (args.q_lora_rank, D))
+            self.q_a_bias = w.take(prefix + "q_a_proj.bias", (args.q_lora_rank,)) if bias else None
+            self.q_a_norm = w.take(prefix + "q_a_layernorm.weight", (args.q_lora_rank,))
+            self.q_b_proj = w.take(prefix + "q_b_proj.weight", (H * args.qk_head_dim, args.q_lora_rank))
+        kv_a_out = args.kv_lora_rank + args.qk_rope_head_dim
+        self.kv_a_proj = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
+        self.kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
+        self.kv_a_norm = w.take(prefix + "kv_a_layernorm.weight", (args.kv_lora_rank,))
+        self.kv_b_proj = w.take(prefix + "kv_b_proj.weight", (H * (self.nope + self.v_dim), args.kv_lora_rank))
+        self.o_proj = w.take(prefix + "o_proj.weight", (D, H * self.v_dim))
+        self.o_bias = w.take(prefix + "o_proj.bias", (D,)) if bias else None
+        self.indexer_kind = args.indexer_kind(layer_idx)
+        self.indexer = Indexer(args, w, prefix + "indexer.") if self.indexer_kind == "full" else None
+
+    def queries(self, x):
+        if self.args.q_lora_rank is None:
+            return linear(x, self.q_proj), None
+        q_latent = rms_norm(linear(x, self.q_a_proj, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+        return linear(q_latent, self.q_b_proj), q_latent
+
+    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None):
+        """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
+        B, L, _ = x.shape
+        q, q_latent = self.queries(x)
+        q = q.reshape(B, L, self.n_heads, self.args.qk_head_dim).transpose(0, 2, 1, 3)
+        q_nope = q[..., : self.nope]
+        q_rope = apply_rope(q[..., self.nope :], cos, sin, self.args.rope_interleave)
+        kv = linear(x, self.kv_a_proj, self.kv_a_bias)
+        latent = rms_norm(kv[..., : self.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
+        k_rope = apply_rope(kv[:, None, :, self.kv_lora_rank :], cos, sin, self.args.rope_interleave)[:, 0]
+        if layer_cache is not None:
+            latent = layer_cache.append("latent", latent, start)
+            k_rope = layer_cache.append("k_rope", k_rope, start)
+        selection = shared_selection
+        if self.indexer is not None:
+            selection = self.indexer.select(x, q_latent, cos, sin, mask, layer_cache, start)
+        if selection is not None:
+            mask = mask & selection
+        out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
+                               self.nope, self.v_dim)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.n_heads * self.v_dim)
+        return linear(out, self.o_proj, self.o_bias), selection
+
+
+def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim):
+    """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference)."""
+    impl = mla_reference.mla_decode if q_nope.shape[2] <= ABSORBED_MAX_TOKENS else mla_reference.mla_prefill
+    return impl(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
+
+
+# ------------------------------------------------------------------------------ feed-forward
+
+
+class MLP:
+    """SwiGLU: ``down(silu(gate x) * up x)`` (dense layers and shared experts)."""
+
+    def __init__(self, w: WeightTable, prefix: str, hidden: int, inter: int):
+        self.gate = w.take(prefix + "gate_proj.weight", (inter, hidden))
+        self.up = w.take(prefix + "up_proj.weight", (inter, hidden))
+        self.down = w.take(prefix + "down_proj.weight", (hidden, inter))
+
+    def __call__(self, x):
+        return linear(moe_reference.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+
+
+class Router:
+    """noaux_tc routing exactly as transformers' ``DeepseekV3TopkRouter``: sigmoid scores; the
+    correction bias only steers selection; group-limited top-k; weights are the unbiased scores,
+    normalized (``norm_topk_prob``, ``+1e-20``) and scaled by ``routed_scaling_factor``."""
+
+    def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
+        E = args.n_routed_experts
+        self.args = args
+        self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size)), prefix + "weight")
+        bias = w.maybe(prefix + "e_score_correction_bias", (E,))
+        self.bias = mx.zeros((E,), mx.float32) if bias is None else _as_float32(bias, prefix + "bias")
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        a = self.args
+        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.T)
+        choice = scores + self.bias
+        if a.n_group > 1:
+            choice = self._keep_top_groups(choice)
+        ids = mx.argpartition(-choice, kth=a.num_experts_per_tok - 1, axis=-1)[..., : a.num_experts_per_tok]
+        weights = mx.take_along_axis(scores, ids, axis=-1)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return ids, weights * a.routed_scaling_factor
+
+    def _keep_top_groups(self, choice):
+        a = self.args
+        grouped = choice.reshape(*choice.shape[:-1], a.n_group, -1)
+        group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        top_groups = mx.argpartition(-group_scores, kth=a.topk_group - 1, axis=-1)[..., : a.topk_group]
+        keep = mx.put_along_axis(mx.zeros(group_scores.shape, mx.bool_), top_groups, mx.array(True), axis=-1)
+        return mx.where(keep[..., None], grouped, -mx.inf).reshape(choice.shape)
+
+
+def _as_float32(value, name):
+    if isinstance(value, QTensor):
+        raise ValueError(f"{name}: the router must be stored as a float tensor, found a quantized one")
+    return value.astype(mx.float32)
+
+
+def routed_experts(x: mx.array, experts, ids: mx.array, weights: mx.array) -> mx.array:
+    """The routed-expert hot path, ``moe_block(x, experts, ids, weights)``-shaped."""
+    return moe_reference.moe_block(x, experts, ids, weights)
+
+
+class MoE:
+    def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
+        D, inter = args.hidden_size, args.moe_intermediate_size
+        self.router = Router(args, w, prefix + "gate.")
+        self.experts = [
+            tuple(w.take(f"{prefix}experts.{e}.{p}_proj.weight", s)
+                  for p, s in (("gate", (inter, D)), ("up", (inter, D)), ("down", (D, inter))))
+            for e in range(args.n_routed_experts)
+        ]
+        self.shared = None
+        if args.n_shared_experts:
+            self.shared = MLP(w, prefix + "shared_experts.", D, inter * args.n_shared_experts)
+
+    def __call__(self, x):
+        ids, weights = self.router(x)
+        flat = x.reshape(-1, x.shape[-1])
+        y = routed_experts(flat, self.experts, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
+        y = y.reshape(x.shape)
+        return y if self.shared is None else y + self.shared(x)
+
+
+# ---------------------------------------------------------------------------------- layers
+
+
+class DecoderLayer:
+    def __init__(self, args: ModelArgs, w: WeightTable, layer_idx: int):
+        p = f"model.layers.{layer_idx}."
+        D = args.hidden_size
+        self.eps = args.rms_norm_eps
+        self.input_norm = w.take(p + "input_layernorm.weight", (D,))
+        self.post_attention_norm = w.take(p + "post_attention_layernorm.weight", (D,))
+        self.self_attn = Attention(args, w, p + "self_attn.", layer_idx)
+        if args.is_moe_layer(layer_idx):
+            self.mlp = MoE(args, w, p + "mlp.")
+        else:
+            self.mlp = MLP(w, p + "mlp.", D, args.intermediate_size)
+
+    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None):
+        h, selection = self.self_attn(rms_norm(x, self.input_norm, self.eps), cos, sin, mask, layer_cache, start,
+                                      shared_selection)
+        x = x + h
+        return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps)), selection
+
+
+class MTPLayer:
+    """Multi-token-prediction head (layer index ≥ num_hidden_layers): loaded and kept for
+    speculative decoding; the forward pass does not use it yet."""
+
+    def __init__(self, args: ModelArgs, w: WeightTable, layer_idx: int):
+        p = f"model.layers.{layer_idx}."
+        D, V = args.hidden_size, args.vocab_size
+        self.layer = DecoderLayer(args, w, layer_idx)
+        self.eh_proj = w.take(p + "eh_proj.weight", (D, 2 * D))
+        self.enorm = w.take(p + "enorm.weight", (D,))
+        self.hnorm = w.take(p + "hnorm.weight", (D,))
+        self.head_norm = w.take(p + "shared_head.norm.weight", (D,))
+        self.head = w.maybe(p + "shared_head.head.weight", (V, D))
+        self.embed_tokens = w.maybe(p + "embed_tokens.weight", (V, D))
+
+
+class Model:
+    """``model(tokens [B, L], cache=None, left_padding=None) -> logits [B, L, vocab]`` (float32)."""
+
+    def __init__(self, args: ModelArgs, weights: WeightTable):
+        D, V = args.hidden_size, args.vocab_size
+        self.args = args
+        self.embed_tokens = weights.take("model.embed_tokens.weight", (V, D))
+        self.layers = [DecoderLayer(args, weights, i) for i in range(args.num_hidden_layers)]
+        self.norm = weights.take("model.norm.weight", (D,))
+        if "lm_head.weight" in weights or not args.tie_word_embeddings:
+            self.lm_head = weights.take("lm_head.weight", (V, D))
+        else:
+            self.lm_head = self.embed_tokens
+        self.mtp_layers = [MTPLayer(args, weights, i) for i in self._mtp_indices(weights)]
+        weights.check_all_used()
+        self.rope = make_rope(args.rope, args.qk_rope_head_dim, args.max_position_embeddings, args.rope_interleave)
+        self.max_length = args.max_position_embeddings
+
+    def _mtp_indices(self, weights):
+        n = self.args.num_hidden_layers
+        # An MTP layer is recognised by its eh_proj; other tensors past the last layer are refused.
+        return [i for i in range(n, n + max(self.args.num_nextn_predict_layers, 1))
+                if f"model.layers.{i}.eh_proj.weight" in weights]
+
+    def make_cache(self) -> LatentCache:
+        return LatentCache(len(self.layers), self.max_length)
+
+    def __call__(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
+        tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
+        B, L = tokens.shape
+        if cache is None:
+            cache = self.make_cache()
+        if cache.offset == 0:
+            cache.set_left_padding(left_padding, B)
+        elif left_padding is not None:
+            raise ValueError("left_padding can only be given on the first call with an empty cache")
+        elif cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} sequences, tokens have {B}")
+        start = cache.offset
+        if start + L > self.max_length:
+            raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
+        cos, sin, mask = self._positions_and_mask(cache.left_padding, start, L)
+        x = embedding_rows(self.embed_tokens, tokens).astype(mx.float32)
+        selection = None
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x, selection = layer(x, cos, sin, mask, layer_cache, start, selection)
+        cache.advance(L)
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+
+    def _positions_and_mask(self, left_padding: mx.array, start: int, L: int):
+        slots = mx.arange(start, start + L)
+        pad = left_padding[:, None]
+        positions = mx.maximum(slots[None, :] - pad, 0)  # [B, L]
+        cos, sin = self.rope.cos_sin(positions)
+        keys = mx.arange(start + L)
+        mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None])
+        return cos, sin, mask[:, None]  # mask [B, 1, L, T]
+
+
+# --------------------------------------------------------------------------------- sanitize
+
+
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def sanitize(weights: dict) -> dict:
+    """Map Hugging Face checkpoint tensors onto the names :class:`Model` takes.
+
+    Drops rotary caches, splits transformers' fused in-memory expert layout
+    (``experts.gate_up_proj [E, 2I, D]``, ``experts.down_proj [E, D, I]``) into per-expert
+    ``experts.{e}.{gate,up,down}_proj.weight``. FP8 dequantization happens in loading.
+    """
+    out = {}
+    for name, value in weights.items():
+        if WeightTable.IGNORED.search(name):
+            continue
+        m = _FUSED_EXPERTS.match(name)
+        if m is None:
+            out[name] = value
+            continue
+        base, kind = m.groups()
+        for e in range(value.shape[0]):
+            if kind == "down_proj":
+                out[f"{base}.{e}.down_proj.weight"] = value[e]
+            else:
+                inter = value.shape[1] // 2
+                out[f"{base}.{e}.gate_proj.weight"] = value[e, :inter]
+                out[f"{base}.{e}.up_proj.weight"] = value[e, inter:]
+    return out

@@ -1,0 +1,102 @@
+"""Weights for :class:`deepseek_v3.Model` from a directory: a colibri container or an
+unconverted Hugging Face checkpoint.
+
+Both are directories of safetensors shards read through ``colibri_mlx.container.Container``
+(strict header checks, lazy memory-mapped views). A tensor with a ``.qs`` companion is a
+quantized weight and stays a QTensor; every other tensor is widened to float32 and kept on the
+default (CPU) device. FP8 e4m3 weights are dequantized with their ``weight_scale_inv`` blocks
+(128×128 per scale, the DeepSeek-V3 / GLM-5-FP8 layout): ``W = fp8(w) * scale_inv[i//128, j//128]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from ..container import Container
+from ..formats.qtensor import QTensor
+from .deepseek_v3 import Model, ModelArgs, WeightTable, sanitize
+
+FP8_DTYPES = ("F8_E4M3",)
+SCALE_INV_SUFFIX = "_scale_inv"
+FP8_BLOCK = 128
+
+
+def read_config(path: str) -> dict:
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise FileNotFoundError(f"{path}: no config.json (not a model directory)")
+    with open(cfg, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_model(path: str) -> Model:
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: model directory does not exist")
+    config = read_config(path)
+    args = ModelArgs.from_config(config)
+    return Model(args, weight_table(Container(path, config=config)))
+
+
+def weight_table(container: Container) -> WeightTable:
+    # FP8 scales are read together with their weight, never on their own.
+    names = [n for n in container.weight_names() if not n.endswith(SCALE_INV_SUFFIX)]
+    return WeightTable(names, lambda name, shape: _fetch(container, name, shape), container.path)
+
+
+def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
+    """A WeightTable over in-memory tensors (``sanitize``d names -> float arrays or QTensors)."""
+    weights = sanitize(weights)
+    return WeightTable(weights, lambda name, shape: weights[name], source)
+
+
+def _fetch(container: Container, name: str, shape: tuple):
+    if container.is_quantized(name):
+        if len(shape) != 2:
+            raise ValueError(f"{container.path}: tensor {name!r} is quantized but config.json implies a "
+                             f"{len(shape)}-D tensor of shape {shape}")
+        return container.tensor(name, shape)
+    container.tensor(name, shape)  # header shape check, names the shard on mismatch
+    values = container.array(name, shape=shape)
+    if container.info(name).dtype in FP8_DTYPES:
+        values = _apply_fp8_scales(container, name, values)
+    return mx.array(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _apply_fp8_scales(container: Container, name: str, values: np.ndarray) -> np.ndarray:
+    scale_name = name + SCALE_INV_SUFFIX
+    if scale_name not in container:
+        raise ValueError(f"{container.path}: FP8 tensor {name!r} has no {scale_name!r}")
+    O, I = values.shape
+    blocks = (-(-O // FP8_BLOCK), -(-I // FP8_BLOCK))
+    scales = container.array(scale_name)
+    if scales.shape != blocks:
+        raise ValueError(f"{container.path}: {scale_name!r} has shape {scales.shape}, expected {blocks} "
+                         f"({FP8_BLOCK}x{FP8_BLOCK} blocks of {name} [{O}, {I}])")
+    full = np.repeat(np.repeat(scales, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:O, :I]
+    return values * full
+
+
+def quantized_tensors(model: Model) -> list[QTensor]:
+    """Every QTensor the model holds (for statistics)."""
+    found = []
+
+    def walk(obj, seen):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, QTensor):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, seen)
+        elif hasattr(obj, "__dict__"):
+            for v in vars(obj).values():
+                walk(v, seen)
+
+    walk(model, set())
+    return found

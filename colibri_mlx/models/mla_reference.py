@@ -1,0 +1,58 @@
+"""Reference multi-head latent attention over the latent cache (pure MLX).
+
+Shapes: ``q_nope [B, H, L, nope]``, ``q_rope [B, H, L, rope]`` (already roped), ``latent
+[B, T, R]`` (normalized, R = kv_lora_rank), ``k_rope [B, T, rope]`` (roped, shared by all heads),
+``kv_b`` the ``kv_b_proj`` weight ``[H*(nope+v), R]`` (float ``mx.array`` or QTensor), ``mask``
+bool ``[B, 1, L, T]`` (True = may attend) or None. Both functions return ``[B, H, L, v]``.
+
+Row block of head h in ``kv_b``: ``h*(nope+v) + [0, nope)`` is W_UK (latent -> key),
+``+ [nope, nope+v)`` is W_UV (latent -> value).
+
+* :func:`mla_decode` is the absorbed form used for a few query tokens: ``q' = W_UK^T q_nope``
+  scores directly against the latent rows, the softmax-weighted latent is mapped through W_UV
+  once. ``kernels.mla_decode`` must match it.
+* :func:`mla_prefill` rebuilds per-head keys and values for the whole context with one kv_b
+  matmul (transformers' ``expand_kv``), for long query blocks.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import kernels
+from ..formats.qtensor import QTensor
+
+# Fill for masked scores: finite, so a row with nothing to attend to (left padding) stays finite.
+MASKED = -1e30
+
+
+def _float_weight(w) -> mx.array:
+    if isinstance(w, QTensor):
+        return mx.array(w.dequantize())
+    return w
+
+
+def _softmax(scores: mx.array, mask: mx.array | None) -> mx.array:
+    if mask is not None:
+        scores = mx.where(mask, scores, MASKED)
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim):
+    H = q_nope.shape[1]
+    w = _float_weight(kv_b).reshape(H, qk_nope_head_dim + v_head_dim, -1)
+    w_uk, w_uv = w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+    q_abs = q_nope @ w_uk  # [B, H, L, R]
+    latent_t = latent[:, None].swapaxes(-1, -2)
+    scores = (q_abs @ latent_t + q_rope @ k_rope[:, None].swapaxes(-1, -2)) * scale
+    context = _softmax(scores, mask) @ latent[:, None]  # [B, H, L, R]
+    return context @ w_uv.swapaxes(-1, -2)
+
+
+def mla_prefill(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim):
+    B, H, L, _ = q_nope.shape
+    T = latent.shape[1]
+    kv = kernels.qmatmul(latent, kv_b).reshape(B, T, H, qk_nope_head_dim + v_head_dim).transpose(0, 2, 1, 3)
+    k_nope, values = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
+    scores = (q_nope @ k_nope.swapaxes(-1, -2) + q_rope @ k_rope[:, None].swapaxes(-1, -2)) * scale
+    return _softmax(scores, mask) @ values
