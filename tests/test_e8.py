@@ -1,0 +1,281 @@
+"""fmt 6 (E8/IQ3 lattice + Walsh–Hadamard rotation) against independent oracles (FORMAT.md §3)."""
+
+import numpy as np
+import pytest
+
+from colibri_mlx.formats import e8
+
+gguf_quants = pytest.importorskip("gguf.quants")
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---- tables -----------------------------------------------------------------------------------
+
+def test_grid_equals_gguf_iq3xxs_grid():
+    gguf_quants.IQ3_XXS.init_grid()
+    ref = np.asarray(gguf_quants.IQ3_XXS.grid, dtype=np.float32).reshape(256, 4)
+    assert e8.GRID.dtype == np.uint8 and e8.GRID.shape == (256, 4)
+    np.testing.assert_array_equal(e8.GRID.astype(np.float32), ref)
+    assert set(np.unique(e8.GRID)) == {4, 12, 20, 28, 36, 44, 52, 62}
+
+
+@pytest.mark.parametrize("n, first8", [
+    (256, "de658f1678eea03b"), (512, "153331ea11c078fc"), (1024, "3bc2ac6aeab15146"),
+    (2048, "a038f927cb70352e"), (4096, "0b178fd2ccf13027"),
+])
+def test_sign_stream_vectors(n, first8):
+    bits = e8.sign_bits(n)
+    assert bits.shape == (n,)
+    got = np.packbits(bits[:64].astype(np.uint8), bitorder="little").tobytes().hex()
+    assert got == first8
+
+
+@pytest.mark.parametrize("n, tiling", [
+    (6144, [2048, 4096]), (1536, [512, 1024]), (2048, [2048]), (7168, [1024, 2048, 4096]),
+    (65536, [32768, 32768]), (7, [1, 2, 4]),
+])
+def test_block_tiling(n, tiling):
+    assert e8.block_tiling(n) == tiling
+
+
+# ---- rotation -----------------------------------------------------------------------------
+
+def _rotate_f64(x):
+    """Dense float64 oracle: x @ Q per block, Q = D H / sqrt(b) with H the Sylvester matrix."""
+    out, off = np.empty_like(x, dtype=np.float64), 0
+    for b in e8.block_tiling(x.shape[-1]):
+        h = np.ones((1, 1))
+        while len(h) < b:
+            h = np.block([[h, h], [h, -h]])
+        q = np.where(e8.sign_bits(b), -1.0, 1.0)[:, None] * h / np.sqrt(b)
+        out[..., off:off + b] = x[..., off:off + b].astype(np.float64) @ q
+        off += b
+    return out
+
+
+@pytest.mark.parametrize("dim", [256, 1536, 6144, 7])
+def test_rotate_rows_matches_dense_float64(dim):
+    x = _rng(1).standard_normal((3, dim)).astype(np.float32)
+    got = e8.rotate_rows(x)
+    ref = _rotate_f64(x)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_rotation_preserves_products():
+    """(W Q)(Q^T x) = W x: rotating both sides keeps every dot product (dim 6144)."""
+    rng = _rng(2)
+    w = rng.standard_normal((16, 6144)).astype(np.float32)
+    x = rng.standard_normal((4, 6144)).astype(np.float32)
+    y_ref = w.astype(np.float64) @ x.astype(np.float64).T
+    y_rot = e8.rotate_rows(w).astype(np.float64) @ e8.rotate_rows(x).astype(np.float64).T
+    rel = np.abs(y_rot - y_ref).max() / np.abs(y_ref).max()
+    assert rel < 1e-5
+    assert not np.allclose(e8.rotate_rows(w), w)      # it really rotated
+
+
+def test_rotate_rows_matches_butterfly_transcription():
+    """Bit-exact vs the in-place butterfly written as in FORMAT.md §3.6 (upstream's rounding)."""
+    x = _rng(3).standard_normal((5, 1536)).astype(np.float32)
+    ref, off = x.copy(), 0
+    for b in e8.block_tiling(1536):
+        blk = ref[:, off:off + b] * np.where(e8.sign_bits(b), -1, 1).astype(np.float32)
+        h = 1
+        while h < b:
+            v = blk.reshape(5, b // (2 * h), 2, h)
+            a, c = v[:, :, 0].copy(), v[:, :, 1].copy()
+            v[:, :, 0], v[:, :, 1] = a + c, a - c
+            h *= 2
+        ref[:, off:off + b] = blk / np.sqrt(b, dtype=np.float32)
+        off += b
+    np.testing.assert_array_equal(e8.rotate_rows(x), ref)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 6144), (5, 1536), (4, 7)])
+def test_mlx_rotate_equals_numpy(shape):
+    mx = pytest.importorskip("mlx.core")
+    x = _rng(4).standard_normal(shape).astype(np.float32)
+    got = np.array(e8.rotate(mx.array(x)))
+    assert got.shape == shape
+    np.testing.assert_array_equal(got, e8.rotate_rows(x))
+    got_bf16 = np.array(e8.rotate(mx.array(x).astype(mx.bfloat16)))
+    x_bf16 = np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32))
+    np.testing.assert_array_equal(got_bf16, e8.rotate_rows(x_bf16))
+
+
+# ---- decoding -----------------------------------------------------------------------------
+
+def _random_blocks(n, rng):
+    """Random but valid super-blocks: any index/sign/code bytes, finite positive normal d."""
+    blocks = rng.integers(0, 256, size=(n, e8.BLOCK_BYTES), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2.0, size=n).astype(np.float16)
+    blocks[:, 96:98] = d.view(np.uint8).reshape(n, 2)
+    return blocks
+
+
+def _decode_f64(blocks):
+    """Per-weight float64 decoder written from FORMAT.md §3.3, one weight at a time."""
+    out = np.empty((len(blocks), 256))
+    for n, blk in enumerate(blocks):
+        d = float(np.frombuffer(blk[96:98].tobytes(), "<f2")[0])
+        for ib in range(8):
+            word = int.from_bytes(blk[64 + 4 * ib:68 + 4 * ib].tobytes(), "little")
+            db = d * (0.5 + (word >> 28)) * 0.5
+            for lane in range(4):
+                seven = (word >> (7 * lane)) & 0x7F
+                s8 = seven | ((bin(seven).count("1") & 1) << 7)
+                for j in range(8):
+                    g = int(e8.GRID[blk[8 * ib + 2 * lane + j // 4], j % 4])
+                    mag = g * 0.5 * db
+                    out[n, 32 * ib + 8 * lane + j] = -mag if (s8 >> j) & 1 else mag
+    return out
+
+
+def test_decode_matches_float64_per_weight_decoder():
+    blocks = _random_blocks(6, _rng(5))
+    got = e8.decode_e8(blocks.reshape(-1), 2, 768)
+    ref = _decode_f64(blocks).reshape(2, 768)
+    # d * (0.5+code) * 0.5 * g/2 has <= 11+5+5 significant bits: float32 holds it exactly.
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+    assert np.all(np.abs(got) > 0)
+
+
+def test_decode_matches_gguf_iq3_xxs():
+    """Colibri blocks = GGML IQ3_XXS with fields reordered and d doubled (FORMAT.md §3.5)."""
+    gguf_quants.IQ3_XXS.init_grid()
+    blocks = _random_blocks(64, _rng(6))
+    d = np.frombuffer(blocks[:, 96:98].tobytes(), "<f2")
+    ggml = np.concatenate([(d / 2).astype("<f2").view(np.uint8).reshape(-1, 2), blocks[:, :96]], 1)
+    ref = gguf_quants.IQ3_XXS.dequantize_blocks(ggml).reshape(4, 4096)
+    np.testing.assert_array_equal(e8.decode_e8(blocks.reshape(-1), 4, 4096), ref)
+
+
+def test_decode_partial_last_block_and_bad_sizes():
+    blocks = _random_blocks(4, _rng(7))
+    full = e8.decode_e8(blocks.reshape(-1), 2, 512)
+    np.testing.assert_array_equal(e8.decode_e8(blocks.reshape(-1), 2, 300), full[:, :300])
+    with pytest.raises(ValueError, match="needs 392 bytes"):
+        e8.decode_e8(blocks.reshape(-1)[:-1], 2, 512)
+
+
+# ---- encoding -----------------------------------------------------------------------------
+
+def _dot_fma_chain(q, g):
+    """float32 q.g for every grid row, rounded like iq3_pack's ``q @ g.T`` on OpenBLAS sgemm:
+    one fused multiply-add per term, k = 0..3 (q*g is exact in float64, so each step is one
+    float32 rounding)."""
+    acc = np.zeros(len(g), np.float32)
+    for k in range(4):
+        acc = (np.float64(q[k]) * g[:, k].astype(np.float64) + acc).astype(np.float32)
+    return acc
+
+
+def _encode_reference(w_rot):
+    """Straightforward per-super-block encoder from FORMAT.md §3.9 (float32 like iq3_pack)."""
+    g = e8.GRID.astype(np.float32) * np.float32(0.5)
+    g2 = (g * g).sum(1)
+    out = []
+    for x in np.asarray(w_rot, np.float32).reshape(-1, 256):
+        neg = [bool(v < 0) for v in x]
+        mag = np.abs(x)
+        for grp in range(32):
+            if sum(neg[8 * grp:8 * grp + 8]) % 2:
+                j = 8 * grp + int(np.argmin(mag[8 * grp:8 * grp + 8]))
+                neg[j] = not neg[j]
+        d = np.sqrt((mag * mag).mean(keepdims=True)) / 20.0 + 1e-12
+        d16 = d.astype(np.float16)
+        d = d16.astype(np.float32)
+        blk = bytearray(98)
+        for ib in range(8):
+            m = mag[32 * ib:32 * ib + 32]
+            best = None
+            for code in range(16):
+                db = d * (0.5 + code) * 0.5
+                idx = []
+                for grp in range(8):
+                    q = m[4 * grp:4 * grp + 4] / np.maximum(db, 1e-20)
+                    idx.append(int(np.argmin(g2 - 2.0 * _dot_fma_chain(q, g))))
+                err = ((g[idx].reshape(1, 32) * db - m[None]) ** 2).sum(-1)[0]
+                if best is None or err < best[0]:
+                    best = (err, code, idx)
+            _, code, idx = best
+            blk[8 * ib:8 * ib + 8] = bytes(idx)
+            word = code << 28
+            for lane in range(4):
+                for j in range(7):
+                    word |= int(neg[32 * ib + 8 * lane + j]) << (7 * lane + j)
+            blk[64 + 4 * ib:68 + 4 * ib] = word.to_bytes(4, "little")
+        blk[96:98] = d16.astype("<f2").tobytes()
+        out.append(bytes(blk))
+    return np.frombuffer(b"".join(out), np.uint8)
+
+
+def _edge_case_rows():
+    rng = _rng(8)
+    rows = rng.standard_normal((6, 512)).astype(np.float32)
+    rows[0, :256] = 0.0                                   # all-zero super-block
+    rows[1, :256] = -0.0                                  # negative zeros count as positive
+    rows[2, :8] = [-5, 2, 3, 4, 5, 6, 7, 8]               # one negative: parity flips the min
+    rows[2, 8:16] = [-3, 1, 1, 2, 5, 6, 7, 8]             # tied minima: the first one flips
+    rows[3, :256] = np.repeat(np.float32(0.37), 256)      # constant block: exact score ties
+    rows[4, :256] = rng.choice([-2.0, -1.0, 1.0, 2.0], 256).astype(np.float32)  # few levels
+    rows[5, :256] *= 1e-4                                 # subnormal fp16 d
+    return rows
+
+
+@pytest.mark.parametrize("rows", [
+    pytest.param(lambda: _rng(9).standard_normal((4, 512)).astype(np.float32), id="gaussian"),
+    pytest.param(lambda: (_rng(10).standard_t(3, (2, 768)) * 0.02).astype(np.float32), id="heavy-tail"),
+    pytest.param(_edge_case_rows, id="edge-cases"),
+])
+def test_encode_bit_exact_vs_reference(rows):
+    w = rows()
+    packed, scales = e8.encode_rotated_e8(w)
+    assert packed.dtype == np.uint8 and packed.shape == (98 * w.size // 256,)
+    np.testing.assert_array_equal(scales, np.array([6.0], np.float32))
+    np.testing.assert_array_equal(packed, _encode_reference(w))
+
+
+def test_encode_parity_and_signs_in_stored_block():
+    w = _edge_case_rows()
+    dec = e8.decode_e8(e8.encode_rotated_e8(w)[0], *w.shape)
+    assert np.all(dec[2, :2] < 0) and np.all(dec[2, 2:8] > 0)      # odd lane: the minimum flips...
+    assert np.all(dec[2, 8:10] < 0) and np.all(dec[2, 10:16] > 0)   # ...the first of tied minima
+    neg = (dec.reshape(-1, 8) < 0).sum(-1)
+    assert np.all(neg % 2 == 0)
+    # All-zero block: d = 1e-12 rounds to fp16 0, so it decodes to +0.0 (no sign bits set).
+    assert not np.signbit(dec[:2, :256]).any() and not dec[:2, :256].any()
+
+
+def test_encode_e8_rotates_first():
+    w = _rng(11).standard_normal((3, 512)).astype(np.float32)
+    np.testing.assert_array_equal(e8.encode_e8(w)[0], e8.encode_rotated_e8(e8.rotate_rows(w))[0])
+
+
+def test_encode_decode_encode_is_stable():
+    w = _rng(12).standard_normal((8, 1024)).astype(np.float32)
+    packed = e8.encode_rotated_e8(w)[0]
+    dec = e8.decode_e8(packed, 8, 1024)
+    dec2 = e8.decode_e8(e8.encode_rotated_e8(dec)[0], 8, 1024)
+    # Re-encoding a decoded matrix lands on (almost) the same points; d may move by an fp16 ulp.
+    rel = np.sqrt(((dec2 - dec) ** 2).mean() / (dec ** 2).mean())
+    assert rel < 0.05
+
+
+def test_reconstruction_error_like_iq3_xxs():
+    w = _rng(13).standard_normal((32, 2048)).astype(np.float32)
+    packed, _ = e8.encode_e8(w)
+    rec = e8.decode_e8(packed, 32, 2048)
+    w_rot = e8.rotate_rows(w)
+    rel = np.sqrt(((rec - w_rot) ** 2).mean() / (w_rot ** 2).mean())
+    assert 0.05 < rel < 0.25          # ~3 bits/weight; IQ3_XXS-grade, not lossless
+
+
+def test_encode_rejects_bad_input():
+    with pytest.raises(ValueError, match="I % 256"):
+        e8.encode_e8(np.ones((2, 300), np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        e8.encode_rotated_e8(np.ones(512, np.float32))
