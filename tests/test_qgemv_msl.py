@@ -1,0 +1,132 @@
+"""The qgemv Metal kernel in the MSL simulator: the exact source and launch MLX would get
+(``qgemv.launch_spec``), outputs poisoned first (the simulator NaN-fills them and fails on any
+element left unwritten), compared with the float64 oracle; then planted defects that must fail.
+
+The kernel uses no threadgroup memory (one SIMD group per row, simd_sum reduction), so there
+is no barrier to remove; the simulator still runs every launch in two thread orders and
+requires bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx.formats import GS_CANDIDATES
+from colibri_mlx.kernels import qgemv
+from kernel_oracle import assert_close, random_qtensor, random_x
+
+simulator = pytest.importorskip("msl.simulator")
+if not simulator.clang_available():
+    pytest.skip("clang not available for the MSL simulator", allow_module_level=True)
+
+_NP = {mx.float32: np.float32, mx.float16: np.float16, mx.uint8: np.uint8,
+       mx.int32: np.int32, mx.uint32: np.uint32}
+
+
+def _np_dtype(d):
+    return simulator.BFLOAT16 if d == mx.bfloat16 else _NP[d]
+
+
+def _np_input(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        import ml_dtypes
+
+        return np.asarray(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.asarray(a)
+
+
+def _bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
+    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def simulate(spec, source=None) -> mx.array:
+    """Run a LaunchSpec through the simulator; returns y as an mx.array of the spec's dtype."""
+    out_dtype = spec.output_dtypes[0]
+    (y,) = simulator.run_metal_kernel(
+        spec.name, spec.input_names, spec.output_names, source or spec.source, spec.header,
+        inputs=[_np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,
+        output_dtypes=[_np_dtype(out_dtype)], grid=spec.grid, threadgroup=spec.threadgroup,
+        template=[(n, _np_dtype(v) if isinstance(v, mx.Dtype) else v) for n, v in spec.template],
+        init_value=spec.init_value)
+    if out_dtype == mx.bfloat16:
+        return mx.array(_bf16_bits_to_f32(np.asarray(y))).astype(mx.bfloat16)
+    return mx.array(np.asarray(y))
+
+
+def run_case(fmt, O, I, S, gs=None, dtype=mx.float32, seed=0):
+    if dtype == mx.bfloat16:
+        pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    qt = random_qtensor(fmt, O, I, gs=gs, seed=seed)
+    x = random_x(S, I, dtype=dtype, seed=seed + 1)
+    y = simulate(qgemv.launch_spec(x, qt))
+    assert y.dtype == dtype and y.shape == (S, O)
+    return assert_close(y, x, qt, f"fmt {fmt} {O}x{I} S={S} gs={gs} {dtype}")
+
+
+# Odd I (odd nibble count: byte-load path), aligned I, partial fmt 5 groups / fmt 6 blocks,
+# and a row long enough that each lane takes several UNROLL rounds.
+SHAPES = [(5, 37), (3, 256), (6, 300), (2, 4100)]
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("O,I", SHAPES)
+def test_every_fmt_and_shape(fmt, O, I):
+    run_case(fmt, O, I, S=1 + (O * I) % 8, gs=32, seed=fmt + I)
+
+
+@pytest.mark.parametrize("S", range(1, 9))
+def test_every_S(S):
+    run_case(4 if S % 2 else 2, 7, 200, S=S, gs=64, seed=S)
+
+
+@pytest.mark.parametrize("gs", GS_CANDIDATES)
+def test_fmt4_every_group_size(gs):
+    run_case(4, 4, 520, S=2, gs=gs, seed=gs)      # 520 = partial last group for most gs
+    run_case(4, 3, 2 * gs + 1, S=1, gs=gs, seed=gs + 1)  # odd I: unaligned rows
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("fmt", [4, 6])
+def test_low_precision_x(fmt, dtype):
+    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt)
+
+
+def test_tiny_inputs_are_padded_into_device_space():
+    # O * rb < 8 bytes and S * I < 8 elements: the launch pads inputs to 8 elements.
+    run_case(2, 1, 3, S=1, seed=3)
+
+
+# ---------------------------------------------------------------------------------------
+# Planted defects: each must make the comparison fail.
+
+DEFECTS = {
+    "swapped nibbles": (2, "(r[k >> 3] >> (4 * (k & 7))) & 15u", "(r[k >> 3] >> (4 * ((k ^ 1) & 7))) & 15u"),
+    "group index off by one": (4, "scales[row * ng + (u * 16) / GS]", "scales[row * ng + (u * 16 + 16) / GS]"),
+    "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
+    "fmt 5 high plane offset": (5, "r[4 + (k >> 5)]", "r[3 + (k >> 5)]"),
+    "last unit of a row skipped": (1, "if (u < n_units) {\n        float q", "if (u + 1 < n_units) {\n        float q"),
+    "int8 read unsigned": (1, "float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24)",
+                           "float((r[k >> 2] >> (8 * (k & 3))) & 0xFFu)"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
+def test_planted_defect_is_caught(defect):
+    fmt, good, bad = DEFECTS[defect]
+    qt = random_qtensor(fmt, 4, 300, gs=16, seed=7)
+    x = random_x(2, 300, seed=8)
+    spec = qgemv.launch_spec(x, qt)
+    text = spec.header + spec.source
+    assert text.count(good) == 1, f"defect '{defect}' no longer plants: {good!r} not found once"
+    if good in spec.source:
+        spec.source = spec.source.replace(good, bad)
+    else:
+        spec.header = spec.header.replace(good, bad)
+    # Caught = a wrong result or a fault the simulator traps (an out-of-bounds read);
+    # a compile error would prove nothing about the test.
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        y = simulate(spec)
+        assert_close(y, x, qt, defect)
+    assert "failed to compile" not in str(caught.value)
