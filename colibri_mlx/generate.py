@@ -8,7 +8,9 @@ explicit ``mx.random`` key (``seed``) so that a run is reproducible. ``temperatu
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -174,3 +176,14 @@ def generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float
     """The generated text (end-of-sequence token not included)."""
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k,
                                                    min_p, repetition_penalty, seed, cache))
+
+
+class _CallableModule(types.ModuleType):
+    """``colibri_mlx.generate(...)`` must work after ``import colibri_mlx.generate`` too: importing
+    the submodule rebinds the package attribute from the lazy function to this module."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
