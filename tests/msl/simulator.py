@@ -72,7 +72,7 @@ _TYPE_STRINGS = {
     np.dtype(np.int32): "int32_t", np.dtype(np.int64): "int64_t", np.dtype(np.uint8): "uint8_t",
     np.dtype(np.uint16): "uint16_t", np.dtype(np.uint32): "uint32_t", np.dtype(np.uint64): "uint64_t",
 }
-BFLOAT16 = "bfloat16"  # pass this string (or an ml_dtypes bfloat16 dtype) for bfloat16_t
+BFLOAT16 = "bfloat16"  # output dtype for bfloat16_t (also mx.bfloat16); inputs: as_bfloat16(bits) or mx arrays
 
 # Metal vector constructors (float4(a, b, c, d), float4(half4_value)) are not C++; they are
 # rewritten into a call of the shim's msl_vec_make. The `(?<![\w.])` keeps ushort2 from matching short2.
@@ -98,21 +98,37 @@ def _clang() -> str:
 
 
 def _is_bfloat16(dtype) -> bool:
-    return (isinstance(dtype, str) and dtype in ("bfloat16", "bfloat16_t")) or (
-        not isinstance(dtype, str) and np.dtype(dtype).name == "bfloat16")
+    if isinstance(dtype, str):
+        return dtype in ("bfloat16", "bfloat16_t")
+    if type(dtype).__module__.startswith("mlx"):
+        return str(dtype).rsplit(".", 1)[-1] == "bfloat16"
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    """numpy dtype for a numpy/MLX dtype (MLX dtypes by name: mlx.core.float32 -> float32)."""
+    if type(dtype).__module__.startswith("mlx"):
+        return np.dtype(str(dtype).rsplit(".", 1)[-1])
+    return np.dtype(dtype)
+
+
+def as_bfloat16(bits: np.ndarray) -> np.ndarray:
+    """Mark a uint16 array of bfloat16 bit patterns as a bfloat16_t kernel input."""
+    bits = np.require(bits, dtype=np.uint16, requirements="C")
+    return bits.view(_Bf16Array)
 
 
 def _type_string(dtype) -> str:
     if _is_bfloat16(dtype):
         return "bfloat16_t"
     try:
-        return _TYPE_STRINGS[np.dtype(dtype)]
-    except KeyError:
+        return _TYPE_STRINGS[_numpy_dtype(dtype)]
+    except (KeyError, TypeError):
         raise SimulatorError(f"unsupported dtype {dtype!r} (no Metal type string)") from None
 
 
 def _storage_dtype(dtype) -> np.dtype:
-    return np.dtype(np.uint16) if _is_bfloat16(dtype) else np.dtype(dtype)
+    return np.dtype(np.uint16) if _is_bfloat16(dtype) else _numpy_dtype(dtype)
 
 
 def rewrite_for_clang(text: str) -> str:
@@ -183,6 +199,7 @@ def generate_source(name, input_names, output_names, source, header, inputs, out
     params += [f"  {t} {n} [[{n}]]" for n, t, _ in attrs]
     lines.append(f"[[kernel]] void {kernel_name}(")
     metal_source = header + "\n".join(lines) + "\n" + ",\n".join(params) + ") {\n" + source + "\n}\n"
+    function_source = metal_source  # the entry below instantiates the template (clang rejects host_name)
     if template:
         metal_source += (f'\ntemplate [[host_name("{kernel_name}")]] [[kernel]] '
                          f"decltype({kernel_name}{tdef}) {kernel_name}{tdef};\n")
@@ -196,7 +213,7 @@ def generate_source(name, input_names, output_names, source, header, inputs, out
         "\nstatic inline uint3 msl_u3(const uint32_t* v) { return uint3{v[0], v[1], v[2]}; }\n"
         'extern "C" void msl_kernel_entry(void** msl_buffers) {\n'
         f"  {kernel_name}{tdef}(\n    " + ",\n    ".join(call) + ");\n}\n")
-    cpp_source = '#include "metal_shim.h"\n#line 1 "kernel.metal"\n' + rewrite_for_clang(metal_source) + entry
+    cpp_source = '#include "metal_shim.h"\n#line 1 "kernel.metal"\n' + rewrite_for_clang(function_source) + entry
     return metal_source, cpp_source, args
 
 
@@ -211,10 +228,18 @@ def _as_input_array(x) -> np.ndarray:
         return np.asarray(x, dtype=np.int32)
     if isinstance(x, float):
         return np.asarray(x, dtype=np.float32)
+    if isinstance(x, _Bf16Array):
+        return np.require(x, requirements="C").view(_Bf16Array)
+    if type(x).__module__.startswith("mlx"):  # an mx.array
+        import mlx.core as mx
+        if x.dtype == mx.bfloat16:
+            return np.array(x.view(mx.uint16)).view(_Bf16Array)
+        return np.array(x)
     arr = np.asarray(x)
+    arr = np.require(arr, requirements="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
     if arr.dtype.name == "bfloat16":
-        return np.ascontiguousarray(arr).view(np.uint16).view(_Bf16Array)
-    return np.ascontiguousarray(arr)
+        return arr.view(np.uint16).view(_Bf16Array)
+    return arr
 
 
 def _tool_hash() -> str:
@@ -246,7 +271,7 @@ _CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__lo
 def _metal_spelling(msg: str) -> str:
     for k, v in _CLANG_AS_NAMES.items():
         msg = msg.replace(k, v)
-    return msg
+    return re.sub(r"::metal::msl_vec_make<(\w+)>\(", r"\1(", msg)
 
 
 def compile_kernel(cpp_source: str) -> Path:
@@ -319,14 +344,21 @@ class _GuardedBuffer:
             pass  # a numpy view still exists; the GC frees the mapping later
 
 
-def _poison(dtype) -> np.ndarray:
-    """One element of poison: NaN for floats, 0xAB bytes for everything else."""
+_POISON_BYTES = (0xAB, 0x54)  # integer poison per schedule (two, so a 1-byte 0xAB result is no false alarm)
+_FLOAT_POISON_BITS = {  # quiet NaNs with payloads no arithmetic produces, one per schedule
+    2: (0x7E5A, 0x7E3C), 4: (0x7FC5A5A5, 0x7FC3C3C3), 8: (0x7FF8A5A5A5A5A5A5, 0x7FF8C3C3C3C3C3C3)}
+_BF16_POISON_BITS = (0x7FC5, 0x7FC3)
+
+
+def _poison(dtype, variant: int = 0) -> np.ndarray:
+    """One element of poison for run `variant`: a NaN with a payload for floats, 0xAB/0x54 bytes else."""
     if _is_bfloat16(dtype):
-        return np.array([0x7FC1], dtype=np.uint16)
+        return np.array([_BF16_POISON_BITS[variant]], dtype=np.uint16)
     dt = np.dtype(dtype)
     if dt.kind == "f":
-        return np.array([np.nan], dtype=dt)
-    return np.frombuffer(bytes([0xAB]) * dt.itemsize, dtype=dt).copy()
+        bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dt.itemsize]
+        return np.array([_FLOAT_POISON_BITS[dt.itemsize][variant]], dtype=bits).view(dt)
+    return np.frombuffer(bytes([_POISON_BYTES[variant]]) * dt.itemsize, dtype=dt).copy()
 
 
 def _run_child(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
@@ -393,8 +425,7 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
     The kernel runs once per schedule (thread/threadgroup order); outputs must agree bit for bit
     across schedules (a race such as a missing barrier makes them differ) unless atomic_outputs.
     Outputs are NaN/0xAB-poisoned first unless init_value is given; a still-poisoned element is an
-    error unless allow_unwritten. bfloat16 outputs come back as uint16 bit patterns unless
-    ml_dtypes is importable. Returns the outputs (and the generated Metal source if return_source).
+    error unless allow_unwritten. bfloat16 outputs come back as uint16 bit patterns. Returns the outputs (and the generated Metal source if return_source).
     """
     if not (len(input_names) == len(inputs)):
         raise SimulatorError(f"[metal_kernel] Expected `inputs` to have size {len(input_names)} but got size {len(inputs)}.")
@@ -410,7 +441,7 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
 
     arg_data: dict[str, np.ndarray] = {}
     for nm, arr in zip(input_names, arrays):
-        arg_data[nm] = np.ascontiguousarray(arr).view(np.ndarray)
+        arg_data[nm] = np.require(arr, requirements="C").view(np.ndarray)
         if arr.ndim > 0:
             arg_data[nm + "_shape"] = np.asarray(arr.shape, dtype=np.int32)
             arg_data[nm + "_strides"] = np.asarray([s // arr.itemsize for s in arr.strides], dtype=np.int64)
@@ -423,7 +454,9 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
         raise SimulatorError(f"invalid grid {grid3} / threadgroup {tg3}")
 
     results = []
-    for schedule in schedules:
+    if len(schedules) not in (1, 2) or any(s not in ("forward", "reverse") for s in schedules):
+        raise SimulatorError(f"schedules must be one or two of 'forward'/'reverse', got {schedules!r}")
+    for variant, schedule in enumerate(schedules):
         bufs = []
         try:
             for a in args:
@@ -437,7 +470,7 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
             for i, dt in enumerate(out_dtypes):
                 buf = _GuardedBuffer(out_sizes[i] * dt.itemsize)
                 fill = (np.array([init_value]).astype(np.float64).astype(dt) if init_value is not None
-                        and not _is_bfloat16(output_dtypes[i]) else _poison(output_dtypes[i]))
+                        and not _is_bfloat16(output_dtypes[i]) else _poison(output_dtypes[i], variant))
                 if init_value is not None and _is_bfloat16(output_dtypes[i]):
                     fill = _float_to_bf16_bits(np.array([init_value], dtype=np.float32))
                 buf.view().view(dt)[:] = fill[0]
@@ -461,24 +494,29 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
         finally:
             for b in bufs:
                 b.close()
-        if init_value is None and not allow_unwritten:
-            _check_written(name, output_names, outs, output_dtypes)
         results.append(outs)
+    if init_value is None and not allow_unwritten:
+        _check_written(name, output_names, results, output_dtypes)
 
     for sched, outs in zip(schedules[1:], results[1:]):
-        for oname, a, b in zip(output_names, results[0], outs):
+        for oname, a, b, dt0 in zip(output_names, results[0], outs, output_dtypes):
             if atomic_outputs:
                 continue  # float atomics legitimately depend on the order
-            same = np.array_equal(a.view(np.uint8), b.view(np.uint8))
-            if not same:
-                diff = np.flatnonzero(a.reshape(-1).view(np.uint8) != b.reshape(-1).view(np.uint8))
-                idx = int(diff[0]) // a.itemsize
+            differs = (_bytes_per_element(a) != _bytes_per_element(b)).any(axis=1)
+            if init_value is None and allow_unwritten:  # unwritten elements hold different poisons
+                differs &= ~((_bytes_per_element(a) == _poison(dt0, 0).view(np.uint8)).all(axis=1))
+            if differs.any():
+                idx = int(np.flatnonzero(differs)[0])
                 raise SimulatorError(
                     f"kernel '{name}': output '{oname}' depends on the thread schedule "
                     f"({schedules[0]} vs {sched}: element {idx} is {a.reshape(-1)[idx]!r} vs "
                     f"{b.reshape(-1)[idx]!r}) - a race: missing threadgroup_barrier/simdgroup_barrier?")
-    outs = [_maybe_bf16(o, dt) for o, dt in zip(results[0], output_dtypes)]
+    outs = results[0]
     return (outs, metal_source) if return_source else outs
+
+
+def _bytes_per_element(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, a.itemsize)
 
 
 def _float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -486,28 +524,18 @@ def _float_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _maybe_bf16(out: np.ndarray, dtype) -> np.ndarray:
-    if not _is_bfloat16(dtype):
-        return out
-    try:
-        import ml_dtypes
-        return out.view(ml_dtypes.bfloat16)
-    except ImportError:
-        return out
-
-
-def _check_written(name, output_names, outs, output_dtypes):
-    for oname, out, dt in zip(output_names, outs, output_dtypes):
-        flat = out.reshape(-1)
-        if _is_bfloat16(dt):
-            poisoned = flat.view(np.uint16) == 0x7FC1
-        elif flat.dtype.kind == "f":
-            poisoned = np.isnan(flat)
-        else:
-            poisoned = flat == _poison(dt)[0]
-        if poisoned.any():
-            i = int(np.flatnonzero(poisoned)[0])
+def _check_written(name, output_names, results, output_dtypes):
+    """An element is unwritten if it holds the poison of its run in every run."""
+    for k, (oname, dt) in enumerate(zip(output_names, output_dtypes)):
+        unwritten = None
+        for variant, outs in enumerate(results):
+            bits = _bytes_per_element(outs[k])
+            poison = _poison(dt, variant).view(np.uint8)
+            hit = (bits == poison).all(axis=1)
+            unwritten = hit if unwritten is None else unwritten & hit
+        if unwritten is not None and unwritten.any():
+            i = int(np.flatnonzero(unwritten)[0])
             raise SimulatorError(
                 f"kernel '{name}': output {oname} element {i} never written "
-                f"({int(poisoned.sum())} of {flat.size} elements still hold the poison value; "
+                f"({int(unwritten.sum())} of {unwritten.size} elements still hold the poison value; "
                 "pass allow_unwritten=True if that is intended, or init_value)")

@@ -1,0 +1,372 @@
+"""The MSL simulator: correct kernels give the float64 reference; planted defects are caught."""
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.msl.simulator import SimulatorError, as_bfloat16, clang_available, generate_source, run_metal_kernel
+
+pytestmark = pytest.mark.skipif(not clang_available(), reason="clang is not installed")
+
+RNG = np.random.default_rng(20260521)
+
+# Block sum: simd_sum per SIMD group, partials through threadgroup memory, second simd_sum.
+REDUCE_SRC = """
+  uint lid = thread_index_in_threadgroup;
+  threadgroup float partial[32];
+  uint gid = thread_position_in_grid.x;
+  float v = x[gid] * scale;
+  float s = simd_sum(v);
+  if (thread_index_in_simdgroup == 0) partial[simdgroup_index_in_threadgroup] = s;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simdgroup_index_in_threadgroup == 0) {
+    float p = lid < simdgroups_per_threadgroup ? partial[lid] : 0.0f;
+    p = simd_sum(p);
+    if (lid == 0) out[threadgroup_position_in_grid.x] = p;
+  }
+"""
+
+
+def _block_sums(x, scale, tg):
+    x64 = x.astype(np.float64) * scale
+    return np.array([x64[i:i + tg].sum() for i in range(0, x.size, tg)])
+
+
+@pytest.mark.parametrize("n", [1024, 1000])  # 1000: the last threadgroup is partial (232 threads)
+def test_reduction_simd_sum_threadgroup_memory(n):
+    x = RNG.standard_normal(n).astype(np.float32)
+    (out,) = run_metal_kernel("reduce", ["x", "scale"], ["out"], REDUCE_SRC, inputs=[x, 1.5],
+                              output_shapes=[(-(-n // 256),)], output_dtypes=[np.float32],
+                              grid=(n, 1, 1), threadgroup=(256, 1, 1))
+    # float32 sums of <= 256 terms of size ~1.5: error well below 1e-4
+    np.testing.assert_allclose(out, _block_sums(x, 1.5, 256), rtol=0, atol=1e-4)
+
+
+SHUFFLE_TREE_SRC = """
+  uint gid = thread_position_in_grid.x;
+  uint lane = thread_index_in_simdgroup;
+  int v = x[gid];
+  for (ushort d = 16; d > 0; d /= 2) v += simd_shuffle_down(v, d);
+  if (lane == 0) out[gid / 32] = v;
+  int up = simd_shuffle_up(x[gid], 1);
+  int bx = simd_shuffle_xor(x[gid], 1);
+  int bc = simd_broadcast(x[gid], 5);
+  int pre = simd_prefix_exclusive_sum(x[gid]);
+  int mx = simd_max(x[gid]);
+  ((device int4*)neighbours)[gid] = int4(up, bx, bc, pre + 1000 * mx);
+"""
+
+
+def test_simd_shuffles_and_prefix():
+    x = RNG.integers(-50, 50, size=128).astype(np.int32)
+    out, nb = run_metal_kernel(
+        "shuffles", ["x"], ["out", "neighbours"], SHUFFLE_TREE_SRC, inputs=[x],
+        output_shapes=[(4,), (128, 4)], output_dtypes=[np.int32, np.int32],
+        grid=(128, 1, 1), threadgroup=(64, 1, 1))
+    g = x.reshape(4, 32)
+    np.testing.assert_array_equal(out, g.sum(1))
+    lane = np.arange(32)
+    up = np.where(lane >= 1, g[:, np.maximum(lane - 1, 0)], g)  # lane 0 keeps its own value
+    np.testing.assert_array_equal(nb[:, 0].reshape(4, 32), up)
+    np.testing.assert_array_equal(nb[:, 1].reshape(4, 32), g[:, lane ^ 1])
+    np.testing.assert_array_equal(nb[:, 2].reshape(4, 32), np.repeat(g[:, 5:6], 32, axis=1))
+    excl = np.cumsum(g, axis=1) - g
+    np.testing.assert_array_equal(nb[:, 3].reshape(4, 32), excl + 1000 * g.max(1, keepdims=True))
+
+
+CONSTANT_SRC = """
+  uint i = thread_position_in_grid.x;
+  float acc = 0.0f;
+  for (int k = 0; k < 4; k++) acc += coef[k] * float(k + 1);
+  y[i] = x[i] * scale + acc + float(x_shape[0]) + float(x_ndim) + float(x_strides[0]);
+"""
+
+
+def test_constant_space_scalar_small_array_and_shape_params():
+    x = RNG.standard_normal(40).astype(np.float32)
+    coef = np.array([0.5, -1.0, 2.0, 0.25], dtype=np.float32)  # < 8 elements: constant space
+    (y,), src = run_metal_kernel("consts", ["x", "scale", "coef"], ["y"], CONSTANT_SRC,
+                                 inputs=[x, np.float32(3.0), coef], output_shapes=[(40,)],
+                                 output_dtypes=[np.float32], grid=(40, 1, 1), threadgroup=(32, 1, 1),
+                                 return_source=True)
+    assert "const constant float& scale [[buffer(4)]]" in src
+    assert "const constant float* coef [[buffer(5)]]" in src
+    assert "const device float* x [[buffer(0)]]" in src
+    want = x.astype(np.float64) * 3.0 + (0.5 - 2.0 + 6.0 + 1.0) + 40 + 1 + 1
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-5)
+
+
+def test_signature_matches_mlx():
+    """Golden text of MLX 0.32's write_signature for a templated kernel."""
+    x = np.zeros(16, np.float32)
+    src = "uint i = thread_position_in_grid.x; out[i] = T(x[i] * n) + T(N);"
+    metal, _, _ = generate_source("k", ["x", "n"], ["out"], src, "// hdr\n", [x, np.asarray(2, np.int32)],
+                                  [np.float16], template=[("T", np.float16), ("N", 3), ("B", True)])
+    assert metal == (
+        "// hdr\ntemplate <typename T, int N, bool B>\n"
+        "[[kernel]] void custom_kernel_k__float16_t_3_1_float_int32_ts_float16_t(\n"
+        "  const device float* x [[buffer(0)]],\n"
+        "  const constant int32_t& n [[buffer(1)]],\n"
+        "  device float16_t* out [[buffer(2)]],\n"
+        "  uint3 thread_position_in_grid [[thread_position_in_grid]]) {\n"
+        + src + "\n}\n\n"
+        'template [[host_name("custom_kernel_k__float16_t_3_1_float_int32_ts_float16_t")]] [[kernel]] '
+        "decltype(custom_kernel_k__float16_t_3_1_float_int32_ts_float16_t<float16_t, 3, 1>) "
+        "custom_kernel_k__float16_t_3_1_float_int32_ts_float16_t<float16_t, 3, 1>;\n")
+
+
+def test_template_half_and_vector_constructors():
+    src = """
+      uint i = thread_position_in_grid.x;
+      uchar4 b = ((const device uchar4*)w)[i];
+      float4 lo = float4(b & 0xF) - 8.0f;
+      half4 h = half4(lo) * half(0.5f);
+      float2 p = float2(lo.x, lo.y);
+      out[i] = T(dot(float4(h), float4(1.0f)) + p.y * N);
+    """
+    w = RNG.integers(0, 256, size=(24, 4)).astype(np.uint8)
+    (out,) = run_metal_kernel("tmpl", ["w"], ["out"], src, inputs=[w], output_shapes=[(24,)],
+                              output_dtypes=[np.float16], grid=(24, 1, 1), threadgroup=(8, 1, 1),
+                              template=[("T", np.float16), ("N", 3)])
+    lo = (w & 0xF).astype(np.float64) - 8
+    want = (lo * 0.5).sum(1) + lo[:, 1] * 3  # small integers/halves: exact in half
+    np.testing.assert_array_equal(out.astype(np.float64), want)
+
+
+def test_bfloat16_input_and_output():
+    src = """
+      uint i = thread_position_in_grid.x;
+      float v = float(x[i]) * 2.0f;
+      out[i] = bfloat16_t(v);
+    """
+    x = np.array([1.0, -2.5, 3.140625, 1e-3] * 4, np.float32)
+    xb = (x.view(np.uint32) >> 16).astype(np.uint16)  # exact bfloat16 values
+    xin = as_bfloat16(xb)
+    (out,) = run_metal_kernel("bf", ["x"], ["out"], src, inputs=[xin], output_shapes=[(16,)],
+                              output_dtypes=["bfloat16"], grid=(16, 1, 1), threadgroup=(16, 1, 1))
+    assert out.dtype == np.uint16  # bfloat16 outputs come back as bit patterns
+    got = (out.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, (xb.astype(np.uint32) << 16).view(np.float32) * 2)
+
+
+def test_atomic_outputs_histogram():
+    src = """
+      uint i = thread_position_in_grid.x;
+      atomic_fetch_add_explicit(&hist[x[i]], 1u, memory_order_relaxed);
+    """
+    x = RNG.integers(0, 10, size=300).astype(np.uint32)
+    (hist,) = run_metal_kernel("hist", ["x"], ["hist"], src, inputs=[x], output_shapes=[(10,)],
+                               output_dtypes=[np.uint32], grid=(300, 1, 1), threadgroup=(128, 1, 1),
+                               init_value=0, atomic_outputs=True)
+    np.testing.assert_array_equal(hist, np.bincount(x, minlength=10))
+
+
+def test_non_uniform_grid_positions():
+    src = """
+      uint3 p = thread_position_in_grid;
+      uint idx = p.y * threads_per_grid.x + p.x;
+      ((device uint4*)out)[idx] = uint4(p.x, p.y, threads_per_threadgroup.x, threadgroups_per_grid.x);
+    """
+    (out,) = run_metal_kernel("pos", [], ["out"], src, inputs=[], output_shapes=[(3, 10, 4)],
+                              output_dtypes=[np.uint32], grid=(10, 3, 1), threadgroup=(4, 2, 1))
+    xs, ys = np.meshgrid(np.arange(10), np.arange(3))
+    np.testing.assert_array_equal(out[..., 0], xs)
+    np.testing.assert_array_equal(out[..., 1], ys)
+    np.testing.assert_array_equal(out[..., 2], np.where(xs >= 8, 2, 4))  # last threadgroup is partial
+    assert (out[..., 3] == 3).all()
+
+
+# ---- the simulator must catch defects ---------------------------------------------------------
+
+def test_constant_pointer_to_device_helper_is_a_compile_error():
+    header = "inline float first(const device float* p) { return p[0]; }\n"
+    src = "out[thread_position_in_grid.x] = first(coef);"
+    coef = np.ones(4, np.float32)  # < 8 elements: MLX puts it in the constant address space
+    with pytest.raises(SimulatorError, match=r"(?s)failed to compile.*'constant'.*'device'"):
+        run_metal_kernel("as_mismatch", ["coef"], ["out"], src, header, inputs=[coef],
+                         output_shapes=[(4,)], output_dtypes=[np.float32], grid=(4, 1, 1),
+                         threadgroup=(4, 1, 1))
+    # the same helper with a >= 8 element input (device space) compiles and runs
+    (out,) = run_metal_kernel("as_mismatch", ["coef"], ["out"], src, header,
+                              inputs=[np.full(8, 2.5, np.float32)], output_shapes=[(4,)],
+                              output_dtypes=[np.float32], grid=(4, 1, 1), threadgroup=(4, 1, 1))
+    assert (out == 2.5).all()
+
+
+# Each thread publishes x[i] and reads its neighbour's value: needs a barrier in between.
+NEIGHBOUR_SRC = """
+  uint lid = thread_index_in_threadgroup;
+  uint n = threads_per_threadgroup.x;
+  threadgroup float buf[256];
+  buf[lid] = x[thread_position_in_grid.x];
+  {BARRIER}
+  out[thread_position_in_grid.x] = buf[(lid + 1) % n] + buf[(lid + n - 1) % n];
+"""
+
+
+def _neighbour_ref(x, tg):
+    g = x.astype(np.float64).reshape(-1, tg)
+    return (np.roll(g, -1, axis=1) + np.roll(g, 1, axis=1)).reshape(-1)
+
+
+def test_missing_barrier_is_caught():
+    x = RNG.standard_normal(512).astype(np.float32)
+    kwargs = dict(inputs=[x], output_shapes=[(512,)], output_dtypes=[np.float32], grid=(512, 1, 1),
+                  threadgroup=(256, 1, 1))
+    good = NEIGHBOUR_SRC.replace("{BARRIER}", "threadgroup_barrier(mem_flags::mem_threadgroup);")
+    (out,) = run_metal_kernel("nb", ["x"], ["out"], good, **kwargs)
+    np.testing.assert_allclose(out, _neighbour_ref(x, 256), rtol=1e-6)
+    bad = NEIGHBOUR_SRC.replace("{BARRIER}", "")
+    # one schedule alone: a wrong result (reads of not-yet-written threadgroup memory)
+    for order in ("forward", "reverse"):
+        (out,) = run_metal_kernel("nb", ["x"], ["out"], bad, schedules=(order,), **kwargs)
+        assert not np.allclose(out, _neighbour_ref(x, 256), equal_nan=False)
+    # default: both schedules, and the disagreement is reported as a race
+    with pytest.raises(SimulatorError, match="depends on the thread schedule"):
+        run_metal_kernel("nb", ["x"], ["out"], bad, **kwargs)
+
+
+def test_unwritten_output_element_is_reported():
+    src = "uint i = thread_position_in_grid.x; if (i != 5) y[i] = float(x[i]);"
+    x = np.arange(1, 17, dtype=np.int32)
+    kwargs = dict(inputs=[x], output_shapes=[(16,)], output_dtypes=[np.float32], grid=(16, 1, 1),
+                  threadgroup=(16, 1, 1))
+    with pytest.raises(SimulatorError, match="output y element 5 never written"):
+        run_metal_kernel("unwritten", ["x"], ["y"], src, **kwargs)
+    (y,) = run_metal_kernel("unwritten", ["x"], ["y"], src, allow_unwritten=True, **kwargs)
+    assert np.isnan(y[5]) and (y[np.arange(16) != 5] == x[np.arange(16) != 5]).all()
+    # uint8 output: 0xAB is a legitimate byte; only an element poisoned in both runs counts
+    src8 = "uint i = thread_position_in_grid.x; y[i] = uchar(0xAB);"
+    (y8,) = run_metal_kernel("u8", ["x"], ["y"], src8, inputs=[x], output_shapes=[(16,)],
+                             output_dtypes=[np.uint8], grid=(16, 1, 1), threadgroup=(16, 1, 1))
+    assert (y8 == 0xAB).all()
+
+
+@pytest.mark.parametrize("n", [16, 13])  # 16 floats end on the guard page; 13 end in canary bytes
+def test_out_of_bounds_write_is_detected(n):
+    src = "uint i = thread_position_in_grid.x; y[i + 1] = x[i];"
+    x = RNG.standard_normal(n).astype(np.float32)
+    with pytest.raises(SimulatorError, match="out-of-bounds (access to|write to) buffer 'y'"):
+        run_metal_kernel("oob", ["x"], ["y"], src, inputs=[x], output_shapes=[(n,)],
+                         output_dtypes=[np.float32], grid=(n, 1, 1), threadgroup=(32, 1, 1),
+                         allow_unwritten=True)
+
+
+def test_out_of_bounds_read_is_detected():
+    src = "uint i = thread_position_in_grid.x; y[i] = x[i + 16];"  # reads x[16..31] of 16
+    x = RNG.standard_normal(16).astype(np.float32)
+    with pytest.raises(SimulatorError, match=r"out-of-bounds access to buffer 'x' \(64 bytes\): 0 bytes past"):
+        run_metal_kernel("oobr", ["x"], ["y"], src, inputs=[x], output_shapes=[(16,)],
+                         output_dtypes=[np.float32], grid=(16, 1, 1), threadgroup=(16, 1, 1))
+
+
+def test_divergent_barrier_is_reported_not_hung():
+    src = """
+      uint lid = thread_index_in_threadgroup;
+      threadgroup float buf[64];
+      if (lid >= 40) return;
+      buf[lid] = x[lid];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      y[lid] = buf[63 - lid];
+    """
+    x = RNG.standard_normal(64).astype(np.float32)
+    with pytest.raises(SimulatorError, match="divergent threadgroup_barrier: 40 of 64 threads"):
+        run_metal_kernel("div", ["x"], ["y"], src, inputs=[x], output_shapes=[(64,)],
+                         output_dtypes=[np.float32], grid=(64, 1, 1), threadgroup=(64, 1, 1))
+
+
+def test_simd_divergence_is_reported():
+    src = """
+      uint lane = thread_index_in_simdgroup;
+      float v = x[lane];
+      if (lane < 16) v = simd_sum(v); else v = simd_max(v);
+      y[lane] = v;
+    """
+    x = RNG.standard_normal(32).astype(np.float32)
+    with pytest.raises(SimulatorError, match=r"SIMD divergence in simdgroup 0: lane \d+ waits at simd_"):
+        run_metal_kernel("sdiv", ["x"], ["y"], src, inputs=[x], output_shapes=[(32,)],
+                         output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+
+
+def test_shuffle_from_missing_lane_is_poison():
+    """A shuffle-down tree in a partial SIMD group reads lanes that do not exist: NaN, not 0."""
+    src = """
+      float v = x[thread_position_in_grid.x];
+      for (ushort d = 16; d > 0; d /= 2) v += simd_shuffle_down(v, d);
+      if (thread_index_in_simdgroup == 0) y[0] = v;
+    """
+    x = RNG.standard_normal(20).astype(np.float32)
+    (y,) = run_metal_kernel("partial", ["x"], ["y"], src, inputs=[x], output_shapes=[(1,)],
+                            output_dtypes=[np.float32], grid=(20, 1, 1), threadgroup=(32, 1, 1),
+                            allow_unwritten=True)
+    assert np.isnan(y[0])
+    src_sum = "float v = simd_sum(x[thread_position_in_grid.x]); if (thread_index_in_simdgroup == 0) y[0] = v;"
+    (y,) = run_metal_kernel("partial2", ["x"], ["y"], src_sum, inputs=[x], output_shapes=[(1,)],
+                            output_dtypes=[np.float32], grid=(20, 1, 1), threadgroup=(32, 1, 1))
+    np.testing.assert_allclose(y[0], x.astype(np.float64).sum(), rtol=1e-5)
+
+
+def test_infinite_loop_times_out():
+    src = "uint i = 0; while (x[0] > 0.0f) { ((volatile device float*)y)[0] = float(i++); }"
+    with pytest.raises(SimulatorError, match="did not finish"):
+        run_metal_kernel("spin", ["x"], ["y"], src, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
+                         output_dtypes=[np.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1), timeout=1.0)
+
+
+def test_int4_gemv_2048_is_fast():
+    """A 2048x2048 int4 GEMV with 256-thread threadgroups simulates well within seconds."""
+    import time
+    src = """
+      uint row = threadgroup_position_in_grid.x * 8 + simdgroup_index_in_threadgroup;
+      uint lane = thread_index_in_simdgroup;
+      const device uchar* wrow = w + row * (I / 2);
+      float acc = 0.0f;
+      for (uint k = lane * 4; k < I / 2; k += 32 * 4) {
+        uchar4 b = *(const device uchar4*)(wrow + k);
+        float4 lo = float4(b & 0xF) - 8.0f;
+        float4 hi = float4(b >> 4) - 8.0f;
+        uint c = 2 * k;
+        acc += lo.x * x[c] + hi.x * x[c + 1] + lo.y * x[c + 2] + hi.y * x[c + 3]
+             + lo.z * x[c + 4] + hi.z * x[c + 5] + lo.w * x[c + 6] + hi.w * x[c + 7];
+      }
+      acc = simd_sum(acc);
+      if (lane == 0) y[row] = acc * scales[row];
+    """
+    O = I = 2048
+    q = RNG.integers(0, 16, size=(O, I)).astype(np.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    scales = RNG.uniform(0.01, 0.1, O).astype(np.float32)
+    x = RNG.standard_normal(I).astype(np.float32)
+    kwargs = dict(inputs=[packed, scales, x], output_shapes=[(O,)], output_dtypes=[np.float32],
+                  grid=(256 * (O // 8), 1, 1), threadgroup=(256, 1, 1), template=[("I", I)])
+    run_metal_kernel("gemv_speed", ["w", "scales", "x"], ["y"], src, **kwargs)  # compile
+    t0 = time.perf_counter()
+    (y,) = run_metal_kernel("gemv_speed", ["w", "scales", "x"], ["y"], src, **kwargs)
+    elapsed = time.perf_counter() - t0
+    ref = ((q.astype(np.float64) - 8) @ x.astype(np.float64)) * scales
+    # 2048 float32 products of size <= 8*4: accumulated error < 1e-3 relative to max |ref|
+    np.testing.assert_allclose(y, ref, rtol=0, atol=1e-3 * np.abs(ref).max())
+    assert elapsed < 5.0, f"simulating the GEMV took {elapsed:.1f} s"
+    # the swapped-nibble defect changes the result
+    bad = src.replace("float4 lo = float4(b & 0xF)", "float4 lo = float4(b >> 4)").replace(
+        "float4 hi = float4(b >> 4)", "float4 hi = float4(b & 0xF)")
+    (yb,) = run_metal_kernel("gemv_speed", ["w", "scales", "x"], ["y"], bad, **kwargs)
+    assert not np.allclose(yb, ref, rtol=0, atol=1e-3 * np.abs(ref).max())
+
+
+def test_clang_message_names_the_kernel_line():
+    with pytest.raises(SimulatorError, match=r"kernel\.metal:\d+:\d+: error: use of undeclared identifier 'zz'"):
+        run_metal_kernel("bad", ["x"], ["y"], "y[0] = zz;", inputs=[np.ones(8, np.float32)],
+                         output_shapes=[(1,)], output_dtypes=[np.float32], grid=(1, 1, 1),
+                         threadgroup=(1, 1, 1))
+
+
+def test_mlx_arrays_and_dtypes_are_accepted():
+    mx = pytest.importorskip("mlx.core")
+    src = "uint i = thread_position_in_grid.x; y[i] = bfloat16_t(float(x[i]) + 1.0f);"
+    x = mx.array([1.0, 2.0, -3.0, 0.5, 8.0, 16.0, 0.25, -1.0], dtype=mx.bfloat16)
+    (y,) = run_metal_kernel("mxin", ["x"], ["y"], src, inputs=[x], output_shapes=[(8,)],
+                            output_dtypes=[mx.bfloat16], grid=(8, 1, 1), threadgroup=(8, 1, 1))
+    got = (y.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, np.array(x.astype(mx.float32)) + 1.0)
