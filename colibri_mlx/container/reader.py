@@ -33,7 +33,8 @@ class Container:
     * ``tensor(name, shape=None)``: a QTensor for ``<name>`` (U8/I8) + ``<name>.qs``; otherwise
       the stored numpy array as a read-only memory-mapped view in its stored dtype. BF16 comes
       back as its uint16 bit patterns and F8_E4M3 / F8_E8M0 as uint8 bit patterns (numpy has no
-      such dtypes): use ``array(name)`` for float32 values.
+      such dtypes): use ``array(name)`` for float32 values. A U8/I8 tensor without ``.qs`` that
+      config.json does not describe as a 2-D weight comes back as its stored bytes.
     * ``array(name, dtype=np.float32)``: values converted (bf16/f16/fp8 widened exactly,
       quantized tensors dequantized; fmt 6 in its stored rotated basis ``W @ Q``).
     * ``[O, I]`` comes from ``shape=`` or from ``expected_shapes(config)`` (config.json).
@@ -174,7 +175,9 @@ class Container:
         storage = DTYPES[info.dtype].storage
         count = info.nbytes // storage.itemsize
         flat = np.frombuffer(self._map(info.path), storage, count, info.offset)
-        return flat if info.dtype in QUANT_DTYPES else flat.reshape(info.shape)
+        if info.dtype in QUANT_DTYPES and info.numel != count:
+            return flat  # upstream ignores the shape of U8/I8 tensors (FORMAT.md §1.2)
+        return flat.reshape(info.shape)
 
     def _scales(self, name: str) -> np.ndarray:
         qs = self.info(name + ".qs")
@@ -198,8 +201,9 @@ class Container:
         try:
             return resolve_format(O, I, nb, ns, stamp)
         except FormatError as e:
-            raise ContainerError(f"{info.path}: tensor {info.name!r} [O={O}, I={I}]: weight {nb} B + scales {ns} B "
-                                 f"match no format ({e}); expected one of {_expected_counts(O, I)}") from None
+            where = "" if qs.path == info.path else f" (scales in {qs.path})"
+            raise ContainerError(f"{info.path}: tensor {info.name!r}{where} [O={O}, I={I}]: weight {nb} B + scales "
+                                 f"{ns} B match no format ({e}); expected one of {_expected_counts(O, I)}") from None
 
     def _check_unscaled_bytes(self, info: TensorInfo, shape) -> None:
         shape = shape if shape is not None else self.shapes.get(info.name)

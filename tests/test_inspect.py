@@ -1,0 +1,167 @@
+"""`colibri inspect`: per-tensor fmt/gs/shape/bytes, totals, ambiguity flags, unresolvable verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from click.testing import CliRunner
+
+from colibri_mlx.cli import main
+from colibri_mlx.container import expected_shapes, write_shard
+from colibri_mlx.formats import FMT_NAMES, QTensor, encode
+
+CONFIG = dict(
+    model_type="deepseek_v3", hidden_size=256, vocab_size=64, num_hidden_layers=2, num_attention_heads=1,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    intermediate_size=80, moe_intermediate_size=32, n_routed_experts=2, n_shared_experts=1,
+    first_k_dense_replace=1, num_nextn_predict_layers=0,
+)
+AMBIGUOUS = "model.layers.0.mlp.down_proj.weight"  # [256, 80] int4 gs 64: 2 groups, like gs 48
+
+
+def plan(name: str):
+    table = {
+        "embed_tokens": (1, None), "lm_head": (2, None), "q_a_proj": (3, None), "q_b_proj": (5, None),
+        "kv_a_proj": (1, None), "kv_b_proj": (2, None), "o_proj": (1, None), "mlp.gate_proj": (4, 64),
+        "mlp.up_proj": (4, 32), "mlp.down_proj": (4, 64), "shared_experts": (5, None),
+        "experts.0.down": (4, 16), "experts.1.down": (3, None), "experts": (6, None), "mlp.gate.": (0, None),
+    }
+    for key, fmt_gs in table.items():
+        if key in name:
+            return fmt_gs
+    raise AssertionError(name)
+
+
+def build(path, config=CONFIG, corrupt: str | None = None) -> dict:
+    """Container with fmt 1-6; AMBIGUOUS is written unstamped (as upstream's converter would)."""
+    rng = np.random.default_rng(11)
+    tensors = {}
+    for name, (O, I) in expected_shapes(config).items():
+        fmt, gs = plan(name)
+        w = rng.standard_normal((O, I)).astype(np.float32)
+        tensors[name] = w if fmt == 0 else QTensor(*encode(fmt, w, gs), fmt, O, I, gs, name)
+    tensors["model.norm.weight"] = rng.standard_normal(config["hidden_size"]).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    amb = tensors[AMBIGUOUS]
+    plain = {AMBIGUOUS: amb.packed, AMBIGUOUS + ".qs": amb.scales}
+    if corrupt:
+        plain[corrupt + ".qs"] = np.ones(tensors[corrupt].scales.size + 1, np.float32)
+    safetensors.numpy.save_file(plain, os.path.join(path, "out-00001.safetensors"))
+    write_shard(os.path.join(path, "out-00000.safetensors"),
+                {n: t for n, t in tensors.items() if n != AMBIGUOUS and n != corrupt})
+    if corrupt:
+        write_shard(os.path.join(path, "out-00002.safetensors"), {corrupt: tensors[corrupt].packed})
+    return tensors
+
+
+def stored_nbytes(t) -> int:
+    return t.packed.nbytes + t.scales.nbytes if isinstance(t, QTensor) else t.nbytes
+
+
+def data_bytes_on_disk(path) -> int:
+    total = 0
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(path, f), "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+            total += os.path.getsize(os.path.join(path, f)) - 8 - n
+    return total
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inspect")
+    return path, build(path)
+
+
+def run(*args):
+    return CliRunner().invoke(main, ["inspect", *map(str, args)], catch_exceptions=False)
+
+
+def test_json_report(container):
+    path, tensors = container
+    result = run(path, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {r["name"]: r for r in report["tensors"]}
+    assert rows.keys() == tensors.keys()
+    for name, t in tensors.items():
+        r = rows[name]
+        assert r["nbytes"] == stored_nbytes(t), name
+        if isinstance(t, QTensor):
+            want_gs = t.gs if t.fmt == 4 else None
+            assert (r["fmt"], r["fmt_id"], r["gs"], r["O"], r["I"]) == (FMT_NAMES[t.fmt], t.fmt, want_gs, t.O, t.I), name
+        else:
+            assert (r["fmt"], r["O"], r["I"]) == ("f32", t.shape[0], t.shape[1] if t.ndim == 2 else None), name
+    assert {r["fmt_id"] for r in rows.values() if r["dtype"] == "U8"} == {1, 2, 3, 4, 5, 6}
+
+    totals = report["totals"]
+    assert totals["nbytes"] == data_bytes_on_disk(path) == sum(stored_nbytes(t) for t in tensors.values())
+    assert sum(v["nbytes"] for v in totals["by_fmt"].values()) == totals["nbytes"]
+    assert sum(v["nbytes"] for v in totals["by_class"].values()) == totals["nbytes"]
+    assert totals["by_fmt"]["e8-iq3-lattice"]["count"] == 4
+    assert totals["by_class"]["routed_experts"]["count"] == 6
+    assert totals["by_class"]["dense_mlp"]["count"] == 3
+    expert0 = sum(stored_nbytes(tensors[f"model.layers.1.mlp.experts.0.{p}_proj.weight"]) for p in ("gate", "up", "down"))
+    expert1 = sum(stored_nbytes(tensors[f"model.layers.1.mlp.experts.1.{p}_proj.weight"]) for p in ("gate", "up", "down"))
+    assert report["routed_experts"] == {"count": 2, "nbytes_per_expert": sorted({expert0, expert1})}
+    assert report["ambiguous"] == [AMBIGUOUS] and report["unresolved"] == [] and report["ok"]
+    amb = rows[AMBIGUOUS]
+    assert (amb["fmt_id"], amb["gs"]) == (4, 64) and [4, 48] in amb["readings"]
+
+
+def test_table(container):
+    path, tensors = container
+    result = run(path)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    for name, t in tensors.items():
+        (line,) = [ln for ln in lines if ln.split() and ln.split()[0] == name]
+        fmt = FMT_NAMES[t.fmt] if isinstance(t, QTensor) else "f32"
+        assert line.split()[1] == fmt, line
+        assert f"{stored_nbytes(t):,}" in line
+        if isinstance(t, QTensor):
+            assert f"{t.O} x {t.I}" in line
+            assert (line.rstrip().endswith("AMBIGUOUS")) == (name == AMBIGUOUS)
+    assert f"AMBIGUOUS {AMBIGUOUS}: ambiguous: bytes fit int4-grouped gs 48, int4-grouped gs 64; read as " \
+           f"int4-grouped gs 64; upstream reads int4-grouped gs 48" in result.stdout
+    assert "routed experts: 2," in result.stdout
+    assert "verdict: all" in result.stdout and "(1 ambiguous" in result.stdout
+
+
+def test_unresolvable_tensor_exits_nonzero(tmp_path):
+    bad = "model.layers.0.self_attn.q_b_proj.weight"
+    build(tmp_path, corrupt=bad)
+    result = run(tmp_path)
+    assert result.exit_code == 1
+    assert f"UNRESOLVED {bad}:" in result.stdout and "match no format" in result.stdout
+    assert "verdict: 1 of" in result.stdout and "cannot be read" in result.stdout
+    report = json.loads(run(tmp_path, "--json").stdout)
+    assert not report["ok"] and [u["name"] for u in report["unresolved"]] == [bad]
+    verdict = report["unresolved"][0]["verdict"]
+    assert "out-00002.safetensors: tensor" in verdict and "(scales in " in verdict and "out-00001" in verdict
+
+
+def test_weight_without_scales_is_unresolved(tmp_path):
+    write_shard(tmp_path / "a.safetensors", {"lm_head.weight": np.ones(64 * 256, np.uint8)})
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(CONFIG, f)
+    result = run(tmp_path, "--json")
+    assert result.exit_code == 1
+    (u,) = json.loads(result.stdout)["unresolved"]
+    assert u["name"] == "lm_head.weight" and "has no lm_head.weight.qs" in u["verdict"]
+
+
+def test_malformed_shard_is_a_clean_error(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", 1000) + b"{}")
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "bad.safetensors: header length 1000 runs past the end" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
