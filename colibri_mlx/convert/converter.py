@@ -1,0 +1,106 @@
+"""`convert()`: the one entry point behind `colibri convert` and scripts/convert_hf.py."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+from typing import Callable, Optional
+
+from .classify import ConvertError
+from .pipeline import (METADATA_FILES, METADATA_PATTERNS, Conversion, OutdirLock, Summary, copy_metadata,
+                       list_shards, read_json, shards_for_mode)
+from .recipes import describe, resolve_plan
+
+DEFAULT_N_LAYERS = 78  # upstream's default (GLM-5.2); used only when config.json is absent
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def convert(outdir: str, indir: Optional[str] = None, repo: Optional[str] = None, *,
+            recipe: Optional[str] = None, n_layers: Optional[int] = None, mtp: bool = False,
+            indexer: bool = False, jobs: int = 1, workers: int = 1, min_free_gb: float = 20.0,
+            revision: Optional[str] = None, stats: bool = True, progress: bool = True,
+            log: Callable[[str], None] = _log, **bit_options) -> Summary:
+    """Convert a Hugging Face checkpoint (local `indir` or Hub `repo`) into a colibri container.
+
+    `bit_options` are ebits, io_bits, xbits, shared_bits, o_bits, kvb_bits, attn_bits,
+    dmlp_bits, gate_bits, up_bits, down_bits, group_size (None = recipe/upstream default).
+    Returns the per-class summary of the whole container pass.
+    """
+    if (indir is None) == (repo is None):
+        raise ConvertError("give exactly one of --indir DIR or --repo ID")
+    if mtp and indexer:
+        raise ConvertError("--mtp and --indexer are separate passes; run them one at a time")
+    mode = "mtp" if mtp else "indexer" if indexer else "main"
+    os.makedirs(outdir, exist_ok=True)
+    with OutdirLock(outdir):
+        if indir is not None:
+            return _convert_local(indir, outdir, mode, recipe, n_layers, bit_options,
+                                  max(jobs, workers), stats, progress, log)
+        return _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers),
+                             min_free_gb, revision, stats, progress, log)
+
+
+def _plan(config: Optional[dict], n_layers, recipe, mode, bit_options, log):
+    if n_layers is None:
+        if config and "num_hidden_layers" in config:
+            n_layers = int(config["num_hidden_layers"])
+        else:
+            n_layers = DEFAULT_N_LAYERS
+            log(f"[plan] no num_hidden_layers in config.json: --n-layers defaults to {n_layers} (GLM-5.2)")
+    plan = resolve_plan(bit_options, recipe, mode, n_layers)
+    log(describe(plan, mode))
+    if mode == "mtp" and plan.ebits != "e8" and plan.ebits < 8 and plan.group_size <= 0:
+        log(f"WARNING: --mtp with --ebits {plan.ebits} and per-row scales zeroes eh_proj's embedding half "
+            "(MTP acceptance ~0%, upstream issue #8); use --ebits 8 or a group size")
+    return plan
+
+
+def _finish(summary: Summary, outdir: str, log):
+    log(summary.table())
+    log(f"container -> {outdir}")
+    return summary
+
+
+def _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, jobs, stats, progress, log):
+    if not os.path.isdir(indir):
+        raise ConvertError(f"--indir {indir}: not a directory")
+    plan = _plan(read_json(os.path.join(indir, "config.json")), n_layers, recipe, mode, bit_options, log)
+    shards = list_shards(indir)
+    weight_map = (read_json(os.path.join(indir, "model.safetensors.index.json")) or {}).get("weight_map")
+    shards = shards_for_mode(shards, weight_map, mode, plan.n_layers)
+    conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=False, log=log)
+    summary = conversion.run(shards)
+    if mode == "main":  # the --mtp/--indexer passes add to a container that has its metadata
+        copied, missing = copy_metadata(indir, outdir)
+        log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
+        if missing:
+            log(f"[meta] WARNING: {', '.join(missing)} not found in {indir} (the engine needs config.json, "
+                "chat needs tokenizer.json)")
+    return _finish(summary, outdir, log)
+
+
+def _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, jobs, min_free_gb, revision,
+                  stats, progress, log):
+    from .hub import HubSource, require_free
+
+    require_free(outdir, min_free_gb, starting=True)
+    hub = HubSource(repo, outdir, revision)
+    meta_names = [n for n in hub.sizes if n in METADATA_FILES
+                  or any(fnmatch.fnmatch(n, p) for p in METADATA_PATTERNS)]
+    meta_dir = hub.fetch_metadata(meta_names)
+    plan = _plan(read_json(os.path.join(meta_dir, "config.json")), n_layers, recipe, mode, bit_options, log)
+    shards = shards_for_mode(hub.shards, hub.weight_map() if mode != "main" else None, mode, plan.n_layers)
+    if mode == "main":
+        copied, missing = copy_metadata(meta_dir, outdir)
+        log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
+    # Upstream's --repo naming: out-NNNNN is the source shard's index, even for empty outputs.
+    conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=True, log=log)
+    sizes = {s: hub.sizes.get(s) or 0 for s in shards}
+    summary = conversion.run(shards, sizes=sizes, fetch=hub.fetch_shard, release=hub.release,
+                             before_shard=lambda: require_free(outdir, min_free_gb, starting=False))
+    hub.cleanup()
+    return _finish(summary, outdir, log)

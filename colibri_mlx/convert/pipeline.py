@@ -1,0 +1,422 @@
+"""Shard-by-shard conversion: classify, dequantize, encode, write; resumable.
+
+One source shard -> at most one output shard (`out-NNNNN.safetensors`, upstream's naming).
+Tensors are encoded in a process pool (`--jobs`) but collected and written in name order, so
+the output is byte-identical to a serial run. Progress is recorded in upstream's manifest
+`.out-progress.json` after each shard is written atomically: a run killed at any point
+resumes where it stopped and produces the same bytes; a resume with different parameters is
+refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from .classify import SHARD_PREFIX, BitPlan, ConvertError, classify, layer_index
+from .sources import FP8_BLOCK, SafetensorsShard, WeightSource
+
+# Copied next to the shards: the engine needs config.json, chat needs the tokenizer.
+METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "tokenizer.model", "tiktoken.model", "chat_template.jinja")
+METADATA_PATTERNS = ("tokenization_*.py", "configuration_*.py")
+
+
+def _quant_rows() -> int:
+    """Rows quantized per block: every format is per row, so blocking is bit-identical and only
+    caps the float32 temporaries (upstream's COLI_QUANT_ROWS). FP8 blocks are 128 rows."""
+    rows = int(os.environ.get("COLI_QUANT_ROWS", "8192"))
+    if rows <= 0 or rows % FP8_BLOCK:
+        raise ConvertError(f"COLI_QUANT_ROWS must be a positive multiple of {FP8_BLOCK}, got {rows}")
+    return rows
+
+
+QUANT_ROWS = _quant_rows()
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One source tensor to convert; fmt None means keep float32."""
+
+    shard_path: str
+    name: str
+    kind: str
+    fmt: Optional[int]
+    gs: Optional[int]
+    nbytes: int  # source bytes, for progress
+
+
+@dataclass
+class TensorResult:
+    name: str
+    kind: str
+    fmt: int  # 0 = stored float32
+    gs: Optional[int]
+    value: object  # np.ndarray (float32) or QTensor
+    src_bytes: int
+    out_bytes: int
+    n_weights: int
+    sq_err: float  # sum of squared reconstruction errors (float64), 0 for float32
+    sq_ref: float  # sum of squared weights
+
+
+# ------------------------------------------------------------------ one tensor
+
+
+def convert_tensor(shard: SafetensorsShard, task: TensorTask, stats: bool = True) -> TensorResult:
+    """Dequantize one weight and encode it (row block by row block)."""
+    source = WeightSource(shard, task.name)
+    if task.fmt is None or source.ndim != 2:
+        w = np.ascontiguousarray(source.read(), dtype=np.float32)
+        return TensorResult(task.name, task.kind, 0, None, w, task.nbytes, w.nbytes, w.size, 0.0, 0.0)
+    from ..formats import FormatError, QTensor, encode
+
+    O, I = source.shape
+    if task.fmt == 6 and I % 256:
+        raise ConvertError(f"{shard.path}: tensor {task.name!r}: e8 (fmt 6) needs an input dim that is a "
+                           f"multiple of 256, got [{O}, {I}]")
+    packed, scales = [], []
+    sq_err = sq_ref = 0.0
+    for r0 in range(0, O, QUANT_ROWS):
+        w = source.rows(r0, min(O, r0 + QUANT_ROWS))
+        try:
+            p, s = encode(task.fmt, w, task.gs)
+        except FormatError as e:
+            raise ConvertError(f"{shard.path}: tensor {task.name!r} rows {r0}..: {e}") from None
+        if stats:
+            e2, r2 = _squared_error(task.fmt, task.gs, w, p, s)
+            sq_err, sq_ref = sq_err + e2, sq_ref + r2
+        packed.append(p)
+        scales.append(s)
+    packed = np.concatenate(packed)
+    # fmt 6's .qs is a one-float tag, the same for every block; keep one.
+    scales = scales[0] if task.fmt == 6 else np.concatenate(scales)
+    qt = QTensor(packed, scales, task.fmt, O, I, task.gs, task.name)
+    return TensorResult(task.name, task.kind, task.fmt, task.gs, qt, task.nbytes,
+                        packed.nbytes + scales.nbytes, O * I, sq_err, sq_ref)
+
+
+def _squared_error(fmt: int, gs, w: np.ndarray, packed, scales) -> tuple[float, float]:
+    from ..formats import decode
+
+    rows, cols = w.shape
+    approx = decode(fmt, packed, scales, rows, cols, gs)
+    if fmt == 6:  # decode gives W @ Q; the rotation is orthogonal, so compare in that basis
+        from ..formats.e8 import rotate_rows
+
+        w = rotate_rows(w)
+    diff = approx.astype(np.float64) - w
+    return float(np.vdot(diff, diff)), float(np.vdot(w, w.astype(np.float64)))
+
+
+def _convert_in_worker(task: TensorTask, stats: bool) -> TensorResult:
+    # Open per task and close: a cached map would keep a deleted --repo shard's disk space.
+    with SafetensorsShard(task.shard_path) as shard:
+        return convert_tensor(shard, task, stats)
+
+
+# ------------------------------------------------------------------ one shard
+
+
+def shard_tasks(shard: SafetensorsShard, plan: BitPlan, mode: str) -> list[TensorTask]:
+    tasks = []
+    for name in shard.names():
+        kind = classify(name, plan.n_layers, mode)
+        if kind in ("skip", "consumed"):
+            continue
+        fmt, gs = (None, None) if kind == "f32" else plan.format_for(kind, name)
+        nbytes = _source_nbytes(shard, name)
+        tasks.append(TensorTask(shard.path, name, kind, fmt, gs, nbytes))
+    return tasks
+
+
+def _source_nbytes(shard: SafetensorsShard, name: str) -> int:
+    siblings = (name, name + "_scale_inv", name + "_scale", name + "_scale_2")
+    return sum(shard.info(n).nbytes for n in siblings if n in shard)
+
+
+class TensorRunner:
+    """Runs tensor tasks serially or in a spawn pool; results always come back in task order."""
+
+    def __init__(self, jobs: int = 1, stats: bool = True):
+        self.jobs, self.stats = max(1, int(jobs)), stats
+        self._pool: Optional[ProcessPoolExecutor] = None
+
+    def __enter__(self):
+        if self.jobs > 1:
+            # spawn, not fork: the parent may hold BLAS/MLX threads (upstream does the same).
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc):
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def run(self, shard: SafetensorsShard, tasks: list[TensorTask]) -> Iterator[TensorResult]:
+        if self._pool is None:
+            for task in tasks:
+                yield convert_tensor(shard, task, self.stats)
+            return
+        futures = [self._pool.submit(_convert_in_worker, t, self.stats) for t in tasks]
+        for fut in futures:
+            yield fut.result()
+
+
+# ------------------------------------------------------------------ progress manifest
+
+
+class ProgressManifest:
+    """Upstream's `.{prefix}progress.json`: {"shards": {source: emitted-or-""}, "params": {...}}.
+
+    We add "colibri_mlx": {"stats": {source: [summary rows]}} so that a resumed run's final
+    summary still covers every shard; upstream ignores and preserves unknown keys.
+    """
+
+    def __init__(self, outdir: str, prefix: str, params: dict):
+        self.path = os.path.join(outdir, f".{prefix}progress.json")
+        self.params = json.loads(json.dumps(params))  # compare as JSON would store it
+        self.data = {"shards": {}, "params": self.params, "colibri_mlx": {"stats": {}}}
+        if os.path.exists(self.path):
+            self._load()
+
+    def _load(self):
+        try:
+            with open(self.path) as f:
+                prev = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"{self.path}: unreadable progress manifest ({e}); delete it and the "
+                               "out-*.safetensors shards to start over") from None
+        if prev.get("params") != self.params:
+            raise ConvertError(
+                f"{self.path} records a conversion with {prev.get('params')};\n"
+                f"this run uses {self.params}.\nRefusing to mix conversions in one output directory: "
+                "rerun with the recorded options, use a fresh --outdir, or delete the manifest and "
+                "the shards to redo.")
+        self.data["shards"] = dict(prev.get("shards", {}))
+        self.data["colibri_mlx"]["stats"] = dict(prev.get("colibri_mlx", {}).get("stats", {}))
+
+    def done(self, source: str, outdir: str) -> Optional[str]:
+        """The emitted name ("" = nothing to emit) if `source` is finished and its file exists."""
+        emitted = self.data["shards"].get(source)
+        if emitted is None or (emitted and not os.path.exists(os.path.join(outdir, emitted))):
+            return None
+        return emitted
+
+    def record(self, source: str, emitted: str, stats_rows: list):
+        self.data["shards"][source] = emitted
+        self.data["colibri_mlx"]["stats"][source] = stats_rows
+        self.save()
+
+    def save(self):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def all_stats(self) -> list:
+        return [row for rows in self.data["colibri_mlx"]["stats"].values() for row in rows]
+
+
+# ------------------------------------------------------------------ summary
+
+
+class Summary:
+    """Per (kind, fmt, gs): tensors, bytes in/out, relative RMS reconstruction error."""
+
+    def __init__(self):
+        self.rows: dict[tuple, list] = {}
+
+    def add(self, r: TensorResult):
+        self.add_row([r.kind, r.fmt, r.gs, 1, r.src_bytes, r.out_bytes, r.n_weights, r.sq_err, r.sq_ref])
+
+    def add_row(self, row):
+        kind, fmt, gs, *vals = row
+        acc = self.rows.setdefault((kind, fmt, gs), [0] * len(vals))
+        for i, v in enumerate(vals):
+            acc[i] += v
+
+    def rows_for_manifest(self) -> list:
+        return [[*key, *vals] for key, vals in sorted(self.rows.items(), key=_row_key)]
+
+    def table(self) -> str:
+        from ..formats import FMT_NAMES
+
+        lines = [f"{'class':<6} {'fmt':<20} {'tensors':>8} {'source MB':>11} {'output MB':>11} "
+                 f"{'bits/w':>7} {'rel RMS err':>12}"]
+        totals = [0, 0, 0]
+        for (kind, fmt, gs), (n, src, out, nw, e2, r2) in sorted(self.rows.items(), key=_row_key):
+            label = f"{fmt} {FMT_NAMES[fmt]}" + (f" gs{gs}" if gs else "")
+            err = f"{np.sqrt(e2 / r2):.3e}" if fmt and r2 > 0 else "-"
+            lines.append(f"{kind:<6} {label:<20} {n:>8} {src / 1e6:>11.2f} {out / 1e6:>11.2f} "
+                         f"{8 * out / max(nw, 1):>7.3f} {err:>12}")
+            totals = [totals[0] + n, totals[1] + src, totals[2] + out]
+        lines.append(f"{'total':<27} {totals[0]:>8} {totals[1] / 1e6:>11.2f} {totals[2] / 1e6:>11.2f}")
+        return "\n".join(lines)
+
+
+def _row_key(item):
+    (kind, fmt, gs), _ = item
+    return (kind, fmt, gs or 0)
+
+
+# ------------------------------------------------------------------ the conversion
+
+
+@dataclass
+class Conversion:
+    """Everything one converter run needs. `sources` yields (source name, local path) pairs
+    and may fetch lazily (--repo); `name_by_index` selects upstream's --repo naming."""
+
+    outdir: str
+    plan: BitPlan
+    mode: str = "main"
+    jobs: int = 1
+    stats: bool = True
+    progress: bool = True
+    name_by_index: bool = False
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    @property
+    def prefix(self) -> str:
+        return SHARD_PREFIX[self.mode]
+
+    def run(self, sources: list[str], sizes: Optional[dict] = None,
+            fetch: Callable[[str], str] = lambda s: s, release: Callable[[str], None] = lambda p: None,
+            before_shard: Callable[[], None] = lambda: None) -> Summary:
+        """Convert each source shard not yet done. `fetch(source)` gives a local path,
+        `release(path)` is called once its output is recorded (--repo deletes it); `sizes`
+        (source -> bytes) sizes the progress bar when the shards are not local."""
+        os.makedirs(self.outdir, exist_ok=True)
+        self._remove_stale_temporaries()
+        manifest = ProgressManifest(self.outdir, self.prefix, self.plan.params())
+        todo = [(i, s) for i, s in enumerate(sources) if manifest.done(os.path.basename(s), self.outdir) is None]
+        if len(todo) < len(sources):
+            self.log(f"[resume] {len(sources) - len(todo)} of {len(sources)} shard(s) already done in {self.outdir}")
+        sizes = sizes or {s: os.path.getsize(s) for _, s in todo}
+        with TensorRunner(self.jobs, self.stats) as runner, self._bar(sum(sizes[s] for _, s in todo)) as bar:
+            for index, source in todo:
+                before_shard()
+                key = os.path.basename(source)
+                number = index if self.name_by_index else self._count_emitted(manifest, sources, index)
+                name = f"{self.prefix}{number:05d}.safetensors"
+                path = fetch(source)
+                rows, done_bytes = self._convert_shard(path, key, name, runner, bar)
+                bar.update(max(0, sizes[source] - done_bytes))  # headers, scales, skipped tensors
+                manifest.record(key, name if rows is not None else "", rows or [])
+                release(path)
+        summary = Summary()
+        for row in manifest.all_stats():
+            summary.add_row(row)
+        return summary
+
+    def _count_emitted(self, manifest, sources, index) -> int:
+        """Upstream's --indir naming: out-N counts emitted shards before this one."""
+        return sum(1 for s in sources[:index] if manifest.data["shards"].get(os.path.basename(s)))
+
+    def _convert_shard(self, path: str, key: str, out_name: str, runner, bar) -> tuple[Optional[list], int]:
+        from ..container import write_shard
+
+        shard_summary = Summary()
+        out, done_bytes = {}, 0
+        with SafetensorsShard(path) as shard:
+            tasks = shard_tasks(shard, self.plan, self.mode)
+            for result in runner.run(shard, tasks):
+                out[result.name] = result.value
+                shard_summary.add(result)
+                bar.update(result.src_bytes)
+                done_bytes += result.src_bytes
+                bar.set_postfix_str(f"{key}: {len(out)}/{len(tasks)} tensors", refresh=False)
+        if not out:  # no tensor of this pass in the shard: no file (upstream's --indir rule)
+            return None, done_bytes
+        meta = {"colibri_mlx.convert": json.dumps({"source": key, **self.plan.params()}, sort_keys=True)}
+        write_shard(os.path.join(self.outdir, out_name), out, meta)
+        return shard_summary.rows_for_manifest(), done_bytes
+
+    def _bar(self, total: int):
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                    desc="convert", disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
+
+    def _remove_stale_temporaries(self):
+        # write_shard writes <name>.tmp-<pid>; a killed run leaves one behind.
+        for tmp in glob.glob(os.path.join(self.outdir, f"{self.prefix}*.safetensors.tmp-*")):
+            os.unlink(tmp)
+
+
+# ------------------------------------------------------------------ directory helpers
+
+
+def list_shards(indir: str) -> list[str]:
+    shards = sorted(glob.glob(os.path.join(indir, "*.safetensors")))
+    if not shards:
+        raise ConvertError(f"{indir}: no *.safetensors shards found")
+    return shards
+
+
+def shards_for_mode(shard_names: list[str], weight_map: Optional[dict], mode: str, n_layers: int) -> list[str]:
+    """--mtp / --indexer only need the shards holding their tensors (upstream #383)."""
+    if mode == "main" or weight_map is None:
+        return shard_names
+    if mode == "mtp":
+        want = {v for k, v in weight_map.items() if layer_index(k) == n_layers}
+    else:
+        want = {v for k, v in weight_map.items() if "indexer" in k and 0 <= layer_index(k) < n_layers}
+    return [s for s in shard_names if os.path.basename(s) in want]
+
+
+def copy_metadata(indir: str, outdir: str) -> tuple[list[str], list[str]]:
+    """Copy config/tokenizer files (atomically); returns (copied, missing required)."""
+    names = [n for n in METADATA_FILES if os.path.exists(os.path.join(indir, n))]
+    for pattern in METADATA_PATTERNS:
+        names += sorted(os.path.basename(p) for p in glob.glob(os.path.join(indir, pattern)))
+    for n in names:
+        tmp = os.path.join(outdir, f".{n}.tmp")
+        shutil.copyfile(os.path.join(indir, n), tmp)
+        os.replace(tmp, os.path.join(outdir, n))
+    missing = [n for n in ("config.json", "tokenizer.json") if n not in names]
+    return names, missing
+
+
+def read_json(path: str) -> Optional[dict]:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
+class OutdirLock:
+    """Two converters on one output directory would corrupt each other (upstream's .convert.lock)."""
+
+    def __init__(self, outdir: str):
+        self.path = os.path.join(outdir, ".convert.lock")
+        self._fh = None
+
+    def __enter__(self):
+        import fcntl
+
+        self._fh = open(self.path, "w")
+        try:
+            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._fh.close()
+            raise ConvertError(f"{self.path}: another converter is using this output directory") from None
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
