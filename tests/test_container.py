@@ -36,7 +36,10 @@ def plan_fmt(name: str):
     if "embed_tokens" in name or "head" in name:
         return 1, None
     if ".mlp.experts." in name:
-        return (4, 16) if "down_proj" in name else (6, None)  # gate/up have I = D = 256
+        if "down_proj" in name:
+            return 4, 16
+        # gate/up have I = D = 256; fmt 6 only on two experts because its encoder is slow
+        return (6, None) if name.startswith(("model.layers.1.mlp.experts.0.", "model.layers.1.mlp.experts.1.")) else (4, 64)
     if "shared_experts" in name:
         return 5, None
     if ".mlp.gate." in name:
