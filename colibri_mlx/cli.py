@@ -47,15 +47,5 @@ def _add_convert_command():
 _add_convert_command()
 
 
-def _add_convert_command():
-    # The command module imports only click; the converter itself loads when the command runs.
-    from .convert.command import convert_command
-
-    main.add_command(convert_command)
-
-
-_add_convert_command()
-
-
 if __name__ == "__main__":
     main()
