@@ -37,6 +37,145 @@ def inspect(directory, as_json):
         raise SystemExit(1)
 
 
+# --- generate / chat -----------------------------------------------------------------------
+
+def _sampling_options(f):
+    options = [
+        click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
+                     help="Container or Hugging Face checkpoint directory."),
+        click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1)),
+        click.option("--temp", "temperature", default=0.0, show_default=True, type=float,
+                     help="Sampling temperature; 0 is greedy."),
+        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
+        click.option("--min-p", default=0.0, show_default=True, type=float),
+        click.option("--seed", default=None, type=int),
+        click.option("--system", default=None, help="System message (chat template only)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _load_for_cli(model_path):
+    from . import load
+
+    try:
+        return load(model_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _stats_line(last) -> str:
+    from . import kernels
+
+    import resource
+    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+    line = (f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
+            f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
+            f"peak memory: {last.peak_memory_gb:.2f} GB (MLX), {rss_gb:.2f} GB (process)")
+    format_counters = getattr(kernels, "format_counters", None)
+    return line + (f" | {format_counters()}" if format_counters else "")
+
+
+def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
+    """Print the reply as it streams; return (text, generated token ids, last response)."""
+    from .generate import stream_generate
+
+    parts, tokens, last = [], [], None
+    for last in stream_generate(model, tokenizer, prompt_ids, cache=cache, **opts):
+        click.echo(last.text, nl=False)
+        parts.append(last.text)
+        tokens.append(last.token)
+    click.echo()
+    return "".join(parts), tokens, last
+
+
+@main.command()
+@_sampling_options
+@click.option("-p", "--prompt", required=True, help="The prompt ('-' reads it from stdin).")
+@click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is, without the chat template.")
+def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template):
+    """Generate text for one prompt; the stats line goes to stderr."""
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    model, tokenizer = _load_for_cli(model_path)
+    try:
+        if no_chat_template:
+            if system is not None:
+                raise click.UsageError("--system needs the chat template (drop --no-chat-template)")
+            ids = tokenizer.encode(prompt)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}]
+            ids = tokenizer.encode_chat(messages)
+        opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                    seed=seed)
+        _, _, last = _stream_reply(model, tokenizer, ids, opts)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(_stats_line(last), err=True)
+
+
+@main.command()
+@_sampling_options
+def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system):
+    """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits."""
+    model, tokenizer = _load_for_cli(model_path)
+    if not tokenizer.chat_template:
+        raise click.ClickException("the model's tokenizer has no chat template; use `colibri generate "
+                                   "--no-chat-template` instead")
+    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    session = _ChatSession(model, tokenizer, system)
+    click.echo("colibri chat: /reset clears the conversation, /exit quits.", err=True)
+    while True:
+        try:
+            line = click.prompt(">", prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            break
+        command = line.strip()
+        if command == "/exit":
+            break
+        if command == "/reset":
+            session.reset()
+            click.echo("(conversation cleared)", err=True)
+            continue
+        if not command:
+            continue
+        try:
+            last = session.turn(line, opts)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(_stats_line(last), err=True)
+
+
+class _ChatSession:
+    """Conversation state: messages, and the token ids the cache holds (to feed only new ones)."""
+
+    def __init__(self, model, tokenizer, system):
+        self.model, self.tokenizer, self.system = model, tokenizer, system
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = self.model.make_cache()
+        self.cached_ids: list[int] = []
+
+    def turn(self, user_text, opts):
+        self.messages.append({"role": "user", "content": user_text})
+        ids = self.tokenizer.encode_chat(self.messages)
+        n = len(self.cached_ids)
+        if ids[:n] != self.cached_ids or len(ids) <= n:
+            # The template re-rendered earlier turns differently: start the cache over.
+            self.cache, self.cached_ids, n = self.model.make_cache(), [], 0
+        new_ids = ids[n:]
+        text, tokens, last = _stream_reply(self.model, self.tokenizer, new_ids, opts, cache=self.cache)
+        # The last generated token was sampled but never fed through the model.
+        self.cached_ids = ids + tokens[:-1]
+        self.messages.append({"role": "assistant", "content": text})
+        return last
+
+
 def _add_convert_command():
     # The command module imports only click; the converter itself loads when the command runs.
     from .convert.command import convert_command

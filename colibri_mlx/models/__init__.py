@@ -19,6 +19,10 @@ def load(path=None, **options):
     """
     if path is None:
         raise ValueError("no model given and no bundled demo model (pass a container or checkpoint directory)")
+    import os
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: model directory does not exist")
     if options:
         raise TypeError(f"load() got unknown option(s): {sorted(options)}")
     from ..tokenizer import load_tokenizer

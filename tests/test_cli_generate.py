@@ -1,0 +1,92 @@
+"""`colibri generate` and `colibri chat` on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from helpers_models import build_config_model, save_checkpoint
+
+import colibri_mlx
+from colibri_mlx.cli import main
+
+STATS = re.compile(r"prompt: (\d+) tokens, [\d.]+ tok/s \| generation: (\d+) tokens, [\d.]+ tok/s \| "
+                   r"peak memory: .* \| kernels\[")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = build_config_model("v3_lora_g1", seed=9)
+    path = save_checkpoint(hf, str(tmp_path_factory.mktemp("v3")))
+    return path, *colibri_mlx.load(path)
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+def test_generate_streams_text_and_stats(checkpoint):
+    path, model, tokenizer = checkpoint
+    result = run("generate", "-m", path, "-p", "hello world", "--max-tokens", "12", "--no-chat-template")
+    assert result.exit_code == 0, result.output
+    expected = colibri_mlx.generate(model, tokenizer, "hello world", max_tokens=12)
+    assert result.stdout == expected + "\n"
+    m = STATS.search(result.stderr)
+    assert m and m.groups() == ("11", "12")
+
+
+def test_generate_with_chat_template_and_system(checkpoint):
+    path, model, tokenizer = checkpoint
+    result = run("generate", "-m", path, "-p", "hi", "--system", "terse", "--max-tokens", "6")
+    assert result.exit_code == 0, result.output
+    ids = tokenizer.encode_chat([{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}])
+    assert result.stdout == colibri_mlx.generate(model, tokenizer, ids, max_tokens=6) + "\n"
+    assert STATS.search(result.stderr).group(1) == str(len(ids))
+
+
+def test_generate_sampling_options_are_reproducible(checkpoint):
+    path, _, _ = checkpoint
+    args = ("generate", "-m", path, "-p", "abc", "--max-tokens", "8", "--temp", "1.2", "--top-p", "0.9",
+            "--top-k", "50", "--min-p", "0.01", "--seed", "4")
+    assert run(*args).stdout == run(*args).stdout
+
+
+def test_chat_keeps_cache_between_turns(checkpoint):
+    path, model, tokenizer = checkpoint
+    result = run("chat", "-m", path, "--max-tokens", "5", input="ab\ncd\n/reset\nab\n/exit\n")
+    assert result.exit_code == 0, result.output
+    stats = STATS.findall(result.stderr)
+    assert len(stats) == 3 and "(conversation cleared)" in result.stderr
+    # Turn 1 and the turn after /reset see the same fresh conversation.
+    first = colibri_mlx.generate(model, tokenizer, tokenizer.encode_chat([{"role": "user", "content": "ab"}]),
+                                 max_tokens=5)
+    assert result.stdout.count(first) >= 2
+    turn1_prompt = len(tokenizer.encode_chat([{"role": "user", "content": "ab"}]))
+    assert int(stats[0][0]) == turn1_prompt and int(stats[2][0]) == turn1_prompt
+
+
+def test_chat_session_feeds_only_new_tokens(checkpoint, monkeypatch):
+    from colibri_mlx.cli import _ChatSession
+
+    _, model, tokenizer = checkpoint
+    session = _ChatSession(model, tokenizer, None)
+    first = session.turn("hello", dict(max_tokens=4))
+    assert session.cache.offset == len(session.cached_ids) == first.prompt_tokens + 3
+    # A template that reproduces the history token for token: only the suffix is fed.
+    history = list(session.cached_ids)
+    monkeypatch.setattr(tokenizer, "encode_chat", lambda messages, add_generation_prompt=True: history + [7, 8, 9])
+    second = session.turn("more", dict(max_tokens=4))
+    assert second.prompt_tokens == 3
+    # One that does not: the cache starts over with the whole conversation.
+    monkeypatch.setattr(tokenizer, "encode_chat", lambda messages, add_generation_prompt=True: [1, 2, 3, 4, 5])
+    assert session.turn("again", dict(max_tokens=2)).prompt_tokens == 5
+    assert session.cache.offset == 5 + 1
+
+
+def test_missing_model_is_a_clear_error():
+    result = CliRunner().invoke(main, ["generate", "-p", "x"])
+    assert result.exit_code != 0 and "no model given and no bundled demo model" in result.output
+    result = CliRunner().invoke(main, ["generate", "-m", "/nonexistent/dir", "-p", "x"])
+    assert result.exit_code != 0 and "does not exist" in result.output
