@@ -152,6 +152,17 @@ def test_write_shard_is_atomic(tmp_path):
     assert os.listdir(tmp_path) == ["a.safetensors"]  # no leftover .tmp-<pid>
 
 
+@pytest.mark.parametrize("qt,pattern", [
+    (QTensor(np.zeros(12, np.uint8), np.ones(4, np.float32), 1, 4, 4), r"'w': fmt 1 \[4, 4\] gs None needs 16 weight \+ 16"),
+    (QTensor(np.zeros(8, np.uint8), np.ones(4, np.float32), 4, 4, 4, None), r"'w': invalid QTensor fmt 4"),
+    (QTensor(np.zeros(64, np.uint8), np.ones(0, np.float32), 0, 4, 4), r"'w'.*store fmt 0 as a float32 array"),
+])
+def test_write_shard_refuses_inconsistent_qtensor(tmp_path, qt, pattern):
+    with pytest.raises(ContainerError, match=pattern):
+        write_shard(tmp_path / "a.safetensors", {"w": qt})
+    assert os.listdir(tmp_path) == []
+
+
 def test_write_shard_refuses_name_clash_with_qs(tmp_path):
     packed, scales = encode(1, np.ones((2, 4), np.float32))
     with pytest.raises(ContainerError, match=r"w\.qs"):

@@ -1,7 +1,8 @@
 """Strict safetensors header parser: every entry is validated before any tensor byte is touched.
 
 Rules: the safetensors format plus the hardening of upstream colibri's `st_init_multi`
-(FORMAT.md §1.5). Every failure is a :class:`ContainerError` naming the file, the tensor and
+(FORMAT.md §1.5). Like upstream (and unlike the Rust parser) gaps between tensors and trailing
+bytes are allowed; overlaps are not. Every failure is a :class:`ContainerError` naming the file, the tensor and
 what was expected; nothing here may crash, hang or allocate more than the header itself on
 garbage input (tests/test_container_fuzz.py).
 """

@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
-from ..formats.qtensor import QTensor
+from ..formats import FormatError, QTensor, scale_nbytes, weight_nbytes
 from .safetensors_reader import DTYPES, METADATA_KEY, ContainerError
 
 STAMP_KEY = "colibri_mlx.formats"
@@ -94,10 +94,12 @@ def _expand(tensors: Mapping[str, TensorLike], path: str) -> tuple[list[_Entry],
         if not isinstance(name, str) or name == METADATA_KEY:
             raise ContainerError(f"{path}: tensor {name!r}: invalid tensor name")
         if isinstance(t, QTensor):
-            entries.append(_Entry(name, "U8", (int(np.asarray(t.packed).size),), _little(np.asarray(t.packed), np.uint8, name, path)))
-            scales = _little(np.asarray(t.scales), np.float32, name + ".qs", path)
+            packed = _little(np.asarray(t.packed).reshape(-1), np.uint8, name, path)
+            scales = _little(np.asarray(t.scales).reshape(-1), np.float32, name + ".qs", path)
+            gs = _check_qtensor(name, t, packed, scales, path)
+            entries.append(_Entry(name, "U8", (packed.size,), packed))
             entries.append(_Entry(name + ".qs", "F32", (scales.size,), scales))
-            stamps[name] = {"fmt": int(t.fmt), "gs": None if t.gs is None else int(t.gs)}
+            stamps[name] = {"fmt": int(t.fmt), "gs": gs}
         elif isinstance(t, RawTensor):
             entries.append(_raw_entry(name, t, path))
         elif isinstance(t, np.ndarray):
@@ -114,6 +116,20 @@ def _expand(tensors: Mapping[str, TensorLike], path: str) -> tuple[list[_Entry],
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ContainerError(f"{path}: tensor names {dup} given twice (a QTensor also writes <name>.qs)")
     return entries, stamps
+
+
+def _check_qtensor(name: str, t: QTensor, packed: np.ndarray, scales: np.ndarray, path: str) -> Optional[int]:
+    """Refuse a QTensor whose bytes do not match its fmt/O/I/gs; returns the gs to stamp."""
+    gs = int(t.gs) if t.fmt == 4 and t.gs is not None else None  # only fmt 4 has a free gs
+    try:
+        want = weight_nbytes(t.fmt, t.O, t.I, gs), scale_nbytes(t.fmt, t.O, t.I, gs)
+    except FormatError as e:
+        raise ContainerError(f"{path}: tensor {name!r}: invalid QTensor fmt {t.fmt} [{t.O}, {t.I}] gs {t.gs}: {e}") from None
+    if t.fmt == 0 or (packed.nbytes, scales.nbytes) != want:
+        raise ContainerError(f"{path}: tensor {name!r}: fmt {t.fmt} [{t.O}, {t.I}] gs {gs} needs {want[0]} weight + "
+                             f"{want[1]} scale bytes, QTensor has {packed.nbytes} + {scales.nbytes}"
+                             + ("; store fmt 0 as a float32 array" if t.fmt == 0 else ""))
+    return gs
 
 
 def _little(a: np.ndarray, dtype, name: str, path: str) -> np.ndarray:
