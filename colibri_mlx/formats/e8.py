@@ -276,24 +276,119 @@ def _fix_parity(neg8: np.ndarray, mag8: np.ndarray) -> None:
 
 
 def _search(m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sub-block [S, 32] magnitudes and [S, 1] super-scale: (best code [S], indices [S, 8])."""
+    """Per sub-block [S, 32] magnitudes and [S, 1] super-scale: (best code [S], indices [S, 8]).
+
+    Same answer as trying all 16 codes (``iq3_pack``: lowest code of minimal float32 error),
+    but codes whose error lower bound already exceeds a tried code's error are skipped.
+    """
     s = len(m)
-    best_err = np.full(s, np.inf, dtype=np.float32)
-    best_code = np.zeros(s, dtype=np.uint8)
-    best_idx = np.zeros((s, 8), dtype=np.uint8)
-    for code in range(_N_CODES):
-        db = d * (0.5 + code) * 0.5
-        q = (m / np.maximum(db, 1e-20)).reshape(-1, 4)
-        idx = _nearest_grid(q).reshape(s, 8)
-        rec = _GRID_HALF[idx].reshape(s, SUB) * db
-        err = ((rec - m) ** 2).sum(-1)
-        take = err < best_err
-        best_err = np.where(take, err, best_err)
-        best_code[take] = code
-        best_idx[take] = idx[take]
-    return best_code, best_idx
+    bound = _code_error_bounds(m, d)                                  # [S, 16]
+    first = bound.argmin(1)
+    err_first, idx_first = _code_error(m, d, first)
+    err = np.full((s, _N_CODES), np.inf, dtype=np.float32)
+    err[np.arange(s), first] = err_first
+    # 2^-12 of slack covers float32 rounding in both the bound and the measured error.
+    rest_sub, rest_code = np.nonzero(bound * np.float32(1 - 2.0 ** -12) <= err_first[:, None])
+    keep = rest_code != first[rest_sub]
+    rest_sub, rest_code = rest_sub[keep], rest_code[keep]
+    err_rest, idx_rest = _code_error(m[rest_sub], d[rest_sub], rest_code)
+    err[rest_sub, rest_code] = err_rest
+    code = err.argmin(1)                                              # first minimum
+    idx = idx_first.copy()
+    moved = np.nonzero(code[rest_sub] == rest_code)[0]
+    idx[rest_sub[moved]] = idx_rest[moved]
+    return code.astype(np.uint8), idx
+
+
+def _code_error(m: np.ndarray, d: np.ndarray, code: np.ndarray):
+    """float32 squared error and grid indices of [P, 32] magnitudes at per-row ``code``."""
+    db = d * (np.float32(0.5) + code.astype(np.float32)[:, None]) * np.float32(0.5)
+    q = (m / np.maximum(db, 1e-20)).reshape(-1, 4)
+    idx = _nearest_grid(q).reshape(len(m), 8)
+    rec = _GRID_HALF[idx].reshape(len(m), SUB) * db
+    return ((rec - m) ** 2).sum(-1), idx
+
+
+# Lower bound of a sub-block's error per code: each weight's distance to the nearest of the 8
+# scalar levels (the grid only allows 256 of the 8^4 level combinations). Tabulated over bins
+# of r = m / d, taking the minimum over each bin.
+_LEVELS = np.unique(_GRID_HALF).astype(np.float64)                 # 2, 6, ..., 26, 31
+_R_BIN = 0.25
+_R_BINS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_table() -> np.ndarray:
+    lo = np.arange(_R_BINS + 1) * _R_BIN * (1 - 1e-6)             # widened: r carries rounding
+    hi = np.append(np.arange(1, _R_BINS + 1) * _R_BIN * (1 + 1e-6), np.inf)
+    out = np.empty((_R_BINS + 1, _N_CODES))
+    for c in range(_N_CODES):
+        lv = _LEVELS * (0.5 + c) * 0.5
+        inside = ((lv >= lo[:, None]) & (lv <= hi[:, None])).any(1)
+        at_lo = ((lo[:, None] - lv) ** 2).min(1)
+        at_hi = np.where(np.isinf(hi), np.inf, ((np.minimum(hi, 1e30)[:, None] - lv) ** 2).min(1))
+        out[:, c] = np.where(inside, 0.0, np.minimum(at_lo, at_hi))
+    return out.astype(np.float32)
+
+
+def _code_error_bounds(m: np.ndarray, d: np.ndarray) -> np.ndarray:
+    dd = np.where(d > 0, d, np.float32(1))
+    r = m / dd
+    bins = np.minimum(r * np.float32(1 / _R_BIN), np.float32(_R_BINS)).astype(np.int32)
+    per_weight = _bound_table()[bins]                                 # [S, 32, 16]
+    bound = per_weight.sum(1) * (dd * dd)
+    return np.where(d > 0, bound, np.float32(0))
 
 
 def _nearest_grid(q: np.ndarray) -> np.ndarray:
-    """[N, 4] float32 -> [N] uint8: argmin of ``|g|^2 - 2 q.g`` in float32, first on ties."""
-    return np.argmin(_GRID_NORM2 - 2.0 * (q @ _GRID_HALF.T), axis=1).astype(np.uint8)
+    """[N, 4] float32 -> [N] uint8: argmin of ``|g|^2 - 2 q.g`` in float32, first on ties.
+
+    That is ``iq3_pack._nearest`` (``q @ g.T`` on OpenBLAS rounds as a fused multiply-add
+    chain). Most queries are settled exactly without it: a few candidates per cell of q-space
+    are scored, and when the best one wins by more than any float32 rounding could move the
+    scores (and beats every other grid point's distance bound for the cell), it is the answer.
+    The rest (near-ties, out-of-range q) take upstream's brute-force formula.
+    """
+    cand, cand_grid, far = _cell_tables()
+    cell = np.minimum(q * np.float32(0.5), np.float32(_CELL_BINS - 1)).astype(np.int32)
+    cell = cell @ _CELL_STRIDES
+    cands = cand[cell]                                                # [N, K]
+    diff = cand_grid[cell]                                            # [N, K, 4]
+    np.subtract(diff, q[:, None, :], out=diff)
+    dist = np.einsum("nkj,nkj->nk", diff, diff)
+    two = np.partition(dist, 1, axis=1)
+    best = cands[np.arange(len(q)), dist.argmin(1)]
+    # 2^-20 * (...) bounds upstream's score rounding (FMA dot + subtraction) for both
+    # contenders plus this function's own float32 distance rounding.
+    margin = np.float32(2.0 ** -20) * (two[:, 0] + two[:, 1] + 64 * q.sum(1) + 1024)
+    gap = np.minimum(two[:, 1], far[cell]) - two[:, 0]
+    unsure = np.nonzero(~(gap > margin))[0]
+    if len(unsure):
+        qs = q[unsure]
+        best[unsure] = np.argmin(_GRID_NORM2 - 2.0 * (qs @ _GRID_HALF.T), axis=1)
+    return best.astype(np.uint8)
+
+
+_CELL_BINS = 17                       # q per coordinate in [0,2), [2,4), ..., [30,32), [32, inf)
+_CELL_CANDS = 4
+_CELL_STRIDES = np.array([1, _CELL_BINS, _CELL_BINS ** 2, _CELL_BINS ** 3], dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _cell_tables():
+    """Per q-space cell: the K grid points nearest to the cell box, and a lower bound on the
+    squared distance from any point of the box to every other grid point."""
+    lo = np.arange(_CELL_BINS, dtype=np.float64) * 2
+    hi = np.append(lo[1:], np.inf)
+    lv = _GRID_HALF.astype(np.float64)                                 # [256, 4]
+    gap = np.maximum(np.maximum(lo[:, None, None] - lv, lv - hi[:, None, None]), 0) ** 2
+    total = np.zeros((_CELL_BINS,) * 4 + (256,))
+    for j in range(4):                                # coordinate j varies with stride 17**j
+        shape = [1, 1, 1, 1, 256]
+        shape[3 - j] = _CELL_BINS
+        total = total + gap[:, :, j].reshape(shape)
+    total = total.reshape(-1, 256)
+    order = np.argsort(total, axis=1, kind="stable")
+    cand = order[:, :_CELL_CANDS].astype(np.uint8)
+    far = np.take_along_axis(total, order[:, _CELL_CANDS:_CELL_CANDS + 1], 1)[:, 0]
+    return cand, _GRID_HALF[cand], far.astype(np.float32)
