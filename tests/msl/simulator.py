@@ -40,6 +40,7 @@ CLANG_FLAGS = [
     "-Xclang", "-fnative-half-type", "-Xclang", "-fnative-half-arguments-and-returns",
     "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value",
     "-ffp-contract=off",
+    "-fstack-clash-protection",  # big frames probe every page, so they hit the stack guard page
 ]
 
 METAL_ATTRIBUTES = [  # (name, type, C++ expression) in MLX's order
@@ -281,7 +282,7 @@ def compile_kernel(cpp_source: str) -> Path:
     if lib.exists():
         return lib
     runtime_obj = _runtime_object()
-    src = CACHE_DIR / f"kernel_{key}.cpp"
+    src = CACHE_DIR / f"kernel_{key}.{os.getpid()}.cpp"  # per process: parallel test runs
     src.write_text(cpp_source)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
     cmd = [_clang(), *CLANG_FLAGS, "-I", str(HERE), str(src), str(runtime_obj), "-o", str(tmp), "-lm"]

@@ -370,3 +370,14 @@ def test_mlx_arrays_and_dtypes_are_accepted():
                             output_dtypes=[mx.bfloat16], grid=(8, 1, 1), threadgroup=(8, 1, 1))
     got = (y.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(got, np.array(x.astype(mx.float32)) + 1.0)
+
+
+def test_stack_overflow_is_reported():
+    src = """
+      thread float big[40000];  // 160 KB of thread-private memory: more than a simulated stack
+      for (int k = 0; k < 40000; k++) big[k] = x[k % 8] * float(k);
+      y[0] = big[int(x[0]) + 39990];
+    """
+    with pytest.raises(SimulatorError, match="stack overflow"):
+        run_metal_kernel("stack", ["x"], ["y"], src, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
+                         output_dtypes=[np.float32], grid=(2, 1, 1), threadgroup=(2, 1, 1))
