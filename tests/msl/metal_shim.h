@@ -44,7 +44,7 @@ struct msl_dispatch_info {
 };
 extern msl_dispatch_info msl_dispatch;
 const msl_thread_info* msl_current_info(void);
-void msl_threadgroup_barrier(void);
+void msl_threadgroup_barrier(int site);
 const void* msl_simd_exchange(const void* value, int size, int kind, int site, uint32_t* active);
 }
 
@@ -384,7 +384,6 @@ inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) 
 enum memory_order { memory_order_relaxed = 0, memory_order_seq_cst = 5 };
 enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
 
-inline void threadgroup_barrier(mem_flags = mem_flags::mem_none) { msl_threadgroup_barrier(); }
 
 // SIMD-group operations. Each deposits this lane's value and blocks until every live lane of the
 // SIMD group arrived at the same operation (same kind, same source line/column); then every lane
@@ -435,6 +434,9 @@ inline T msl_reduce(const msl_lanes<T>& L, F f, uint upto = 32) {
   return acc;
 }
 
+inline void threadgroup_barrier(mem_flags = mem_flags::mem_none, MSL_SITE) {
+  msl_threadgroup_barrier(MSL_SITE_ID);
+}
 inline void simdgroup_barrier(mem_flags = mem_flags::mem_none, MSL_SITE) {
   msl_exchange<int>(0, MSL_SIMD_BARRIER, MSL_SITE_ID);
 }

@@ -170,8 +170,9 @@ static void thread_main(void *arg) {
 /* ---- API used by the shim ---------------------------------------------------------------- */
 const msl_thread_info *msl_current_info(void) { return &current->info; }
 
-void msl_threadgroup_barrier(void) {
+void msl_threadgroup_barrier(int site) {
   current->state = ST_BARRIER;
+  current->simd_site = site;
   to_scheduler();
 }
 
@@ -237,13 +238,14 @@ static int release_simdgroups(int n) {
                    "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
                    "waits at %s (line %d)",
                    base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
-                   threads[first].simd_site, i - base, kind_name(t->simd_kind), t->simd_site);
+                   threads[first].simd_site >> 12, i - base, kind_name(t->simd_kind),
+                   t->simd_site >> 12);
         else
           snprintf(detail, sizeof detail,
                    "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
                    "waits at threadgroup_barrier",
                    base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
-                   threads[first].simd_site, i - base);
+                   threads[first].simd_site >> 12, i - base);
         return fail("deadlock", &threads[i].info, detail);
       }
     }
@@ -307,7 +309,16 @@ static int run_threadgroup(const uint32_t tgid[3], int reverse) {
       }
     }
     if (done == n) return 0;
-    if (at_barrier + done == n && done == 0) {
+    if (at_barrier == n) {
+      for (int i = 0; i < n; i++) {
+        if (threads[i].simd_site == threads[0].simd_site) continue;
+        char d2[512];
+        snprintf(d2, sizeof d2,
+                 "threads wait at different threadgroup_barrier calls: thread 0 at line %d, "
+                 "thread %d at line %d",
+                 threads[0].simd_site >> 12, i, threads[i].simd_site >> 12);
+        return fail("deadlock", &threads[i].info, d2);
+      }
       for (int i = 0; i < n; i++) threads[i].state = ST_RUNNABLE;
       continue;
     }

@@ -381,3 +381,21 @@ def test_stack_overflow_is_reported():
     with pytest.raises(SimulatorError, match="stack overflow"):
         run_metal_kernel("stack", ["x"], ["y"], src, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
                          output_dtypes=[np.float32], grid=(2, 1, 1), threadgroup=(2, 1, 1))
+
+
+def test_barriers_at_different_calls_are_reported():
+    src = """
+      uint lid = thread_index_in_threadgroup;
+      threadgroup float buf[64];
+      buf[lid] = x[lid];
+      if (lid < 32) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      } else {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
+      y[lid] = buf[63 - lid];
+    """
+    x = RNG.standard_normal(64).astype(np.float32)
+    with pytest.raises(SimulatorError, match="different threadgroup_barrier calls"):
+        run_metal_kernel("div2", ["x"], ["y"], src, inputs=[x], output_shapes=[(64,)],
+                         output_dtypes=[np.float32], grid=(64, 1, 1), threadgroup=(64, 1, 1))
