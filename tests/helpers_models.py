@@ -246,3 +246,79 @@ def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 def random_tokens(n: int, seed: int = 0, batch: int = 1, high: int = 256) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, high, size=(batch, n)).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------- containers
+
+
+def default_container_formats(name: str, shape: tuple):
+    """A mix of every fmt over a tiny model: (fmt, gs) for a 2-D weight, None to keep it float32."""
+    if len(shape) != 2 or "mlp.gate.weight" in name or "norm" in name:
+        return None
+    if "embed_tokens" in name or "lm_head" in name:
+        return (1, None)
+    if ".experts." in name:
+        expert = int(name.split(".experts.")[1].split(".")[0])
+        choice = [(4, 16), (2, None), (3, None), (5, None), (6, None), (4, 32), (1, None), (4, 64)][expert % 8]
+        return choice if choice[0] != 6 or shape[1] % 256 == 0 else (4, 16)  # fmt 6 needs I % 256 == 0
+    if "shared_experts" in name:
+        return (5, None)
+    if "kv_b_proj" in name:
+        return (4, 32)
+    if "self_attn" in name:
+        return (4, 16)
+    return (2, None)
+
+
+def effective_weight(fmt: int, packed, scales, O: int, I: int, gs=None) -> np.ndarray:
+    """The dense ``W`` a quantized tensor applies: ``y = W x``. For fmt 6 the stored ``S = W Q``
+    is applied to the rotated input, so ``W = S M^T`` with ``M`` the rotation of the identity."""
+    from colibri_mlx.formats import decode
+
+    w = decode(fmt, packed, scales, O, I, gs)
+    if fmt == 6:
+        from colibri_mlx.formats.e8 import rotate_rows
+
+        w = w @ rotate_rows(np.eye(I, dtype=np.float32)).T
+    return w.astype(np.float32)
+
+
+def write_container(state: dict, src_dir: str, out_dir: str, formats=default_container_formats) -> dict:
+    """Quantize ``state`` (name -> float32 numpy) into a container at ``out_dir`` (config and
+    tokenizer files copied from ``src_dir``); return name -> the effective float32 weights."""
+    import shutil
+
+    from colibri_mlx.container import write_shard
+    from colibri_mlx.formats import QTensor, encode
+
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(src_dir):
+        if f.endswith(".json"):
+            shutil.copy(os.path.join(src_dir, f), out_dir)
+    tensors, effective = {}, {}
+    for name, w in state.items():
+        choice = formats(name, w.shape)
+        if choice is None:
+            tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+            effective[name] = tensors[name]
+            continue
+        fmt, gs = choice
+        O, I = w.shape
+        packed, scales = encode(fmt, w, gs)
+        tensors[name] = QTensor(packed, scales, fmt, O, I, gs, name)
+        effective[name] = effective_weight(fmt, packed, scales, O, I, gs)
+    write_shard(os.path.join(out_dir, "out-00000.safetensors"), tensors)
+    return effective
+
+
+def load_effective_weights(model, effective: dict) -> None:
+    """Put checkpoint-named float weights into a transformers model (fusing per-expert names)."""
+    import torch
+
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in effective.items()}
+    state = model.state_dict()
+    mapped = {k: v for k, v in tensors.items() if k in state}
+    mapped.update(_unfuse_names(model, {k: v for k, v in tensors.items() if k not in state}))
+    missing = set(state) - set(mapped) - {k for k in state if "rotary" in k}
+    assert not missing, f"weights not replaced: {sorted(missing)[:5]}"
+    model.load_state_dict({**state, **mapped}, strict=True)

@@ -245,3 +245,44 @@ def test_state_dict_helper_round_trip(checkpoints):
     hf, _, _ = checkpoints["v3_lora_g1"]
     names = state_dict_numpy(hf)
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names
+
+
+# ---------------------------------------------------------------------- quantized containers
+
+
+@pytest.mark.parametrize("name", ["v3_lora_g1", "glm_shared_yarn"])
+def test_quantized_container_matches_dequantized_transformers(checkpoints, tmp_path, name):
+    """Every fmt 1-6 in one container; the oracle is transformers with our dequantized weights."""
+    from helpers_models import load_effective_weights, write_container
+
+    arch, overrides = CONFIGS[name]
+    hf, path, _ = checkpoints[name]
+    effective = write_container(state_dict_numpy(hf), path, str(tmp_path / "container"))
+    model = load_model(tmp_path / "container")
+    fmts = {getattr(model.layers[2].mlp.experts[e][0], "fmt", None) for e in range(8)}
+    assert fmts == {1, 2, 3, 4, 5}
+    oracle = build_hf_model(arch, **overrides)
+    load_effective_weights(oracle, effective)
+    tokens = random_tokens(20, seed=8)
+    got = np.array(model(mx.array(tokens)))
+    assert_logits_close(got, torch_logits(oracle, tokens), f"{name} container")
+    assert np.abs(got - torch_logits(hf, tokens)).max() > 1e-3  # quantization did change the model
+
+
+@pytest.mark.slow
+def test_e8_container_matches_dequantized_transformers(tmp_path):
+    """fmt 6 routed experts (needs I % 256 == 0: hidden and expert width 256)."""
+    from helpers_models import load_effective_weights, write_container
+
+    overrides = dict(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2, n_routed_experts=4,
+                     num_experts_per_tok=2)
+    hf = build_hf_model("deepseek_v3", seed=6, **overrides)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    e8_experts = lambda name, shape: (6, None) if ".experts." in name else None
+    effective = write_container(state_dict_numpy(hf), path, str(tmp_path / "container"), e8_experts)
+    model = load_model(tmp_path / "container")
+    assert {model.layers[1].mlp.experts[e][2].fmt for e in range(4)} == {6}
+    oracle = build_hf_model("deepseek_v3", seed=6, **overrides)
+    load_effective_weights(oracle, effective)
+    tokens = random_tokens(10, seed=8)
+    assert_logits_close(model(mx.array(tokens)), torch_logits(oracle, tokens), "e8 container")
