@@ -275,6 +275,22 @@ def _metal_spelling(msg: str) -> str:
     return re.sub(r"::metal::msl_vec_make<(\w+)>\(", r"\1(", msg)
 
 
+_METAL_HEADERS = ("metal_stdlib", "metal_math", "metal_simdgroup", "metal_atomic", "metal_integer",
+                  "metal_compute", "metal_common", "metal_relational", "metal_geometric")
+
+
+def _stub_include_dir() -> Path:
+    """`#include <metal_stdlib>` etc. in a kernel header resolve to empty files (the shim has them)."""
+    inc = CACHE_DIR / "include"
+    inc.mkdir(parents=True, exist_ok=True)
+    for h in _METAL_HEADERS:
+        if not (inc / h).exists():
+            tmp = inc / f"{h}.{os.getpid()}.tmp"
+            tmp.write_text("#pragma once\n#include \"metal_shim.h\"\n")
+            os.replace(tmp, inc / h)
+    return inc
+
+
 def compile_kernel(cpp_source: str) -> Path:
     """Compile (cached by source hash) to a shared library; SimulatorError carries clang's message."""
     key = hashlib.sha256((_tool_hash() + cpp_source).encode()).hexdigest()[:24]
@@ -285,7 +301,8 @@ def compile_kernel(cpp_source: str) -> Path:
     src = CACHE_DIR / f"kernel_{key}.{os.getpid()}.cpp"  # per process: parallel test runs
     src.write_text(cpp_source)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
-    cmd = [_clang(), *CLANG_FLAGS, "-I", str(HERE), str(src), str(runtime_obj), "-o", str(tmp), "-lm"]
+    cmd = [_clang(), *CLANG_FLAGS, "-I", str(HERE), "-I", str(_stub_include_dir()), str(src),
+           str(runtime_obj), "-o", str(tmp), "-lm"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SimulatorError(f"kernel failed to compile ({src}):\n{_metal_spelling(res.stderr)}")

@@ -180,7 +180,8 @@ def test_non_uniform_grid_positions():
 # ---- the simulator must catch defects ---------------------------------------------------------
 
 def test_constant_pointer_to_device_helper_is_a_compile_error():
-    header = "inline float first(const device float* p) { return p[0]; }\n"
+    header = ("#include <metal_stdlib>\nusing namespace metal;\n"
+              "inline float first(const device float* p) { return p[0]; }\n")
     src = "out[thread_position_in_grid.x] = first(coef);"
     coef = np.ones(4, np.float32)  # < 8 elements: MLX puts it in the constant address space
     with pytest.raises(SimulatorError, match=r"(?s)failed to compile.*'constant'.*'device'"):
