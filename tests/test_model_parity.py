@@ -267,6 +267,10 @@ def test_quantized_container_matches_dequantized_transformers(checkpoints, tmp_p
     got = np.array(model(mx.array(tokens)))
     assert_logits_close(got, torch_logits(oracle, tokens), f"{name} container")
     assert np.abs(got - torch_logits(hf, tokens)).max() > 1e-3  # quantization did change the model
+    cache = model.make_cache()  # absorbed decode with a quantized kv_b
+    steps = [np.array(model(mx.array(tokens[:, :17]), cache))]
+    steps += [np.array(model(mx.array(tokens[:, i:i + 1]), cache)) for i in range(17, 20)]
+    assert_logits_close(np.concatenate(steps, axis=1), got, f"{name} container cached")
 
 
 @pytest.mark.slow
@@ -286,3 +290,11 @@ def test_e8_container_matches_dequantized_transformers(tmp_path):
     load_effective_weights(oracle, effective)
     tokens = random_tokens(10, seed=8)
     assert_logits_close(model(mx.array(tokens)), torch_logits(oracle, tokens), "e8 container")
+
+
+def test_top_k_mask_breaks_ties_by_position():
+    from colibri_mlx.models.deepseek_v3 import top_k_mask
+
+    scores = mx.array([[0.0, 2.0, 1.0, 1.0, 1.0, -mx.inf, 1.0]])
+    assert np.array(top_k_mask(scores, 3)).tolist() == [[False, True, True, True, False, False, False]]
+    assert np.array(top_k_mask(scores, 1)).tolist() == [[False, True, False, False, False, False, False]]
