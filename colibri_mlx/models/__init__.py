@@ -15,7 +15,9 @@ __all__ = ["MODEL_TYPES", "Model", "ModelArgs", "load", "load_model"]
 def load(path=None, **options):
     """``(model, tokenizer)`` from a container or Hugging Face checkpoint directory.
 
-    ``path=None`` is reserved for the bundled demo model (not shipped yet).
+    ``path=None`` is reserved for the bundled demo model (not shipped yet). Expert streaming
+    options (``ram_gb``, ``pin``, ``pin_gb``, ``expert_top_p``, store options): see
+    :func:`load_model` and docs/streaming.md.
     """
     if path is None:
         raise ValueError("no model given and no bundled demo model (pass a container or checkpoint directory)")
@@ -23,9 +25,14 @@ def load(path=None, **options):
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: model directory does not exist")
-    if options:
-        raise TypeError(f"load() got unknown option(s): {sorted(options)}")
+    unknown = set(options) - STREAMING_OPTIONS
+    if unknown:
+        raise TypeError(f"load() got unknown option(s): {sorted(unknown)}")
     from ..tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    return load_model(path), tokenizer
+    return load_model(path, **options), tokenizer
+
+
+STREAMING_OPTIONS = frozenset(("ram_gb", "pin", "pin_gb", "expert_top_p", "prefetch", "workers", "max_inflight",
+                               "usage_path", "record_usage", "preload_pinned"))

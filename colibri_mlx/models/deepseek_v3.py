@@ -354,6 +354,7 @@ class Router:
         self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size)), prefix + "weight")
         bias = w.maybe(prefix + "e_score_correction_bias", (E,))
         self.bias = mx.zeros((E,), mx.float32) if bias is None else _as_float32(bias, prefix + "bias")
+        self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.args
@@ -363,6 +364,10 @@ class Router:
             choice = self._keep_top_groups(choice)
         ids = mx.argpartition(-choice, kth=a.num_experts_per_tok - 1, axis=-1)[..., : a.num_experts_per_tok]
         weights = mx.take_along_axis(scores, ids, axis=-1)
+        if self.top_p is not None:
+            from ..experts.router_topp import expert_top_p
+
+            return expert_top_p(ids, weights, self.top_p, a.norm_topk_prob, a.routed_scaling_factor)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         return ids, weights * a.routed_scaling_factor
@@ -391,11 +396,16 @@ class MoE:
     def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
         D, inter = args.hidden_size, args.moe_intermediate_size
         self.router = Router(args, w, prefix + "gate.")
-        self.experts = [
-            tuple(w.take(f"{prefix}experts.{e}.{p}_proj.weight", s)
-                  for p, s in (("gate", (inter, D)), ("up", (inter, D)), ("down", (D, inter))))
-            for e in range(args.n_routed_experts)
-        ]
+        store = getattr(w, "expert_store", None)  # experts streamed from disk (experts.ExpertStore)
+        if store is not None:
+            self.experts = store.view_for_prefix(prefix + "experts.")
+            w.used.update(store.tensor_names(self.experts.layer))
+        else:
+            self.experts = [
+                tuple(w.take(f"{prefix}experts.{e}.{p}_proj.weight", s)
+                      for p, s in (("gate", (inter, D)), ("up", (inter, D)), ("down", (D, inter))))
+                for e in range(args.n_routed_experts)
+            ]
         self.shared = None
         if args.n_shared_experts:
             self.shared = MLP(w, prefix + "shared_experts.", D, inter * args.n_shared_experts)

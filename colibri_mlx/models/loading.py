@@ -33,19 +33,49 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
-def load_model(path: str) -> Model:
+def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,
+               expert_top_p: float | None = None, **store_options) -> Model:
+    """The model of a container / checkpoint directory.
+
+    ``ram_gb`` streams the routed experts from disk through an ``experts.ExpertStore`` with that
+    many GB (1e9 bytes) of expert cache; ``pin`` ("auto" or a .coli_usage path) and ``pin_gb``
+    choose its pinned set; other ``store_options`` go to the store. ``expert_top_p`` turns on
+    router top-p (changes results). Without ``ram_gb`` every expert is resident.
+    """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: model directory does not exist")
     config = read_config(path)
     args = ModelArgs.from_config(config)
-    return Model(args, weight_table(Container(path, config=config)))
+    container = Container(path, config=config)
+    if ram_gb is None:
+        if pin is not None or pin_gb is not None or store_options:
+            raise ValueError("pin / pin_gb / expert store options need ram_gb (expert streaming)")
+        model = Model(args, weight_table(container))
+        model.expert_store = None
+    else:
+        from ..experts import ExpertStore, resident_bytes
+
+        pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
+        store = ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, **store_options)
+        table = weight_table(container, in_memory=True)
+        table.expert_store = store
+        model = Model(args, table)
+        model.expert_store = store
+        store.resident_weight_bytes = resident_bytes(model)
+    if expert_top_p is not None:
+        from ..experts import set_expert_top_p
+
+        set_expert_top_p(model, expert_top_p)
+    return model
 
 
-def weight_table(container: Container) -> WeightTable:
+def weight_table(container: Container, in_memory: bool = False) -> WeightTable:
+    """``in_memory`` copies quantized tensors out of the memory map (streaming: resident weights
+    must be really resident, and a shard truncated mid-run must not fault them)."""
     # FP8 scales are read together with their weight, never on their own.
     names = [n for n in container.weight_names() if not n.endswith(SCALE_INV_SUFFIX)]
-    return WeightTable(names, lambda name, shape: _fetch(container, name, shape), container.path)
+    return WeightTable(names, lambda name, shape: _fetch(container, name, shape, in_memory), container.path)
 
 
 def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
@@ -54,12 +84,15 @@ def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
     return WeightTable(weights, lambda name, shape: weights[name], source)
 
 
-def _fetch(container: Container, name: str, shape: tuple):
+def _fetch(container: Container, name: str, shape: tuple, in_memory: bool = False):
     if container.is_quantized(name):
         if len(shape) != 2:
             raise ValueError(f"{container.path}: tensor {name!r} is quantized but config.json implies a "
                              f"{len(shape)}-D tensor of shape {shape}")
-        return container.tensor(name, shape)
+        qt = container.tensor(name, shape)
+        if in_memory:
+            qt = QTensor(np.array(qt.packed), np.array(qt.scales), qt.fmt, qt.O, qt.I, qt.gs, qt.name)
+        return qt
     container.tensor(name, shape)  # header shape check, names the shard on mismatch
     values = container.array(name, shape=shape)
     if container.info(name).dtype in FP8_DTYPES:

@@ -40,11 +40,19 @@ def silu(x: mx.array) -> mx.array:
 
 def moe_block(x: mx.array, experts, ids: mx.array, weights: mx.array) -> mx.array:
     ids_np = np.array(ids)
+    prepare = getattr(experts, "prepare", None)  # a streamed expert store starts its reads here
+    if prepare is not None:
+        prepare(ids_np)
+    eval_each = getattr(experts, "eval_each", False)  # streaming: bound the experts the graph holds
     out = mx.zeros(x.shape, dtype=mx.float32)
     for e in np.unique(ids_np):
+        if e < 0:
+            continue  # slot dropped by router top-p (experts.router_topp)
         token_idx, slot = np.nonzero(ids_np == e)
         tok = mx.array(token_idx.astype(np.int32))
         y = expert_mlp(x[tok], *experts[int(e)])
         w = weights[tok, mx.array(slot.astype(np.int32))][:, None]
         out = out.at[tok].add(y.astype(mx.float32) * w)
+        if eval_each:
+            mx.eval(out)
     return out.astype(x.dtype)

@@ -1,0 +1,564 @@
+"""ExpertStore: routed experts read from the container on demand into a budgeted cache.
+
+Everything but the routed experts is resident; an expert's bytes are read when a layer selects
+it. The cache holds at most ``budget_bytes`` of experts in two parts:
+
+* a pinned set, the hottest experts of the usage history (``.coli_usage``, FORMAT.md §1.6) that
+  fit the pin budget, never evicted;
+* an LRU for the rest of the budget.
+
+Reads (``os.preadv``, GIL released) run on a small priority pool (:mod:`.prefetch`): when a
+layer's selection is known, all of its missing experts are queued at once (``DEMAND``), and the
+previous token's selection of the next MoE layer is queued as a guess (``PREFETCH``) so that
+its reads overlap the current layer's compute. Reads that finished but were not asked for yet
+live outside the cache and are bounded by ``max_inflight`` experts.
+
+Memory bound: resident weights + ``budget_bytes`` + (``max_inflight`` + 1) experts (reads in
+flight, the expert being multiplied) + MLX's allocator slack.
+
+Each expert is read in as few ``preadv`` calls as the layout allows: the tensors of one expert
+are sorted by file offset and adjacent ones coalesced (FORMAT.md §1.3: our writer and
+upstream's converter put an expert's three weights next to each other, and its three ``.qs``
+next to each other), so a container expert costs two reads, weights and scales.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..container import Container, ContainerError, to_float32
+from ..container.safetensors_reader import DTYPES
+from ..formats.qtensor import QTensor
+from .prefetch import BACKGROUND, DEMAND, PREFETCH, ReadPool
+from .usage import USAGE_FILE, UsageError, UsageHistory, engine_id, read_usage, write_usage
+
+PROJECTIONS = ("gate", "up", "down")
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+GB = 1e9
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.$")
+
+
+class ExpertStoreError(ContainerError):
+    """An expert cannot be read (file truncated or changed since it was opened, bad layout)."""
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class Read:
+    """One contiguous byte range of a shard."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored tensor inside the buffer of ``reads[read]``."""
+
+    name: str
+    dtype: str
+    read: int
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ProjectionLayout:
+    name: str
+    O: int
+    I: int
+    weight: Part
+    scales: Optional[Part]  # None for a float (unquantized) expert
+    fmt: Optional[int] = None
+    gs: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    layer: int
+    expert: int
+    reads: tuple[Read, ...]
+    projections: tuple[ProjectionLayout, ...]  # gate, up, down
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
+def expert_tensor_names(layer: int, expert: int) -> list[str]:
+    return [f"model.layers.{layer}.mlp.experts.{expert}.{p}_proj.weight" for p in PROJECTIONS]
+
+
+def plan_expert(container: Container, layer: int, expert: int, shapes: dict) -> ExpertLayout:
+    """Where one expert's bytes lie, with adjacent tensors of one shard merged into one read."""
+    infos, projections = [], []
+    for proj, name in zip(PROJECTIONS, expert_tensor_names(layer, expert)):
+        weight = container.info(name)
+        O, I = shapes[proj]
+        if container.is_quantized(name):
+            res = container.resolve(name, (O, I))
+            scales = container.info(name + ".qs")
+            infos += [weight, scales]
+            projections.append((proj, O, I, weight, scales, res.fmt, res.gs))
+        elif weight.dtype in FLOAT_DTYPES:
+            if weight.shape != (O, I):
+                raise ExpertStoreError(f"{weight.path}: tensor {name!r}: stored shape {list(weight.shape)}, "
+                                       f"expected [{O}, {I}]")
+            infos.append(weight)
+            projections.append((proj, O, I, weight, None, None, None))
+        else:
+            raise ExpertStoreError(f"{weight.path}: tensor {name!r}: {weight.dtype} expert weights cannot be "
+                                   f"streamed; expected a quantized (U8 + .qs) or F32/F16/BF16 tensor")
+    reads, where = _coalesce(infos)
+    parts = {n: Part(n, dt, r, s, nb) for n, (dt, r, s, nb) in where.items()}
+    layouts = tuple(ProjectionLayout(p, O, I, parts[w.name], parts[s.name] if s is not None else None, fmt, gs)
+                    for p, O, I, w, s, fmt, gs in projections)
+    return ExpertLayout(layer, expert, tuple(reads), layouts)
+
+
+def _coalesce(infos) -> tuple[list[Read], dict]:
+    reads: list[Read] = []
+    where = {}
+    for info in sorted(infos, key=lambda t: (t.path, t.offset)):
+        last = reads[-1] if reads else None
+        if last is not None and last.path == info.path and last.offset + last.nbytes == info.offset:
+            reads[-1] = Read(last.path, last.offset, last.nbytes + info.nbytes)
+            where[info.name] = (info.dtype, len(reads) - 1, last.nbytes, info.nbytes)
+        else:
+            reads.append(Read(info.path, info.offset, info.nbytes))
+            where[info.name] = (info.dtype, len(reads) - 1, 0, info.nbytes)
+    return reads, where
+
+
+# ------------------------------------------------------------------------------------- stats
+
+
+@dataclass
+class StoreStats:
+    lookups: int = 0
+    hits_pinned: int = 0
+    hits_lru: int = 0
+    hits_prefetch: int = 0  # not resident, but a guessed read had already started
+    misses: int = 0
+    reads: int = 0  # experts read from disk (demand + prefetch + pin warm-up)
+    bytes_read: int = 0
+    bytes_wasted: int = 0  # prefetched and dropped unused
+    read_s: float = 0.0  # summed over reader threads
+    disk_wait_s: float = 0.0  # time the model thread was blocked on expert bytes
+    tokens: int = 0  # positions seen by the first MoE layer
+
+    def as_dict(self) -> dict:
+        d = dict(vars(self))
+        n = max(self.lookups, 1)
+        d["hit_rate"] = (self.hits_pinned + self.hits_lru) / n
+        d["hit_rate_pinned"] = self.hits_pinned / n
+        d["hit_rate_lru"] = self.hits_lru / n
+        d["prefetch_rate"] = self.hits_prefetch / n
+        t = max(self.tokens, 1)
+        d["bytes_read_per_token"] = self.bytes_read / t
+        d["disk_wait_per_token_s"] = self.disk_wait_s / t
+        d["read_mb_s"] = self.bytes_read / 1e6 / self.read_s if self.read_s > 0 else 0.0
+        return d
+
+
+@dataclass
+class _Loaded:
+    weights: tuple  # (gate, up, down): QTensor with mx arrays, or float mx.array [O, I]
+    nbytes: int
+
+
+@dataclass
+class _InFlight:
+    future: object
+    kind: int  # DEMAND / PREFETCH
+    nbytes: int
+
+
+# ------------------------------------------------------------------------------------- store
+
+
+class ExpertStore:
+    """Routed experts of one container behind a byte budget (see the module docstring).
+
+    ``layer_view(layer)`` is what a MoE layer holds instead of its expert list:
+    ``view[e] -> (gate, up, down)``, ``view.prepare(ids)`` when the router has chosen.
+    """
+
+    def __init__(self, container: Container, budget_bytes: int, *, pin: Optional[str] = None,
+                 pin_bytes: Optional[int] = None, usage_path: Optional[str] = None, engine_name: Optional[str] = None,
+                 record_usage: bool = True, workers: int = 4, max_inflight: Optional[int] = None,
+                 prefetch: bool = True, preload_pinned: bool = True):
+        if budget_bytes < 0:
+            raise ValueError(f"expert budget must be >= 0 bytes, got {budget_bytes}")
+        cfg = container.config
+        self.container = container
+        self.n_layers = int(cfg["num_hidden_layers"])
+        self.n_experts = int(cfg["n_routed_experts"])
+        self.engine_name = engine_name or str(cfg.get("model_type", "deepseek_v3"))
+        self.budget_bytes = int(budget_bytes)
+        self.prefetch_enabled = prefetch
+        self.max_inflight = max_inflight if max_inflight is not None else 2 * workers
+        self.stats = StoreStats()
+        self.resident_weight_bytes = 0  # set by the loader
+        self.layouts = self._plan_all()
+        self.moe_layers = sorted({layer for layer, _ in self.layouts})
+        self.total_expert_bytes = sum(l.nbytes for l in self.layouts.values())
+        self._fds = self._open_shards()
+        self._lock = threading.Lock()
+        self._lru: OrderedDict = OrderedDict()
+        self._lru_bytes = 0
+        self._pinned: dict = {}
+        self._inflight: dict = {}
+        self._plan: list = []
+        self._prev_sets: dict[int, list] = {}
+        self._pool = ReadPool(workers)
+        self.usage_path = usage_path or os.path.join(container.path, USAGE_FILE)
+        self.record_usage = record_usage
+        self.usage = self._load_history()
+        self.pinned_keys = self._choose_pins(pin, pin_bytes)
+        self.pinned_reserved = sum(self.layouts[k].nbytes for k in self.pinned_keys)
+        self.lru_capacity = self.budget_bytes - self.pinned_reserved
+        if preload_pinned and self.pinned_keys:
+            self._warm_pins()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _plan_all(self) -> dict:
+        cfg = self.container.config
+        D, inter = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+        shapes = {"gate": (inter, D), "up": (inter, D), "down": (D, inter)}
+        layouts = {}
+        for layer in range(self.n_layers + 1 + int(cfg.get("num_nextn_predict_layers") or 0)):
+            first = expert_tensor_names(layer, 0)[0]
+            if first not in self.container:
+                continue
+            for e in range(self.n_experts):
+                layouts[(layer, e)] = plan_expert(self.container, layer, e, shapes)
+        if not layouts:
+            raise ExpertStoreError(f"{self.container.path}: no routed experts to stream "
+                                   f"(no model.layers.*.mlp.experts.0.gate_proj.weight)")
+        return layouts
+
+    def _open_shards(self) -> dict[str, int]:
+        fds = {}
+        for layout in self.layouts.values():
+            for r in layout.reads:
+                if r.path not in fds:
+                    fds[r.path] = os.open(r.path, os.O_RDONLY)
+                    # Kept open: a shard deleted mid-run stays readable through its descriptor.
+                size = os.fstat(fds[r.path]).st_size
+                if r.offset + r.nbytes > size:
+                    raise ExpertStoreError(f"{r.path}: expert {layout.layer}.{layout.expert} ends at byte "
+                                           f"{r.offset + r.nbytes} but the file has {size}")
+        return fds
+
+    def _load_history(self) -> UsageHistory:
+        fresh = UsageHistory.empty(self.n_layers, self.n_experts, engine_id(self.engine_name))
+        if not os.path.exists(self.usage_path):
+            return fresh
+        try:
+            history = read_usage(self.usage_path)
+        except (UsageError, OSError) as e:
+            warnings.warn(f"ignoring expert usage history: {e}", stacklevel=3)
+            return fresh
+        if history.engine is not None and history.engine != engine_id(self.engine_name):
+            warnings.warn(f"{self.usage_path}: usage history of another engine (id {history.engine}, this is "
+                          f"{self.engine_name!r} = {engine_id(self.engine_name)}); starting a new one", stacklevel=3)
+            return fresh
+        if history.counts.shape != fresh.counts.shape:
+            if history.engine is None and history.n_layers <= self.n_layers and history.n_experts <= self.n_experts:
+                fresh.counts[: history.counts.shape[0], : history.n_experts] = history.counts  # legacy file
+                return fresh
+            warnings.warn(f"{self.usage_path}: usage history is {history.n_layers} layers x {history.n_experts} "
+                          f"experts, the model {self.n_layers} x {self.n_experts}; starting a new one", stacklevel=3)
+            return fresh
+        history.engine = fresh.engine
+        return history
+
+    def _choose_pins(self, pin: Optional[str], pin_bytes: Optional[int]) -> frozenset:
+        if pin is None:
+            return frozenset()
+        history = self.usage if pin == "auto" else read_usage(pin)
+        budget = self.budget_bytes // 2 if pin_bytes is None else min(int(pin_bytes), self.budget_bytes)
+        chosen, used = [], 0
+        for key in history.hottest():
+            layout = self.layouts.get(key)
+            if layout is None:
+                continue
+            if used + layout.nbytes <= budget:
+                chosen.append(key)
+                used += layout.nbytes
+        return frozenset(chosen)
+
+    def _warm_pins(self) -> None:
+        futures = [(k, self._pool.submit(lambda k=k: self._read(k), BACKGROUND)) for k in sorted(self.pinned_keys)]
+        for key, fut in futures:
+            self._pinned[key] = fut.result()
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _read(self, key) -> _Loaded:
+        layout = self.layouts[key]
+        t0 = time.perf_counter()
+        buffers = [self._pread(layout, r) for r in layout.reads]
+        loaded = _Loaded(tuple(_projection(p, buffers) for p in layout.projections), layout.nbytes)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.reads += 1
+            self.stats.bytes_read += layout.nbytes
+            self.stats.read_s += dt
+        return loaded
+
+    def _pread(self, layout: ExpertLayout, r: Read) -> np.ndarray:
+        buf = np.empty(r.nbytes, np.uint8)
+        view = memoryview(buf)
+        fd = self._fds[r.path]
+        got = 0
+        while got < r.nbytes:
+            n = os.preadv(fd, [view[got:]], r.offset + got)
+            if n == 0:
+                size = os.fstat(fd).st_size
+                raise ExpertStoreError(
+                    f"{r.path}: expert {layout.layer}.{layout.expert}: read {got} of {r.nbytes} bytes at offset "
+                    f"{r.offset}; the file is now {size} bytes (truncated or replaced since it was opened?)")
+            got += n
+        return buf
+
+    # -- the model's side ------------------------------------------------------------------------
+    def layer_view(self, layer: int) -> "LayerExperts":
+        return LayerExperts(self, layer)
+
+    def view_for_prefix(self, prefix: str) -> "LayerExperts":
+        """The view for ``model.layers.<i>.mlp.experts.`` (the name prefix a MoE layer knows)."""
+        m = _LAYER_PREFIX.match(prefix)
+        if m is None or (int(m.group(1)), 0) not in self.layouts:
+            raise ExpertStoreError(f"{self.container.path}: no routed experts under {prefix!r}")
+        return self.layer_view(int(m.group(1)))
+
+    def tensor_names(self, layer: int) -> list[str]:
+        names = []
+        for e in range(self.n_experts):
+            for p in self.layouts[(layer, e)].projections:
+                names += [p.weight.name] + ([p.scales.name] if p.scales is not None else [])
+        return names
+
+    def prepare(self, layer: int, ids: np.ndarray) -> None:
+        """The router of ``layer`` chose ``ids [N, K]`` (negative = dropped by top-p)."""
+        if self.record_usage:
+            self.usage.record(layer, ids)
+        if layer == self.moe_layers[0]:
+            self.stats.tokens += int(ids.shape[0]) if ids.ndim > 1 else 1
+        keys = [(layer, int(e)) for e in np.unique(ids) if e >= 0]
+        self._prev_sets[layer] = keys
+        self._drop_stale_prefetches(layer, set(keys))
+        with self._lock:
+            self._plan = [k for k in keys if not self._resident(k) and k not in self._inflight]
+        self._submit_demand()
+        if self.prefetch_enabled:
+            self._prefetch_after(layer)
+
+    def get(self, layer: int, expert: int) -> tuple:
+        key = (layer, expert)
+        if key not in self.layouts:
+            raise KeyError(f"no routed expert {expert} in layer {layer}")
+        with self._lock:
+            self.stats.lookups += 1
+            if key in self._pinned:
+                self.stats.hits_pinned += 1
+                return self._pinned[key].weights
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                self.stats.hits_lru += 1
+                return self._lru[key].weights
+            pending = self._inflight.pop(key, None)
+            if pending is not None and pending.kind == PREFETCH:
+                self.stats.hits_prefetch += 1
+            else:
+                self.stats.misses += 1
+        t0 = time.perf_counter()
+        loaded = pending.future.result() if pending is not None else self._read(key)
+        self.stats.disk_wait_s += time.perf_counter() - t0
+        self._insert(key, loaded)
+        self._submit_demand()
+        return loaded.weights
+
+    def _resident(self, key) -> bool:
+        return key in self._pinned or key in self._lru
+
+    def _insert(self, key, loaded: _Loaded) -> None:
+        with self._lock:
+            if key in self.pinned_keys:
+                self._pinned[key] = loaded
+                return
+            if loaded.nbytes > self.lru_capacity:
+                return  # larger than the whole LRU: used once, not kept
+            while self._lru_bytes + loaded.nbytes > self.lru_capacity:
+                _, old = self._lru.popitem(last=False)
+                self._lru_bytes -= old.nbytes
+            self._lru[key] = loaded
+            self._lru_bytes += loaded.nbytes
+
+    def _submit_demand(self) -> None:
+        with self._lock:
+            while self._plan and len(self._inflight) < self.max_inflight:
+                key = self._plan.pop(0)
+                if key in self._inflight or self._resident(key):
+                    continue
+                fut = self._pool.submit(lambda k=key: self._read(k), DEMAND)
+                self._inflight[key] = _InFlight(fut, DEMAND, self.layouts[key].nbytes)
+
+    def _prefetch_after(self, layer: int) -> None:
+        i = self.moe_layers.index(layer)
+        nxt = self.moe_layers[(i + 1) % len(self.moe_layers)]
+        with self._lock:
+            for key in self._prev_sets.get(nxt, ()):
+                if len(self._inflight) >= self.max_inflight:
+                    break
+                if key in self._inflight or self._resident(key):
+                    continue
+                fut = self._pool.submit(lambda k=key: self._read(k), PREFETCH)
+                self._inflight[key] = _InFlight(fut, PREFETCH, self.layouts[key].nbytes)
+
+    def _drop_stale_prefetches(self, layer: int, wanted: set) -> None:
+        with self._lock:
+            stale = [k for k, f in self._inflight.items() if k[0] == layer and k not in wanted]
+            for key in stale:
+                pending = self._inflight.pop(key)
+                if not pending.future.cancel():
+                    self.stats.bytes_wasted += pending.nbytes
+
+    # -- reporting and lifetime ------------------------------------------------------------------
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return self._lru_bytes + sum(l.nbytes for l in self._pinned.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(l.nbytes for l in self._pinned.values())
+
+    def report(self) -> dict:
+        """Counters plus memory: budget, cached experts, pinned, resident weights, process RSS."""
+        d = self.stats.as_dict()
+        d.update(budget_bytes=self.budget_bytes, cached_bytes=self.cached_bytes, pinned_bytes=self.pinned_bytes,
+                 pinned_experts=len(self.pinned_keys), total_expert_bytes=self.total_expert_bytes,
+                 resident_weight_bytes=self.resident_weight_bytes, **process_memory())
+        return d
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = StoreStats()
+
+    def save_usage(self) -> None:
+        """Rewrite ``.coli_usage`` (upstream rewrites it after every turn)."""
+        if self.record_usage:
+            write_usage(self.usage_path, self.usage, self.engine_name)
+
+    def close(self) -> None:
+        self._pool.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        with self._lock:
+            self._lru.clear()
+            self._pinned.clear()
+            self._inflight.clear()
+            self._lru_bytes = 0
+
+
+class LayerExperts(Sequence):
+    """The routed experts of one MoE layer as the MoE block sees them: ``view[e] -> (gate, up, down)``.
+
+    ``eval_each`` asks the block to evaluate after each expert, so that at most one expert
+    beyond the cache is referenced by the lazy graph at a time.
+    """
+
+    eval_each = True
+
+    def __init__(self, store: ExpertStore, layer: int):
+        self.store, self.layer = store, layer
+
+    def __len__(self) -> int:
+        return self.store.n_experts
+
+    def __getitem__(self, e):
+        if not isinstance(e, (int, np.integer)) or not 0 <= e < self.store.n_experts:
+            raise IndexError(f"expert index {e!r} out of range 0..{self.store.n_experts - 1}")
+        return self.store.get(self.layer, int(e))
+
+    def prepare(self, ids: np.ndarray) -> None:
+        self.store.prepare(self.layer, ids)
+
+
+def _projection(p: ProjectionLayout, buffers: list[np.ndarray]):
+    raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
+    if p.scales is None:
+        values = to_float32(raw.view(DTYPES[p.weight.dtype].storage), p.weight.dtype)
+        return mx.array(np.ascontiguousarray(values, np.float32).reshape(p.O, p.I))
+    s = p.scales
+    storage = DTYPES[s.dtype].storage
+    stored = np.frombuffer(buffers[s.read], storage, s.nbytes // storage.itemsize, s.start)
+    scales = to_float32(stored, s.dtype).reshape(-1)
+    return QTensor(mx.array(raw), mx.array(np.ascontiguousarray(scales, np.float32)), p.fmt, p.O, p.I, p.gs,
+                   p.weight.name)
+
+
+def process_memory() -> dict:
+    """``rss_bytes`` / ``peak_rss_bytes`` from /proc/self/status (VmRSS / VmHWM); empty elsewhere."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    out["peak_rss_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def format_stats(report: dict) -> str:
+    """One line for the generation stats: hit split, disk bytes and wait per token, memory."""
+    line = (f"expert hit rate {100 * report['hit_rate']:.1f}% (pin {100 * report['hit_rate_pinned']:.1f}% + "
+            f"lru {100 * report['hit_rate_lru']:.1f}%; prefetched {100 * report['prefetch_rate']:.1f}%) | "
+            f"disk {report['bytes_read_per_token'] / 1e6:.1f} MB/token, wait "
+            f"{1e3 * report['disk_wait_per_token_s']:.1f} ms/token | resident {report['resident_weight_bytes'] / GB:.2f} GB"
+            f" + experts {report['cached_bytes'] / GB:.2f}/{report['budget_bytes'] / GB:.2f} GB")
+    if "rss_bytes" in report:
+        line += f" | RSS {report['rss_bytes'] / GB:.2f} GB"
+    return line
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every weight the model holds outside the expert store (each array counted once)."""
+    total, seen = 0, set()
+    stack = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (ExpertStore, LayerExperts)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, QTensor):
+            total += obj.nbytes
+        elif isinstance(obj, (mx.array, np.ndarray)):
+            total += int(obj.nbytes)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack.extend(vars(obj).values())
+    return total
