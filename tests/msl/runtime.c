@@ -24,7 +24,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if !defined(__x86_64__)
+#if defined(__x86_64__) && !defined(MSL_USE_UCONTEXT)
+#define MSL_X86_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -57,7 +59,7 @@ typedef struct {
 
 typedef struct {
   void *sp; /* x86-64: saved stack pointer */
-#if !defined(__x86_64__)
+#if !defined(MSL_X86_SWITCH)
   ucontext_t uc;
 #endif
   char *stack; /* usable stack base (above the guard page) */
@@ -78,8 +80,9 @@ msl_dispatch_info msl_dispatch;
 static msl_thread *threads;
 static msl_simdgroup simdgroups[MSL_MAX_THREADS / MSL_SIMD_WIDTH];
 static msl_thread *current;
+#if defined(MSL_X86_SWITCH)
 static void *scheduler_sp;
-#if !defined(__x86_64__)
+#else
 static ucontext_t scheduler_uc;
 #endif
 static void **kernel_buffers;
@@ -93,7 +96,7 @@ extern char __start_msl_tgmem[] __attribute__((weak));
 extern char __stop_msl_tgmem[] __attribute__((weak));
 
 /* ---- context switching ------------------------------------------------------------------- */
-#if defined(__x86_64__)
+#if defined(MSL_X86_SWITCH)
 /* Saves callee-saved registers + MXCSR/x87 CW on the current stack, stores rsp in *from, switches
  * to `to`. No signal-mask syscall (unlike swapcontext), so a switch costs a few nanoseconds. */
 void msl_switch(void **from, void *to);
@@ -114,7 +117,7 @@ void msl_trampoline(void);
 static void thread_main(void *arg);
 
 static void to_scheduler(void) {
-#if defined(__x86_64__)
+#if defined(MSL_X86_SWITCH)
   msl_switch(&current->sp, scheduler_sp);
 #else
   swapcontext(&current->uc, &scheduler_uc);
@@ -123,7 +126,7 @@ static void to_scheduler(void) {
 
 static void resume(msl_thread *t) {
   current = t;
-#if defined(__x86_64__)
+#if defined(MSL_X86_SWITCH)
   msl_switch(&scheduler_sp, t->sp);
 #else
   swapcontext(&scheduler_uc, &t->uc);
@@ -132,7 +135,7 @@ static void resume(msl_thread *t) {
 }
 
 static void start_thread(msl_thread *t) {
-#if defined(__x86_64__)
+#if defined(MSL_X86_SWITCH)
   uintptr_t top = ((uintptr_t)t->stack + MSL_STACK_BYTES) & ~(uintptr_t)15;
   uint64_t *sp = (uint64_t *)top;
   /* msl_switch's `ret` pops this, leaving rsp == top (16-byte aligned) for the trampoline's call */
