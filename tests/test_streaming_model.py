@@ -37,7 +37,7 @@ CONFIG = dict(
 
 
 def build_container(path, seed: int = 0, **overrides) -> dict:
-    """A random tiny container (fmt 4 spine, mixed-fmt experts, two shards); returns its config."""
+    """A random tiny container (fmt 4 spine, mixed-fmt experts, two shards split at layer 2); returns its config."""
     config = dict(CONFIG, **overrides)
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -62,10 +62,9 @@ def build_container(path, seed: int = 0, **overrides) -> dict:
                 config["n_routed_experts"])).astype(np.float32)
     tensors["model.norm.weight"] = np.ones(D, np.float32)
     os.makedirs(path, exist_ok=True)
-    names = sorted(tensors)
-    half = len(names) // 2
-    write_shard(os.path.join(path, "out-00000.safetensors"), {n: tensors[n] for n in names[:half]})
-    write_shard(os.path.join(path, "out-00001.safetensors"), {n: tensors[n] for n in names[half:]})
+    later = {n for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= 2}
+    write_shard(os.path.join(path, "out-00000.safetensors"), {n: t for n, t in tensors.items() if n not in later})
+    write_shard(os.path.join(path, "out-00001.safetensors"), {n: tensors[n] for n in later})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return config
