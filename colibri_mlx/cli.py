@@ -52,16 +52,38 @@ def _sampling_options(f):
         click.option("--seed", default=None, type=int),
         click.option("--system", default=None, help="System message (chat template only)."),
     ]
-    for option in reversed(options):
+    for option in reversed(options + _STREAMING_OPTIONS):
         f = option(f)
     return f
+
+
+def _remember(ctx, param, value):
+    if value is not None:
+        ctx.meta.setdefault("colibri.load", {})[param.name] = value
+    return value
+
+
+# Expert streaming (docs/streaming.md): collected into ctx.meta, passed to load().
+_STREAMING_OPTIONS = [
+    click.option("--ram-gb", "ram_gb", type=click.FloatRange(min=0), default=None, expose_value=False,
+                 callback=_remember, help="Stream routed experts from disk with this many GB of expert cache "
+                                          "(resident weights come on top). Default: all experts resident."),
+    click.option("--pin", "pin", default=None, expose_value=False, callback=_remember,
+                 help="Pin the hottest experts: 'auto' (the model's .coli_usage) or a .coli_usage file."),
+    click.option("--pin-gb", "pin_gb", type=click.FloatRange(min=0), default=None, expose_value=False,
+                 callback=_remember, help="Pin budget inside --ram-gb (default: half of it)."),
+    click.option("--expert-top-p", "expert_top_p", type=click.FloatRange(0, 1, min_open=True), default=None,
+                 expose_value=False, callback=_remember,
+                 help="Router top-p over the selected experts (upstream TOPP); fewer reads, CHANGES RESULTS."),
+]
 
 
 def _load_for_cli(model_path):
     from . import load
 
+    options = click.get_current_context().meta.get("colibri.load", {})
     try:
-        return load(model_path)
+        return load(model_path, **options)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -75,7 +97,12 @@ def _stats_line(last) -> str:
             f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
             f"peak memory: {last.peak_memory_gb:.2f} GB (MLX), {rss_gb:.2f} GB (process)")
     format_counters = getattr(kernels, "format_counters", None)
-    return line + (f" | {format_counters()}" if format_counters else "")
+    line += f" | {format_counters()}" if format_counters else ""
+    if getattr(last, "expert_stats", None) is not None:
+        from .experts import format_stats
+
+        line += "\n" + format_stats(last.expert_stats)
+    return line
 
 
 def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):

@@ -29,6 +29,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory_gb: float
     finish_reason: Optional[str] = None  # "stop" (end-of-sequence token), "length", or None
+    expert_stats: Optional[dict] = None  # streamed experts only: ExpertStore.report() (docs/streaming.md)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, temperature
     template) or token ids. Pass ``cache`` to continue a conversation."""
     params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty)
     detok = tokenizer.detokenizer()
+    store = getattr(model, "expert_store", None)
     for token, s in generate_tokens(model, _prompt_ids(tokenizer, prompt), max_tokens, params, seed, cache,
                                     _stop_ids(model, tokenizer)):
         finished = s["finish_reason"] is not None
@@ -167,7 +169,10 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, temperature
             prompt_tps=s["prompt_tokens"] / max(s["prompt_time"], 1e-9),
             generation_tokens=s["generation_tokens"],
             generation_tps=s["generation_tokens"] / max(s["generation_time"], 1e-9),
-            peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=s["finish_reason"])
+            peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=s["finish_reason"],
+            expert_stats=store.report() if store is not None else None)
+        if finished and store is not None:
+            store.save_usage()  # upstream rewrites .coli_usage after every turn
 
 
 def generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,

@@ -267,3 +267,27 @@ def test_peak_rss_bounded_with_experts_several_times_the_budget(tmp_path):
     assert r["hwm"] <= bound, (r, base)
     full = measure(-1)
     assert r["hwm"] < full["hwm"]
+
+
+def test_cli_flags_stats_line_and_usage_written(tmp_path):
+    from click.testing import CliRunner
+
+    from colibri_mlx.cli import main
+    from helpers_models import VOCAB_SIZE, write_tokenizer
+
+    path = str(tmp_path / "m")
+    build_container(path, vocab_size=VOCAB_SIZE)
+    write_tokenizer(path)
+    common = ["generate", "-m", path, "-p", "hello", "--max-tokens", "4", "--no-chat-template"]
+    plain = CliRunner().invoke(main, common)
+    assert plain.exit_code == 0, plain.output
+    streamed = CliRunner().invoke(main, common + ["--ram-gb", "0.00002", "--pin", "auto", "--pin-gb", "0.00001"])
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.stdout == plain.stdout  # same text whatever the budget
+    assert "expert hit rate" in streamed.stderr and "MB/token" in streamed.stderr
+    assert "expert hit rate" not in plain.stderr
+    assert read_usage(os.path.join(path, ".coli_usage")).total > 0
+    cut = CliRunner().invoke(main, common + ["--ram-gb", "1", "--expert-top-p", "0.5"])
+    assert cut.exit_code == 0, cut.output
+    bad = CliRunner().invoke(main, common + ["--expert-top-p", "1.5"])
+    assert bad.exit_code != 0 and "expert-top-p" in bad.output

@@ -197,10 +197,12 @@ class ExpertStore:
     ``view[e] -> (gate, up, down)``, ``view.prepare(ids)`` when the router has chosen.
     """
 
+    drop_read_pages = False  # class default: readers built without __init__ (tests) see it too
+
     def __init__(self, container: Container, budget_bytes: int, *, pin: Optional[str] = None,
                  pin_bytes: Optional[int] = None, usage_path: Optional[str] = None, engine_name: Optional[str] = None,
                  record_usage: bool = True, workers: int = 4, max_inflight: Optional[int] = None,
-                 prefetch: bool = True, preload_pinned: bool = True):
+                 prefetch: bool = True, preload_pinned: bool = True, drop_read_pages: bool = False):
         if budget_bytes < 0:
             raise ValueError(f"expert budget must be >= 0 bytes, got {budget_bytes}")
         cfg = container.config
@@ -210,6 +212,7 @@ class ExpertStore:
         self.engine_name = engine_name or str(cfg.get("model_type", "deepseek_v3"))
         self.budget_bytes = int(budget_bytes)
         self.prefetch_enabled = prefetch
+        self.drop_read_pages = drop_read_pages
         self.max_inflight = max_inflight if max_inflight is not None else 2 * workers
         self.stats = StoreStats()
         self.resident_weight_bytes = 0  # set by the loader
@@ -333,6 +336,9 @@ class ExpertStore:
                     f"{r.path}: expert {layout.layer}.{layout.expert}: read {got} of {r.nbytes} bytes at offset "
                     f"{r.offset}; the file is now {size} bytes (truncated or replaced since it was opened?)")
             got += n
+        if self.drop_read_pages:
+            # The cache above is the budget: keep the kernel's page cache from holding a second copy.
+            os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
         return buf
 
     # -- the model's side ------------------------------------------------------------------------
@@ -464,7 +470,10 @@ class ExpertStore:
     def save_usage(self) -> None:
         """Rewrite ``.coli_usage`` (upstream rewrites it after every turn)."""
         if self.record_usage:
-            write_usage(self.usage_path, self.usage, self.engine_name)
+            try:
+                write_usage(self.usage_path, self.usage, self.engine_name)
+            except OSError as e:  # a read-only model directory must not end the session
+                warnings.warn(f"cannot write the expert usage history: {e}", stacklevel=2)
 
     def close(self) -> None:
         self._pool.close()

@@ -35,4 +35,4 @@ def load(path=None, **options):
 
 
 STREAMING_OPTIONS = frozenset(("ram_gb", "pin", "pin_gb", "expert_top_p", "prefetch", "workers", "max_inflight",
-                               "usage_path", "record_usage", "preload_pinned"))
+                               "usage_path", "record_usage", "preload_pinned", "drop_read_pages"))
