@@ -1,0 +1,449 @@
+"""moe_block: a layer's routed experts, ``sum_k w[n, k] * down_e(silu(gate_e x_n) * up_e x_n)``.
+
+Decode (N <= 8 tokens) runs two kernels per group of experts that share a format
+(metal_kernels/moe_block.metal): ``moe_gate_up`` (gate and up rows read in one pass, SwiGLU
+applied, one row of h per slot) and ``moe_down`` (each distinct expert's down rows read once
+and applied to every token that chose it, weighted and summed in registers). fmt 6 groups
+rotate the layer input once and their SwiGLU outputs once (``hadamard``).
+
+The experts of a group are stacked in one byte buffer and one scale buffer (an
+:class:`ExpertBank`, built once per resident layer, or per call from the selected experts of
+a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
+routing ids never leave the GPU on the resident path. Prefill (N > 8) groups tokens by expert
+and reads each selected expert once through ``qmatmul`` (dequantized tiles + matmul).
+
+``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
+MLX gets; the MSL simulator tests run the same objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.qtensor import QTensor
+from . import dispatch, reference
+from .reference import e8_grid_words, row_bytes, scales_per_row
+
+MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
+MAX_SLOTS = 64          # N * K: the kernels keep per-token masks in 32 bits, slots in a loop
+SIMD = 32
+SIMDGROUPS = 4
+UNROLL = 2
+HADAMARD_TG = 256
+HADAMARD_MAX_BLOCK = 4096  # 16 KB of threadgroup memory (Metal allows 32 KB)
+KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+PARAMS_LEN = 8
+E8_FMT = 6
+
+_SECTION = re.compile(r"^// ==== kernel body(?:: (\w+))? ====\s*$", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def read_kernel_sections(name: str, backend_name: str) -> tuple[str, dict]:
+    """``(header, {kernel: body})`` of a kernel file holding one or more named bodies."""
+    path = dispatch.KERNEL_DIR / (f"{name}.metal" if backend_name == dispatch.METAL else f"cuda/{name}.cu")
+    text = path.read_text()
+    marks = list(_SECTION.finditer(text))
+    if not marks:
+        raise RuntimeError(f"{path}: no '// ==== kernel body ====' line")
+    bodies = {}
+    for i, m in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        bodies[m.group(1) or name] = text[m.end():end]
+    return text[:marks[0].start()], bodies
+
+
+def unit_header(backend_name: str) -> str:
+    """qgemv's fmt 1-6 unit decoders followed by the fmt 0 wrappers (moe_block's header)."""
+    qgemv_header, _ = dispatch.read_kernel_source("qgemv", backend_name)
+    moe_header, _ = read_kernel_sections("moe_block", backend_name)
+    return qgemv_header + "\n" + moe_header
+
+
+def _pad8(a: mx.array) -> mx.array:
+    a = a.reshape(-1)
+    if a.size >= PARAMS_LEN:
+        return a
+    return mx.concatenate([a, mx.zeros((PARAMS_LEN - a.size,), a.dtype)])
+
+
+def _as_mx(a, dtype) -> mx.array:
+    if not isinstance(a, mx.array):
+        a = mx.array(np.ascontiguousarray(np.asarray(a)))
+    if a.dtype == dtype:
+        return a
+    return a.view(dtype) if a.dtype.size == dtype.size and dtype == mx.uint8 else a.astype(dtype)
+
+
+_grid: dict = {}
+
+
+def e8grid() -> mx.array:
+    if "g" not in _grid:
+        _grid["g"] = mx.array(e8_grid_words())
+    return _grid["g"]
+
+
+# ---------------------------------------------------------------------------------------
+# Expert banks
+
+
+def weight_format(w) -> tuple[int, Optional[int]]:
+    """(fmt, gs) of one projection; float arrays are fmt 0."""
+    if isinstance(w, QTensor):
+        return int(w.fmt), (int(w.gs) if w.fmt == 4 else None)
+    return 0, None
+
+
+def _shape(w) -> tuple[int, int]:
+    return (w.O, w.I) if isinstance(w, QTensor) else tuple(w.shape)
+
+
+def _bytes_and_scales(w) -> tuple[mx.array, mx.array]:
+    if isinstance(w, QTensor):
+        return _as_mx(w.packed, mx.uint8).reshape(-1), _as_mx(w.scales, mx.float32).reshape(-1)
+    return w.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((1,), mx.float32)
+
+
+@dataclass
+class Projection:
+    """One stacked projection kind of a group: bytes [E_g][rows][rb], scales [E_g][rows * ng]."""
+
+    fmt: int
+    gs: Optional[int]
+    O: int
+    I: int
+    packed: mx.array
+    scales: mx.array
+
+    @property
+    def rb(self) -> int:
+        return row_bytes(self.fmt, self.I)
+
+    @property
+    def ng(self) -> int:
+        """Scales per row as the kernel indexes them (0: the kernel reads none)."""
+        return scales_per_row(self.fmt, self.I, self.gs) if self.fmt in (1, 2, 3, 4, 5) else 0
+
+    @property
+    def vec(self) -> int:
+        return int(self.fmt in (1, 2, 3, 4) and self.rb % 8 == 0)
+
+
+@dataclass
+class ExpertGroup:
+    """Experts of one layer that share gate/up (fmt, gs) and down (fmt, gs)."""
+
+    experts: list                 # layer expert ids, in stacking order
+    gate_up: Projection           # per expert: gate rows then up rows (2 * inter rows)
+    down: Projection              # D rows
+    lut: mx.array                 # int32 [>= E]: group index of each layer expert, or -1
+    n_layer_experts: int          # E: ids outside 0..E-1 are treated as dropped
+
+    @property
+    def rotated(self) -> bool:
+        return self.gate_up.fmt == E8_FMT
+
+
+@dataclass
+class ExpertBank:
+    n_experts: int
+    groups: list = field(default_factory=list)
+    declined: dict = field(default_factory=dict)   # expert id -> reason (reference path)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.gate_up.packed.nbytes + g.down.packed.nbytes for g in self.groups)
+
+
+def _decline_expert(gate, up, down) -> Optional[str]:
+    fg, fu = weight_format(gate), weight_format(up)
+    if fg != fu:
+        return f"gate fmt {fg} != up fmt {fu}"
+    fmt, gs = fg
+    if fmt == 4 and (not gs or gs % 16):
+        return f"fmt 4 gs={gs} (needs a multiple of 16)"
+    if weight_format(down)[0] == 4 and (weight_format(down)[1] or 1) % 16:
+        return f"down fmt 4 gs={weight_format(down)[1]}"
+    if (fmt == E8_FMT) != (weight_format(down)[0] == E8_FMT):
+        return "fmt 6 on some projections only (the converter writes all three or none)"
+    if fmt == E8_FMT and max(_max_block(_shape(gate)[1]), _max_block(_shape(down)[1])) > HADAMARD_MAX_BLOCK:
+        return f"rotation block above {HADAMARD_MAX_BLOCK}"
+    return None
+
+
+def _max_block(n: int) -> int:
+    from ..formats.e8 import block_tiling
+
+    return max(block_tiling(n))
+
+
+def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> ExpertBank:
+    """Stack ``experts[e] = (gate, up, down)`` for e in ``ids`` (default: all) by format."""
+    E = len(experts)
+    ids = range(E) if ids is None else ids
+    bank = ExpertBank(E)
+    members: dict = {}
+    for e in ids:
+        gate, up, down = experts[int(e)]
+        reason = _decline_expert(gate, up, down)
+        if reason is not None:
+            bank.declined[int(e)] = reason
+            continue
+        key = (weight_format(gate), weight_format(down), _shape(gate), _shape(down))
+        members.setdefault(key, []).append((int(e), gate, up, down))
+    for ((fmt, gs), (fmt_d, gs_d), (O, I), (Od, Id)), group in members.items():
+        gu_bytes, gu_scales, d_bytes, d_scales = [], [], [], []
+        for _, gate, up, down in group:
+            for w, b, s in ((gate, gu_bytes, gu_scales), (up, gu_bytes, gu_scales), (down, d_bytes, d_scales)):
+                wb, ws = _bytes_and_scales(w)
+                b.append(wb)
+                s.append(ws)
+        lut = np.full(E, -1, np.int32)
+        lut[[e for e, *_ in group]] = np.arange(len(group), dtype=np.int32)
+        bank.groups.append(ExpertGroup(
+            experts=[e for e, *_ in group],
+            gate_up=Projection(fmt, gs, O, I, mx.concatenate(gu_bytes), _pad8(mx.concatenate(gu_scales))),
+            down=Projection(fmt_d, gs_d, Od, Id, mx.concatenate(d_bytes), _pad8(mx.concatenate(d_scales))),
+            lut=_pad8(mx.array(lut)), n_layer_experts=E))
+    return bank
+
+
+_banks: dict = {}
+
+
+def resident_bank(experts: Sequence) -> ExpertBank:
+    """The bank of a resident expert list, built on first use and kept with the list."""
+    hit = _banks.get(id(experts))
+    if hit is not None and hit[0] is experts:
+        return hit[1]
+    bank = build_bank(experts)
+    mx.eval([g.gate_up.packed for g in bank.groups] + [g.down.packed for g in bank.groups])
+    _banks[id(experts)] = (experts, bank)
+    return bank
+
+
+def clear_banks() -> None:
+    _banks.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Launches
+
+
+def _params(p: Projection, K: int, n_slots: int, E: int) -> mx.array:
+    n_units = -(-p.I // (4 if p.fmt == 0 else _UNIT_WEIGHTS[p.fmt]))
+    return mx.array([p.I, p.O, p.rb, p.ng, n_units, K, n_slots, E], dtype=mx.int32)
+
+
+_UNIT_WEIGHTS = {1: 8, 2: 16, 3: 32, 4: 16, 5: 64, 6: 32}
+
+
+def _template(p: Projection, S: int, **extra) -> list:
+    t = [(k, v) for k, v in extra.items()]
+    return t + [("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
+                ("VEC", p.vec), ("UNROLL", UNROLL)]
+
+
+def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
+                 backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
+    """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
+    S = x.shape[0]
+    n_slots = S * K
+    p = group.gate_up
+    _, bodies = read_kernel_sections("moe_block", backend)
+    return dispatch.LaunchSpec(
+        name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
+        output_names=("h",), source=bodies["moe_gate_up"], header=unit_header(backend),
+        inputs=[_pad8(x), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
+                group.lut, _params(p, K, n_slots, group.n_layer_experts)],
+        output_shapes=[(n_slots, p.O)],
+        output_dtypes=[mx.float32], grid=(SIMD * p.O, n_slots, 1),
+        threadgroup=(SIMD * SIMDGROUPS, 1, 1), template=_template(p, S, T=x.dtype))
+
+
+def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
+              backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
+    """``y[N, D]`` (float32): this group's weighted down projections summed per token."""
+    p = group.down
+    _, bodies = read_kernel_sections("moe_block", backend)
+    return dispatch.LaunchSpec(
+        name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
+        output_names=("y",), source=bodies["moe_down"], header=unit_header(backend),
+        inputs=[_pad8(h), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
+                group.lut, _pad8(weights.reshape(-1).astype(mx.float32)), _params(p, K, S * K, group.n_layer_experts)],
+        output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * p.O, 1, 1),
+        threadgroup=(SIMD * SIMDGROUPS, 1, 1), template=_template(p, S))
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation_tables(n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(blocks int32 [3 * nb] padded, sign bytes uint8, largest block) for rows of length n."""
+    from ..formats.e8 import block_tiling, sign_bits
+
+    blocks, signs, off, soff = [], [], 0, 0
+    for b in block_tiling(n):
+        blocks += [off, b, soff]
+        sb = np.packbits(sign_bits(b).astype(np.uint8), bitorder="little")
+        signs.append(sb)
+        off += b
+        soff += sb.size
+    blk = np.array(blocks + [0] * max(0, PARAMS_LEN - len(blocks)), np.int32)
+    sg = np.concatenate(signs)
+    sg = np.concatenate([sg, np.zeros(max(0, PARAMS_LEN - sg.size), np.uint8)])
+    return blk, sg, max(block_tiling(n))
+
+
+def hadamard_spec(x: mx.array, backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
+    """fmt 6 rotation of the rows of ``x [N, n]`` (float32 out), FORMAT.md §3.6."""
+    N, n = x.shape
+    blocks, signs, maxb = _rotation_tables(n)
+    header, bodies = read_kernel_sections("hadamard", backend)
+    n_blocks = len(_tiling(n))
+    return dispatch.LaunchSpec(
+        name="moe_hadamard", input_names=("x", "blocks", "signs", "params"), output_names=("y",),
+        source=bodies["hadamard"], header=header,
+        inputs=[_pad8(x), mx.array(blocks), mx.array(signs),
+                mx.array([n, n_blocks, 0, 0, 0, 0, 0, 0], dtype=mx.int32)],
+        output_shapes=[(N, n)], output_dtypes=[mx.float32],
+        grid=(HADAMARD_TG * n_blocks, N, 1), threadgroup=(HADAMARD_TG, 1, 1),
+        template=[("T", x.dtype), ("TG", HADAMARD_TG), ("MAXB", max(maxb, 2))])
+
+
+def _tiling(n: int) -> list:
+    from ..formats.e8 import block_tiling
+
+    return block_tiling(n)
+
+
+def rotate(x: mx.array, impl: str) -> mx.array:
+    """fmt 6 input rotation of ``x [N, n]`` on the GPU (float32 out)."""
+    if _rotation_tables(x.shape[-1])[2] > HADAMARD_MAX_BLOCK:
+        from ..formats.e8 import rotate as rotate_mlx
+
+        dispatch.record_fallback("hadamard", f"rotation block above {HADAMARD_MAX_BLOCK}")
+        return rotate_mlx(x)
+    dispatch.record_call("hadamard", impl)
+    return dispatch.launch(impl, hadamard_spec(x, impl))[0]
+
+
+# ---------------------------------------------------------------------------------------
+# The hot path
+
+
+def decline_reason(x: mx.array, K: int) -> Optional[str]:
+    N = x.shape[0]
+    if N * K > MAX_SLOTS:
+        return f"N*K={N * K} slots above {MAX_SLOTS}"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"x dtype {x.dtype} not float32/float16/bfloat16"
+    return None
+
+
+def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) -> mx.array:
+    """``[N, D]``: ``sum_k weights[n, k] * down_e(silu(gate_e x_n) * up_e x_n)``, e = ids[n, k].
+
+    ``experts[e] = (gate, up, down)`` (float ``mx.array [O, I]`` or QTensor, any fmt, per
+    expert); ids < 0 are slots dropped by router top-p. A streamed layer (``experts.prepare``)
+    is told the ids first and its selected experts are stacked per call.
+    """
+    N, K = ids.shape
+    impl = dispatch.backend()
+    streamed = getattr(experts, "prepare", None) is not None
+    if impl == dispatch.REFERENCE or N > MAX_TOKENS:
+        dispatch.record_call("moe_block", dispatch.REFERENCE if impl == dispatch.REFERENCE else "grouped-prefill")
+        return reference_moe_block(x, experts, ids, weights)
+    reason = decline_reason(x, K)
+    if reason is not None:
+        dispatch.record_fallback("moe_block", reason)
+        return reference_moe_block(x, experts, ids, weights)
+    if streamed:
+        ids_np = np.array(ids)
+        experts.prepare(ids_np)
+        bank = build_bank(experts, sorted(int(e) for e in np.unique(ids_np) if 0 <= e < len(experts)))
+    else:
+        bank = resident_bank(experts)
+    dispatch.record_call("moe_block", impl)
+    y = None
+    x_rot = None
+    for g in bank.groups:
+        xin = x
+        if g.rotated:
+            if x_rot is None:
+                x_rot = rotate(x, impl)      # once per layer call for every fmt 6 group
+            xin = x_rot
+        h = dispatch.launch(impl, gate_up_spec(xin, g, ids, K, impl))[0]
+        if g.down.fmt == E8_FMT:
+            h = rotate(h, impl)
+        part = dispatch.launch(impl, down_spec(h, g, ids, weights, N, K, impl))[0]
+        y = part if y is None else y + part
+    if bank.declined:
+        y_ref = _declined_part(x, experts, ids, weights, bank)
+        if y_ref is not None:
+            y = y_ref if y is None else y + y_ref
+    if y is None:
+        y = mx.zeros(x.shape, mx.float32)
+    return y.astype(x.dtype)
+
+
+def _declined_part(x, experts, ids, weights, bank):
+    ids_np = np.array(ids)
+    hit = [e for e in np.unique(ids_np) if int(e) in bank.declined]
+    for e in hit:
+        dispatch.record_fallback("moe_block", f"expert {int(e)}: {bank.declined[int(e)]}")
+    if not hit:
+        return None
+    keep = np.isin(ids_np, hit)
+    return reference_moe_block(x, experts, mx.array(np.where(keep, ids_np, -1).astype(np.int32)),
+                               weights, out_dtype=mx.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Reference (pure MLX)
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def _rotated_for(x: mx.array, w) -> mx.array:
+    # fmt 6 stores W @ Q, so its input must be rotated by Q first (FORMAT.md §3.6).
+    if isinstance(w, QTensor) and w.fmt == E8_FMT:
+        from ..formats.e8 import rotate as rotate_mlx
+
+        return rotate_mlx(x)
+    return x
+
+
+def expert_mlp(x: mx.array, gate, up, down) -> mx.array:
+    from . import qmatmul
+
+    h = silu(qmatmul(_rotated_for(x, gate), gate)) * qmatmul(_rotated_for(x, up), up)
+    return qmatmul(_rotated_for(h, down), down)
+
+
+def reference_moe_block(x: mx.array, experts, ids: mx.array, weights: mx.array, out_dtype=None) -> mx.array:
+    """Each selected expert once, with every token routed to it (transformers' loop)."""
+    ids_np = np.array(ids)
+    prepare = getattr(experts, "prepare", None)  # a streamed expert store starts its reads here
+    if prepare is not None:
+        prepare(ids_np)
+    eval_each = getattr(experts, "eval_each", False)
+    out = mx.zeros(x.shape, dtype=mx.float32)
+    for e in np.unique(ids_np):
+        if e < 0 or e >= len(experts):
+            continue  # slot dropped by router top-p
+        token_idx, slot = np.nonzero(ids_np == e)
+        tok = mx.array(token_idx.astype(np.int32))
+        y = expert_mlp(x[tok], *experts[int(e)])
+        w = weights[tok, mx.array(slot.astype(np.int32))][:, None]
+        out = out.at[tok].add(y.astype(mx.float32) * w.astype(mx.float32))
+        if eval_each:
+            mx.eval(out)
+    return out.astype(out_dtype or x.dtype)

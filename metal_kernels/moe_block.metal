@@ -1,0 +1,254 @@
+// moe_block: the routed experts of one MoE layer for S <= 8 tokens, two launches per
+// group of experts that share one fmt/gs (colibri_mlx/kernels/moe.py):
+//
+//   moe_gate_up  h[a, r] = silu(gate_e x_s)[r] * (up_e x_s)[r]   for every slot a = s * K + k
+//   moe_down     y[s, o] = sum_k w[s, k] * (down_e h[s * K + k])[o]
+//
+// The experts of a group are stacked into one byte buffer ([E_g][rows][row bytes]) and one
+// scale buffer; `lut[e]` maps a layer expert id to its index in the group or -1, so a kernel
+// indexes expert e by offset (metal_kernel cannot take a pointer table) and the routing ids
+// stay on the GPU (no host sync).
+//
+// Each weight byte is read once per call: in moe_gate_up the slot that sees an expert first
+// (its "leader") computes that expert's rows for every token routed to it and writes all of
+// that expert's slots; other slots return at once. moe_down visits each distinct expert once
+// per output row and applies the row to every token that selected it. gate and up rows are
+// read in the same pass so x is read once. One SIMD group per output row; lanes take units
+// (see qgemv.metal) l, l + 32, ...; float32 accumulation; simd_sum reduces the lanes.
+//
+// This header is appended to qgemv.metal's header (moe.py), whose qg_load / qg_unit_scale /
+// qg_decode decode fmt 1-6; the cm_* wrappers add fmt 0 (float32 rows, 4 weights a unit) and
+// fold the fmt 1-3 row scale into the unit scale (several experts share one accumulator).
+// The CUDA twin metal_kernels/cuda/moe_block.cu implements the same algorithm line for line.
+//
+// params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
+// K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
+
+constexpr int cm_wpu(int fmt) {
+  return fmt == 0 ? 4 : qg_wpu(fmt);
+}
+
+template <int FMT, int VEC>
+inline void cm_load(const device uint8_t* wrow, int rb, int I, int u, thread uint* r) {
+  if (FMT == 0) {
+    const device uint* p = (const device uint*)(wrow) + 4 * u;
+    for (int k = 0; k < 4; ++k) {
+      r[k] = (4 * u + k < I) ? p[k] : 0u;
+    }
+  } else {
+    qg_load<FMT, VEC>(wrow, rb, u, r);
+  }
+}
+
+template <int FMT, int GS>
+inline float cm_unit_scale(const device float* scales, int row, int ng, int u, thread const uint* r) {
+  if (FMT == 0) {
+    return 1.0f;
+  } else if (FMT <= 3) {
+    return scales[row];
+  }
+  return qg_unit_scale<FMT, GS>(scales, row, ng, u, r);
+}
+
+template <int FMT>
+inline void cm_decode(thread const uint* r, const device uint* e8grid, thread float* q) {
+  if (FMT == 0) {
+    for (int k = 0; k < 4; ++k) {
+      q[k] = as_type<float>(r[k]);
+    }
+  } else {
+    qg_decode<FMT>(r, e8grid, q);
+  }
+}
+
+// Group-local expert of slot a, or -1 (id out of range, dropped by router top-p, other group).
+inline int moe_local(const device int* ids, const device int* lut, int a, int E) {
+  const int id = ids[a];
+  return (id >= 0 && id < E) ? lut[id] : -1;
+}
+
+// True if no earlier slot routes to the same group-local expert.
+inline bool moe_leader(const device int* ids, const device int* lut, int a, int E, int e) {
+  for (int b = 0; b < a; ++b) {
+    if (moe_local(ids, lut, b, E) == e) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ==== kernel body: moe_gate_up ====
+  constexpr int WPU = cm_wpu(FMT);
+  const int I = params[0];
+  const int O = params[1];
+  const int rb = params[2];
+  const int ng = params[3];
+  const int n_units = params[4];
+  const int K = params[5];
+  const int n_slots = params[6];
+  const int E = params[7];
+  const int row = int(thread_position_in_grid.x / 32);
+  const int lane = int(thread_position_in_grid.x % 32);
+  const int a = int(thread_position_in_grid.y);
+  if (row >= O || a >= n_slots) {
+    return;
+  }
+  const int e = moe_local(ids, lut, a, E);
+  if (e < 0) {
+    if (lane == 0) {
+      h[size_t(a) * O + row] = 0.0f;
+    }
+    return;
+  }
+  if (!moe_leader(ids, lut, a, E, e)) {
+    return;
+  }
+  uint tokens = 0;
+  for (int b = a; b < n_slots; ++b) {
+    if (moe_local(ids, lut, b, E) == e) {
+      tokens |= 1u << (b / K);
+    }
+  }
+  const device uint8_t* grow = wgu + (size_t(e) * 2 * O + row) * size_t(rb);
+  const device uint8_t* urow = grow + size_t(O) * size_t(rb);
+  const device float* se = sgu + size_t(e) * 2 * O * ng;
+
+  float ag[S];
+  float au[S];
+  for (int s = 0; s < S; ++s) {
+    ag[s] = 0.0f;
+    au[s] = 0.0f;
+  }
+  for (int base = 0; base < n_units; base += 32 * UNROLL) {
+    uint rg[UNROLL][6];
+    uint ru[UNROLL][6];
+    float sg[UNROLL];
+    float su[UNROLL];
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * j + lane;
+      if (u < n_units) {
+        cm_load<FMT, VEC>(grow, rb, I, u, rg[j]);
+        cm_load<FMT, VEC>(urow, rb, I, u, ru[j]);
+        sg[j] = cm_unit_scale<FMT, GS>(se, row, ng, u, rg[j]);
+        su[j] = cm_unit_scale<FMT, GS>(se, O + row, ng, u, ru[j]);
+      }
+    }
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * j + lane;
+      if (u < n_units) {
+        float qg[WPU];
+        float qu[WPU];
+        cm_decode<FMT>(rg[j], e8grid, qg);
+        cm_decode<FMT>(ru[j], e8grid, qu);
+        const int i0 = u * WPU;
+        for (int s = 0; s < S; ++s) {
+          if (tokens & (1u << s)) {
+            const device T* xs = x + size_t(s) * I + i0;
+            float dg = 0.0f;
+            float du = 0.0f;
+            for (int k = 0; k < WPU; ++k) {
+              const float xv = (i0 + k < I) ? float(xs[k]) : 0.0f;
+              dg += qg[k] * xv;
+              du += qu[k] * xv;
+            }
+            ag[s] += dg * sg[j];
+            au[s] += du * su[j];
+          }
+        }
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    ag[s] = simd_sum(ag[s]);
+    au[s] = simd_sum(au[s]);
+  }
+  if (lane == 0) {
+    for (int b = a; b < n_slots; ++b) {
+      if (moe_local(ids, lut, b, E) == e) {
+        const int s = b / K;
+        const float g = ag[s];
+        h[size_t(b) * O + row] = g / (1.0f + exp(-g)) * au[s];
+      }
+    }
+  }
+// ==== kernel body: moe_down ====
+  constexpr int WPU = cm_wpu(FMT);
+  const int I = params[0];
+  const int O = params[1];
+  const int rb = params[2];
+  const int ng = params[3];
+  const int n_units = params[4];
+  const int K = params[5];
+  const int n_slots = params[6];
+  const int E = params[7];
+  const int row = int(thread_position_in_grid.x / 32);
+  const int lane = int(thread_position_in_grid.x % 32);
+  if (row >= O) {
+    return;
+  }
+  float acc[S];
+  for (int s = 0; s < S; ++s) {
+    acc[s] = 0.0f;
+  }
+  for (int a = 0; a < n_slots; ++a) {
+    const int e = moe_local(ids, lut, a, E);
+    if (e < 0 || !moe_leader(ids, lut, a, E, e)) {
+      continue;
+    }
+    // Per token: the slot whose h to use and the summed gate weight (an expert listed twice
+    // for one token has the same h in both slots).
+    int slot[S];
+    float wt[S];
+    uint tokens = 0;
+    for (int s = 0; s < S; ++s) {
+      slot[s] = 0;
+      wt[s] = 0.0f;
+    }
+    for (int b = a; b < n_slots; ++b) {
+      if (moe_local(ids, lut, b, E) == e) {
+        const int s = b / K;
+        tokens |= 1u << s;
+        slot[s] = b;
+        wt[s] += weights[b];
+      }
+    }
+    const device uint8_t* wrow = wd + (size_t(e) * O + row) * size_t(rb);
+    const device float* se = sd + size_t(e) * O * ng;
+    for (int base = 0; base < n_units; base += 32 * UNROLL) {
+      uint raw[UNROLL][6];
+      float us[UNROLL];
+      for (int j = 0; j < UNROLL; ++j) {
+        const int u = base + 32 * j + lane;
+        if (u < n_units) {
+          cm_load<FMT, VEC>(wrow, rb, I, u, raw[j]);
+          us[j] = cm_unit_scale<FMT, GS>(se, row, ng, u, raw[j]);
+        }
+      }
+      for (int j = 0; j < UNROLL; ++j) {
+        const int u = base + 32 * j + lane;
+        if (u < n_units) {
+          float q[WPU];
+          cm_decode<FMT>(raw[j], e8grid, q);
+          const int i0 = u * WPU;
+            for (int s = 0; s < S; ++s) {
+            if (tokens & (1u << s)) {
+              const device float* hs = h + size_t(slot[s]) * I + i0;
+              float d = 0.0f;
+              for (int k = 0; k < WPU; ++k) {
+                d += (i0 + k < I) ? q[k] * hs[k] : 0.0f;
+              }
+              acc[s] += d * us[j] * wt[s];
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s) {
+    acc[s] = simd_sum(acc[s]);
+  }
+  if (lane == 0) {
+    for (int s = 0; s < S; ++s) {
+      y[size_t(s) * O + row] = acc[s];
+    }
+  }

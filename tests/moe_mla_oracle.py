@@ -1,0 +1,123 @@
+"""float64 numpy oracles for moe_block and mla_decode, and the MSL simulator runner for their
+LaunchSpecs (shared by tests/test_moe_mla_msl.py and scripts/check_moe_mla_gpu.py).
+
+Tolerances (same argument as kernel_oracle.py): each float32 dot product of n terms errs by at
+most ~n * 2^-24 * sum|terms| (far less in practice), so every stage is checked against
+1e-4 * (the same computation on absolute values). The bound is carried through the stages:
+an error in g or u moves h = silu(g) * u by at most |silu'(g)| * dg * |u| + |silu(g)| * du with
+|silu'| <= 1.1; an error in h moves y by at most |W_down| @ dh. Softmax weights are in [0, 1]
+and the combine is a convex combination, so the attention stages are bounded by the magnitudes
+of the values they average.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from colibri_mlx.formats import QTensor
+from kernel_oracle import dequant_f64
+
+REL = 1e-4
+
+
+def weight_f64(w) -> np.ndarray:
+    if isinstance(w, QTensor):
+        return dequant_f64(w)
+    return np.asarray(w.astype(mx.float32)).astype(np.float64)
+
+
+def hadamard_f64(n: int) -> np.ndarray:
+    """Q of FORMAT.md §3.6 for rows of length n (block diagonal D*H/sqrt(b)), float64."""
+    from colibri_mlx.formats.e8 import block_tiling, sign_bits
+
+    Q = np.zeros((n, n))
+    off = 0
+    for b in block_tiling(n):
+        H = np.ones((1, 1))
+        while H.shape[0] < b:
+            H = np.block([[H, H], [H, -H]])
+        D = np.where(sign_bits(b), -1.0, 1.0)
+        Q[off:off + b, off:off + b] = D[:, None] * H / np.sqrt(b)
+        off += b
+    return Q
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(mx.array(a).astype(mx.float32)).astype(np.float64)
+
+
+def moe_oracle(x, experts, ids, weights) -> tuple[np.ndarray, np.ndarray]:
+    """(y64 [N, D], error budget [N, D]) for moe_block."""
+    x64, ids, w64 = _f64(x), np.asarray(ids), _f64(weights)
+    N, K = ids.shape
+    y = np.zeros((N, x64.shape[1]))
+    bound = np.zeros_like(y)
+    for n in range(N):
+        for k in range(K):
+            e = int(ids[n, k])
+            if e < 0 or e >= len(experts):
+                continue
+            gate, up, down = (weight_f64(p) for p in experts[e])
+            xe = x64[n]
+            if isinstance(experts[e][0], QTensor) and experts[e][0].fmt == 6:
+                xe = hadamard_f64(xe.size).T @ xe
+            g, u = gate @ xe, up @ xe
+            dg, du = REL * (np.abs(gate) @ np.abs(xe)), REL * (np.abs(up) @ np.abs(xe))
+            sig = 1.0 / (1.0 + np.exp(-g))
+            h = g * sig * u
+            dh = 1.1 * dg * np.abs(u) + np.abs(g * sig) * du
+            if isinstance(experts[e][2], QTensor) and experts[e][2].fmt == 6:
+                Q = hadamard_f64(h.size)
+                h, dh = Q.T @ h, np.abs(Q.T) @ dh
+            y[n] += w64[n, k] * (down @ h)
+            bound[n] += abs(w64[n, k]) * (REL * (np.abs(down) @ np.abs(h)) + np.abs(down) @ dh)
+    return y, bound
+
+
+def assert_moe_close(y, x, experts, ids, weights, label="", extra_rel=0.0):
+    y64, bound = moe_oracle(x, experts, ids, weights)
+    got = _f64(y)
+    assert got.shape == y64.shape, f"{label}: shape {got.shape} != {y64.shape}"
+    assert np.isfinite(got).all(), f"{label}: non-finite output"
+    allowed = bound + extra_rel * np.abs(y64) + 1e-30
+    ratio = np.abs(got - y64) / allowed
+    assert ratio.max() <= 1.0, (f"{label}: error {np.abs(got - y64).max():.3g} exceeds its budget "
+                                f"(worst ratio {ratio.max():.3g} at {np.unravel_index(ratio.argmax(), ratio.shape)})")
+    return float(ratio.max())
+
+
+# ---------------------------------------------------------------------------------------
+# MSL simulator
+
+
+def simulate(spec, simulator):
+    """Run a LaunchSpec in the MSL simulator; returns the outputs as mx arrays."""
+    def np_dtype(d):
+        if d == mx.bfloat16:
+            return simulator.BFLOAT16
+        return {mx.float32: np.float32, mx.float16: np.float16, mx.uint8: np.uint8,
+                mx.int32: np.int32, mx.uint32: np.uint32}[d]
+
+    def np_input(a):
+        if isinstance(a, mx.array) and a.dtype == mx.bfloat16:
+            import ml_dtypes
+
+            return np.asarray(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
+        return np.asarray(a)
+
+    outs = simulator.run_metal_kernel(
+        spec.name, spec.input_names, spec.output_names, spec.source, spec.header,
+        inputs=[np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,
+        output_dtypes=[np_dtype(d) for d in spec.output_dtypes], grid=spec.grid,
+        threadgroup=spec.threadgroup,
+        template=[(n, np_dtype(v) if isinstance(v, mx.Dtype) else v) for n, v in spec.template],
+        init_value=spec.init_value)
+    res = []
+    for o, d in zip(outs, spec.output_dtypes):
+        o = np.asarray(o)
+        if d == mx.bfloat16:
+            res.append(mx.array((o.view(np.uint16).astype(np.uint32) << 16).view(np.float32)).astype(mx.bfloat16))
+        else:
+            res.append(mx.array(o))
+    return res

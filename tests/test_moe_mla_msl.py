@@ -1,0 +1,184 @@
+"""moe_block and mla_decode Metal kernels in the MSL simulator.
+
+The whole hot path runs as in production (``kernels.moe_block`` / ``kernels.mla_decode`` with
+the Metal backend selected), but every launch goes to the simulator instead of MLX: the exact
+sources, templates, grids and inputs MLX would get. Outputs are poisoned by the simulator and
+any unwritten element fails; results are compared with float64 oracles (moe_mla_oracle.py).
+Then planted defects must fail.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx import kernels
+from colibri_mlx.kernels import dispatch, moe
+from kernel_oracle import random_qtensor
+from moe_mla_oracle import assert_moe_close, hadamard_f64, simulate
+
+simulator = pytest.importorskip("msl.simulator")
+if not simulator.clang_available():
+    pytest.skip("clang not available for the MSL simulator", allow_module_level=True)
+
+
+@pytest.fixture
+def metal(monkeypatch):
+    """Route every kernel launch of the hot paths to the simulator, as if on a Mac."""
+    launched = []
+
+    def launch(backend, spec):
+        assert backend == dispatch.METAL
+        launched.append(spec.name)
+        return simulate(spec, simulator)
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.METAL)
+    moe.clear_banks()
+    dispatch.reset_counters()
+    yield launched
+    moe.clear_banks()
+
+
+def make_experts(fmts, D, inter, gs=32, seed=0):
+    """One (gate, up, down) per entry of ``fmts``; an entry is a fmt or (fmt_gate_up, fmt_down)."""
+    experts = []
+    for e, f in enumerate(fmts):
+        fgu, fd = f if isinstance(f, tuple) else (f, f)
+        s = seed + 10 * e
+        experts.append((random_qtensor(fgu, inter, D, gs=gs, seed=s),
+                        random_qtensor(fgu, inter, D, gs=gs, seed=s + 1),
+                        random_qtensor(fd, D, inter, gs=gs, seed=s + 2)))
+    return experts
+
+
+def routing(N, K, E, seed=0, repeat=None):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
+    if repeat is not None:
+        ids[:, 0] = repeat           # one expert chosen by every token
+    w = rng.uniform(0.1, 1.0, (N, K)).astype(np.float32)
+    return mx.array(ids), mx.array(w)
+
+
+def x_of(N, D, dtype=mx.float32, seed=1):
+    return mx.array(np.random.default_rng(seed).standard_normal((N, D)).astype(np.float32)).astype(dtype)
+
+
+def run_moe(experts, N, K, dtype=mx.float32, seed=0, repeat=None, ids=None):
+    D = moe._shape(experts[0][0])[1]
+    x = x_of(N, D, dtype, seed + 1)
+    if ids is None:
+        ids, w = routing(N, K, len(experts), seed, repeat)
+    else:
+        ids, w = mx.array(np.asarray(ids, np.int32)), mx.array(np.random.default_rng(seed).uniform(0.1, 1, np.shape(ids)).astype(np.float32))
+    y = kernels.moe_block(x, experts, ids, w)
+    assert y.dtype == dtype and y.shape == (N, D)
+    extra = {mx.float32: 0.0, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}[dtype]
+    return assert_moe_close(y, x, experts, ids, w, f"moe N={N} K={K}", extra_rel=extra)
+
+
+# ---------------------------------------------------------------------------------------
+# moe_block
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5, 6])
+def test_moe_every_fmt(metal, fmt):
+    experts = make_experts([fmt] * 5, D=96 if fmt != 6 else 300, inter=40, gs=32, seed=fmt)
+    run_moe(experts, N=2, K=3, seed=fmt)
+    assert "moe_gate_up" in metal and "moe_down" in metal
+    assert ("moe_hadamard" in metal) == (fmt == 6)
+    c = kernels.counters()
+    assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
+
+
+def test_moe_mixed_formats_one_layer(metal):
+    # Experts of different fmt/gs in one layer: one gate_up + down pair per group, fmt 6
+    # rotation of the input once for the layer.
+    fmts = [4, 6, 2, 6, 5, 4, (4, 5), 1]
+    experts = make_experts(fmts, D=256, inter=64, gs=64, seed=3)
+    ids = [[1, 3, 0, 6], [3, 7, 4, 2], [5, 1, 6, 0]]
+    run_moe(experts, N=3, K=4, ids=ids)
+    assert metal.count("moe_hadamard") == 1 + 1   # x once, fmt 6 group's h once
+    assert metal.count("moe_gate_up") == 6          # groups: 4, 6, 2, 5, (4,5), 1
+
+
+def test_moe_one_expert_repeated_for_every_token(metal):
+    experts = make_experts([4] * 9, D=64, inter=48, gs=16, seed=5)
+    run_moe(experts, N=8, K=2, repeat=4, seed=5)
+
+
+def test_moe_ragged_and_dropped_slots(metal):
+    # Slots dropped by router top-p (-1) and an expert listed twice for one token.
+    experts = make_experts([2] * 6, D=80, inter=33, seed=7)
+    run_moe(experts, N=3, K=3, ids=[[0, -1, -1], [5, 5, 1], [2, 0, -1]])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_moe_low_precision_x(metal, dtype):
+    if dtype == mx.bfloat16:
+        pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    experts = make_experts([4] * 4, D=128, inter=32, gs=64, seed=9)
+    run_moe(experts, N=1, K=2, dtype=dtype, seed=9)
+
+
+def test_moe_float_experts(metal):
+    rng = np.random.default_rng(11)
+    experts = [tuple(mx.array(rng.standard_normal(s).astype(np.float32) * 0.1) for s in ((24, 50), (24, 50), (50, 24)))
+               for _ in range(4)]
+    run_moe(experts, N=2, K=2, seed=11)
+
+
+def test_moe_prefill_groups_tokens(metal):
+    experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
+    run_moe(experts, N=12, K=2, seed=13)
+    assert "moe_gate_up" not in metal
+    assert kernels.counters()["calls"].get("moe_block/grouped-prefill") == 1
+
+
+@pytest.mark.parametrize("n", [256, 300, 2048 + 512 + 8])
+def test_hadamard_matches_float64(n):
+    x = x_of(3, n, seed=n)
+    (y,) = simulate(moe.hadamard_spec(x), simulator)
+    want = np.asarray(x).astype(np.float64) @ hadamard_f64(n)
+    err = np.abs(np.asarray(y) - want).max() / np.abs(want).max()
+    assert err < 1e-6, err
+
+
+# ---------------------------------------------------------------------------------------
+# Planted defects
+
+
+MOE_DEFECTS = {
+    "leader writes only its own slot": ("if (moe_local(ids, lut, b, E) == e) {\n        const int s = b / K;\n        const float g",
+                                        "if (b == a) {\n        const int s = b / K;\n        const float g"),
+    "up row read from gate": ("const device uint8_t* urow = grow + size_t(O) * size_t(rb);",
+                              "const device uint8_t* urow = grow;"),
+    "gate weight ignored": ("acc[s] += d * us[j] * wt[s];", "acc[s] += d * us[j];"),
+    "repeated expert counted once per token only": ("wt[s] += weights[b];", "wt[s] = weights[b];"),
+    "hadamard missing barrier": ("buf[i + hs] = u - v;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                 "buf[i + hs] = u - v;\n    }"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MOE_DEFECTS))
+def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
+    good, bad = MOE_DEFECTS[defect]
+    real = simulate
+
+    def planted(spec, sim):
+        text = spec.header + spec.source
+        if good in text:
+            spec.source = spec.source.replace(good, bad)
+            spec.header = spec.header.replace(good, bad)
+        return real(spec, sim)
+
+    files = "".join(moe.read_kernel_sections(n, dispatch.METAL)[0] + "".join(moe.read_kernel_sections(n, dispatch.METAL)[1].values())
+                    for n in ("moe_block", "hadamard"))
+    assert files.count(good) == 1, f"defect '{defect}' no longer plants"
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
+    experts = make_experts([6, 6, 4, 4, 6], D=300, inter=40, gs=32, seed=21)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        run_moe(experts, N=3, K=3, ids=[[0, 2, 1], [4, 4, 3], [0, 1, 2]], seed=21)
+    assert "failed to compile" not in str(caught.value)
