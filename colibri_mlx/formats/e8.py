@@ -8,8 +8,16 @@ including its float32 arithmetic (see :func:`_nearest_grid` for how near-ties ar
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
 import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -129,24 +137,35 @@ def _fwht_rows(x: np.ndarray) -> np.ndarray:
     return src
 
 
-def rotate_rows(w: np.ndarray) -> np.ndarray:
+def rotate_rows(w: np.ndarray, backend: str | None = None) -> np.ndarray:
     """Rotate float32 rows along the last axis: per block sign flip, FWHT, divide by sqrt(b).
 
     Bit-identical to upstream ``iq3_pack.rotate_rows`` (same butterfly order and rounding).
     Used for weights (``W -> W @ Q``) and equally valid for activations (``x -> Q^T x``).
+    ``backend`` is as in :func:`encode_rotated_e8`; both give the same bits.
     """
     w = np.asarray(w, dtype=np.float32)
     dim = w.shape[-1]
     rows = np.ascontiguousarray(w.reshape(-1, dim))
     out = np.empty_like(rows)
     tiling = block_tiling(dim)
+    lib = _compiled(backend)
 
-    def work(lo, hi):
-        off = 0
-        for b in tiling:
-            blk = rows[lo:hi, off:off + b] * _sign_factors(b)
-            out[lo:hi, off:off + b] = _fwht_rows(blk) / np.sqrt(b, dtype=np.float32)
-            off += b
+    if lib is not None:
+        tiles = np.array(tiling, dtype=np.int64)
+        signs = np.concatenate([_sign_factors(b) for b in tiling] or [np.ones(0, np.float32)])
+        divisors = np.array([np.sqrt(b, dtype=np.float32) for b in tiling], dtype=np.float32)
+
+        def work(lo, hi):
+            lib.e8_rotate(_ptr(rows[lo:hi]), _ptr(out[lo:hi]), hi - lo, dim, _ptr(tiles),
+                          len(tiles), _ptr(signs), _ptr(divisors))
+    else:
+        def work(lo, hi):
+            off = 0
+            for b in tiling:
+                blk = rows[lo:hi, off:off + b] * _sign_factors(b)
+                out[lo:hi, off:off + b] = _fwht_rows(blk) / np.sqrt(b, dtype=np.float32)
+                off += b
 
     # ~1 MiB of rows per task keeps every butterfly pass in cache.
     _parallel(work, len(rows), max(1, (1 << 18) // max(dim, 1)))
@@ -213,23 +232,29 @@ def decode_e8(packed: np.ndarray, O: int, I: int) -> np.ndarray:
 
 # ---- encoding (FORMAT.md §3.9) ------------------------------------------------------------
 
-def encode_e8(w_unrotated: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def encode_e8(w_unrotated: np.ndarray, backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Unrotated ``W[O, I]`` -> (packed uint8 of ``98*O*I/256`` bytes, scales ``[6.0]``).
 
     Rotates rows first, as upstream's converter (``quant_e8``) does.
     """
     w = _check_encode_input(w_unrotated)
-    return encode_rotated_e8(rotate_rows(w))
+    return encode_rotated_e8(rotate_rows(w, backend), backend)
 
 
-def encode_rotated_e8(w_rot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Already-rotated ``[O, I]`` -> (packed, scales); the ``iq3_pack.encode`` step alone."""
+def encode_rotated_e8(w_rot: np.ndarray, backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Already-rotated ``[O, I]`` -> (packed, scales); the ``iq3_pack.encode`` step alone.
+
+    ``backend``: ``"c"`` (the compiled core, error if it cannot be built), ``"numpy"`` (the
+    reference implementation), or None: ``$COLIBRI_E8_ENCODER`` if set, else the compiled
+    core when it builds, otherwise numpy with a one-time notice on stderr. Same bytes either way.
+    """
     w = _check_encode_input(w_rot)
     blocks = np.ascontiguousarray(w, dtype=np.float32).reshape(-1, QK)
     out = np.empty((len(blocks), BLOCK_BYTES), dtype=np.uint8)
+    lib = _compiled(backend)
 
     def work(lo, hi):
-        out[lo:hi] = _encode_blocks(blocks[lo:hi])
+        out[lo:hi] = _encode_blocks(blocks[lo:hi], lib)
 
     _parallel(work, len(blocks), 1024)
     return out.reshape(-1), np.array([TAG], dtype=np.float32)
@@ -246,8 +271,8 @@ def _check_encode_input(w) -> np.ndarray:
     return w.astype(np.float32, copy=False)
 
 
-def _encode_blocks(x: np.ndarray) -> np.ndarray:
-    """[N, 256] float32 rotated weights -> [N, 98] super-blocks."""
+def _encode_blocks(x: np.ndarray, lib=None) -> np.ndarray:
+    """[N, 256] float32 rotated weights -> [N, 98] super-blocks (search in ``lib`` if given)."""
     n = len(x)
     neg = (x < 0).reshape(n, QK // 8, 8)          # -0.0 counts as positive
     mag = np.abs(x)
@@ -255,7 +280,8 @@ def _encode_blocks(x: np.ndarray) -> np.ndarray:
     d = np.sqrt((mag * mag).mean(-1, keepdims=True)) / 20.0 + 1e-12      # float32, as upstream
     d16 = d.astype(np.float16)
     d = d16.astype(np.float32)                    # search with the value that is stored
-    codes, idx = _search(mag.reshape(n * 8, SUB), np.repeat(d, 8, axis=0))
+    m, d_sub = mag.reshape(n * 8, SUB), np.repeat(d, 8, axis=0)
+    codes, idx = (_search if lib is None else functools.partial(_search_compiled, lib))(m, d_sub)
 
     out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
     out[:, :64] = idx.reshape(n, 64)
@@ -298,6 +324,24 @@ def _search(m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     moved = np.nonzero(code[rest_sub] == rest_code)[0]
     idx[rest_sub[moved]] = idx_rest[moved]
     return code.astype(np.uint8), idx
+
+
+def _search_compiled(lib, m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_search` in the compiled core; sub-blocks with a non-finite ``d`` (inf/nan input
+    or an fp16 overflow) keep the numpy path, whose float semantics there are upstream's."""
+    codes = np.empty(len(m), dtype=np.uint8)
+    idx = np.empty((len(m), 8), dtype=np.uint8)
+    d = np.ascontiguousarray(d[:, 0])
+    odd = ~np.isfinite(d)
+    if odd.any():
+        codes[odd], idx[odd] = _search(m[odd], d[odd, None])
+        ok = np.nonzero(~odd)[0]
+        sub_codes, sub_idx = _search_compiled(lib, m[ok], d[ok, None])
+        codes[ok], idx[ok] = sub_codes, sub_idx
+        return codes, idx
+    m = np.ascontiguousarray(m)
+    lib.e8_search(_ptr(m), _ptr(d), len(m), _ptr(codes), _ptr(idx))
+    return codes, idx
 
 
 def _code_error(m: np.ndarray, d: np.ndarray, code: np.ndarray):
@@ -392,3 +436,108 @@ def _cell_tables():
     cand = order[:, :_CELL_CANDS].astype(np.uint8)
     far = np.take_along_axis(total, order[:, _CELL_CANDS:_CELL_CANDS + 1], 1)[:, 0]
     return cand, _GRID_HALF[cand], far.astype(np.float32)
+
+
+# ---- compiled core (_e8_encode.c) ---------------------------------------------------------
+
+ENCODER_ENV = "COLIBRI_E8_ENCODER"        # "c" or "numpy"; unset: "c" when it builds
+_C_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_e8_encode.c")
+# -ffp-contract=off keeps every a*b+c as two roundings (the bytes depend on it).
+_C_COMMON = ["-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_C_TUNINGS = (["-O3", "-march=native"], ["-O3"])
+
+_lib_lock = threading.Lock()
+_lib_state: tuple | None = None           # (CDLL, None) or (None, why it is unavailable)
+_noticed = False
+
+
+def _compiled(backend: str | None):
+    """The loaded C core for ``backend`` (see :func:`encode_rotated_e8`), or None for numpy."""
+    global _noticed
+    choice = backend or os.environ.get(ENCODER_ENV) or "auto"
+    if choice not in ("auto", "c", "numpy"):
+        raise ValueError(f"fmt 6 encoder backend must be 'c' or 'numpy' (backend= or "
+                         f"${ENCODER_ENV}), got {choice!r}")
+    if choice == "numpy":
+        return None
+    lib, why = _load_compiled()
+    if lib is None:
+        if choice == "c":
+            raise RuntimeError(f"fmt 6 C encoder unavailable: {why}")
+        if not _noticed:
+            _noticed = True
+            print(f"colibri_mlx: fast fmt 6 encoder unavailable ({why}); using the numpy "
+                  f"encoder (same bytes, ~10x slower). Set {ENCODER_ENV}=numpy to silence.",
+                  file=sys.stderr)
+    return lib
+
+
+def _load_compiled():
+    global _lib_state
+    with _lib_lock:
+        if _lib_state is None:
+            try:
+                _lib_state = (_build_and_load(), None)
+            except (OSError, subprocess.SubprocessError) as e:
+                _lib_state = (None, str(e))
+        return _lib_state
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("COLIBRI_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "colibri_mlx")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _cpu_tag() -> str:
+    """-march=native builds are only valid on this CPU: key the cache on its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def _build_and_load() -> ctypes.CDLL:
+    """Compile ``_e8_encode.c`` once per source/compiler/CPU into the cache dir and load it."""
+    cc = os.environ.get("CC") or shutil.which("cc")
+    if not cc:
+        raise OSError("no C compiler: `cc` is not on PATH (set CC)")
+    with open(_C_SOURCE, "rb") as f:
+        source = f.read()
+    cache, errors = _cache_dir(), []
+    for tuning in _C_TUNINGS:
+        flags = tuning + _C_COMMON
+        key = hashlib.sha256(source + repr((cc, flags, _cpu_tag())).encode()).hexdigest()[:16]
+        so = os.path.join(cache, f"e8_encode-{key}.so")
+        if not os.path.exists(so):
+            fd, tmp = tempfile.mkstemp(prefix="e8_encode-", suffix=".so.tmp", dir=cache)
+            os.close(fd)
+            run = subprocess.run([cc, *flags, "-o", tmp, _C_SOURCE, "-lm"],
+                                 capture_output=True, text=True)
+            if run.returncode:
+                os.unlink(tmp)
+                errors.append(f"`{cc} {' '.join(flags)}` failed: {run.stderr.strip()[-400:]}")
+                continue
+            os.replace(tmp, so)
+        return _bind(ctypes.CDLL(so))
+    raise OSError("; ".join(errors))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.e8_init.argtypes, lib.e8_init.restype = [p], ctypes.c_int
+    lib.e8_search.argtypes, lib.e8_search.restype = [p, p, i64, p, p], None
+    lib.e8_rotate.argtypes, lib.e8_rotate.restype = [p, p, i64, i64, p, i64, p, p], None
+    grid = np.ascontiguousarray(GRID)
+    if lib.e8_init(_ptr(grid)) != 0:
+        raise OSError("e8_init failed")
+    return lib
+
+
+def _ptr(a: np.ndarray) -> int:
+    assert a.flags.c_contiguous, "compiled e8 core needs C-contiguous arrays"
+    return a.ctypes.data
