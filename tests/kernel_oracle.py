@@ -50,8 +50,12 @@ def random_x(S: int, I: int, dtype=mx.float32, seed: int = 1) -> mx.array:
 
 def _iq3_grid_bytes() -> np.ndarray:
     """The fmt 6 grid from gguf (an independent copy of GGML's iq3xxs_grid), [256, 4]."""
-    from gguf.quants import IQ3_XXS
+    try:
+        from gguf.quants import IQ3_XXS
+    except ImportError:  # the GPU machine has no gguf: fall back to the package's copy
+        from colibri_mlx.formats.e8 import GRID
 
+        return np.asarray(GRID).reshape(256, 4).astype(np.float64)
     IQ3_XXS.init_grid()
     return np.asarray(IQ3_XXS.grid).reshape(256, 4).astype(np.float64)
 

@@ -12,6 +12,7 @@ the stats line shows it. On the CPU backend the reference *is* the path, not a f
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections import Counter
@@ -127,6 +128,7 @@ def format_counters() -> str:
 # Kernel sources and objects
 
 
+@functools.lru_cache(maxsize=None)
 def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
     """``(header, body)`` of ``metal_kernels/<name>.metal`` or ``metal_kernels/cuda/<name>.cu``.
 

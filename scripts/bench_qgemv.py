@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Time the qgemv CUDA twin against mx.quantized_matmul (affine 4-bit, g64) on the same shapes.
+
+    PYTHONPATH=/root/site:$PWD python3 scripts/bench_qgemv.py [--json out.json]
+
+Method (docs/PERF.md): S = 1, bf16 x; each timed evaluation runs N independent GEMVs that
+cycle through enough weight copies to exceed the 60 MB L2 several times, so weights come from
+HBM; the graph is built before the clock starts and the clock stops after mx.synchronize();
+median of REPS evaluations, divided by N. Bytes = packed weights + scales + x (what must be
+read); efficiency = bytes / time / 4.3 TB/s (the H200's measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from colibri_mlx.formats import QTensor, scale_nbytes, weight_nbytes  # noqa: E402
+from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
+
+PEAK = 4.3e12
+L2_BYTES = 60e6
+SHAPES = [(7168, 2048), (2048, 7168), (18432, 7168)]
+REPS = 15
+GEMVS_PER_EVAL = 64
+
+
+def n_copies(nbytes: int) -> int:
+    return max(2, int(-(-6 * L2_BYTES // nbytes)))
+
+
+def random_qtensors(fmt, O, I, gs, n):
+    out = []
+    for k in range(n):
+        nb = weight_nbytes(fmt, O, I, gs)
+        packed = mx.random.randint(0, 256, (nb,), dtype=mx.int32).astype(mx.uint8)
+        ns = scale_nbytes(fmt, O, I, gs) // 4
+        scales = mx.random.uniform(0.005, 0.02, (ns,))
+        out.append(QTensor(packed, scales, fmt, O, I, gs, f"bench{k}"))
+    mx.eval([(q.packed, q.scales) for q in out])
+    return out
+
+
+def time_evals(make_outputs) -> float:
+    """Median seconds per GEMV; ``make_outputs()`` builds GEMVS_PER_EVAL lazy outputs."""
+    mx.eval(make_outputs())  # warm-up: JIT compile, allocations
+    mx.synchronize()
+    times = []
+    for _ in range(REPS):
+        outs = make_outputs()
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / GEMVS_PER_EVAL
+
+
+def bench_ours(fmt, O, I, x, gs=None, **tuning):
+    qts = random_qtensors(fmt, O, I, gs, n_copies(weight_nbytes(fmt, O, I, gs)))
+    nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + x.nbytes
+
+    def outs():
+        return [qgemv.qgemv(x, qts[k % len(qts)], dispatch.CUDA, **tuning) for k in range(GEMVS_PER_EVAL)]
+
+    t = time_evals(outs)
+    del qts
+    return t, nbytes
+
+
+def bench_mlx_qmm(O, I, x):
+    n = n_copies(O * I // 2)
+    ws = []
+    for _ in range(n):
+        w = mx.random.normal((O, I)).astype(mx.bfloat16)
+        ws.append(mx.quantize(w, group_size=64, bits=4))
+        mx.eval(ws[-1])
+    nbytes = sum(a.nbytes for a in ws[0]) + x.nbytes
+
+    def outs():
+        return [mx.quantized_matmul(x, *ws[k % n], transpose=True, group_size=64, bits=4)
+                for k in range(GEMVS_PER_EVAL)]
+
+    return time_evals(outs), nbytes
+
+
+def row(label, O, I, t, nbytes, t_base=None):
+    bw = nbytes / t
+    r = {"kernel": label, "shape": f"{O}x{I}", "us": t * 1e6, "GB/s": bw / 1e9, "pct_peak": 100 * bw / PEAK}
+    if t_base:
+        r["x_vs_qmm"] = t_base / t
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if dispatch.gpu_backend() != dispatch.CUDA:
+        print("bench_qgemv: needs MLX's CUDA backend")
+        return 2
+    mx.random.seed(0)
+    rows = []
+    for O, I in SHAPES:
+        x = mx.random.normal((1, I)).astype(mx.bfloat16)
+        t_qmm, b_qmm = bench_mlx_qmm(O, I, x)
+        rows.append(row("mx.quantized_matmul 4b g64", O, I, t_qmm, b_qmm))
+        for fmt, gs in ((2, None), (4, 64)):
+            for unroll in (2, 4, 8):
+                for sg in (4, 8):
+                    t, b = bench_ours(fmt, O, I, x, gs, unroll=unroll, simdgroups=sg)
+                    rows.append(row(f"qgemv fmt {fmt} U{unroll} SG{sg}", O, I, t, b, t_qmm))
+        for fmt in (1, 3, 5, 6):
+            t, b = bench_ours(fmt, O, I, x)
+            rows.append(row(f"qgemv fmt {fmt}", O, I, t, b, t_qmm))
+        print(f"done {O}x{I}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(f"\n{'kernel':30s} {'shape':>11s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s}")
+    for r in rows:
+        print(f"{r['kernel']:30s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
+              f"{r.get('x_vs_qmm', 1.0):6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

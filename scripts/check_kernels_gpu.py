@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Run every CUDA twin on the GPU against the pure-MLX reference and a float64 numpy oracle.
+
+    PYTHONPATH=/root/site:$PWD python3 scripts/check_kernels_gpu.py [--quick]
+
+Prints PASS/FAIL per kernel, fmt, shape, S and dtype, then a summary; exits 1 on any failure.
+Outputs are NaN-poisoned (init_value) before every launch, so an unwritten element fails.
+Tolerance |Δ| / Σ|x_i w_i| as in tests/kernel_oracle.py (float32 accumulation, plus the
+rounding of a float16/bfloat16 output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from colibri_mlx.kernels import dispatch, qgemv, reference  # noqa: E402
+from kernel_oracle import REL_TOL, dequant_f64, random_qtensor, random_x  # noqa: E402
+
+SMALL = [(5, 37), (3, 256), (6, 300), (2, 4100), (33, 1000)]
+LARGE = [(7168, 2048), (2048, 7168), (18432, 7168)]
+GS = (16, 32, 48, 64, 96, 128, 192, 256)
+
+
+def run_kernel(x, qt):
+    spec = qgemv.launch_spec(x, qt, dispatch.CUDA)
+    spec.init_value = float("nan")
+    return dispatch.launch(dispatch.CUDA, spec)[0]
+
+
+def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True):
+    label = f"qgemv fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}" + (f" gs={gs}" if gs else "")
+    qt = random_qtensor(fmt, O, I, gs=gs, seed=seed).to_mlx()
+    x = random_x(S, I, dtype=dtype, seed=seed + 1)
+    y = run_kernel(x, qt)
+    y_ref = reference.qmatmul(x, qt)
+    mx.eval(y, y_ref)
+    x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    # Small shapes: an independent float64 decoder. Large: the reference's float32 weights
+    # (each exact to 2^-24) in float64 - the independent decoder would take minutes there.
+    w64 = dequant_f64(qt) if oracle_f64 else np.asarray(reference.dequantize(qt)).astype(np.float64)
+    y64 = x64 @ w64.T
+    mag = np.abs(x64) @ np.abs(w64).T + 1e-30
+    got = np.asarray(y.astype(mx.float32)).astype(np.float64)
+    ref = np.asarray(y_ref.astype(mx.float32)).astype(np.float64)
+    finite = bool(np.isfinite(got).all())
+    rel = float((np.abs(got - y64) / mag).max()) if finite else float("inf")
+    rel_ref = float((np.abs(got - ref) / mag).max()) if finite else float("inf")
+    tol = REL_TOL[dtype]
+    ok = finite and rel <= tol and rel_ref <= 2 * tol
+    print(f"{'PASS' if ok else 'FAIL'} {label}: |Δ|/Σ|xw| vs f64 {rel:.2e}, vs reference {rel_ref:.2e} (tol {tol:.1e})"
+          + ("" if finite else " NON-FINITE (unwritten output?)"), flush=True)
+    return ok
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="skip the large shapes")
+    args = ap.parse_args()
+    if dispatch.gpu_backend() != dispatch.CUDA:
+        print("check_kernels_gpu: MLX has no CUDA backend here (mx.cuda.is_available() is False)")
+        return 2
+    t0 = time.time()
+    results = []
+    for fmt in (1, 2, 3, 4, 5, 6):
+        for i, (O, I) in enumerate(SMALL):
+            for S in (1, 2, 5, 8):
+                dtype = (mx.float32, mx.float16, mx.bfloat16)[(i + S) % 3]
+                results.append(check(fmt, O, I, S, dtype, gs=64 if fmt == 4 else None, seed=fmt * 100 + i * 10 + S))
+    for gs in GS:
+        for I in (520, 2 * gs + 1, 7168):
+            results.append(check(4, 9, I, 3, mx.bfloat16, gs=gs, seed=gs + I))
+    if not args.quick:
+        for fmt in (1, 2, 3, 4, 5, 6):
+            for O, I in LARGE:
+                for S in ((1, 8) if fmt in (4, 6) else (1,)):
+                    results.append(check(fmt, O, I, S, mx.bfloat16, gs=64 if fmt == 4 else None,
+                                         seed=fmt + O, oracle_f64=False))
+    n_fail = results.count(False)
+    print(f"check_kernels_gpu: {len(results) - n_fail}/{len(results)} PASS, {n_fail} FAIL "
+          f"({time.time() - t0:.0f} s)")
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
