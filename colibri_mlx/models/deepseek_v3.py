@@ -388,8 +388,9 @@ def _as_float32(value, name):
 
 
 def routed_experts(x: mx.array, experts, ids: mx.array, weights: mx.array) -> mx.array:
-    """The routed-expert hot path, ``moe_block(x, experts, ids, weights)``-shaped."""
-    return moe_reference.moe_block(x, experts, ids, weights)
+    """The routed-expert hot path: ``kernels.moe_block`` (fused kernels on GPUs, the grouped
+    reference on the CPU backend and for prefill)."""
+    return kernels.moe_block(x, experts, ids, weights)
 
 
 class MoE:
