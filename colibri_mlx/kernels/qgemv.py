@@ -78,11 +78,23 @@ def params(qt) -> mx.array:
     return mx.array([qt.O, qt.I, rb, per_row, n_units, 0, 0, 0], dtype=mx.int32)
 
 
+def default_unroll(fmt: int, S: int) -> int:
+    """Units of loads each lane issues before computing. Fewer for the wide units (fmt 5: 64
+    decoded weights, fmt 6: 32 plus grid lookups) with many rows of x, where UNROLL 4 makes the
+    CUDA twin spill registers (nvcc -Xptxas -v, sm_90: fmt 5 S=8 U4 spills, U1 does not)."""
+    if fmt == 5:
+        return 1 if S > 4 else 2
+    if fmt == 6 and S > 4:
+        return 2
+    return DEFAULT_UNROLL
+
+
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
-                unroll: int = DEFAULT_UNROLL,
+                unroll: Optional[int] = None,
                 simdgroups: int = SIMDGROUPS_PER_THREADGROUP) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
     S = x.shape[0]
+    unroll = unroll or default_unroll(qt.fmt, S)
     rb = row_bytes(qt.fmt, qt.I)
     header, body = dispatch.read_kernel_source(NAME, backend)
     packed = _as_mx(qt.packed, mx.uint8)
