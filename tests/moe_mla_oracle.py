@@ -121,3 +121,51 @@ def simulate(spec, simulator):
         else:
             res.append(mx.array(o))
     return res
+
+
+def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None):
+    """(out64 [B, H, L, v], error budget) of absorbed MLA in float64.
+
+    Budget: the context is a convex combination of latent rows, so a score error ds moves it by
+    at most 2 * ds * max|latent| (softmax is 1-Lipschitz from scores to weights in l1, times
+    the row spread). ds <= REL * (|q'|.|latent| + |q_rope|.|k_rope|) * scale plus the q' error
+    REL * (|W_UK|^T |q_nope|) . |latent|; out adds REL * |W_UV| @ |ctx| + |W_UV| @ dctx.
+    """
+    qn, qr, lat, kr = (_f64(a) for a in (q_nope, q_rope, latent, k_rope))
+    B, H, L, _ = qn.shape
+    T, R = lat.shape[1:]
+    w = weight_f64(kv_b).reshape(H, nope + v, R)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    q_abs = np.einsum("bhln,hnr->bhlr", qn, w_uk)
+    dq = REL * np.einsum("bhln,hnr->bhlr", np.abs(qn), np.abs(w_uk))
+    s = (np.einsum("bhlr,btr->bhlt", q_abs, lat) + np.einsum("bhlr,btr->bhlt", qr, kr)) * scale
+    ds = (REL * (np.einsum("bhlr,btr->bhlt", np.abs(q_abs), np.abs(lat)) + np.einsum("bhlr,btr->bhlt", np.abs(qr), np.abs(kr)))
+          + np.einsum("bhlr,btr->bhlt", dq, np.abs(lat))) * abs(scale)
+    allowed = np.ones((B, 1, L, T), bool) if mask is None else np.asarray(mask).reshape(B, 1, L, T)
+    exists = np.ones((B, 1, L, T), bool)
+    if selected is not None:
+        exists = np.zeros((B, 1, L, T), bool)
+        sel = np.asarray(selected)
+        for b in range(B):
+            for l in range(L):
+                exists[b, 0, l, sel[b, l]] = True
+    s = np.where(allowed, s, -1e30)
+    s = np.where(exists, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ctx = np.einsum("bhlt,btr->bhlr", p, lat)
+    spread = np.abs(lat).max(1)[:, None, None, :]          # [B, 1, 1, R]
+    dctx = 2 * np.where(exists, ds, 0).max(-1, keepdims=True) * spread + REL * spread
+    out = np.einsum("bhlr,hvr->bhlv", ctx, w_uv)
+    bound = REL * np.einsum("bhlr,hvr->bhlv", np.abs(ctx), np.abs(w_uv)) + np.einsum("bhlr,hvr->bhlv", dctx, np.abs(w_uv))
+    return out, bound
+
+
+def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
+    want, bound = mla_oracle(*args, **kw)
+    got = _f64(out)
+    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{label}: non-finite output"
+    ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
+    assert ratio.max() <= 1.0, f"{label}: error {np.abs(got - want).max():.3g} over budget (ratio {ratio.max():.3g})"
+    return float(ratio.max())

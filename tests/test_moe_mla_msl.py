@@ -182,3 +182,91 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         run_moe(experts, N=3, K=3, ids=[[0, 2, 1], [4, 4, 3], [0, 1, 2]], seed=21)
     assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# mla_decode
+
+from colibri_mlx.kernels import mla  # noqa: E402
+from moe_mla_oracle import assert_mla_close  # noqa: E402
+
+
+def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dtype=mx.float32, seed=0,
+               masked=False, n_sel=None):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=32, seed=seed) if fmt
+            else mx.array(rng.standard_normal((H * (nope + v), R)).astype(np.float32) * 0.1))
+    mask = None
+    if masked:
+        mask = mx.array(rng.random((B, 1, L, T)) < 0.7)
+    sel = None
+    if n_sel:
+        sel = mx.array(np.stack([np.stack([rng.choice(T, n_sel, replace=False) for _ in range(L)]) for _ in range(B)]).astype(np.int32))
+    return (f(B, H, L, nope), f(B, H, L, rope), f(B, T, R).astype(cache_dtype), f(B, T, rope).astype(cache_dtype),
+            kv_b, 0.3, mask, nope, v), sel
+
+
+def run_mla(metal, tile=None, **kw):
+    args, sel = mla_inputs(**kw)
+    run = mla.launch_specs(*args, selected=sel, tile=tile)
+    out = run(lambda spec: simulate(spec, simulator))
+    assert metal == [] or True
+    return assert_mla_close(out, *args, selected=sel, label=str(kw))
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
+def test_mla_every_kv_b_fmt(metal, fmt):
+    run_mla(metal, fmt=fmt, seed=fmt, tile=16)
+
+
+@pytest.mark.parametrize("T", [1, 31, 32, 33, 100])
+def test_mla_cache_lengths_across_tiles(metal, T):
+    run_mla(metal, T=T, tile=32, seed=T, masked=T > 1)
+
+
+def test_mla_batch_queries_mask_and_rope_wider_than_a_simd_group(metal):
+    run_mla(metal, B=2, L=3, H=2, T=45, R=96, rope=40, v=16, tile=8, masked=True, seed=3)
+
+
+def test_mla_selected_positions(metal):
+    run_mla(metal, B=1, L=2, T=90, n_sel=20, tile=8, seed=4)
+
+
+def test_mla_bf16_cache(metal):
+    pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    run_mla(metal, T=40, cache_dtype=mx.bfloat16, seed=5, tile=16)
+
+
+def test_mla_dispatch_counts(metal):
+    args, _ = mla_inputs(T=20)
+    out = kernels.mla_decode(*args)
+    assert metal == ["mla_qabs", "mla_attn", "mla_out"]
+    assert kernels.counters()["calls"].get("mla_decode/metal") == 1
+    assert_mla_close(out, *args)
+
+
+MLA_DEFECTS = {
+    "online softmax without rescale": ("acc[i][j] = acc[i][j] * alpha + pw * lv[j];", "acc[i][j] = acc[i][j] + pw * lv[j];"),
+    "tile merge ignores max": ("s += exp(pml[2 * (part0 + t)] - mx_) * pacc", "s += pacc"),
+    "rope part dropped": ("d += qr[i][j] * kv[j];", "d += 0.0f;"),
+    "qabs reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g",
+                                       "  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MLA_DEFECTS))
+def test_mla_planted_defect_is_caught(metal, defect):
+    good, bad = MLA_DEFECTS[defect]
+    header, bodies = mla.read_kernel_sections("mla_decode", dispatch.METAL)
+    assert (header + "".join(bodies.values())).count(good) == 1, f"defect '{defect}' no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    args, _ = mla_inputs(T=70, masked=True, seed=6)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        out = mla.launch_specs(*args, tile=8)(planted)
+        assert_mla_close(out, *args)
+    assert "failed to compile" not in str(caught.value)

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..formats.qtensor import QTensor
 from . import dispatch, qgemv as _qgemv, reference
+from .mla import mla_decode
 from .moe import moe_block
 from .dispatch import (
     CUDA,
@@ -26,7 +27,7 @@ from .dispatch import (
 
 __all__ = [
     "CUDA", "METAL", "REFERENCE", "backend", "counters", "force_reference", "format_counters",
-    "moe_block", "qmatmul", "reset_counters",
+    "mla_decode", "moe_block", "qmatmul", "reset_counters",
 ]
 
 

@@ -1,0 +1,197 @@
+"""mla_decode: folded (absorbed) MLA for a few query rows over the latent cache.
+
+``out[b, h, l] = W_UV^h · softmax_t((q'·latent_t + q_rope·k_rope_t) · scale) latent_t`` with
+``q' = W_UK^hᵀ q_nope``; ``kv_b`` (``[H*(nope+v), R]``, fmt 1-5 QTensor or float) is read
+directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, ``mla_attn`` (split-K
+online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the tiles +
+W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
+
+The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.qtensor import QTensor
+from . import dispatch
+from .moe import Projection, _pad8, e8grid, read_kernel_sections, unit_header, weight_format
+
+MAX_QUERY_ROWS = 4
+SIMD = 32
+NSG = 4                   # SIMD groups per threadgroup
+TARGET_TILES = 64         # split-K: enough (tile, head block) SIMD groups to fill the GPU
+MIN_TILE = 32
+CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+MASKED = -1e30            # the reference's finite fill for masked scores
+_UNIT_WEIGHTS = {0: 4, 1: 8, 2: 16, 3: 32, 4: 16, 5: 64}
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def kv_b_projection(kv_b) -> Projection:
+    """kv_b as the kernels read it (bytes + scales), cached on first use."""
+    key = id(kv_b)
+    hit = _kvb.get(key)
+    if hit is not None and hit[0] is kv_b:
+        return hit[1]
+    fmt, gs = weight_format(kv_b)
+    if isinstance(kv_b, QTensor):
+        O, I = kv_b.O, kv_b.I
+        packed = kv_b.packed if isinstance(kv_b.packed, mx.array) else mx.array(np.ascontiguousarray(kv_b.packed))
+        scales = kv_b.scales if isinstance(kv_b.scales, mx.array) else mx.array(np.ascontiguousarray(kv_b.scales, np.float32))
+        proj = Projection(fmt, gs, O, I, packed.reshape(-1).view(mx.uint8) if packed.dtype != mx.uint8 else packed.reshape(-1),
+                          _pad8(scales.astype(mx.float32)))
+    else:
+        O, I = kv_b.shape
+        proj = Projection(0, None, O, I, kv_b.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((8,), mx.float32))
+    _kvb[key] = (kv_b, proj)
+    return proj
+
+
+_kvb: dict = {}
+
+
+def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
+    fmt, gs = weight_format(kv_b)
+    if fmt not in _UNIT_WEIGHTS:
+        return f"kv_b fmt {fmt} (fmt 0-5 only)"
+    if fmt == 4 and (not gs or gs % 16):
+        return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
+    if q_nope.shape[2] > MAX_QUERY_ROWS:
+        return f"{q_nope.shape[2]} query rows (absorbed path takes <= {MAX_QUERY_ROWS})"
+    if latent.dtype not in CACHE_DTYPES:
+        return f"cache dtype {latent.dtype}"
+    return None
+
+
+def _heads_per_block(H: int) -> int:
+    return next(hb for hb in (4, 2, 1) if H % hb == 0)
+
+
+def _template(p: Projection, **extra) -> list:
+    return [(k, v) for k, v in extra.items()] + [
+        ("FMT", p.fmt), ("GS", int(p.gs) if p.fmt == 4 else 16), ("VEC", p.vec)]
+
+
+def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel) -> mx.array:
+    n_units = _ceil_div(R, _UNIT_WEIGHTS[p.fmt])
+    return mx.array([H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, 0],
+                    dtype=mx.int32)
+
+
+def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
+                 backend: str = dispatch.METAL, tile: Optional[int] = None):
+    """The three launches; returns a function running them with a given ``launch``."""
+    B, H, L, _ = q_nope.shape
+    T, R = latent.shape[1], latent.shape[2]
+    rope = q_rope.shape[-1]
+    BL = B * L
+    p = kv_b_projection(kv_b)
+    if (p.O, p.I) != (H * (nope + v), R):
+        raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
+    P = T if selected is None else selected.shape[-1]
+    TT = tile or max(MIN_TILE, _ceil_div(P, TARGET_TILES))
+    NT = max(1, _ceil_div(P, TT))
+    has_mask, has_sel = int(mask is not None), int(selected is not None)
+    params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel)
+    fparams = mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32)
+    qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope).astype(mx.float32)
+    qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope).astype(mx.float32)
+    if mask is not None:
+        mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
+    else:
+        mask_u8 = mx.zeros((8,), mx.uint8)
+    sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else mx.zeros((8,), mx.int32)
+    header = unit_header(backend) + read_kernel_sections("mla_decode", backend)[0]
+    bodies = read_kernel_sections("mla_decode", backend)[1]
+    wpu = _UNIT_WEIGHTS[p.fmt]
+    NU = _ceil_div(_ceil_div(R, wpu), SIMD)
+    HB = _heads_per_block(H)
+    CJ, RJ = _ceil_div(R, SIMD), max(1, _ceil_div(rope, SIMD))
+    tg = (SIMD * NSG, 1, 1)
+
+    qabs_spec = dispatch.LaunchSpec(
+        name="mla_qabs", input_names=("qn", "w", "scales", "e8grid", "params"), output_names=("qabs",),
+        source=bodies["mla_qabs"], header=header,
+        inputs=[_pad8(qn), p.packed, p.scales, e8grid(), params],
+        output_shapes=[(BL, H, R)], output_dtypes=[mx.float32],
+        grid=(SIMD * NSG, H, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
+
+    def attn_spec(qabs):
+        return dispatch.LaunchSpec(
+            name="mla_attn", input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
+            output_names=("pacc", "pml"), source=bodies["mla_attn"], header=header,
+            inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
+            output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
+            grid=(SIMD * NSG * _ceil_div(NT, NSG), H // HB, BL), threadgroup=tg,
+            template=[("TC", latent.dtype), ("NSG", NSG), ("HB", HB), ("CJ", CJ), ("RJ", RJ)])
+
+    def out_spec(pacc, pml):
+        return dispatch.LaunchSpec(
+            name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
+            source=bodies["mla_out"], header=header,
+            inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
+            output_shapes=[(BL, H, v)], output_dtypes=[q_nope.dtype],
+            grid=(SIMD * NSG, H, BL), threadgroup=tg,
+            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=CJ * SIMD))
+
+    def run(launch):
+        (qabs,) = launch(qabs_spec)
+        pacc, pml = launch(attn_spec(qabs))
+        (out,) = launch(out_spec(pacc, pml))
+        return out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
+
+    return run
+
+
+def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
+               selected: Optional[mx.array] = None) -> mx.array:
+    """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
+    ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA)."""
+    impl = dispatch.backend()
+    if impl == dispatch.REFERENCE:
+        dispatch.record_call("mla_decode", dispatch.REFERENCE)
+        return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
+                                    qk_nope_head_dim, v_head_dim, selected)
+    reason = decline_reason(q_nope, latent, kv_b)
+    if reason is not None:
+        dispatch.record_fallback("mla_decode", reason)
+        return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
+                                    qk_nope_head_dim, v_head_dim, selected)
+    dispatch.record_call("mla_decode", impl)
+    run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
+                       selected, backend=impl)
+    return run(lambda spec: dispatch.launch(impl, spec))
+
+
+# ---------------------------------------------------------------------------------------
+# Reference (pure MLX)
+
+
+def reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None):
+    from . import reference
+
+    H = q_nope.shape[1]
+    w = (reference.dequantize(kv_b) if isinstance(kv_b, QTensor) else kv_b.astype(mx.float32)).reshape(H, nope + v, -1)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    f32 = mx.float32
+    q_abs = q_nope.astype(f32) @ w_uk
+    scores = (q_abs @ latent.astype(f32)[:, None].swapaxes(-1, -2)
+              + q_rope.astype(f32) @ k_rope.astype(f32)[:, None].swapaxes(-1, -2)) * scale
+    if selected is not None:
+        B, L, P = selected.shape
+        chosen = mx.zeros((B, L, latent.shape[1]), mx.bool_)
+        chosen = mx.put_along_axis(chosen, selected.astype(mx.int32), mx.array(True), axis=-1)[:, None]
+        mask = chosen if mask is None else (mask & chosen)
+        # positions outside the list do not exist for the row (the kernel never visits them)
+        scores = mx.where(chosen, scores, -mx.inf)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.where(mx.isinf(scores), scores, MASKED))
+    context = mx.softmax(scores, axis=-1, precise=True) @ latent.astype(f32)[:, None]
+    return (context @ w_uv.swapaxes(-1, -2)).astype(q_nope.dtype)
