@@ -324,7 +324,7 @@ class Attention:
 
 def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim):
     """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference)."""
-    impl = mla_reference.mla_decode if q_nope.shape[2] <= ABSORBED_MAX_TOKENS else mla_reference.mla_prefill
+    impl = kernels.mla_decode if q_nope.shape[2] <= ABSORBED_MAX_TOKENS else mla_reference.mla_prefill
     return impl(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
 
 
