@@ -53,12 +53,15 @@ def moe_oracle(x, experts, ids, weights) -> tuple[np.ndarray, np.ndarray]:
     N, K = ids.shape
     y = np.zeros((N, x64.shape[1]))
     bound = np.zeros_like(y)
+    dense = {}
     for n in range(N):
         for k in range(K):
             e = int(ids[n, k])
             if e < 0 or e >= len(experts):
                 continue
-            gate, up, down = (weight_f64(p) for p in experts[e])
+            if e not in dense:
+                dense[e] = [weight_f64(p) for p in experts[e]]
+            gate, up, down = dense[e]
             xe = x64[n]
             if isinstance(experts[e][0], QTensor) and experts[e][0].fmt == 6:
                 xe = hadamard_f64(xe.size).T @ xe

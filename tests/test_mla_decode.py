@@ -1,0 +1,71 @@
+"""kernels.mla_decode on this machine's backend (CPU: the reference; CUDA on the H200: the CUDA
+twins) against the float64 oracle: every kv_b fmt, cache lengths around tile and 4096
+boundaries, masks, DSA position lists, bf16 caches; DeepSeek-V3 head shapes (128 heads,
+R 512, nope 128, v 128, rope 64) and a 40000-long cache on a GPU backend only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx import kernels
+from kernel_oracle import random_qtensor
+from moe_mla_oracle import assert_mla_close
+
+GPU = kernels.backend() != kernels.REFERENCE
+gpu_only = pytest.mark.skipif(not GPU, reason="DeepSeek-V3 head shapes: GPU backend only")
+
+
+def inputs(B=1, H=2, L=1, T=37, nope=16, v=16, R=64, rope=16, fmt=4, gs=32, cache=mx.float32, seed=0,
+           masked=False, n_sel=None):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=gs, seed=seed).to_mlx() if fmt
+            else mx.array(rng.standard_normal((H * (nope + v), R)).astype(np.float32) * 0.1))
+    mask = mx.array(rng.random((B, 1, L, T)) < 0.8) if masked else None
+    sel = None
+    if n_sel:
+        sel = mx.array(np.stack([np.stack([rng.choice(T, n_sel, replace=False) for _ in range(L)])
+                                 for _ in range(B)]).astype(np.int32))
+    args = (f(B, H, L, nope), f(B, H, L, rope), f(B, T, R).astype(cache), f(B, T, rope).astype(cache),
+            kv_b, 1.0 / np.sqrt(nope + rope), mask, nope, v)
+    return args, sel
+
+
+def check(**kw):
+    args, sel = inputs(**kw)
+    kernels.reset_counters()
+    out = kernels.mla_decode(*args, selected=sel)
+    mx.eval(out)
+    c = kernels.counters()
+    assert not c["fallbacks"], c
+    assert out.dtype == args[0].dtype
+    return assert_mla_close(out, *args, selected=sel, label=str(kw))
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
+def test_each_kv_b_fmt(fmt):
+    check(fmt=fmt, seed=fmt)
+
+
+@pytest.mark.parametrize("T", [1, 4095, 4096, 4097])
+def test_cache_lengths(T):
+    check(T=T, seed=T, masked=T > 1)
+
+
+def test_batch_of_query_rows_bf16_cache_and_dsa_positions():
+    check(B=2, L=3, T=300, cache=mx.bfloat16, masked=True, seed=1)
+    check(B=1, L=2, T=500, n_sel=64, seed=2)
+
+
+@gpu_only
+@pytest.mark.parametrize("T", [1, 4095, 4096, 4097, 40000])
+def test_deepseek_heads(T):
+    check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=T, cache=mx.bfloat16, seed=T)
+
+
+@gpu_only
+def test_deepseek_heads_dsa_2048_of_40000():
+    check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
