@@ -231,9 +231,10 @@ def _edge_case_rows():
     pytest.param(lambda: (_rng(10).standard_t(3, (2, 768)) * 0.02).astype(np.float32), id="heavy-tail"),
     pytest.param(_edge_case_rows, id="edge-cases"),
 ])
-def test_encode_bit_exact_vs_reference(rows):
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_encode_bit_exact_vs_reference(rows, backend):
     w = rows()
-    packed, scales = e8.encode_rotated_e8(w)
+    packed, scales = e8.encode_rotated_e8(w, backend=backend)
     assert packed.dtype == np.uint8 and packed.shape == (98 * w.size // 256,)
     np.testing.assert_array_equal(scales, np.array([6.0], np.float32))
     np.testing.assert_array_equal(packed, _encode_reference(w))
@@ -279,3 +280,273 @@ def test_encode_rejects_bad_input():
         e8.encode_e8(np.ones((2, 300), np.float32))
     with pytest.raises(ValueError, match="2-D"):
         e8.encode_rotated_e8(np.ones(512, np.float32))
+
+
+# ---- compiled core (_e8_encode.c) vs numpy and the reference ------------------------------------
+
+@pytest.fixture(scope="module")
+def lib():
+    lib, why = e8._load_compiled()
+    if lib is None:
+        pytest.skip(f"C encoder unavailable: {why}")
+    return lib
+
+
+def _fma32(a, b, c):
+    """Exactly rounded float32 fma(a, b, c), vectorized: a*b is exact in float64; the float64
+    sum is made round-to-odd (correct under a second rounding to 24 bits) before the cast."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a * b
+    s = p + c
+    bp = s - c
+    err = (p - bp) + (c - (s - bp))                      # TwoSum: s + err == p + c exactly
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.copysign(np.inf, err)), s)
+    return s.astype(np.float32)
+
+
+def _nearest_upstream(q):
+    """[N, 4] -> [N]: first argmin of |g|^2 - 2 q.g, the dot an exact FMA chain (OpenBLAS)."""
+    g = e8.GRID.astype(np.float32) * np.float32(0.5)
+    g2 = (g * g).sum(1)
+    q = np.asarray(q, np.float32)
+    acc = np.zeros((len(q), 256), np.float32)
+    for k in range(4):
+        acc = _fma32(q[:, k:k + 1], g[None, :, k], acc)
+    return np.argmin(g2 - np.float32(2) * acc, axis=1).astype(np.uint8)
+
+
+def test_fma32_helper_is_exact():
+    rng = _rng(20)
+    a, b, c = (rng.standard_normal(20000) * 10.0 ** rng.integers(-12, 12, 20000) for _ in range(3))
+    # a*b exactly halfway between two floats, c tiny: only a single rounding gets these right
+    a[:3], b[:3], c[:3] = 1 + 2.0 ** -23, 1.5, [2.0 ** -80, -(2.0 ** -80), 0.0]
+    a, b, c = (v.astype(np.float32) for v in (a, b, c))
+    one_ulp, two_ulp = 1.5 + 2.0 ** -23, 1.5 + 2.0 ** -22
+    np.testing.assert_array_equal(_fma32(a[:3], b[:3], c[:3]), [two_ulp, one_ulp, two_ulp])
+    from fractions import Fraction
+    for i in [0, 1, 2, *range(3, 20000, 97)]:
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        below = np.float32(float(exact))                 # float64 of exact, then float32
+        cands = [np.nextafter(below, np.float32(-np.inf)), below, np.nextafter(below, np.float32(np.inf))]
+        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.float32(v).view(np.int32)) & 1))
+        assert _fma32(a[i:i + 1], b[i:i + 1], c[i:i + 1])[0] == best
+
+
+def _adversarial_queries(rng):
+    """q's on and around the float ties of the grid search and the C core's cell edges."""
+    g = e8.GRID.astype(np.float64) * 0.5
+    parts = [rng.uniform(0, 70, (4000, 4)), rng.uniform(0, 4, (1000, 4)),
+             rng.integers(0, 66, (4000, 4)).astype(np.float64),             # many exact ties
+             rng.integers(0, 130, (4000, 4)) * 0.5,
+             np.exp(rng.uniform(0, 14, (1000, 4)))]                       # far beyond the cells
+    i, j = rng.integers(0, 256, (2, 12000))
+    near = np.abs(g[i] - g[j]).sum(1) <= 12
+    mid = (g[i[near]] + g[j[near]]) / 2                                    # equidistant points
+    v = rng.standard_normal(mid.shape)
+    axis = g[i[near]] - g[j[near]]
+    v -= axis * ((v * axis).sum(1) / np.maximum((axis * axis).sum(1), 1))[:, None]
+    parts += [mid, np.abs(mid + v * rng.uniform(0, 3, (len(v), 1)))]       # on the bisector
+    edges = np.array([0, 2, 4, 16, 30, 32, 36, 60, 62, 64, 68], np.float32)
+    e = rng.choice(edges, (4000, 4))
+    parts.append(e)
+    q = np.concatenate([p.astype(np.float32) for p in parts])
+    ulps = rng.integers(-2, 3, q.shape).astype(np.float32)
+    wiggled = q + ulps * np.spacing(np.maximum(q, np.float32(1)))           # a few ulps off
+    return np.concatenate([q, wiggled, np.zeros((1, 4), np.float32)]).astype(np.float32)
+
+
+def test_compiled_nearest_equals_upstream_argmin(lib):
+    q = np.ascontiguousarray(_adversarial_queries(_rng(21)))
+    got = np.full(len(q), 7, np.uint8)
+    lib.e8_nearest(e8._ptr(q), len(q), e8._ptr(got))
+    ref = _nearest_upstream(q)
+    bad = np.nonzero(got != ref)[0]
+    assert len(bad) == 0, f"{len(bad)} of {len(q)} differ, e.g. q={q[bad[:3]]}"
+    assert len(np.unique(ref)) > 200                     # the queries reach most of the grid
+    np.testing.assert_array_equal(e8._nearest_grid(q), ref)   # and the numpy path agrees
+
+
+def _d_of(x):
+    mag = np.abs(x)
+    d = np.sqrt((mag * mag).mean(-1, keepdims=True)) / 20.0 + 1e-12
+    return d.astype(np.float16).astype(np.float32)
+
+
+def _tie_blocks(rng, n):
+    """Super-blocks whose sub-blocks sit on exact ties of the grid search for some code: each
+    group of 4 is the midpoint of two neighbouring grid points at that code's db (the block's
+    own fp16 d, iterated to a fixed point), or a grid point itself."""
+    g = e8.GRID.astype(np.float32) * np.float32(0.5)
+    x = rng.standard_normal((n, 256)).astype(np.float32)
+    for _ in range(6):
+        d = _d_of(x)
+        code = rng.integers(0, 16, (n, 8, 1))
+        db = (d[:, :, None] * (np.float32(0.5) + code.astype(np.float32)) * np.float32(0.5))
+        i, j = rng.integers(0, 256, (2, n, 8, 8))
+        both = rng.random((n, 8, 8)) < 0.7
+        pts = np.where(both[..., None], (g[i] + g[j]) * np.float32(0.5), g[i])   # [n, 8, 8, 4]
+        mags = pts.reshape(n, 8, 32) * db
+        x = (mags * rng.choice([-1, 1], mags.shape)).reshape(n, 256).astype(np.float32)
+    return x
+
+
+def _adversarial_matrix(rng):
+    rows = [rng.standard_normal((8, 256)), rng.standard_t(1, (8, 256)) * 1e-3,
+            rng.standard_t(3, (8, 256)), _tie_blocks(rng, 24),
+            np.repeat(rng.standard_normal((8, 1)), 256, 1),                 # constant blocks
+            rng.choice([-3.0, -1.0, 0.0, 1.0, 3.0], (8, 256)),              # few levels
+            rng.standard_normal((8, 256)) * 1e-6,                          # subnormal fp16 d
+            rng.standard_normal((4, 256)) * 1e-11,                         # d rounds to 0
+            rng.standard_normal((4, 256)) * 1e5]
+    spiky = rng.standard_normal((8, 256)) * 1e-3
+    spiky[np.arange(8), rng.integers(0, 256, 8)] = 50.0                     # q far beyond the cells
+    rows.append(spiky)
+    dec = e8.decode_e8(e8.encode_rotated_e8(rng.standard_normal((8, 256)).astype(np.float32),
+                                            backend="numpy")[0], 8, 256)
+    rows.append(dec)                                                        # on the grid already
+    w = np.concatenate([np.asarray(r, np.float32).reshape(-1, 256) for r in rows])
+    return w[rng.permutation(len(w))]
+
+
+def _sub_blocks(w):
+    """[N, 256] -> magnitudes [8N, 32] and each sub-block's stored d [8N] (as the encoder)."""
+    return np.abs(w).reshape(-1, 32), np.repeat(_d_of(w)[:, 0], 8)
+
+
+def test_compiled_code_bounds_are_lower_bounds(lib):
+    """The pruning is exact only if no code's bound exceeds its float32 error."""
+    rng = _rng(46)
+    exact = e8.decode_e8(e8.encode_rotated_e8(rng.standard_normal((32, 256)).astype(np.float32),
+                                              backend="numpy")[0], 32, 256)
+    w = np.concatenate([_adversarial_matrix(rng), exact]).astype(np.float32)
+    m, d = _sub_blocks(w)
+    keep = d > 0
+    m, d = np.ascontiguousarray(m[keep]), np.ascontiguousarray(d[keep])
+    bounds = np.full((len(m), 16), np.nan)
+    lib.e8_code_bounds(e8._ptr(m), e8._ptr(d), len(m), e8._ptr(bounds))
+    errs = np.stack([e8._code_error(m, d[:, None], np.full(len(m), c))[0] for c in range(16)], 1)
+    assert np.all(bounds <= errs)
+    assert np.all(bounds >= 0) and np.quantile(bounds / np.maximum(errs, 1e-30), 0.9) > 0.4
+
+
+def _code_tie_blocks(rng):
+    """Sub-blocks that several codes reproduce exactly (error 0): m = 2.5 d (codes 0 and 2)
+    or 7.5 d (codes 1, 2 and 7); the rest of the block is random. Iterated so that d is the
+    block's own fp16 scale."""
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    k = np.where(np.arange(8) % 2, 7.5, 2.5).astype(np.float32)[:, None]
+    for _ in range(8):
+        x[:, :32] = k * _d_of(x) * rng.choice([-1, 1], (8, 32))
+    assert np.all(np.abs(x[:, :32]) == k * _d_of(x))
+    return x
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_code_ties_keep_the_lowest_code(backend):
+    w = _code_tie_blocks(_rng(47))
+    packed = e8.encode_rotated_e8(w, backend=backend)[0]
+    np.testing.assert_array_equal(packed, _encode_reference(w))
+    word0 = packed.reshape(8, 98)[:, 64:68].copy().view("<u4")[:, 0]
+    np.testing.assert_array_equal(word0 >> 28, np.where(np.arange(8) % 2, 1, 0))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_encoder_equals_numpy(lib, seed):
+    rng = _rng(30 + seed)
+    w = np.concatenate([_adversarial_matrix(rng).reshape(-1, 512),
+                        rng.standard_normal((64, 512)).astype(np.float32) * 0.02])
+    np.testing.assert_array_equal(e8.encode_rotated_e8(w, backend="c")[0],
+                                  e8.encode_rotated_e8(w, backend="numpy")[0])
+
+
+def test_compiled_encoder_equals_reference_on_ties(lib):
+    rng = _rng(40)
+    w = np.concatenate([_tie_blocks(rng, 6), _adversarial_matrix(rng)[:6]])
+    np.testing.assert_array_equal(e8.encode_rotated_e8(w, backend="c")[0], _encode_reference(w))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_encode_rejects_non_finite_and_fp16_overflow(backend):
+    w = _rng(41).standard_normal((2, 512)).astype(np.float32)
+    for bad, match in [(np.inf, "finite weights"), (np.nan, "finite weights"),
+                       (3e7, "overflows fp16")]:
+        v = w.copy()
+        v[1, 300:300 + (256 if bad == 3e7 else 1)] = bad
+        with pytest.raises(ValueError, match=match):
+            e8.encode_rotated_e8(v, backend=backend)
+    w[1, 256:] = 1e6                                   # RMS 1e6: d = 5e4 still fits fp16
+    e8.encode_rotated_e8(w, backend=backend)
+
+
+def test_compiled_cells_built_concurrently_equal_numpy(lib, monkeypatch):
+    """The cell table is filled lazily by whichever thread needs a cell first."""
+    monkeypatch.setattr(e8, "_THREADS", 4)
+    w = (_rng(42).standard_t(4, (96, 1024)) * 0.02).astype(np.float32)
+    lib.e8_clear_cells()
+    packed = e8.encode_rotated_e8(w, backend="c")[0]
+    table = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * lib.e8_cell_table_bytes())
+                                  .from_address(lib.e8_cell_table()))
+    assert 0 < np.count_nonzero(table.reshape(-1, 16)[:, 0]) < len(table) // 16
+    np.testing.assert_array_equal(packed, e8.encode_rotated_e8(w, backend="numpy")[0])
+
+
+@pytest.mark.parametrize("dim", [256, 1536, 6144, 7, 65536])
+def test_compiled_rotation_equals_numpy(lib, dim):
+    x = _rng(43).standard_normal((3 if dim < 65536 else 1, dim)).astype(np.float32)
+    got = e8.rotate_rows(x, backend="c")
+    np.testing.assert_array_equal(got, e8.rotate_rows(x, backend="numpy"))
+    assert not np.array_equal(got, x)
+
+
+def test_compiled_whole_matrix_equals_numpy(lib):
+    w = _rng(44).standard_normal((64, 2048)).astype(np.float32) * 0.02
+    np.testing.assert_array_equal(e8.encode_e8(w, backend="c")[0], e8.encode_e8(w, backend="numpy")[0])
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    monkeypatch.setattr(e8, "_lib_state", None)
+    monkeypatch.setattr(e8, "_noticed", False)
+    monkeypatch.setenv("COLIBRI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(e8.ENCODER_ENV, raising=False)
+    return tmp_path
+
+
+def test_no_compiler_falls_back_with_one_notice(fresh_loader, monkeypatch, capsys):
+    monkeypatch.setenv("CC", str(fresh_loader / "no-such-cc"))
+    w = _rng(45).standard_normal((2, 512)).astype(np.float32)
+    packed = e8.encode_e8(w)[0]
+    e8.encode_e8(w)
+    err = capsys.readouterr().err
+    assert err.count("fast fmt 6 encoder unavailable") == 1 and "no-such-cc" in err
+    np.testing.assert_array_equal(packed, _encode_reference(e8.rotate_rows(w, backend="numpy")))
+    with pytest.raises(RuntimeError, match="C encoder unavailable"):
+        e8.encode_e8(w, backend="c")
+    monkeypatch.setenv(e8.ENCODER_ENV, "numpy")                # explicit choice: no notice
+    monkeypatch.setattr(e8, "_noticed", False)
+    e8.encode_e8(w)
+    assert capsys.readouterr().err == ""
+
+
+def test_compile_failure_is_reported(fresh_loader, monkeypatch):
+    fake_cc = fresh_loader / "cc"
+    fake_cc.write_text("#!/bin/sh\necho 'cc: error: something broke' >&2\nexit 1\n")
+    fake_cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake_cc))
+    lib, why = e8._load_compiled()
+    assert lib is None and "something broke" in why
+
+
+def test_compiled_library_is_cached(fresh_loader, lib):
+    first, _ = e8._load_compiled()
+    built = sorted(p.name for p in fresh_loader.iterdir())
+    assert first is not None and any(n.endswith(".so") for n in built)
+    e8._lib_state = None
+    again, _ = e8._load_compiled()
+    assert sorted(p.name for p in fresh_loader.iterdir()) == built   # nothing rebuilt
+
+
+def test_backend_choice_is_checked():
+    with pytest.raises(ValueError, match="backend must be"):
+        e8.encode_e8(np.ones((1, 256), np.float32), backend="fortran")

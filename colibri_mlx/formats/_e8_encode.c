@@ -203,6 +203,18 @@ static float code_error(const float m[32], float db, uint8_t idx[8]) {
 
 static inline float code_db(float d, int c) { return d * (0.5f + (float)c) * 0.5f; }
 
+/* lower bounds on the float32 error of all 16 codes; d > 0 */
+static void code_bounds(const float m[32], float d, double bound[16]) {
+    float bsum[16] = {0};
+    for (int i = 0; i < 32; i++) {
+        float r = m[i] / d;
+        int b = r < (float)(R_BINS - 1) / R_PER ? (int)(r * R_PER) : R_BINS - 1;
+        for (int c = 0; c < 16; c++) bsum[c] += LB[b][c];
+    }
+    double scale = (double)d * (double)d * (1 - ldexp(1.0, -16));
+    for (int c = 0; c < 16; c++) bound[c] = (double)bsum[c] * scale;
+}
+
 /* one 32-weight sub-block: lowest code of minimal error and its 8 grid indices */
 static void search_sub(const float m[32], float d, uint8_t *code_out, uint8_t idx_out[8]) {
     uint8_t idx[8];
@@ -211,17 +223,10 @@ static void search_sub(const float m[32], float d, uint8_t *code_out, uint8_t id
         *code_out = 0;
         return;
     }
-    float bsum[16] = {0};
-    for (int i = 0; i < 32; i++) {
-        float r = m[i] / d;
-        int b = r < (float)(R_BINS - 1) / R_PER ? (int)(r * R_PER) : R_BINS - 1;
-        for (int c = 0; c < 16; c++) bsum[c] += LB[b][c];
-    }
-    double scale = (double)d * (double)d * (1 - ldexp(1.0, -16));
     double bound[16];
+    code_bounds(m, d, bound);
     int order[16];
     for (int c = 0; c < 16; c++) {              /* insertion sort by bound, stable */
-        bound[c] = (double)bsum[c] * scale;
         int p = c;
         while (p > 0 && bound[order[p - 1]] > bound[c]) { order[p] = order[p - 1]; p--; }
         order[p] = c;
@@ -261,6 +266,26 @@ int e8_init(const uint8_t *grid) {
 void e8_search(const float *mag, const float *d, int64_t n_sub, uint8_t *codes, uint8_t *idx) {
     for (int64_t s = 0; s < n_sub; s++) search_sub(mag + SUB * s, d[s], codes + s, idx + 8 * s);
 }
+
+/* Nearest grid point for n queries [n][4] (finite, >= 0): the search's own lookup, for tests. */
+void e8_nearest(const float *q, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = (uint8_t)nearest(q + 4 * i, cell_of(q + 4 * i));
+}
+
+/* The search's per-code error lower bounds for n sub-blocks [n][32], d [n] > 0, for tests. */
+void e8_code_bounds(const float *mag, const float *d, int64_t n, double *out) {
+    for (int64_t s = 0; s < n; s++) code_bounds(mag + SUB * s, d[s], out + 16 * s);
+}
+
+/* Cell table access: its size, a pointer to it (cells[i][0] == 0: not built yet), building
+ * cells [lo, hi) ahead of use, and clearing it (tests of the lazy build). */
+int64_t e8_cell_table_bytes(void) { return (int64_t)sizeof cells; }
+uint8_t *e8_cell_table(void) { return &cells[0][0]; }
+void e8_build_cells(int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; c++)
+        if (__atomic_load_n(&cells[c][0], __ATOMIC_ACQUIRE) == 0) build_cell((int)c, cells[c]);
+}
+void e8_clear_cells(void) { memset(cells, 0, sizeof cells); }
 
 /* Rotate rows [rows][dim] into out: per block of the tiling, sign flip, unnormalized FWHT
  * with butterflies at stride 1, 2, 4, ..., then division by sqrt(b) (float32 divisors given). */

@@ -268,7 +268,11 @@ def _check_encode_input(w) -> np.ndarray:
         raise ValueError(f"fmt 6 needs I % {QK} == 0 (as upstream's converter), got I={w.shape[1]}")
     if not np.issubdtype(w.dtype, np.floating):
         raise ValueError(f"fmt 6 encodes float weights, got {w.dtype}")
-    return w.astype(np.float32, copy=False)
+    w = w.astype(np.float32, copy=False)
+    if not np.isfinite(w).all():
+        bad = np.argwhere(~np.isfinite(w))[0]
+        raise ValueError(f"fmt 6 encodes finite weights, got {w[tuple(bad)]} at {tuple(bad)}")
+    return w
 
 
 def _encode_blocks(x: np.ndarray, lib=None) -> np.ndarray:
@@ -278,7 +282,11 @@ def _encode_blocks(x: np.ndarray, lib=None) -> np.ndarray:
     mag = np.abs(x)
     _fix_parity(neg, mag.reshape(n, QK // 8, 8))
     d = np.sqrt((mag * mag).mean(-1, keepdims=True)) / 20.0 + 1e-12      # float32, as upstream
-    d16 = d.astype(np.float16)
+    with np.errstate(over="ignore"):
+        d16 = d.astype(np.float16)
+    if not np.isfinite(d16).all():
+        raise ValueError(f"fmt 6 super-block scale overflows fp16: RMS {float(d.max()) * 20:.3g} "
+                         f"> ~1.3e6 in a 256-weight block")
     d = d16.astype(np.float32)                    # search with the value that is stored
     m, d_sub = mag.reshape(n * 8, SUB), np.repeat(d, 8, axis=0)
     codes, idx = (_search if lib is None else functools.partial(_search_compiled, lib))(m, d_sub)
@@ -327,19 +335,11 @@ def _search(m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _search_compiled(lib, m: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_search` in the compiled core; sub-blocks with a non-finite ``d`` (inf/nan input
-    or an fp16 overflow) keep the numpy path, whose float semantics there are upstream's."""
+    """:func:`_search` in the compiled core (same answers; ``d`` finite)."""
+    m = np.ascontiguousarray(m)
+    d = np.ascontiguousarray(d[:, 0])
     codes = np.empty(len(m), dtype=np.uint8)
     idx = np.empty((len(m), 8), dtype=np.uint8)
-    d = np.ascontiguousarray(d[:, 0])
-    odd = ~np.isfinite(d)
-    if odd.any():
-        codes[odd], idx[odd] = _search(m[odd], d[odd, None])
-        ok = np.nonzero(~odd)[0]
-        sub_codes, sub_idx = _search_compiled(lib, m[ok], d[ok, None])
-        codes[ok], idx[ok] = sub_codes, sub_idx
-        return codes, idx
-    m = np.ascontiguousarray(m)
     lib.e8_search(_ptr(m), _ptr(d), len(m), _ptr(codes), _ptr(idx))
     return codes, idx
 
@@ -532,6 +532,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.e8_init.argtypes, lib.e8_init.restype = [p], ctypes.c_int
     lib.e8_search.argtypes, lib.e8_search.restype = [p, p, i64, p, p], None
     lib.e8_rotate.argtypes, lib.e8_rotate.restype = [p, p, i64, i64, p, i64, p, p], None
+    lib.e8_nearest.argtypes, lib.e8_nearest.restype = [p, i64, p], None
+    lib.e8_code_bounds.argtypes, lib.e8_code_bounds.restype = [p, p, i64, p], None
+    lib.e8_cell_table_bytes.argtypes, lib.e8_cell_table_bytes.restype = [], i64
+    lib.e8_cell_table.argtypes, lib.e8_cell_table.restype = [], p
+    lib.e8_build_cells.argtypes, lib.e8_build_cells.restype = [i64, i64], None
+    lib.e8_clear_cells.argtypes, lib.e8_clear_cells.restype = [], None
     grid = np.ascontiguousarray(GRID)
     if lib.e8_init(_ptr(grid)) != 0:
         raise OSError("e8_init failed")
