@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""End-to-end decode of a random DeepSeek-V3-shaped model (4 layers: 1 dense + 3 MoE, 256
+experts top-8, group-limited routing), ours (container fmt 4 g64 weights, kernels on) against
+mlx-lm 0.32.2 (affine 4-bit g64, bf16), same process.
+
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_e2e.py [--layers 4] [--steps 32]
+
+ms/token = median over --steps greedy decode steps after a 16-token prompt (each step evaluated
+and synchronized). Floor = bytes a token must read (every resident weight used + 8 experts per
+MoE layer + the latent cache) / 4.3 TB/s. Embeddings are bf16 tables (a row lookup, not read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_moe_mla as B  # noqa: E402
+from colibri_mlx import kernels  # noqa: E402
+from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
+
+
+def our_model(cfg):
+    from colibri_mlx.models.deepseek_v3 import Model, ModelArgs
+
+    w = {"model.embed_tokens.weight": (mx.random.normal((cfg["vocab_size"], B.D)) * 0.02).astype(mx.bfloat16),
+         "model.norm.weight": mx.ones((B.D,)), "lm_head.weight": B.rand_q4(cfg["vocab_size"], B.D)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = mx.ones((B.D,))
+        w[p + "post_attention_layernorm.weight"] = mx.ones((B.D,))
+        w.update(B.attention_weights(p + "self_attn."))
+        if i < cfg["first_k_dense_replace"]:
+            w.update(B.dense_mlp_weights(p + "mlp.", cfg["intermediate_size"]))
+        else:
+            w.update(B.moe_weights(p + "mlp.", cfg["n_routed_experts"]))
+    return Model(ModelArgs.from_config(cfg), B.table(w))
+
+
+def lm_model(cfg):
+    from mlx_lm.models import deepseek_v3 as lm
+
+    args = lm.ModelArgs(**{k: v for k, v in cfg.items() if k in lm.ModelArgs.__dataclass_fields__})
+    return B.mlxlm_quantize(lm.Model(args))
+
+
+def decode_times(step, prompt, steps):
+    logits = step(prompt)
+    mx.eval(logits)
+    times = []
+    tok = mx.argmax(logits[:, -1], axis=-1)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = step(tok[:, None])
+        tok = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(tok)
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:] if len(times) > 6 else times)
+
+
+def token_bytes(model, cfg, T):
+    total = 0
+    for layer in model.layers:
+        a = layer.self_attn
+        total += sum(q.nbytes for q in (a.q_a_proj, a.q_b_proj, a.kv_a_proj, a.kv_b_proj, a.o_proj))
+        mlp = layer.mlp
+        if hasattr(mlp, "router"):
+            gate, up, down = mlp.experts[0]
+            total += 8 * (gate.nbytes + up.nbytes + down.nbytes) + mlp.router.weight.nbytes
+            total += sum(q.nbytes for q in (mlp.shared.gate, mlp.shared.up, mlp.shared.down))
+        else:
+            total += sum(q.nbytes for q in (mlp.gate, mlp.up, mlp.down))
+        total += T * (B.KV_LORA + B.ROPE) * 4
+    return total + model.lm_head.nbytes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    if args.tiny:
+        B.shrink()
+    cfg = B.config(n_layers=args.layers, experts=args.experts, first_dense=1, vocab=args.vocab)
+    if args.tiny:
+        cfg["intermediate_size"] = 256
+    prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
+    res = {"backend": kernels.backend(), "layers": args.layers, "experts": args.experts}
+
+    t0 = time.perf_counter()
+    ours = our_model(cfg)
+    cache = ours.make_cache()
+    res["ours_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    with kernels.force_reference():   # the pure-MLX reference path, same weights
+        cache = ours.make_cache()
+        res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
+    res["bytes_per_token"] = token_bytes(ours, cfg, 16 + args.steps)
+    res["floor_ms"] = res["bytes_per_token"] / B.COPY_BW * 1e3
+    res["counters"] = kernels.counters()
+    del ours, cache
+    kernels.moe.clear_banks()
+    print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = lm_model(cfg)
+    lm_cache = make_prompt_cache(lm)
+    res["mlxlm_ms"] = decode_times(lambda t: lm(t, cache=lm_cache), prompt, args.steps) * 1e3
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"{'model':36s} {'ms/token':>9s}")
+    print(f"{'ours (kernels on)':36s} {res['ours_ms']:9.2f}")
+    print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")
+    print(f"{'mlx-lm 0.32.2':36s} {res['mlxlm_ms']:9.2f}")
+    print(f"floor {res['floor_ms']:.2f} ms ({res['bytes_per_token'] / 1e6:.0f} MB/token at 4.3 TB/s); "
+          f"ours at {res['floor_ms'] / res['ours_ms']:.0%} of the floor; mlx-lm/ours = {res['mlxlm_ms'] / res['ours_ms']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

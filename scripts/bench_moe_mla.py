@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Per-layer decode cost of our MoE and MLA blocks against mlx-lm 0.32.2, same process, same
+shapes (DeepSeek-V3: hidden 7168, moe_inter 2048, 128 heads, q_lora 1536, kv_lora 512), 4-bit
+group 64 weights (ours: container fmt 4 g64; mlx-lm: affine 4-bit g64, bf16).
+
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_moe_mla.py [--experts 64] [--iters 20]
+
+Method (PERF.md): a chain of 8 independent layers in one evaluation, median of --iters after a
+warm-up; time / 8 is the marginal cost of one layer. Weights are random bytes on the GPU. Each
+layer holds --experts routed experts (the routed bytes read per token do not depend on E; E=256
+does not fit 8 layers x 2 implementations in memory with the bank copy). Prints a table last
+and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from colibri_mlx import kernels  # noqa: E402
+from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
+
+D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V = 7168, 2048, 128, 1536, 512, 128, 64, 128
+COPY_BW = 4.3e12
+CHAIN = 8
+
+
+def rand_q4(O, I, name="w", gs=64) -> QTensor:
+    packed = mx.random.randint(0, 256, (O * I // 2,)).astype(mx.uint8)
+    scales = mx.random.uniform(0.002, 0.02, (O * I // gs,))
+    return QTensor(packed, scales, 4, O, I, gs, name)
+
+
+def config(n_layers=1, experts=256, first_dense=0, vocab=129280):
+    return dict(model_type="deepseek_v3", vocab_size=vocab, hidden_size=D, intermediate_size=18432,
+                moe_intermediate_size=INTER, num_hidden_layers=n_layers, num_attention_heads=H,
+                num_key_value_heads=H, n_routed_experts=experts, num_experts_per_tok=8, n_shared_experts=1,
+                kv_lora_rank=KV_LORA, q_lora_rank=Q_LORA, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
+                v_head_dim=V, routed_scaling_factor=2.5, n_group=8, topk_group=4, norm_topk_prob=True,
+                first_k_dense_replace=first_dense, max_position_embeddings=65536, rope_theta=10000.0,
+                rms_norm_eps=1e-6, topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def moe_weights(prefix, experts):
+    w = {prefix + "gate.weight": mx.random.normal((experts, D)) * 0.02,
+         prefix + "gate.e_score_correction_bias": mx.zeros((experts,))}
+    for e in range(experts):
+        for p, (O, I) in (("gate", (INTER, D)), ("up", (INTER, D)), ("down", (D, INTER))):
+            w[f"{prefix}experts.{e}.{p}_proj.weight"] = rand_q4(O, I, f"{prefix}experts.{e}.{p}")
+    for p, (O, I) in (("gate", (INTER, D)), ("up", (INTER, D)), ("down", (D, INTER))):
+        w[f"{prefix}shared_experts.{p}_proj.weight"] = rand_q4(O, I)
+    return w
+
+
+def dense_mlp_weights(prefix, inter=18432):
+    return {f"{prefix}{p}_proj.weight": rand_q4(O, I) for p, (O, I) in
+            (("gate", (inter, D)), ("up", (inter, D)), ("down", (D, inter)))}
+
+
+def attention_weights(prefix):
+    return {prefix + "q_a_proj.weight": rand_q4(Q_LORA, D), prefix + "q_a_layernorm.weight": mx.ones((Q_LORA,)),
+            prefix + "q_b_proj.weight": rand_q4(H * (NOPE + ROPE), Q_LORA),
+            prefix + "kv_a_proj_with_mqa.weight": rand_q4(KV_LORA + ROPE, D),
+            prefix + "kv_a_layernorm.weight": mx.ones((KV_LORA,)),
+            prefix + "kv_b_proj.weight": rand_q4(H * (NOPE + V), KV_LORA),
+            prefix + "o_proj.weight": rand_q4(D, H * V)}
+
+
+def table(weights):
+    from colibri_mlx.models.loading import table_from_dict
+
+    mx.eval([t.packed for t in weights.values() if isinstance(t, QTensor)] +
+            [t.scales for t in weights.values() if isinstance(t, QTensor)] +
+            [t for t in weights.values() if isinstance(t, mx.array)])
+    return table_from_dict(weights)
+
+
+def timeit(fn, iters):
+    for _ in range(3):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def mlxlm_quantize(module):
+    import mlx.nn as nn
+
+    module.set_dtype(mx.bfloat16)
+    nn.quantize(module, group_size=64, bits=4)
+    mx.eval(module.parameters())
+    return module
+
+
+# ------------------------------------------------------------------------------- MoE
+
+
+def bench_moe(args, results):
+    from colibri_mlx.models.deepseek_v3 import MoE, ModelArgs
+    from mlx_lm.models import deepseek_v3 as lm
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    E = args.experts
+    margs = ModelArgs.from_config(config(experts=E))
+    ours = [MoE(margs, table(moe_weights("mlp.", E)), "mlp.") for _ in range(CHAIN)]
+    rng = np.random.default_rng(0)
+    ids = [mx.array(rng.choice(E, (1, 8), replace=False).astype(np.int32)) for _ in range(CHAIN)]
+    gw = [mx.array(rng.uniform(0.1, 1, (1, 8)).astype(np.float32)) for _ in range(CHAIN)]
+    xs = [mx.random.normal((1, D)) for _ in range(CHAIN)]
+    for m in ours:   # stack the banks before timing
+        kernels.moe_block(xs[0], m.experts, ids[0], gw[0])
+    mx.eval([x for x in xs])
+
+    t_ours_routed = timeit(lambda: [kernels.moe_block(xs[i], ours[i].experts, ids[i], gw[i]) for i in range(CHAIN)],
+                           args.iters) / CHAIN
+    t_ours_block = timeit(lambda: [ours[i](xs[i][None]) for i in range(CHAIN)], args.iters) / CHAIN
+
+    lm_args = lm.ModelArgs(**{k: v for k, v in config(experts=E).items() if k in lm.ModelArgs.__dataclass_fields__})
+    switch = [mlxlm_quantize(SwitchGLU(D, INTER, E)) for _ in range(CHAIN)]
+    xb = [x.astype(mx.bfloat16) for x in xs]
+
+    def lm_routed():
+        return [(switch[i](xb[i], ids[i]) * gw[i][..., None]).sum(-2) for i in range(CHAIN)]
+
+    t_lm_routed = timeit(lm_routed, args.iters) / CHAIN
+    del switch
+    lm_moe = [mlxlm_quantize(lm.DeepseekV3MoE(lm_args)) for _ in range(CHAIN)]
+    t_lm_block = timeit(lambda: [lm_moe[i](xb[i][None]) for i in range(CHAIN)], args.iters) / CHAIN
+    del lm_moe
+
+    routed_bytes = 8 * 3 * (INTER * D // 2 + INTER * D // 64 * 4)
+    block_bytes = routed_bytes + 3 * (INTER * D // 2 + INTER * D // 64 * 4) + E * D * 4
+    results["moe_routed"] = dict(ours_us=t_ours_routed * 1e6, mlxlm_us=t_lm_routed * 1e6, bytes=routed_bytes,
+                                 floor_us=routed_bytes / COPY_BW * 1e6)
+    results["moe_block"] = dict(ours_us=t_ours_block * 1e6, mlxlm_us=t_lm_block * 1e6, bytes=block_bytes,
+                                floor_us=block_bytes / COPY_BW * 1e6)
+    del ours
+    kernels.moe.clear_banks()
+
+
+# ------------------------------------------------------------------------------- MLA
+
+
+def bench_mla(args, results):
+    from colibri_mlx.models.cache import LayerCache
+    from colibri_mlx.models.deepseek_v3 import Attention, ModelArgs
+    from colibri_mlx.models.rope import make_rope
+    from mlx_lm.models import deepseek_v3 as lm
+    from mlx_lm.models.cache import KVCache
+
+    margs = ModelArgs.from_config(config())
+    rope = make_rope(margs.rope, ROPE, margs.max_position_embeddings, True)
+    ours = [Attention(margs, table(attention_weights("a.")), "a.", 0) for _ in range(CHAIN)]
+    lm_args = lm.ModelArgs(**{k: v for k, v in config().items() if k in lm.ModelArgs.__dataclass_fields__})
+    theirs = [mlxlm_quantize(lm.DeepseekV3Attention(lm_args)) for _ in range(CHAIN)]
+    xs = [mx.random.normal((1, 1, D)) for _ in range(CHAIN)]
+    xb = [x.astype(mx.bfloat16) for x in xs]
+    for T in args.cache:
+        caches = []
+        for _ in range(CHAIN):
+            c = LayerCache()
+            c.append("latent", mx.random.normal((1, T, KV_LORA)), 0)
+            c.append("k_rope", mx.random.normal((1, T, ROPE)), 0)
+            caches.append(c)
+        cos, sin = rope.cos_sin(mx.array([[T]]))
+        mask = mx.ones((1, 1, 1, T + 1), mx.bool_)
+        mx.eval([c.buffers for c in caches], cos, sin, mask)
+        t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, mask, caches[i], T)[0] for i in range(CHAIN)],
+                        args.iters) / CHAIN
+        lm_caches = []
+        for _ in range(CHAIN):
+            c = KVCache()
+            c.update_and_fetch(mx.random.normal((1, 1, T, KV_LORA)).astype(mx.bfloat16),
+                               mx.random.normal((1, 1, T, ROPE)).astype(mx.bfloat16))
+            lm_caches.append(c)
+        mx.eval([c.state for c in lm_caches])
+
+        def lm_step():
+            for c in lm_caches:
+                c.offset = T
+            return [theirs[i](xb[i], mask=None, cache=lm_caches[i]) for i in range(CHAIN)]
+
+        t_lm = timeit(lm_step, args.iters) / CHAIN
+        wbytes = sum(q.nbytes for q in (ours[0].q_a_proj, ours[0].q_b_proj, ours[0].kv_a_proj,
+                                        ours[0].kv_b_proj, ours[0].o_proj))
+        cache_bytes_ours = (T + 1) * (KV_LORA + ROPE) * 4
+        results[f"mla_T{T}"] = dict(ours_us=t_ours * 1e6, mlxlm_us=t_lm * 1e6, weight_bytes=wbytes,
+                                    cache_bytes=cache_bytes_ours,
+                                    floor_us=(wbytes + cache_bytes_ours) / COPY_BW * 1e6)
+        del caches, lm_caches
+    # Fixed cost: the same block at a 16-token cache is launches + weights, no attention work.
+    results["mla_launch_note"] = "see mla_T16 (ours) minus its weight floor for the fixed per-launch share"
+
+
+def bench_launch_cost(args, results):
+    """Per-op cost of MLX dispatch: a chain of dependent tiny ops in one evaluation."""
+    x = mx.zeros((8,))
+    n = 200
+
+    def chain():
+        y = x
+        for _ in range(n):
+            y = y + 1
+        return [y]
+
+    results["tiny_op_us"] = timeit(chain, args.iters) / n * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cache", type=int, nargs="+", default=[16, 4096, 32768])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=["moe", "mla", "launch"], nargs="*", default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run of the script")
+    args = ap.parse_args()
+    if args.tiny:
+        shrink()
+    results = {"backend": kernels.backend(), "experts_per_layer": args.experts}
+    parts = args.only or ["launch", "moe", "mla"]
+    for part in parts:
+        t0 = time.perf_counter()
+        {"moe": bench_moe, "mla": bench_mla, "launch": bench_launch_cost}[part](args, results)
+        print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    results["counters"] = kernels.counters()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"{'per layer (chain of 8)':28s} {'ours us':>9s} {'mlx-lm us':>10s} {'ratio':>6s} {'floor us':>9s} {'BW frac':>8s}")
+    for k, r in results.items():
+        if isinstance(r, dict) and "ours_us" in r:
+            print(f"{k:28s} {r['ours_us']:9.1f} {r['mlxlm_us']:10.1f} {r['mlxlm_us'] / r['ours_us']:6.2f} "
+                  f"{r['floor_us']:9.1f} {r['floor_us'] / r['ours_us']:8.2f}")
+    print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; {format_line()}")
+
+
+def shrink():
+    global D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V, CHAIN
+    D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V, CHAIN = 256, 128, 4, 64, 64, 64, 32, 64, 2
+
+
+def format_line():
+    return kernels.format_counters()
+
+
+if __name__ == "__main__":
+    main()
