@@ -183,7 +183,11 @@ static inline float pairwise32(const float t[32]) {  /* numpy pairwise_sum for n
     return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
 }
 
-static float code_error(const float m[32], float db, uint8_t idx[8]) {
+/* Float32 error of one code, and its 8 grid indices. With a finite cutoff it gives up (returns
+ * INFINITY) once the groups done plus the lower bounds of the groups left (rest[g]: bound of
+ * groups g+1..7, scaled like code_bounds) exceed the cutoff: the full error would too. */
+static float code_error(const float m[32], float db, uint8_t idx[8], float cutoff,
+                        const double rest[8]) {
     float guard = db > 1e-20f ? db : 1e-20f;    /* np.maximum(db, 1e-20) */
     float q[32], t[32];
     int cell[8];
@@ -192,39 +196,57 @@ static float code_error(const float m[32], float db, uint8_t idx[8]) {
         cell[g] = cell_of(q + 4 * g);
         if (cell[g] >= 0) __builtin_prefetch(cells[cell[g]]);
     }
-    for (int g = 0; g < 8; g++) idx[g] = (uint8_t)nearest(q + 4 * g, cell[g]);
-    for (int g = 0; g < 8; g++)
+    double done = 0.0;
+    for (int g = 0; g < 8; g++) {
+        int j = nearest(q + 4 * g, cell[g]);
+        idx[g] = (uint8_t)j;
         for (int k = 0; k < 4; k++) {
-            float diff = G[idx[g]][k] * db - m[4 * g + k];
+            float diff = G[j][k] * db - m[4 * g + k];
             t[4 * g + k] = diff * diff;
+            done += (double)t[4 * g + k];
         }
+        if (g < 7 && (done * (1 - ldexp(1.0, -16)) + rest[g]) > (double)cutoff) return INFINITY;
+    }
     return pairwise32(t);
 }
 
 static inline float code_db(float d, int c) { return d * (0.5f + (float)c) * 0.5f; }
 
-/* lower bounds on the float32 error of all 16 codes; d > 0 */
-static void code_bounds(const float m[32], float d, double bound[16]) {
-    float bsum[16] = {0};
-    for (int i = 0; i < 32; i++) {
-        float r = m[i] / d;
-        int b = r < (float)(R_BINS - 1) / R_PER ? (int)(r * R_PER) : R_BINS - 1;
-        for (int c = 0; c < 16; c++) bsum[c] += LB[b][c];
+/* Lower bounds on the float32 error of all 16 codes (d > 0); with rest != NULL also, per code,
+ * the bound of the groups after each group (rest[c][g]: groups g+1..7). */
+static void code_bounds(const float m[32], float d, double bound[16], double rest[16][8]) {
+    float gsum[8][16];
+    for (int g = 0; g < 8; g++) {
+        for (int c = 0; c < 16; c++) gsum[g][c] = 0.0f;
+        for (int i = 4 * g; i < 4 * g + 4; i++) {
+            float r = m[i] / d;
+            int b = r < (float)(R_BINS - 1) / R_PER ? (int)(r * R_PER) : R_BINS - 1;
+            for (int c = 0; c < 16; c++) gsum[g][c] += LB[b][c];
+        }
     }
+    /* (1 - 2^-16) covers the float32 rounding of these sums and of the error's own sum */
     double scale = (double)d * (double)d * (1 - ldexp(1.0, -16));
-    for (int c = 0; c < 16; c++) bound[c] = (double)bsum[c] * scale;
+    for (int c = 0; c < 16; c++) {
+        double acc = 0.0;
+        for (int g = 7; g >= 0; g--) {
+            if (rest) rest[c][g] = acc * scale;
+            acc += (double)gsum[g][c];
+        }
+        bound[c] = acc * scale;
+    }
 }
 
 /* one 32-weight sub-block: lowest code of minimal error and its 8 grid indices */
 static void search_sub(const float m[32], float d, uint8_t *code_out, uint8_t idx_out[8]) {
     uint8_t idx[8];
     if (d == 0.0f) {               /* every code has db = 1e-20 for q, 0 for err: code 0 wins */
-        code_error(m, 0.0f, idx_out);
+        static const double none[8];
+        code_error(m, 0.0f, idx_out, INFINITY, none);
         *code_out = 0;
         return;
     }
-    double bound[16];
-    code_bounds(m, d, bound);
+    double bound[16], rest[16][8];
+    code_bounds(m, d, bound, rest);
     int order[16];
     for (int c = 0; c < 16; c++) {              /* insertion sort by bound, stable */
         int p = c;
@@ -236,7 +258,7 @@ static void search_sub(const float m[32], float d, uint8_t *code_out, uint8_t id
     for (int t = 0; t < 16; t++) {
         int c = order[t];
         if (best_c >= 0 && bound[c] > (double)best) break;
-        float err = code_error(m, code_db(d, c), idx);
+        float err = code_error(m, code_db(d, c), idx, best, rest[c]);
         if (best_c < 0 || err < best || (err == best && c < best_c)) {
             best = err; best_c = c;
             memcpy(idx_out, idx, 8);
@@ -274,7 +296,7 @@ void e8_nearest(const float *q, int64_t n, uint8_t *out) {
 
 /* The search's per-code error lower bounds for n sub-blocks [n][32], d [n] > 0, for tests. */
 void e8_code_bounds(const float *mag, const float *d, int64_t n, double *out) {
-    for (int64_t s = 0; s < n; s++) code_bounds(mag + SUB * s, d[s], out + 16 * s);
+    for (int64_t s = 0; s < n; s++) code_bounds(mag + SUB * s, d[s], out + 16 * s, NULL);
 }
 
 /* Cell table access: its size, a pointer to it (cells[i][0] == 0: not built yet), building
