@@ -10,7 +10,8 @@
 //
 // Template: T (x/y dtype), FMT, S, GS (fmt 4 group size, multiple of 16 so a 16-weight unit
 // lies in one group), VEC (rows are 8-byte aligned: uint2 loads; else byte loads that stop at
-// the row end), UNROLL. params (int32[8], >= 8 elements so MLX puts it in device space):
+// the row end), XV (rows of x are 16-byte aligned: x read 8 values per load), UNROLL.
+// params (int32[8], >= 8 elements so MLX puts it in device space):
 // O, I, row bytes, scales (fmt 4/5) or super-blocks (fmt 6) per row, units per row, 0, 0, 0.
 // The caller pads every input to >= 8 elements for the same reason, so helpers can take
 // `const device` pointers.
@@ -80,27 +81,35 @@ inline float qg_unit_scale(const device float* scales, int row, int ng, int u, t
 }
 
 // Integer codes (fmt 6: signed grid magnitudes) of one unit, in weight order.
+// A code c < 2^23 OR-ed into the mantissa of 2^23 is the float 2^23 + c exactly; one FADD of
+// -(2^23 + offset) then gives c - offset exactly. This replaces int->float conversions, which
+// run at a quarter of the FMA rate and made the kernel issue-bound.
+inline float qg_code(uint c, float magic_plus_offset) {
+  return as_type<float>(0x4B000000u | c) - magic_plus_offset;
+}
+
 template <int FMT>
 inline void qg_decode(thread const uint* r, const device uint* e8grid, thread float* q) {
   if (FMT == 1) {
+    // Two's complement byte b: (b ^ 0x80) - 128.
     for (int k = 0; k < 8; ++k) {
-      q[k] = float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24);
+      q[k] = qg_code(((r[k >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
     }
   } else if (FMT == 2 || FMT == 4) {
     // Even weight in the low nibble, stored code = value + 8.
     for (int k = 0; k < 16; ++k) {
-      q[k] = float((r[k >> 3] >> (4 * (k & 7))) & 15u) - 8.0f;
+      q[k] = qg_code((r[k >> 3] >> (4 * (k & 7))) & 15u, 8388616.0f);
     }
   } else if (FMT == 3) {
     for (int k = 0; k < 32; ++k) {
-      q[k] = float((r[k >> 4] >> (2 * (k & 15))) & 3u) - 2.0f;
+      q[k] = qg_code((r[k >> 4] >> (2 * (k & 15))) & 3u, 8388610.0f);
     }
   } else if (FMT == 5) {
     // Bytes 0..15: low 2 bits of each code; bytes 16..23: bit 2.
     for (int k = 0; k < 64; ++k) {
       const uint lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
       const uint hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
-      q[k] = float(lo | (hi << 2)) - 4.0f;
+      q[k] = qg_code(lo | (hi << 2), 8388612.0f);
     }
   } else if (FMT == 6) {
     for (int l = 0; l < 4; ++l) {
@@ -111,24 +120,57 @@ inline void qg_decode(thread const uint* r, const device uint* e8grid, thread fl
         const int b = 2 * l + h;
         const uint g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
         for (int j = 0; j < 4; ++j) {
-          const float mag = float((g >> (8 * j)) & 0xFFu);
-          q[8 * l + 4 * h + j] = ((s8 >> (4 * h + j)) & 1u) ? -mag : mag;
+          const float mag = qg_code((g >> (8 * j)) & 0xFFu, 8388608.0f);
+          q[8 * l + 4 * h + j] = as_type<float>(as_type<uint>(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
         }
       }
     }
   }
 }
 
+// Eight consecutive x values as float from one or two 16-byte loads (XV: rows of x are
+// 16-byte aligned, i.e. I * sizeof(T) % 16 == 0; MLX buffers are aligned).
+inline void qg_load_x8(const device float* p, thread float* o) {
+  const float4 a = *((const device float4*)p);
+  const float4 b = *((const device float4*)(p + 4));
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+inline void qg_load_x8(const device half* p, thread float* o) {
+  const uint4 v = *((const device uint4*)p);
+  const uint w[4] = {v.x, v.y, v.z, v.w};
+  for (int m = 0; m < 4; ++m) {
+    const float2 f = float2(as_type<half2>(w[m]));
+    o[2 * m] = f.x;
+    o[2 * m + 1] = f.y;
+  }
+}
+
+inline void qg_load_x8(const device bfloat16_t* p, thread float* o) {
+  // bfloat16 is the top half of a float32: widening is a shift or a mask.
+  const uint4 v = *((const device uint4*)p);
+  const uint w[4] = {v.x, v.y, v.z, v.w};
+  for (int m = 0; m < 4; ++m) {
+    o[2 * m] = as_type<float>(w[m] << 16);
+    o[2 * m + 1] = as_type<float>(w[m] & 0xFFFF0000u);
+  }
+}
+
 // acc[s] += unit_scale * sum_k q[k] * x[s, i0 + k]; the last unit of a row may be partial.
-template <int S, int WPU, typename T>
+template <int S, int WPU, int XV, typename T>
 inline void qg_dot(thread const float* q, const device T* x, int I, int i0, float us,
                    thread float* acc) {
-  if (i0 + WPU <= I) {
+  if (XV && i0 + WPU <= I) {
     for (int s = 0; s < S; ++s) {
       const device T* xs = x + s * I + i0;
       float d = 0.0f;
-      for (int k = 0; k < WPU; ++k) {
-        d += q[k] * float(xs[k]);
+      for (int m = 0; m < WPU; m += 8) {
+        float xf[8];
+        qg_load_x8(xs + m, xf);
+        for (int k = 0; k < 8; ++k) {
+          d += q[m + k] * xf[k];
+        }
       }
       acc[s] += d * us;
     }
@@ -179,7 +221,7 @@ inline void qg_dot(thread const float* q, const device T* x, int I, int i0, floa
       if (u < n_units) {
         float q[WPU];
         qg_decode<FMT>(raw[j], e8grid, q);
-        qg_dot<S, WPU, T>(q, x, I, u * WPU, us[j], acc);
+        qg_dot<S, WPU, XV, T>(q, x, I, u * WPU, us[j], acc);
       }
     }
   }

@@ -90,7 +90,8 @@ def test_fmt4_every_group_size(gs):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("fmt", [4, 6])
 def test_low_precision_x(fmt, dtype):
-    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt)
+    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt)  # 600-byte rows of x: scalar loads
+    run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt)  # 16-byte aligned: vector loads
 
 
 def test_tiny_inputs_are_padded_into_device_space():
@@ -102,13 +103,13 @@ def test_tiny_inputs_are_padded_into_device_space():
 # Planted defects: each must make the comparison fail.
 
 DEFECTS = {
-    "swapped nibbles": (2, "(r[k >> 3] >> (4 * (k & 7))) & 15u", "(r[k >> 3] >> (4 * ((k ^ 1) & 7))) & 15u"),
+    "swapped nibbles": (2, "qg_code((r[k >> 3] >> (4 * (k & 7))) & 15u", "qg_code((r[k >> 3] >> (4 * ((k ^ 1) & 7))) & 15u"),
     "group index off by one": (4, "scales[row * ng + (u * 16) / GS]", "scales[row * ng + (u * 16 + 16) / GS]"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (k >> 5)]", "r[3 + (k >> 5)]"),
     "last unit of a row skipped": (1, "if (u < n_units) {\n        float q", "if (u + 1 < n_units) {\n        float q"),
-    "int8 read unsigned": (1, "float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24)",
-                           "float((r[k >> 2] >> (8 * (k & 3))) & 0xFFu)"),
+    "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
+    "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
 }
 
 

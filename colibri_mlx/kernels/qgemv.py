@@ -100,8 +100,10 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
     vec = int(qt.fmt in (1, 2, 3, 4) and rb % 8 == 0)
+    x_vec = int((qt.I * x.dtype.size) % 16 == 0)
     template = [("T", x.dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
-                ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("UNROLL", int(unroll))]
+                ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
+                ("UNROLL", int(unroll))]
     return dispatch.LaunchSpec(
         name=NAME,
         input_names=INPUT_NAMES,

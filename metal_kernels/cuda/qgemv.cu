@@ -69,29 +69,35 @@ __device__ __forceinline__ float unit_scale(const float* scales, int row, int ng
   return 1.0f;
 }
 
+// 2^23 + c built in the mantissa, minus (2^23 + offset): c - offset exactly, at full FMA rate
+// (int->float conversion runs at a quarter of it and made the kernel issue-bound).
+__device__ __forceinline__ float code(uint32_t c, float magic_plus_offset) {
+  return __uint_as_float(0x4B000000u | c) - magic_plus_offset;
+}
+
 template <int FMT>
 __device__ __forceinline__ void decode_unit(const uint32_t* r, const uint32_t* e8grid, float* q) {
   if (FMT == 1) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      q[k] = float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24);
+      q[k] = code(((r[k >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
     }
   } else if (FMT == 2 || FMT == 4) {
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-      q[k] = float((r[k >> 3] >> (4 * (k & 7))) & 15u) - 8.0f;
+      q[k] = code((r[k >> 3] >> (4 * (k & 7))) & 15u, 8388616.0f);
     }
   } else if (FMT == 3) {
 #pragma unroll
     for (int k = 0; k < 32; ++k) {
-      q[k] = float((r[k >> 4] >> (2 * (k & 15))) & 3u) - 2.0f;
+      q[k] = code((r[k >> 4] >> (2 * (k & 15))) & 3u, 8388610.0f);
     }
   } else if (FMT == 5) {
 #pragma unroll
     for (int k = 0; k < 64; ++k) {
       const uint32_t lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
       const uint32_t hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
-      q[k] = float(lo | (hi << 2)) - 4.0f;
+      q[k] = code(lo | (hi << 2), 8388612.0f);
     }
   } else if (FMT == 6) {
 #pragma unroll
@@ -104,25 +110,60 @@ __device__ __forceinline__ void decode_unit(const uint32_t* r, const uint32_t* e
         const uint32_t g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float mag = float((g >> (8 * j)) & 0xFFu);
-          q[8 * l + 4 * h + j] = ((s8 >> (4 * h + j)) & 1u) ? -mag : mag;
+          const float mag = code((g >> (8 * j)) & 0xFFu, 8388608.0f);
+          q[8 * l + 4 * h + j] = __uint_as_float(__float_as_uint(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
         }
       }
     }
   }
 }
 
-template <int S, int WPU, typename T>
+__device__ __forceinline__ void load_x8(const float* p, float* o) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+
+__device__ __forceinline__ void load_x8(const __half* p, float* o) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    __half2 h;
+    memcpy(&h, &w[m], 4);
+    const float2 f = __half22float2(h);
+    o[2 * m] = f.x;
+    o[2 * m + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float* o) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    o[2 * m] = __uint_as_float(w[m] << 16);
+    o[2 * m + 1] = __uint_as_float(w[m] & 0xFFFF0000u);
+  }
+}
+
+template <int S, int WPU, int XV, typename T>
 __device__ __forceinline__ void dot_unit(const float* q, const T* x, int I, int i0, float us,
                                          float* acc) {
-  if (i0 + WPU <= I) {
+  if (XV && i0 + WPU <= I) {
 #pragma unroll
     for (int s = 0; s < S; ++s) {
       const T* xs = x + s * I + i0;
       float d = 0.0f;
 #pragma unroll
-      for (int k = 0; k < WPU; ++k) {
-        d += q[k] * static_cast<float>(xs[k]);
+      for (int m = 0; m < WPU; m += 8) {
+        float xf[8];
+        load_x8(xs + m, xf);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          d += q[m + k] * xf[k];
+        }
       }
       acc[s] += d * us;
     }
@@ -158,6 +199,8 @@ __device__ __forceinline__ void dot_unit(const float* q, const T* x, int I, int 
     return;
   }
   const uint8_t* wrow = w + size_t(row) * size_t(rb);
+  // A row slice of a larger array can start anywhere; vector loads of x need 16 bytes.
+  const bool x_aligned = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
 
   float acc[S];
 #pragma unroll
@@ -181,7 +224,11 @@ __device__ __forceinline__ void dot_unit(const float* q, const T* x, int I, int 
       if (u < n_units) {
         float q[WPU];
         colibri_qgemv::decode_unit<FMT>(raw[j], e8grid, q);
-        colibri_qgemv::dot_unit<S, WPU, T>(q, x, I, u * WPU, us[j], acc);
+        if (x_aligned) {
+          colibri_qgemv::dot_unit<S, WPU, XV, T>(q, x, I, u * WPU, us[j], acc);
+        } else {
+          colibri_qgemv::dot_unit<S, WPU, 0, T>(q, x, I, u * WPU, us[j], acc);
+        }
       }
     }
   }
