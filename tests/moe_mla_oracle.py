@@ -139,11 +139,15 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
     T, R = lat.shape[1:]
     w = weight_f64(kv_b).reshape(H, nope + v, R)
     w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q_abs = np.einsum("bhln,hnr->bhlr", qn, w_uk)
-    dq = REL * np.einsum("bhln,hnr->bhlr", np.abs(qn), np.abs(w_uk))
-    s = (np.einsum("bhlr,btr->bhlt", q_abs, lat) + np.einsum("bhlr,btr->bhlt", qr, kr)) * scale
-    ds = (REL * (np.einsum("bhlr,btr->bhlt", np.abs(q_abs), np.abs(lat)) + np.einsum("bhlr,btr->bhlt", np.abs(qr), np.abs(kr)))
-          + np.einsum("bhlr,btr->bhlt", dq, np.abs(lat))) * abs(scale)
+    q_abs = qn @ w_uk[None]                                   # [B, H, L, R]
+    dq = REL * (np.abs(qn) @ np.abs(w_uk)[None])
+
+    def over_t(a, c):  # [B, H, L, X] x [B, T, X] -> [B, H, L, T] through BLAS
+        return a @ c[:, None].transpose(0, 1, 3, 2)
+
+    s = (over_t(q_abs, lat) + over_t(qr, kr)) * scale
+    ds = (REL * (over_t(np.abs(q_abs), np.abs(lat)) + over_t(np.abs(qr), np.abs(kr)))
+          + over_t(dq, np.abs(lat))) * abs(scale)
     allowed = np.ones((B, 1, L, T), bool) if mask is None else np.asarray(mask).reshape(B, 1, L, T)
     exists = np.ones((B, 1, L, T), bool)
     if selected is not None:
@@ -156,11 +160,12 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
     s = np.where(exists, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    ctx = np.einsum("bhlt,btr->bhlr", p, lat)
+    ctx = p @ lat[:, None]
     spread = np.abs(lat).max(1)[:, None, None, :]          # [B, 1, 1, R]
     dctx = 2 * np.where(exists, ds, 0).max(-1, keepdims=True) * spread + REL * spread
-    out = np.einsum("bhlr,hvr->bhlv", ctx, w_uv)
-    bound = REL * np.einsum("bhlr,hvr->bhlv", np.abs(ctx), np.abs(w_uv)) + np.einsum("bhlr,hvr->bhlv", dctx, np.abs(w_uv))
+    w_uv_t = w_uv.transpose(0, 2, 1)[None]                   # [1, H, R, v]
+    out = ctx @ w_uv_t
+    bound = REL * (np.abs(ctx) @ np.abs(w_uv_t)) + np.broadcast_to(dctx, ctx.shape) @ np.abs(w_uv_t)
     return out, bound
 
 
