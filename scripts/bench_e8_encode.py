@@ -38,7 +38,7 @@ def main() -> None:
         print(f"C path unavailable: {why}")
     else:
         (packed_c, _), wall, cpu = _timed(lambda: e8.encode_e8(w, backend="c"))
-        print(f"c      first call (fills the cell table): {wall:.3f} s wall, {cpu:.3f} s CPU")
+        print(f"c      first call in this process: {wall:.3f} s wall, {cpu:.3f} s CPU")
         runs = [_timed(lambda: e8.encode_e8(w, backend="c"))[1:] for _ in range(args.repeats)]
         walls, cpus = zip(*runs)
         print(f"c      encode_e8 {args.rows}x{args.cols}: median {statistics.median(walls):.3f} s "
