@@ -328,8 +328,10 @@ def test_fma32_helper_is_exact():
     for i in [0, 1, 2, *range(3, 20000, 97)]:
         exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
         below = np.float32(float(exact))                 # float64 of exact, then float32
-        cands = [np.nextafter(below, np.float32(-np.inf)), below, np.nextafter(below, np.float32(np.inf))]
-        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.float32(v).view(np.int32)) & 1))
+        cands = [np.nextafter(below, np.float32(-np.inf)), below,
+                 np.nextafter(below, np.float32(np.inf))]
+        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact),   # ties: even
+                                         int(np.float32(v).view(np.int32)) & 1))
         assert _fma32(a[i:i + 1], b[i:i + 1], c[i:i + 1])[0] == best
 
 
@@ -501,7 +503,8 @@ def test_compiled_rotation_equals_numpy(lib, dim):
 
 def test_compiled_whole_matrix_equals_numpy(lib):
     w = _rng(44).standard_normal((64, 2048)).astype(np.float32) * 0.02
-    np.testing.assert_array_equal(e8.encode_e8(w, backend="c")[0], e8.encode_e8(w, backend="numpy")[0])
+    np.testing.assert_array_equal(e8.encode_e8(w, backend="c")[0],
+                                  e8.encode_e8(w, backend="numpy")[0])
 
 
 @pytest.fixture

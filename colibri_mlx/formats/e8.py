@@ -246,7 +246,8 @@ def encode_e8(w_unrotated: np.ndarray, backend: str | None = None) -> tuple[np.n
     return encode_rotated_e8(rotate_rows(w, backend), backend)
 
 
-def encode_rotated_e8(w_rot: np.ndarray, backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def encode_rotated_e8(w_rot: np.ndarray,
+                      backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Already-rotated ``[O, I]`` -> (packed, scales); the ``iq3_pack.encode`` step alone.
 
     ``backend``: ``"c"`` (the compiled core, error if it cannot be built), ``"numpy"`` (the
