@@ -103,10 +103,12 @@ def test_expert_is_two_coalesced_reads_matching_the_container(small):
     c = Container(small)
     shapes = {"gate": (32, 64), "up": (32, 64), "down": (64, 32)}
     store = ExpertStore(c, 0, record_usage=False)
+    # All read first, compared after: every read goes through the same staging buffer, so an
+    # expert aliasing it instead of owning a copy would show the last expert's bytes.
+    loaded = {key: store._read(key).weights for key in store.layouts}
     for key, layout in store.layouts.items():
         assert len(layout.reads) == 2  # scales block + weights block (writer order, FORMAT.md §1.3)
-        weights = store._read(key).weights
-        for proj, qt in zip(("gate", "up", "down"), weights):
+        for proj, qt in zip(("gate", "up", "down"), loaded[key]):
             name = f"model.layers.{key[0]}.mlp.experts.{key[1]}.{proj}_proj.weight"
             want = c.tensor(name, shapes[proj])
             assert (qt.fmt, qt.gs, qt.O, qt.I) == (want.fmt, want.gs, want.O, want.I)
@@ -239,6 +241,31 @@ def test_prefetch_reads_previous_token_set_of_next_layer(small):
             store.get(layer, int(e))
     assert store.stats.hits_prefetch == 9  # layer 1 was guessed after layer 3 of token 1 (wrap-around)
     assert store.stats.tokens == 2
+    store.close()
+
+
+def test_guesses_still_issued_when_the_layer_fills_every_read_slot(small):
+    # K (3) > max_inflight (2): the layer's own reads take every slot at prepare time; guesses
+    # must take the slots freed as those reads are consumed, never ahead of a demand read.
+    store = ExpertStore(Container(small), 0, record_usage=False, max_inflight=2, workers=1)
+    ids = {1: np.array([[0, 4, 5]]), 2: np.array([[1, 2, 3]]), 3: np.array([[6, 7, 8]])}
+    submitted = []
+    submit = store._pool.submit
+    store._pool.submit = lambda fn, kind: submitted[-1].append(kind) or submit(fn, kind)
+    for token in range(3):
+        for layer in (1, 2, 3):
+            submitted.append([])
+            store.prepare(layer, ids[layer])
+            assert len(store._inflight) <= 2
+            for e in ids[layer][0]:
+                store.get(layer, int(e))
+    # Each layer submits its remaining demand read before any guess, and guesses the next layer
+    # (wrapping to layer 1) in the two slots freed by its last two lookups: from the last layer of
+    # token 1 on, 2 guesses per layer (14), all used except the 2 issued for a 4th token (12).
+    assert all(kinds == sorted(kinds) for kinds in submitted)
+    assert submitted[2] == [DEMAND, DEMAND, DEMAND, PREFETCH, PREFETCH]
+    assert (store.stats.prefetches, store.stats.hits_prefetch) == (14, 12)
+    assert store.stats.misses + store.stats.hits_prefetch == 27 and store.stats.bytes_wasted == 0
     store.close()
 
 

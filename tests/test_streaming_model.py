@@ -222,6 +222,31 @@ def test_deleted_shard_keeps_serving_the_opened_file(container, resident, tmp_pa
     model.expert_store.close()
 
 
+TRUNCATE_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from test_streaming_model import run
+    from colibri_mlx.models import load_model
+    model = load_model(sys.argv[2])
+    for f in os.listdir(sys.argv[2]):
+        if f.endswith(".safetensors"):
+            os.truncate(os.path.join(sys.argv[2], f), 0)  # a mapped page past EOF would be SIGBUS
+    print(json.dumps(run(model, 3)[0]))
+""")
+
+
+def test_resident_model_survives_its_shards_being_truncated(container, resident, tmp_path):
+    # Without --ram-gb every weight is resident, copied out of the memory map at load.
+    path = tmp_path / "m"
+    build_container(str(path))
+    script = tmp_path / "trunc.py"
+    script.write_text(TRUNCATE_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), os.path.dirname(__file__), str(path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7 = SIGBUS
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == resident[0][:4]
+
+
 RSS_SCRIPT = textwrap.dedent("""
     import json, sys
     import mlx.core as mx

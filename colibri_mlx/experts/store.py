@@ -152,11 +152,14 @@ class StoreStats:
     hits_pinned: int = 0
     hits_lru: int = 0
     hits_prefetch: int = 0  # not resident, but a guessed read had already started
+    prefetches: int = 0  # guessed reads submitted
     misses: int = 0
     reads: int = 0  # experts read from disk (demand + prefetch + pin warm-up)
     bytes_read: int = 0
     bytes_wasted: int = 0  # prefetched and dropped unused
     read_s: float = 0.0  # summed over reader threads
+    read_io_s: float = 0.0  # of which in preadv
+    read_copy_s: float = 0.0  # of which copying into MLX arrays
     disk_wait_s: float = 0.0  # time the model thread was blocked on expert bytes
     tokens: int = 0  # positions seen by the first MoE layer
 
@@ -167,6 +170,7 @@ class StoreStats:
         d["hit_rate_pinned"] = self.hits_pinned / n
         d["hit_rate_lru"] = self.hits_lru / n
         d["prefetch_rate"] = self.hits_prefetch / n
+        d["prefetch_accuracy"] = self.hits_prefetch / self.prefetches if self.prefetches else 0.0
         t = max(self.tokens, 1)
         d["bytes_read_per_token"] = self.bytes_read / t
         d["disk_wait_per_token_s"] = self.disk_wait_s / t
@@ -225,9 +229,11 @@ class ExpertStore:
         self._lru_bytes = 0
         self._pinned: dict = {}
         self._inflight: dict = {}
-        self._plan: list = []
+        self._plan: list = []  # this layer's missing experts not yet submitted
+        self._guesses: list = []  # the next layer's likely experts not yet submitted
         self._prev_sets: dict[int, list] = {}
         self._pool = ReadPool(workers)
+        self._staging = threading.local()
         self.usage_path = usage_path or os.path.join(container.path, USAGE_FILE)
         self.record_usage = record_usage
         self.usage = self._load_history()
@@ -314,17 +320,36 @@ class ExpertStore:
     def _read(self, key) -> _Loaded:
         layout = self.layouts[key]
         t0 = time.perf_counter()
-        buffers = [self._pread(layout, r) for r in layout.reads]
+        staging = self._staging_buffer(layout.nbytes)
+        buffers, at = [], 0
+        for r in layout.reads:
+            buffers.append(self._pread(layout, r, staging[at: at + r.nbytes]))
+            at += r.nbytes
+        t1 = time.perf_counter()
         loaded = _Loaded(tuple(_projection(p, buffers) for p in layout.projections), layout.nbytes)
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += layout.nbytes
-            self.stats.read_s += dt
+            self.stats.read_s += t2 - t0
+            self.stats.read_io_s += t1 - t0
+            self.stats.read_copy_s += t2 - t1
         return loaded
 
-    def _pread(self, layout: ExpertLayout, r: Read) -> np.ndarray:
-        buf = np.empty(r.nbytes, np.uint8)
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's reusable read buffer: disk -> staging (warm pages) -> one copy into MLX.
+
+        A fresh buffer per read would be page-faulted in on every read once the allocator
+        stops recycling (a growing cache frees nothing); one buffer per reader thread is not.
+        """
+        local = self._staging
+        buf = getattr(local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = local.buf = np.empty(nbytes, np.uint8)
+        return buf[:nbytes]
+
+    def _pread(self, layout: ExpertLayout, r: Read, out: Optional[np.ndarray] = None) -> np.ndarray:
+        buf = np.empty(r.nbytes, np.uint8) if out is None else out
         view = memoryview(buf)
         fd = self._fds[r.path]
         got = 0
@@ -370,9 +395,15 @@ class ExpertStore:
         self._drop_stale_prefetches(layer, set(keys))
         with self._lock:
             self._plan = [k for k in keys if not self._resident(k) and k not in self._inflight]
-        self._submit_demand()
-        if self.prefetch_enabled:
-            self._prefetch_after(layer)
+            # Guesses queue behind this layer's demand reads and take slots as those are consumed.
+            self._guesses = self._next_layer_guesses(layer) if self.prefetch_enabled else []
+            self._pump()
+
+    def _next_layer_guesses(self, layer: int) -> list:
+        """The previous token's set of the next MoE layer (wrapping from the last to the first)."""
+        i = self.moe_layers.index(layer)
+        nxt = self.moe_layers[(i + 1) % len(self.moe_layers)]
+        return [k for k in self._prev_sets.get(nxt, ()) if not self._resident(k)]
 
     def get(self, layer: int, expert: int) -> tuple:
         key = (layer, expert)
@@ -388,53 +419,46 @@ class ExpertStore:
                 self.stats.hits_lru += 1
                 return self._lru[key].weights
             pending = self._inflight.pop(key, None)
+            if pending is None:  # not submitted yet: read it here, and not a second time later
+                self._plan = [k for k in self._plan if k != key]
+                self._guesses = [k for k in self._guesses if k != key]
             if pending is not None and pending.kind == PREFETCH:
                 self.stats.hits_prefetch += 1
             else:
                 self.stats.misses += 1
+            self._pump()  # the slot just freed goes to the next demand read or guess
         t0 = time.perf_counter()
         loaded = pending.future.result() if pending is not None else self._read(key)
         self.stats.disk_wait_s += time.perf_counter() - t0
-        self._insert(key, loaded)
-        self._submit_demand()
+        with self._lock:
+            self._insert(key, loaded)
         return loaded.weights
 
     def _resident(self, key) -> bool:
         return key in self._pinned or key in self._lru
 
     def _insert(self, key, loaded: _Loaded) -> None:
-        with self._lock:
-            if key in self.pinned_keys:
-                self._pinned[key] = loaded
-                return
-            if loaded.nbytes > self.lru_capacity:
-                return  # larger than the whole LRU: used once, not kept
-            while self._lru_bytes + loaded.nbytes > self.lru_capacity:
-                _, old = self._lru.popitem(last=False)
-                self._lru_bytes -= old.nbytes
-            self._lru[key] = loaded
-            self._lru_bytes += loaded.nbytes
+        if key in self.pinned_keys:
+            self._pinned[key] = loaded
+            return
+        if loaded.nbytes > self.lru_capacity:
+            return  # larger than the whole LRU: used once, not kept
+        while self._lru_bytes + loaded.nbytes > self.lru_capacity:
+            _, old = self._lru.popitem(last=False)
+            self._lru_bytes -= old.nbytes
+        self._lru[key] = loaded
+        self._lru_bytes += loaded.nbytes
 
-    def _submit_demand(self) -> None:
-        with self._lock:
-            while self._plan and len(self._inflight) < self.max_inflight:
-                key = self._plan.pop(0)
-                if key in self._inflight or self._resident(key):
-                    continue
-                fut = self._pool.submit(lambda k=key: self._read(k), DEMAND)
-                self._inflight[key] = _InFlight(fut, DEMAND, self.layouts[key].nbytes)
-
-    def _prefetch_after(self, layer: int) -> None:
-        i = self.moe_layers.index(layer)
-        nxt = self.moe_layers[(i + 1) % len(self.moe_layers)]
-        with self._lock:
-            for key in self._prev_sets.get(nxt, ()):
-                if len(self._inflight) >= self.max_inflight:
-                    break
-                if key in self._inflight or self._resident(key):
-                    continue
-                fut = self._pool.submit(lambda k=key: self._read(k), PREFETCH)
-                self._inflight[key] = _InFlight(fut, PREFETCH, self.layouts[key].nbytes)
+    def _pump(self) -> None:
+        """Fill free read slots (lock held): this layer's demand reads first, then guesses."""
+        while len(self._inflight) < self.max_inflight and (self._plan or self._guesses):
+            kind, key = (DEMAND, self._plan.pop(0)) if self._plan else (PREFETCH, self._guesses.pop(0))
+            if key in self._inflight or self._resident(key):
+                continue
+            fut = self._pool.submit(lambda k=key: self._read(k), kind)
+            self._inflight[key] = _InFlight(fut, kind, self.layouts[key].nbytes)
+            if kind == PREFETCH:
+                self.stats.prefetches += 1
 
     def _drop_stale_prefetches(self, layer: int, wanted: set) -> None:
         with self._lock:
@@ -512,16 +536,19 @@ class LayerExperts(Sequence):
 
 
 def _projection(p: ProjectionLayout, buffers: list[np.ndarray]):
+    """One projection's arrays from the read buffers: exactly one copy (``mx.array`` copies)."""
     raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
     if p.scales is None:
-        values = to_float32(raw.view(DTYPES[p.weight.dtype].storage), p.weight.dtype)
-        return mx.array(np.ascontiguousarray(values, np.float32).reshape(p.O, p.I))
+        return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))
     s = p.scales
-    storage = DTYPES[s.dtype].storage
-    stored = np.frombuffer(buffers[s.read], storage, s.nbytes // storage.itemsize, s.start)
-    scales = to_float32(stored, s.dtype).reshape(-1)
-    return QTensor(mx.array(raw), mx.array(np.ascontiguousarray(scales, np.float32)), p.fmt, p.O, p.I, p.gs,
-                   p.weight.name)
+    scales = _as_float32(buffers[s.read][s.start: s.start + s.nbytes], s.dtype)
+    return QTensor(mx.array(raw), mx.array(scales), p.fmt, p.O, p.I, p.gs, p.weight.name)
+
+
+def _as_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of stored bytes; F32 is a view (no copy before ``mx.array``'s own)."""
+    stored = np.require(raw.view(DTYPES[dtype].storage), requirements="A")  # copies only if misaligned
+    return stored if dtype == "F32" else to_float32(stored, dtype)
 
 
 def process_memory() -> dict:

@@ -58,7 +58,7 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
 
         pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
         store = ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, **store_options)
-        table = weight_table(container, in_memory=True)
+        table = weight_table(container)
         table.expert_store = store
         model = Model(args, table)
         model.expert_store = store
@@ -70,12 +70,13 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
     return model
 
 
-def weight_table(container: Container, in_memory: bool = False) -> WeightTable:
-    """``in_memory`` copies quantized tensors out of the memory map (streaming: resident weights
-    must be really resident, and a shard truncated mid-run must not fault them)."""
+def weight_table(container: Container) -> WeightTable:
+    """Quantized tensors are copied out of the memory map into MLX arrays at load: resident
+    weights are really resident (no per-call copy), and a shard truncated or rewritten while the
+    model runs cannot fault them (SIGBUS on a mapped page past the new end of file)."""
     # FP8 scales are read together with their weight, never on their own.
     names = [n for n in container.weight_names() if not n.endswith(SCALE_INV_SUFFIX)]
-    return WeightTable(names, lambda name, shape: _fetch(container, name, shape, in_memory), container.path)
+    return WeightTable(names, lambda name, shape: _fetch(container, name, shape), container.path)
 
 
 def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
@@ -84,15 +85,12 @@ def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
     return WeightTable(weights, lambda name, shape: weights[name], source)
 
 
-def _fetch(container: Container, name: str, shape: tuple, in_memory: bool = False):
+def _fetch(container: Container, name: str, shape: tuple):
     if container.is_quantized(name):
         if len(shape) != 2:
             raise ValueError(f"{container.path}: tensor {name!r} is quantized but config.json implies a "
                              f"{len(shape)}-D tensor of shape {shape}")
-        qt = container.tensor(name, shape)
-        if in_memory:
-            qt = QTensor(np.array(qt.packed), np.array(qt.scales), qt.fmt, qt.O, qt.I, qt.gs, qt.name)
-        return qt
+        return container.tensor(name, shape).to_mlx()
     container.tensor(name, shape)  # header shape check, names the shard on mismatch
     values = container.array(name, shape=shape)
     if container.info(name).dtype in FP8_DTYPES:
