@@ -157,7 +157,7 @@ def run_budget(path: str, trace: np.ndarray, frac: float, pin: str | None, args)
     store.close()
     budget = int(frac * total)
     store = ExpertStore(container, budget, pin=pin, record_usage=False, workers=args.workers,
-                        drop_read_pages=True, prefetch=not args.no_prefetch)
+                        drop_read_pages=True, prefetch=not args.no_prefetch, admission=not args.no_admission)
     load_s = time.perf_counter() - t_load
     store.reset_stats()
     compute = args.compute_ms / 1e3
@@ -178,8 +178,10 @@ def run_budget(path: str, trace: np.ndarray, frac: float, pin: str | None, args)
     capacity = budget // probe_bytes
     missed = (r["misses"] + r["hits_prefetch"]) * probe_bytes
     return dict(frac=frac, pin=pin or "none", budget_gb=budget / 1e9, capacity=capacity, load_s=load_s,
-                hit=r["hit_rate"], pin_hit=r["hit_rate_pinned"], lru_hit=r["hit_rate_lru"],
+                hit=r["hit_rate"], bypassed=r["bypassed"], pin_hit=r["hit_rate_pinned"], lru_hit=r["hit_rate_lru"],
                 prefetched=r["prefetch_rate"], belady=belady_hit_rate(accesses, capacity),
+                prefetches=r["prefetches"], prefetch_accuracy=r["prefetch_accuracy"],
+                read_io_s=r["read_io_s"], read_copy_s=r["read_copy_s"], disk_wait_s=r["disk_wait_s"],
                 mb_read=r["bytes_read"] / 1e6, missed_mb=missed / 1e6, wasted_mb=r["bytes_wasted"] / 1e6,
                 disk_mb_s=r["bytes_read"] / 1e6 / wall, per_thread_mb_s=r["read_mb_s"],
                 wait_per_token_s=r["disk_wait_s"] / trace.shape[0], tokens_per_s=trace.shape[0] / wall,
@@ -203,6 +205,7 @@ def main() -> None:
     ap.add_argument("--attn-ms", type=float, default=1.0, help="simulated attention+router per layer")
     ap.add_argument("--raw-gb", type=float, default=4.0, help="bytes read for the raw sequential speed")
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--no-admission", action="store_true", help="plain LRU (no frequency admission)")
     ap.add_argument("--keep", action="store_true", help="keep the container afterwards")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()

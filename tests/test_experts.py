@@ -183,7 +183,7 @@ def test_lru_matches_model_and_never_exceeds_budget(small):
     keys = list(sizes)
     accesses = [keys[i] for i in rng.zipf(1.3, 400) % len(keys)]
     for capacity in (0, 3 * max(sizes.values()), sum(sizes.values()) // 3):
-        store = ExpertStore(c, capacity, record_usage=False, prefetch=False)
+        store = ExpertStore(c, capacity, record_usage=False, prefetch=False, admission=False)
         hits = []
         for key in accesses:
             before = store.stats.hits_lru
@@ -192,6 +192,63 @@ def test_lru_matches_model_and_never_exceeds_budget(small):
             assert store.cached_bytes <= capacity
         assert hits == _lru_model(accesses, sizes, capacity)
         store.close()
+
+
+def _admission_lru_model(accesses, capacity, freq, window):
+    """LRU of equal-sized items that admits a newcomer only if it was selected at least as often
+    (history + this run, halved every ``window`` selections) as the LRU victim."""
+    cache, hits, seen = OrderedDict(), [], 0
+    for key in accesses:
+        freq[key] = freq.get(key, 0) + 1
+        seen += 1
+        if seen == window:
+            freq = {k: v / 2 for k, v in freq.items()}
+            seen = 0
+        if key in cache:
+            cache.move_to_end(key)
+            hits.append(True)
+            continue
+        hits.append(False)
+        if len(cache) == capacity:
+            if freq[key] < freq.get(next(iter(cache)), 0):
+                continue
+            cache.popitem(last=False)
+        cache[key] = True
+    return hits
+
+
+def test_admission_keeps_hot_experts_against_a_scan(small, tmp_path):
+    c = Container(small)
+    probe = ExpertStore(c, 0, record_usage=False)
+    one = probe.layouts[(1, 0)].nbytes
+    hot_a, hot_b, cold = [e for e in range(12) if probe.layouts[(1, e)].nbytes == one][:3]  # fmt cycles by id
+    probe.close()
+    usage = tmp_path / "u"
+    h = UsageHistory.empty(4, 12, engine_id("deepseek_v3"))
+    h.counts[1, [hot_a, hot_b]] = [9, 7]  # hot in the history
+    write_usage(usage, h, "deepseek_v3")
+    accesses = [(1, e) for _ in range(60) for e in (hot_a, hot_b, cold)]  # a loop one longer than the cache
+    capacity = 2
+    results = {}
+    for admission in (True, False):
+        store = ExpertStore(c, capacity * one, usage_path=str(usage), record_usage=False, prefetch=False,
+                            admission=admission)
+        store._freq_window = 37
+        hits = []
+        for key in accesses:
+            store.prepare(key[0], np.array([[key[1]]]))
+            before = store.stats.hits_lru
+            store.get(*key)
+            hits.append(store.stats.hits_lru > before)
+            assert store.cached_bytes <= capacity * one
+        results[admission] = sum(hits)
+        if admission:
+            freq = {(1, e): float(n) for e, n in enumerate(h.counts[1]) if n}
+            assert hits == _admission_lru_model(accesses, capacity, freq, 37)
+            assert store.stats.bypassed > 0
+        store.close()
+    # The loop evicts the hot pair every round under plain LRU; admission keeps it while its lead lasts.
+    assert results[False] == 0 and results[True] > 60  # of 120 hot lookups (aging lets the loop in now and then)
 
 
 def test_pinned_experts_stay_and_count_against_the_budget(small, tmp_path):

@@ -5,16 +5,24 @@ it. The cache holds at most ``budget_bytes`` of experts in two parts:
 
 * a pinned set, the hottest experts of the usage history (``.coli_usage``, FORMAT.md §1.6) that
   fit the pin budget, never evicted;
-* an LRU for the rest of the budget.
+* an LRU for the rest of the budget, with frequency admission (TinyLFU-like): when full, an
+  expert is admitted only if it was selected at least as often (usage history + this run,
+  halved every ``10 x n_experts`` selections) as the LRU expert it would evict; otherwise it
+  is used once and dropped. Without it a cache smaller than one token's working set thrashes
+  to a 0% hit rate.
 
 Reads (``os.preadv``, GIL released) run on a small priority pool (:mod:`.prefetch`): when a
-layer's selection is known, all of its missing experts are queued at once (``DEMAND``), and the
-previous token's selection of the next MoE layer is queued as a guess (``PREFETCH``) so that
-its reads overlap the current layer's compute. Reads that finished but were not asked for yet
-live outside the cache and are bounded by ``max_inflight`` experts.
+layer's selection is known, its missing experts are queued (``DEMAND``) in up to
+``max_inflight`` read slots, then the previous token's selection of the next MoE layer as
+guesses (``PREFETCH``); each lookup that frees a slot gives it to the next demand read, else
+the next guess, so guesses overlap the current layer's tail even when K >= ``max_inflight``.
+Reads that finished but were not asked for yet live outside the cache and are bounded by
+``max_inflight`` experts. Each reader thread reads into its own reusable staging buffer and
+makes the one copy into MLX arrays (``mx.array`` always copies).
 
 Memory bound: resident weights + ``budget_bytes`` + (``max_inflight`` + 1) experts (reads in
-flight, the expert being multiplied) + MLX's allocator slack.
+flight, the expert being multiplied) + one staging buffer (one expert) per reader thread + MLX's
+allocator slack.
 
 Each expert is read in as few ``preadv`` calls as the layout allows: the tensors of one expert
 are sorted by file offset and adjacent ones coalesced (FORMAT.md §1.3: our writer and
@@ -154,6 +162,7 @@ class StoreStats:
     hits_prefetch: int = 0  # not resident, but a guessed read had already started
     prefetches: int = 0  # guessed reads submitted
     misses: int = 0
+    bypassed: int = 0  # read, used, not admitted to the LRU (colder than the expert it would evict)
     reads: int = 0  # experts read from disk (demand + prefetch + pin warm-up)
     bytes_read: int = 0
     bytes_wasted: int = 0  # prefetched and dropped unused
@@ -206,7 +215,8 @@ class ExpertStore:
     def __init__(self, container: Container, budget_bytes: int, *, pin: Optional[str] = None,
                  pin_bytes: Optional[int] = None, usage_path: Optional[str] = None, engine_name: Optional[str] = None,
                  record_usage: bool = True, workers: int = 4, max_inflight: Optional[int] = None,
-                 prefetch: bool = True, preload_pinned: bool = True, drop_read_pages: bool = False):
+                 prefetch: bool = True, preload_pinned: bool = True, drop_read_pages: bool = False,
+                 admission: bool = True):
         if budget_bytes < 0:
             raise ValueError(f"expert budget must be >= 0 bytes, got {budget_bytes}")
         cfg = container.config
@@ -237,6 +247,12 @@ class ExpertStore:
         self.usage_path = usage_path or os.path.join(container.path, USAGE_FILE)
         self.record_usage = record_usage
         self.usage = self._load_history()
+        self.admission = admission
+        # Admission frequencies: the usage history plus this run's selections, halved every
+        # ``_freq_window`` selections so that a once-hot expert does not block newcomers forever.
+        self._freq = self.usage.counts.astype(np.float64)
+        self._freq_window = 10 * len(self.layouts)
+        self._freq_seen = 0
         self.pinned_keys = self._choose_pins(pin, pin_bytes)
         self.pinned_reserved = sum(self.layouts[k].nbytes for k in self.pinned_keys)
         self.lru_capacity = self.budget_bytes - self.pinned_reserved
@@ -388,6 +404,7 @@ class ExpertStore:
         """The router of ``layer`` chose ``ids [N, K]`` (negative = dropped by top-p)."""
         if self.record_usage:
             self.usage.record(layer, ids)
+        self._count(layer, ids)
         if layer == self.moe_layers[0]:
             self.stats.tokens += int(ids.shape[0]) if ids.ndim > 1 else 1
         keys = [(layer, int(e)) for e in np.unique(ids) if e >= 0]
@@ -398,6 +415,15 @@ class ExpertStore:
             # Guesses queue behind this layer's demand reads and take slots as those are consumed.
             self._guesses = self._next_layer_guesses(layer) if self.prefetch_enabled else []
             self._pump()
+
+    def _count(self, layer: int, ids: np.ndarray) -> None:
+        chosen = np.asarray(ids).reshape(-1)
+        chosen = chosen[chosen >= 0]
+        np.add.at(self._freq[layer], chosen, 1)
+        self._freq_seen += chosen.size
+        if self._freq_seen >= self._freq_window:
+            self._freq *= 0.5
+            self._freq_seen = 0
 
     def _next_layer_guesses(self, layer: int) -> list:
         """The previous token's set of the next MoE layer (wrapping from the last to the first)."""
@@ -443,6 +469,11 @@ class ExpertStore:
             return
         if loaded.nbytes > self.lru_capacity:
             return  # larger than the whole LRU: used once, not kept
+        if self.admission and self._lru and self._lru_bytes + loaded.nbytes > self.lru_capacity:
+            victim = next(iter(self._lru))
+            if self._freq[key] < self._freq[victim]:
+                self.stats.bypassed += 1  # colder than what it would evict: used once, not kept
+                return
         while self._lru_bytes + loaded.nbytes > self.lru_capacity:
             _, old = self._lru.popitem(last=False)
             self._lru_bytes -= old.nbytes
