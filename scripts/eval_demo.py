@@ -6,6 +6,11 @@
 Perplexity is the token-mean cross entropy over non-overlapping ``--seq``-token
 windows of heldout.npy (the last 2% of the KJV, 2 Peter 3 to Revelation 22),
 exactly as train_demo.py measures it, computed with the weights in ``--dtype``.
+
+``--colibri DIR`` instead measures a colibri container (or checkpoint) through
+colibri_mlx on MLX, e.g. the quantized demo container::
+
+    python scripts/eval_demo.py --colibri /tmp/demo_e8 --data .demo-data
 """
 
 from __future__ import annotations
@@ -40,6 +45,25 @@ def heldout_loss(model, ids: np.ndarray, seq: int, batch: int = 16) -> tuple[flo
     return total / (n * seq), n * seq
 
 
+def colibri_heldout_loss(path: Path, ids: np.ndarray, seq: int, batch: int = 8) -> tuple[float, int]:
+    """The same windows through colibri_mlx's model (float32 logits on MLX)."""
+    import mlx.core as mx
+
+    from colibri_mlx.models import load_model
+
+    model = load_model(str(path))
+    n = (ids.size - 1) // seq
+    x = ids[: n * seq].astype(np.int32).reshape(n, seq)
+    y = ids[1 : n * seq + 1].astype(np.int64).reshape(n, seq)
+    total = 0.0
+    for i in range(0, n, batch):
+        logits = model(mx.array(x[i : i + batch]))
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logp = np.array(logp, dtype=np.float64)
+        total -= np.take_along_axis(logp, y[i : i + batch, :, None], axis=-1).sum()
+    return total / (n * seq), n * seq
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path(".demo-data/hf"))
@@ -49,7 +73,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-samples", action="store_true")
+    ap.add_argument("--colibri", type=Path, help="measure this container through colibri_mlx instead")
     args = ap.parse_args()
+
+    if args.colibri is not None:
+        loss, n = colibri_heldout_loss(args.colibri, np.load(args.data / "heldout.npy"), args.seq)
+        print(json.dumps({"model": str(args.colibri), "engine": "colibri_mlx", "seq": args.seq,
+                          "heldout_tokens": n, "heldout_loss": round(loss, 4),
+                          "heldout_ppl": round(math.exp(loss), 2)}, indent=2))
+        return
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -5,11 +5,13 @@ Source: Debian's ``bible-kjv-text`` (public domain text; read through the
 ``bible`` program of ``bible-kjv``). ``apt-get install -y bible-kjv``.
 
 Each chapter becomes one document of plain prose: the verse references are
-dropped and the verses are joined with spaces. The last ``--heldout`` fraction
-of the text (whole chapters, end of the book) is held out for perplexity.
+dropped and every verse is one line (so a newline, which the chat template puts
+after each message, means "the next verse follows"). The last ``--heldout``
+fraction of the text (whole chapters, end of the book) is held out for
+perplexity.
 
 Outputs in ``--out`` (default ``.demo-data/``):
-  kjv_train.txt / kjv_heldout.txt  one chapter per line
+  kjv_train.txt / kjv_heldout.txt  one verse per line, chapters separated by a blank line
   tokenizer/                       tokenizer.json, tokenizer_config.json
   train.npy / heldout.npy          uint16 token ids, every chapter as
                                    ``<|bos|> text <|eos|>``
@@ -28,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+# Chat templates are rendered and then encoded without special tokens, so the bos is explicit.
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 # "Ge1:1 In the beginning ..."; book abbreviations may start with a digit ("1Co").
 VERSE_LINE = re.compile(r"^(?P<book>\d?[A-Za-z]+)(?P<chapter>\d+):(?P<verse>\d+) (?P<text>.*)$")
 BIBLE_DATA = Path("/usr/lib/bible.data")
@@ -64,7 +67,7 @@ def chapters_as_prose(verses: list[tuple[str, int, str]]) -> list[str]:
             chapters.append([])
             key = (book, chapter)
         chapters[-1].append(text)
-    return [re.sub(r"\s+", " ", " ".join(c)).strip() for c in chapters]
+    return ["\n".join(re.sub(r"\s+", " ", v).strip() for v in c) for c in chapters]
 
 
 def split_heldout(chapters: list[str], fraction: float) -> tuple[list[str], list[str]]:
@@ -133,8 +136,8 @@ def main() -> None:
     chapters = chapters_as_prose(read_kjv_verses())
     train, heldout = split_heldout(chapters, args.heldout)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kjv_train.txt").write_text("\n".join(train) + "\n")
-    (args.out / "kjv_heldout.txt").write_text("\n".join(heldout) + "\n")
+    (args.out / "kjv_train.txt").write_text("\n\n".join(train) + "\n")
+    (args.out / "kjv_heldout.txt").write_text("\n\n".join(heldout) + "\n")
 
     tok = train_tokenizer(train, args.vocab_size, args.out / "tokenizer")
     train_ids, heldout_ids = encode_documents(tok, train), encode_documents(tok, heldout)
