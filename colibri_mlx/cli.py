@@ -42,7 +42,8 @@ def inspect(directory, as_json):
 def _sampling_options(f):
     options = [
         click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
-                     help="Container or Hugging Face checkpoint directory."),
+                     help="Container or Hugging Face checkpoint directory. Default: the bundled "
+                          "demo model (a tiny KJV-trained model, docs/demo-model.md)."),
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1)),
         click.option("--temp", "temperature", default=0.0, show_default=True, type=float,
                      help="Sampling temperature; 0 is greedy."),
@@ -82,6 +83,10 @@ def _load_for_cli(model_path):
     from . import load
 
     options = click.get_current_context().meta.get("colibri.load", {})
+    if model_path is None:
+        from .models import DEMO_MODEL_DIR
+
+        click.echo(f"colibri: no -m given, using the bundled demo model ({DEMO_MODEL_DIR})", err=True)
     try:
         return load(model_path, **options)
     except (ValueError, FileNotFoundError) as e:

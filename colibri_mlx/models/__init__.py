@@ -6,23 +6,27 @@
 
 from __future__ import annotations
 
+import os
+
 from .deepseek_v3 import MODEL_TYPES, Model, ModelArgs
 from .loading import load_model
 
-__all__ = ["MODEL_TYPES", "Model", "ModelArgs", "load", "load_model"]
+__all__ = ["DEMO_MODEL_DIR", "MODEL_TYPES", "Model", "ModelArgs", "load", "load_model"]
+
+# A 4-layer, 29M-parameter model of this family trained on the King James Bible, shipped as a
+# colibri container (fmt 6 experts, fmt 4 attention/dense, fmt 1 embeddings): docs/demo-model.md.
+DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
 
 
 def load(path=None, **options):
     """``(model, tokenizer)`` from a container or Hugging Face checkpoint directory.
 
-    ``path=None`` is reserved for the bundled demo model (not shipped yet). Expert streaming
+    ``path=None`` loads the bundled demo model (:data:`DEMO_MODEL_DIR`). Expert streaming
     options (``ram_gb``, ``pin``, ``pin_gb``, ``expert_top_p``, store options): see
     :func:`load_model` and docs/streaming.md.
     """
     if path is None:
-        raise ValueError("no model given and no bundled demo model (pass a container or checkpoint directory)")
-    import os
-
+        path = DEMO_MODEL_DIR
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: model directory does not exist")
     unknown = set(options) - STREAMING_OPTIONS
