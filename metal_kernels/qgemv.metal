@@ -1,16 +1,26 @@
 // qgemv: y[s, o] = sum_i x[s, i] * W[o, i] for S <= 8 rows of x, W in colibri fmt 1..6.
 //
-// Launch (colibri_mlx/kernels/qgemv.py): one SIMD group (32 lanes) per output row,
-// grid = (32 * O, 1, 1). A row is cut into "units" (8 bytes = 8/16/32 weights for fmt 1/2,4/3;
-// one 24-byte group of 64 weights for fmt 5; one 32-weight sub-block for fmt 6). Lane l takes
-// units l, l + 32, l + 64, ... so a SIMD group reads each step as one contiguous span, and
-// every weight byte is read once per call: the lane holding it applies it to all S rows of x.
-// Each lane issues UNROLL units of loads before any arithmetic to keep bytes in flight.
-// Accumulation is float32; simd_sum reduces the 32 lanes.
+// Launch (colibri_mlx/kernels/qgemv.py): one threadgroup of NW SIMD groups per ROWS
+// consecutive output rows, grid = (32 * NW * ceil(O / ROWS), 1, 1). A row is cut into
+// "units" (16 bytes = 16/32/64/32 weights for fmt 1/2/3/4; one 24-byte group of 64 weights
+// for fmt 5; one 32-weight sub-block for fmt 6). Thread t of the threadgroup takes units
+// t, t + 32 * NW, ... of every one of its ROWS rows: the NW SIMD groups split the row
+// (split-K, so a small O still fills the GPU), each step of a SIMD group reads one contiguous
+// span per row, and every weight byte is read once per call. The x values of a unit are
+// loaded and widened once and applied to all ROWS rows (x costs 1/ROWS of what it did with
+// one row per SIMD group), each decoded weight to all S rows of x. Each thread issues the
+// loads of UNROLL units x ROWS rows before any arithmetic to keep bytes in flight.
+// Accumulation is float32; simd_sum reduces a SIMD group, threadgroup memory the NW groups.
 //
-// Template: T (x/y dtype), FMT, S, GS (fmt 4 group size, multiple of 16 so a 16-weight unit
-// lies in one group), VEC (rows are 8-byte aligned: uint2 loads; else byte loads that stop at
-// the row end), XV (rows of x are 16-byte aligned: x read 8 values per load), UNROLL.
+// fmt 2/4 decode two nibbles per instruction: a nibble pair (n, n') at bits 0 and 16 OR-ed
+// into 0x6400 (half 1024) is the half2 (1024 + n, 1024 + n'); one half2 subtract of 1032
+// gives (n - 8, n' - 8) exactly (the high nibble of a byte: mask 0x00F0, half 1024 + 16n,
+// one half2 FMA by 1/16 then -72). Products and sums stay float32.
+//
+// Template: T (x/y dtype), FMT, S, GS (fmt 4 group size, a multiple of 16: a scale covers
+// whole 16-weight halves of a unit), VEC (2: rows a multiple of 16 bytes, 1: of 8 bytes,
+// vector loads; 0: byte loads that stop at the row end), XV (rows of x are 16-byte aligned:
+// x read 8 values per load), UNROLL, ROWS, NW.
 // params (int32[8], >= 8 elements so MLX puts it in device space):
 // O, I, row bytes, scales (fmt 4/5) or super-blocks (fmt 6) per row, units per row, 0, 0, 0.
 // The caller pads every input to >= 8 elements for the same reason, so helpers can take
@@ -19,7 +29,13 @@
 // The CUDA twin metal_kernels/cuda/qgemv.cu implements the same algorithm line for line.
 
 constexpr int qg_wpu(int fmt) {
-  return fmt == 1 ? 8 : (fmt == 3 ? 32 : (fmt == 5 ? 64 : (fmt == 6 ? 32 : 16)));
+  return fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32));
+}
+
+// Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
+// scale in the middle of a 32-weight unit; every other case has one scale per unit.
+constexpr int qg_seg(int fmt, int gs) {
+  return (fmt == 4 && gs % 32 != 0) ? 16 : qg_wpu(fmt);
 }
 
 // Raw bytes of unit u of one row into r[0..5] (little-endian words).
@@ -44,33 +60,35 @@ inline void qg_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
     r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
     r[3] = uint(dd[0]);
   } else if (VEC) {
-    const uint2 v = *((const device uint2*)(wrow + 8 * u));
-    r[0] = v.x;
-    r[1] = v.y;
+    // The buffer is only promised 8-byte alignment: two 8-byte loads. With rows a multiple of
+    // 8 but not 16 bytes, the second half of a row's last unit lies past the row.
+    const device uint2* p = (const device uint2*)(wrow + 16 * u);
+    const uint2 a = p[0];
+    const uint2 b = (VEC == 2 || 16 * u + 8 < rb) ? p[1] : uint2(0u, 0u);
+    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
   } else {
     // Row length not a multiple of 8: byte loads, none past the end of the row.
-    const int off = 8 * u;
-    uint lo = 0;
-    uint hi = 0;
-    for (int k = 0; k < 4; ++k) {
-      if (off + k < rb) {
-        lo |= uint(wrow[off + k]) << (8 * k);
+    const int off = 16 * u;
+    for (int m = 0; m < 4; ++m) {
+      uint v = 0;
+      for (int k = 0; k < 4; ++k) {
+        if (off + 4 * m + k < rb) {
+          v |= uint(wrow[off + 4 * m + k]) << (8 * k);
+        }
       }
-      if (off + 4 + k < rb) {
-        hi |= uint(wrow[off + 4 + k]) << (8 * k);
-      }
+      r[m] = v;
     }
-    r[0] = lo;
-    r[1] = hi;
   }
 }
 
-// Scale of unit u: fmt 4 its group's, fmt 5 its group's, fmt 6 d * (0.5 + code) / 4
-// (the grid holds doubled magnitudes); fmt 1-3 apply the row scale after the reduction.
+// Scale of segment g of unit u: fmt 4 its group's, fmt 5 its group's, fmt 6 d * (0.5 + code)
+// / 4 (the grid holds doubled magnitudes); fmt 1-3 apply the row scale after the reduction.
+// A fmt 4 half-unit past the row end (its x are zero) clamps to the row's last group.
 template <int FMT, int GS>
-inline float qg_unit_scale(const device float* scales, int row, int ng, int u, thread const uint* r) {
+inline float qg_seg_scale(const device float* scales, int row, int ng, int u, int g,
+                          thread const uint* r) {
   if (FMT == 4) {
-    return scales[row * ng + (u * 16) / GS];
+    return scales[row * ng + min((32 * u + qg_seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {
     return scales[row * ng + u];
   } else if (FMT == 6) {
@@ -80,56 +98,67 @@ inline float qg_unit_scale(const device float* scales, int row, int ng, int u, t
   return 1.0f;
 }
 
-// Integer codes (fmt 6: signed grid magnitudes) of one unit, in weight order.
 // A code c < 2^23 OR-ed into the mantissa of 2^23 is the float 2^23 + c exactly; one FADD of
-// -(2^23 + offset) then gives c - offset exactly. This replaces int->float conversions, which
-// run at a quarter of the FMA rate and made the kernel issue-bound.
+// -(2^23 + offset) then gives c - offset exactly (int->float conversions run at a quarter of
+// the FMA rate).
 inline float qg_code(uint c, float magic_plus_offset) {
   return as_type<float>(0x4B000000u | c) - magic_plus_offset;
 }
 
+// Nibbles n at bits 0 and 16 of b (lo) or 4 and 20 (hi), as the floats n - 8.
+inline float2 qg_nib_lo(uint b) {
+  return float2(as_type<half2>((b & 0x000F000Fu) | 0x64006400u) - half2(half(1032.0f)));
+}
+inline float2 qg_nib_hi(uint b) {
+  return float2(fma(as_type<half2>((b & 0x00F000F0u) | 0x64006400u), half2(half(0.0625f)), half2(half(-72.0f))));
+}
+
+// Codes (fmt 6: signed grid magnitudes) of weights k0 .. k0 + 7 of a unit, in weight order.
 template <int FMT>
-inline void qg_decode(thread const uint* r, const device uint* e8grid, thread float* q) {
+inline void qg_decode8(thread const uint* r, int k0, const device uint* e8grid, thread float* q) {
   if (FMT == 1) {
     // Two's complement byte b: (b ^ 0x80) - 128.
     for (int k = 0; k < 8; ++k) {
-      q[k] = qg_code(((r[k >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
+      q[k] = qg_code(((r[(k0 + k) >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
     }
   } else if (FMT == 2 || FMT == 4) {
-    // Even weight in the low nibble, stored code = value + 8.
-    for (int k = 0; k < 16; ++k) {
-      q[k] = qg_code((r[k >> 3] >> (4 * (k & 7))) & 15u, 8388616.0f);
-    }
+    // Weight k in nibble k of the word (even weight in the low nibble), stored code = value + 8.
+    const uint b = r[k0 >> 3];
+    const float2 n04 = qg_nib_lo(b);
+    const float2 n15 = qg_nib_hi(b);
+    const float2 n26 = qg_nib_lo(b >> 8);
+    const float2 n37 = qg_nib_hi(b >> 8);
+    q[0] = n04.x; q[1] = n15.x; q[2] = n26.x; q[3] = n37.x;
+    q[4] = n04.y; q[5] = n15.y; q[6] = n26.y; q[7] = n37.y;
   } else if (FMT == 3) {
-    for (int k = 0; k < 32; ++k) {
-      q[k] = qg_code((r[k >> 4] >> (2 * (k & 15))) & 3u, 8388610.0f);
+    for (int k = 0; k < 8; ++k) {
+      q[k] = qg_code((r[(k0 + k) >> 4] >> (2 * ((k0 + k) & 15))) & 3u, 8388610.0f);
     }
   } else if (FMT == 5) {
     // Bytes 0..15: low 2 bits of each code; bytes 16..23: bit 2.
-    for (int k = 0; k < 64; ++k) {
-      const uint lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
-      const uint hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
+    for (int k = 0; k < 8; ++k) {
+      const int i = k0 + k;
+      const uint lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
+      const uint hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
       q[k] = qg_code(lo | (hi << 2), 8388612.0f);
     }
   } else if (FMT == 6) {
-    for (int l = 0; l < 4; ++l) {
-      // 7 stored sign bits; the 8th makes the count of negatives even.
-      const uint seven = (r[2] >> (7 * l)) & 0x7Fu;
-      const uint s8 = seven | ((popcount(seven) & 1u) << 7);
-      for (int h = 0; h < 2; ++h) {
-        const int b = 2 * l + h;
-        const uint g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
-        for (int j = 0; j < 4; ++j) {
-          const float mag = qg_code((g >> (8 * j)) & 0xFFu, 8388608.0f);
-          q[8 * l + 4 * h + j] = as_type<float>(as_type<uint>(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
-        }
+    // 8 weights = one 7-bit sign field; the 8th sign makes the count of negatives even.
+    const int l = k0 >> 3;
+    const uint seven = (r[2] >> (7 * l)) & 0x7Fu;
+    const uint s8 = seven | ((popcount(seven) & 1u) << 7);
+    for (int h = 0; h < 2; ++h) {
+      const int b = 2 * l + h;
+      const uint g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
+      for (int j = 0; j < 4; ++j) {
+        const float mag = qg_code((g >> (8 * j)) & 0xFFu, 8388608.0f);
+        q[4 * h + j] = as_type<float>(as_type<uint>(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
       }
     }
   }
 }
 
-// Eight consecutive x values as float from one or two 16-byte loads (XV: rows of x are
-// 16-byte aligned, i.e. I * sizeof(T) % 16 == 0; MLX buffers are aligned).
+// Eight consecutive x values as float from one or two 16-byte loads.
 inline void qg_load_x8(const device float* p, thread float* o) {
   const float4 a = *((const device float4*)p);
   const float4 b = *((const device float4*)(p + 4));
@@ -157,80 +186,132 @@ inline void qg_load_x8(const device bfloat16_t* p, thread float* o) {
   }
 }
 
-// acc[s] += unit_scale * sum_k q[k] * x[s, i0 + k]; the last unit of a row may be partial.
-template <int S, int WPU, int XV, typename T>
-inline void qg_dot(thread const float* q, const device T* x, int I, int i0, float us,
-                   thread float* acc) {
-  if (XV && i0 + WPU <= I) {
-    for (int s = 0; s < S; ++s) {
-      const device T* xs = x + s * I + i0;
-      float d = 0.0f;
-      for (int m = 0; m < WPU; m += 8) {
-        float xf[8];
-        qg_load_x8(xs + m, xf);
-        for (int k = 0; k < 8; ++k) {
-          d += q[m + k] * xf[k];
-        }
-      }
-      acc[s] += d * us;
-    }
+// x[i .. i + 7] of one row of x as float, zero past I (so padding codes contribute nothing).
+template <int XV, typename T>
+inline void qg_x8(const device T* xs, int I, int i, thread float* o) {
+  if (XV && i + 8 <= I) {
+    qg_load_x8(xs + i, o);
   } else {
-    for (int s = 0; s < S; ++s) {
-      const device T* xs = x + s * I + i0;
-      float d = 0.0f;
-      for (int k = 0; k < WPU; ++k) {
-        if (i0 + k < I) {
-          d += q[k] * float(xs[k]);
+    for (int k = 0; k < 8; ++k) {
+      o[k] = (i + k < I) ? float(xs[i + k]) : 0.0f;
+    }
+  }
+}
+
+// acc[r][s] += sum over unit u of row r of w * x[s]: x widened once for all ROWS rows,
+// each decoded weight applied to all S rows of x, one scale multiply per segment.
+template <int FMT, int GS, int S, int ROWS, int XV, typename T>
+inline void qg_unit(thread const uint (*raw)[6], const device T* x, const device float* scales,
+                    const device uint* e8grid, thread const int* rows, int ng, int I, int u,
+                    thread float (*acc)[S]) {
+  constexpr int WPU = qg_wpu(FMT);
+  constexpr int SEG = qg_seg(FMT, GS);
+  for (int g = 0; g < WPU / SEG; ++g) {
+    float d[ROWS][S];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int s = 0; s < S; ++s) {
+        d[r][s] = 0.0f;
+      }
+    }
+    for (int c = 0; c < SEG; c += 8) {
+      const int k0 = SEG * g + c;
+      float q[ROWS][8];
+      for (int r = 0; r < ROWS; ++r) {
+        qg_decode8<FMT>(raw[r], k0, e8grid, q[r]);
+      }
+      for (int s = 0; s < S; ++s) {
+        float xf[8];
+        qg_x8<XV, T>(x + s * I, I, WPU * u + k0, xf);
+        for (int r = 0; r < ROWS; ++r) {
+          for (int k = 0; k < 8; ++k) {
+            d[r][s] += q[r][k] * xf[k];
+          }
         }
       }
-      acc[s] += d * us;
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const float sc = qg_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] += d[r][s] * sc;
+      }
     }
   }
 }
 
 // ==== kernel body ====
-  constexpr int WPU = qg_wpu(FMT);
   const int O = params[0];
   const int I = params[1];
   const int rb = params[2];
   const int ng = params[3];
   const int n_units = params[4];
-  const int row = int(thread_position_in_grid.x / 32);
-  const int lane = int(thread_position_in_grid.x % 32);
-  if (row >= O) {
-    return;
-  }
-  const device uint8_t* wrow = w + size_t(row) * size_t(rb);
+  const int tid = int(thread_position_in_threadgroup.x);
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int row0 = int(threadgroup_position_in_grid.x) * ROWS;
+  threadgroup float red[NW * ROWS * S];
 
-  float acc[S];
-  for (int s = 0; s < S; ++s) {
-    acc[s] = 0.0f;
+  // Rows past O (the last threadgroup) re-read row O - 1 and are not written.
+  int rows[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = min(row0 + r, O - 1);
   }
-  for (int base = 0; base < n_units; base += 32 * UNROLL) {
-    uint raw[UNROLL][6];
-    float us[UNROLL];
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * j + lane;
-      if (u < n_units) {
-        qg_load<FMT, VEC>(wrow, rb, u, raw[j]);
-        us[j] = qg_unit_scale<FMT, GS>(scales, row, ng, u, raw[j]);
-      }
-    }
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * j + lane;
-      if (u < n_units) {
-        float q[WPU];
-        qg_decode<FMT>(raw[j], e8grid, q);
-        qg_dot<S, WPU, XV, T>(q, x, I, u * WPU, us[j], acc);
-      }
-    }
-  }
-  for (int s = 0; s < S; ++s) {
-    acc[s] = simd_sum(acc[s]);
-  }
-  if (lane == 0) {
-    const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
+  float acc[ROWS][S];
+  for (int r = 0; r < ROWS; ++r) {
     for (int s = 0; s < S; ++s) {
-      y[s * O + row] = static_cast<T>(acc[s] * row_scale);
+      acc[r][s] = 0.0f;
+    }
+  }
+  for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
+    uint raw[UNROLL][ROWS][6];
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * NW * j;
+      if (u < n_units) {
+        for (int r = 0; r < ROWS; ++r) {
+          qg_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        }
+      }
+    }
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * NW * j;
+      if (u < n_units) {
+        qg_unit<FMT, GS, S, ROWS, XV, T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int s = 0; s < S; ++s) {
+      acc[r][s] = simd_sum(acc[r][s]);
+    }
+  }
+  if (NW > 1) {
+    if (lane == 0) {
+      for (int r = 0; r < ROWS; ++r) {
+        for (int s = 0; s < S; ++s) {
+          red[(warp * ROWS + r) * S + s] = acc[r][s];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  // Thread r * S + s of the first SIMD group writes y[s, row0 + r].
+  if (tid < ROWS * S) {
+    const int r = tid / S;
+    const int s = tid % S;
+    float v = 0.0f;
+    if (NW > 1) {
+      for (int k = 0; k < NW; ++k) {
+        v += red[(k * ROWS + r) * S + s];
+      }
+    } else {
+      for (int rr = 0; rr < ROWS; ++rr) {
+        for (int ss = 0; ss < S; ++ss) {
+          v = (rr == r && ss == s) ? acc[rr][ss] : v;
+        }
+      }
+    }
+    const int row = row0 + r;
+    if (row < O) {
+      const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
+      y[s * O + row] = static_cast<T>(v * row_scale);
     }
   }

@@ -2,9 +2,9 @@
 (``qgemv.launch_spec``), outputs poisoned first (the simulator NaN-fills them and fails on any
 element left unwritten), compared with the float64 oracle; then planted defects that must fail.
 
-The kernel uses no threadgroup memory (one SIMD group per row, simd_sum reduction), so there
-is no barrier to remove; the simulator still runs every launch in two thread orders and
-requires bit-identical outputs.
+Split-K launches (several SIMD groups per threadgroup) reduce through threadgroup memory; the
+simulator runs every launch in two thread orders and requires bit-identical outputs, and a
+planted missing barrier must fail.
 """
 
 from __future__ import annotations
@@ -94,6 +94,23 @@ def test_low_precision_x(fmt, dtype):
     run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt)  # 16-byte aligned: vector loads
 
 
+# Rows per threadgroup (O not a multiple: clamped rows), split-K SIMD groups, unroll depth, and
+# rows a multiple of 8 but not 16 bytes (VEC=1: the last unit's second half lies past the row).
+LAUNCHES = [dict(rows=1, simdgroups=1, unroll=1), dict(rows=2, simdgroups=2, unroll=3),
+            dict(rows=4, simdgroups=4, unroll=2), dict(rows=8, simdgroups=1, unroll=1),
+            dict(rows=3, simdgroups=2, unroll=1)]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d))
+@pytest.mark.parametrize("fmt,I", [(1, 264), (2, 272), (3, 352), (4, 2080), (5, 300), (6, 520)])
+def test_launch_variants(fmt, I, launch):
+    S = 32 // launch["rows"] if launch["rows"] > 4 else 3
+    qt = random_qtensor(fmt, 7, I, gs=48, seed=fmt + I)
+    x = random_x(min(S, 4), I, seed=fmt)
+    y = simulate(qgemv.launch_spec(x, qt, **launch))
+    assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch}")
+
+
 def test_tiny_inputs_are_padded_into_device_space():
     # O * rb < 8 bytes and S * I < 8 elements: the launch pads inputs to 8 elements.
     run_case(2, 1, 3, S=1, seed=3)
@@ -102,31 +119,38 @@ def test_tiny_inputs_are_padded_into_device_space():
 # ---------------------------------------------------------------------------------------
 # Planted defects: each must make the comparison fail.
 
+# (fmt, good, bad[, launch tuning]); the default launch for 4x300 is one SIMD group per
+# threadgroup, so the split-K defects ask for several.
+SPLIT_K = {"simdgroups": 4, "rows": 2}
 DEFECTS = {
-    "swapped nibbles": (2, "qg_code((r[k >> 3] >> (4 * (k & 7))) & 15u", "qg_code((r[k >> 3] >> (4 * ((k ^ 1) & 7))) & 15u"),
-    "group index off by one": (4, "scales[row * ng + (u * 16) / GS]", "scales[row * ng + (u * 16 + 16) / GS]"),
+    "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;"),
+    "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))"),
+    "group index off by one": (4, "(32 * u + qg_seg(FMT, GS) * g) / GS", "(32 * u + qg_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
-    "fmt 5 high plane offset": (5, "r[4 + (k >> 5)]", "r[3 + (k >> 5)]"),
-    "last unit of a row skipped": (1, "if (u < n_units) {\n        float q", "if (u + 1 < n_units) {\n        float q"),
+    "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
+    "last unit of a row skipped": (1, "if (u < n_units) {\n        qg_unit", "if (u + 1 < n_units) {\n        qg_unit"),
     "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
     "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
+    "rows of a threadgroup shifted": (3, "rows[r] = min(row0 + r, O - 1);", "rows[r] = min(row0 + r + 1, O - 1);"),
+    "split-K partial sums overwritten": (2, "v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];", SPLIT_K),
+    "split-K barrier missing": (4, "threadgroup_barrier(mem_flags::mem_threadgroup);", "", SPLIT_K),
 }
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_caught(defect):
-    fmt, good, bad = DEFECTS[defect]
+    fmt, good, bad, *tuning = DEFECTS[defect]
     qt = random_qtensor(fmt, 4, 300, gs=16, seed=7)
     x = random_x(2, 300, seed=8)
-    spec = qgemv.launch_spec(x, qt)
+    spec = qgemv.launch_spec(x, qt, **(tuning[0] if tuning else {}))
     text = spec.header + spec.source
     assert text.count(good) == 1, f"defect '{defect}' no longer plants: {good!r} not found once"
     if good in spec.source:
         spec.source = spec.source.replace(good, bad)
     else:
         spec.header = spec.header.replace(good, bad)
-    # Caught = a wrong result or a fault the simulator traps (an out-of-bounds read);
-    # a compile error would prove nothing about the test.
+    # Caught = a wrong result or a fault the simulator traps (an out-of-bounds read, a result
+    # that depends on the thread schedule); a compile error would prove nothing about the test.
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         y = simulate(spec)
         assert_close(y, x, qt, defect)

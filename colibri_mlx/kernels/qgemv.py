@@ -19,11 +19,13 @@ from .reference import e8_grid_words, row_bytes, scales_per_row
 NAME = "qgemv"
 MAX_ROWS = 8                    # S above this is prefill: dequantized tiles + matmul
 SIMD = 32
-SIMDGROUPS_PER_THREADGROUP = 4  # 128 threads: 4 output rows per threadgroup
-DEFAULT_UNROLL = 4
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-UNIT_WEIGHTS = {1: 8, 2: 16, 3: 32, 4: 16, 5: 64, 6: 32}
+UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32}
 PARAMS_LEN = 8                  # >= 8 elements: MLX passes it as a device pointer
+MAX_SIMDGROUPS = 4              # split-K: SIMD groups sharing one threadgroup's rows
+# Enough SIMD groups for 132 SMs x ~32 resident warps (H200); below this the launch splits
+# each row across more SIMD groups of a threadgroup.
+TARGET_SIMDGROUPS = 4096
 
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
 OUTPUT_NAMES = ("y",)
@@ -40,20 +42,22 @@ def decline_reason(x: mx.array, qt) -> Optional[str]:
         return f"x dtype {x.dtype} not float32/float16/bfloat16"
     if qt.fmt == 4 and (not qt.gs or qt.gs % 16):
         return f"fmt 4 with gs={qt.gs} (needs a multiple of 16)"
-    if SIMD * qt.O >= 2**31 or S * max(qt.I, qt.O) >= 2**31:
+    if SIMD * MAX_SIMDGROUPS * qt.O >= 2**31 or S * max(qt.I, qt.O) >= 2**31:
         return f"shape {qt.O}x{qt.I} too large for 32-bit indexing"
     return None
 
 
 def _at_least_8(a: mx.array) -> mx.array:
-    """Pad a tiny input to 8 elements so MLX gives it device (not constant) address space."""
-    a = a.reshape(-1)
+    """Pad a tiny input to 8 elements so MLX gives it device (not constant) address space.
+    Inputs of 8 or more elements go through untouched: no reshape node per call."""
     if a.size >= PARAMS_LEN:
         return a
+    a = a.reshape(-1)
     return mx.concatenate([a, mx.zeros((PARAMS_LEN - a.size,), a.dtype)])
 
 
 _grid_mx: dict = {}
+_params_mx: dict = {}
 
 
 def _e8grid() -> mx.array:
@@ -71,39 +75,63 @@ def _as_mx(a, dtype) -> mx.array:
 
 
 def params(qt) -> mx.array:
-    rb = row_bytes(qt.fmt, qt.I)
-    per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (
-        -(-qt.I // 256) if qt.fmt == 6 else 1)
-    n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
-    return mx.array([qt.O, qt.I, rb, per_row, n_units, 0, 0, 0], dtype=mx.int32)
+    """O, I, row bytes, scales or super-blocks per row, units per row; cached per shape."""
+    key = (qt.fmt, qt.O, qt.I, qt.gs if qt.fmt == 4 else None)
+    p = _params_mx.get(key)
+    if p is None:
+        rb = row_bytes(qt.fmt, qt.I)
+        per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (
+            -(-qt.I // 256) if qt.fmt == 6 else 1)
+        n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
+        p = _params_mx[key] = mx.array([qt.O, qt.I, rb, per_row, n_units, 0, 0, 0], dtype=mx.int32)
+    return p
+
+
+def default_rows(S: int) -> int:
+    """Output rows per threadgroup, sharing each widened x value; fewer with many rows of x
+    so ROWS * S accumulators (and ROWS * S <= 32 final writers) stay in bounds."""
+    return 4 if S <= 4 else 2
 
 
 def default_unroll(fmt: int, S: int) -> int:
-    """Units of loads each lane issues before computing. Fewer for the wide units (fmt 5: 64
-    decoded weights, fmt 6: 32 plus grid lookups) with many rows of x, where UNROLL 4 makes the
-    CUDA twin spill registers (nvcc -Xptxas -v, sm_90: fmt 5 S=8 U4 spills, U1 does not)."""
-    if fmt == 5:
-        return 1 if S > 4 else 2
-    if fmt == 6 and S > 4:
-        return 2
-    return DEFAULT_UNROLL
+    """Units each thread loads (for all ROWS rows) before computing. One for the wide units
+    (fmt 5: 64 weights from 24 bytes, fmt 6: grid lookups) and for many rows of x, where more
+    makes the CUDA twin spill registers (nvcc -Xptxas -v, sm_90a)."""
+    if fmt in (5, 6) or S > 4:
+        return 1
+    return 2
+
+
+def default_simdgroups(O: int, rows: int, n_units: int) -> int:
+    """SIMD groups per threadgroup (split-K): more when ceil(O / rows) threadgroups of one SIMD
+    group would leave the GPU underfilled, while every thread keeps >= 1 unit of a row."""
+    nw = 1
+    groups = -(-O // rows)
+    while nw < MAX_SIMDGROUPS and groups * nw < TARGET_SIMDGROUPS and n_units >= SIMD * 2 * nw:
+        nw *= 2
+    return nw
 
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
-                unroll: Optional[int] = None,
-                simdgroups: int = SIMDGROUPS_PER_THREADGROUP) -> dispatch.LaunchSpec:
+                unroll: Optional[int] = None, rows: Optional[int] = None,
+                simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
     S = x.shape[0]
+    rows = rows or default_rows(S)
+    if rows * S > SIMD:
+        raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
     unroll = unroll or default_unroll(qt.fmt, S)
+    n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
+    simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     rb = row_bytes(qt.fmt, qt.I)
     header, body = dispatch.read_kernel_source(NAME, backend)
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
-    vec = int(qt.fmt in (1, 2, 3, 4) and rb % 8 == 0)
+    vec = (2 if rb % 16 == 0 else 1 if rb % 8 == 0 else 0) if qt.fmt in (1, 2, 3, 4) else 0
     x_vec = int((qt.I * x.dtype.size) % 16 == 0)
     template = [("T", x.dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
-                ("UNROLL", int(unroll))]
+                ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups))]
     return dispatch.LaunchSpec(
         name=NAME,
         input_names=INPUT_NAMES,
@@ -113,7 +141,7 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
         inputs=[_at_least_8(x), _at_least_8(packed), _at_least_8(scales), _e8grid(), params(qt)],
         output_shapes=[(S, qt.O)],
         output_dtypes=[x.dtype],
-        grid=(SIMD * qt.O, 1, 1),
+        grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1),
         threadgroup=(SIMD * simdgroups, 1, 1),
         template=template,
     )
