@@ -16,16 +16,123 @@
 // read in the same pass so x is read once. One SIMD group per output row; lanes take units
 // (see qgemv.metal) l, l + 32, ...; float32 accumulation; simd_sum reduces the lanes.
 //
-// This header is appended to qgemv.metal's header (moe.py), whose qg_load / qg_unit_scale /
-// qg_decode decode fmt 1-6; the cm_* wrappers add fmt 0 (float32 rows, 4 weights a unit) and
-// fold the fmt 1-3 row scale into the unit scale (several experts share one accumulator).
+// The cu_* unit decoders (fmt 1-6) are qgemv.metal's first version (commit 37602f4), kept
+// here so these kernels do not follow qgemv's tuning; the cm_* wrappers add fmt 0 (float32
+// rows, 4 weights a unit) and fold the fmt 1-3 row scale into the unit scale (several experts
+// share one accumulator). mla_decode.metal appends its header to this one.
 // The CUDA twin metal_kernels/cuda/moe_block.cu implements the same algorithm line for line.
 //
 // params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
 // K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
 
+// ---- fmt 1-6 units (see above)
+
+constexpr int cu_wpu(int fmt) {
+  return fmt == 1 ? 8 : (fmt == 3 ? 32 : (fmt == 5 ? 64 : (fmt == 6 ? 32 : 16)));
+}
+
+// Raw bytes of unit u of one row into r[0..5] (little-endian words).
+template <int FMT, int VEC>
+inline void cu_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
+  if (FMT == 5) {
+    // 24-byte groups: every row and group start is 8-byte aligned.
+    const device uint2* p = (const device uint2*)(wrow + 24 * u);
+    const uint2 a = p[0];
+    const uint2 b = p[1];
+    const uint2 c = p[2];
+    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = c.x; r[5] = c.y;
+  } else if (FMT == 6) {
+    // 98-byte super-blocks are only 2-byte aligned.
+    const int blk = 98 * (u >> 3);
+    const int ib = u & 7;
+    const device ushort* qs = (const device ushort*)(wrow + blk + 8 * ib);
+    const device ushort* sw = (const device ushort*)(wrow + blk + 64 + 4 * ib);
+    const device ushort* dd = (const device ushort*)(wrow + blk + 96);
+    r[0] = uint(qs[0]) | (uint(qs[1]) << 16);
+    r[1] = uint(qs[2]) | (uint(qs[3]) << 16);
+    r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
+    r[3] = uint(dd[0]);
+  } else if (VEC) {
+    const uint2 v = *((const device uint2*)(wrow + 8 * u));
+    r[0] = v.x;
+    r[1] = v.y;
+  } else {
+    // Row length not a multiple of 8: byte loads, none past the end of the row.
+    const int off = 8 * u;
+    uint lo = 0;
+    uint hi = 0;
+    for (int k = 0; k < 4; ++k) {
+      if (off + k < rb) {
+        lo |= uint(wrow[off + k]) << (8 * k);
+      }
+      if (off + 4 + k < rb) {
+        hi |= uint(wrow[off + 4 + k]) << (8 * k);
+      }
+    }
+    r[0] = lo;
+    r[1] = hi;
+  }
+}
+
+// Scale of unit u: fmt 4 its group's, fmt 5 its group's, fmt 6 d * (0.5 + code) / 4
+// (the grid holds doubled magnitudes); fmt 1-3 apply the row scale after the reduction.
+template <int FMT, int GS>
+inline float cu_unit_scale(const device float* scales, int row, int ng, int u, thread const uint* r) {
+  if (FMT == 4) {
+    return scales[row * ng + (u * 16) / GS];
+  } else if (FMT == 5) {
+    return scales[row * ng + u];
+  } else if (FMT == 6) {
+    const float d = float(as_type<half>(ushort(r[3])));
+    return d * (0.5f + float(r[2] >> 28)) * 0.25f;
+  }
+  return 1.0f;
+}
+
+// Integer codes (fmt 6: signed grid magnitudes) of one unit, in weight order.
+template <int FMT>
+inline void cu_decode(thread const uint* r, const device uint* e8grid, thread float* q) {
+  if (FMT == 1) {
+    for (int k = 0; k < 8; ++k) {
+      q[k] = float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24);
+    }
+  } else if (FMT == 2 || FMT == 4) {
+    // Even weight in the low nibble, stored code = value + 8.
+    for (int k = 0; k < 16; ++k) {
+      q[k] = float((r[k >> 3] >> (4 * (k & 7))) & 15u) - 8.0f;
+    }
+  } else if (FMT == 3) {
+    for (int k = 0; k < 32; ++k) {
+      q[k] = float((r[k >> 4] >> (2 * (k & 15))) & 3u) - 2.0f;
+    }
+  } else if (FMT == 5) {
+    // Bytes 0..15: low 2 bits of each code; bytes 16..23: bit 2.
+    for (int k = 0; k < 64; ++k) {
+      const uint lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
+      const uint hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
+      q[k] = float(lo | (hi << 2)) - 4.0f;
+    }
+  } else if (FMT == 6) {
+    for (int l = 0; l < 4; ++l) {
+      // 7 stored sign bits; the 8th makes the count of negatives even.
+      const uint seven = (r[2] >> (7 * l)) & 0x7Fu;
+      const uint s8 = seven | ((popcount(seven) & 1u) << 7);
+      for (int h = 0; h < 2; ++h) {
+        const int b = 2 * l + h;
+        const uint g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
+        for (int j = 0; j < 4; ++j) {
+          const float mag = float((g >> (8 * j)) & 0xFFu);
+          q[8 * l + 4 * h + j] = ((s8 >> (4 * h + j)) & 1u) ? -mag : mag;
+        }
+      }
+    }
+  }
+}
+
+// ---- moe_block
+
 constexpr int cm_wpu(int fmt) {
-  return fmt == 0 ? 4 : qg_wpu(fmt);
+  return fmt == 0 ? 4 : cu_wpu(fmt);
 }
 
 template <int FMT, int VEC>
@@ -36,7 +143,7 @@ inline void cm_load(const device uint8_t* wrow, int rb, int I, int u, thread uin
       r[k] = (4 * u + k < I) ? p[k] : 0u;
     }
   } else {
-    qg_load<FMT, VEC>(wrow, rb, u, r);
+    cu_load<FMT, VEC>(wrow, rb, u, r);
   }
 }
 
@@ -47,7 +154,7 @@ inline float cm_unit_scale(const device float* scales, int row, int ng, int u, t
   } else if (FMT <= 3) {
     return scales[row];
   }
-  return qg_unit_scale<FMT, GS>(scales, row, ng, u, r);
+  return cu_unit_scale<FMT, GS>(scales, row, ng, u, r);
 }
 
 template <int FMT>
@@ -57,7 +164,7 @@ inline void cm_decode(thread const uint* r, const device uint* e8grid, thread fl
       q[k] = as_type<float>(r[k]);
     }
   } else {
-    qg_decode<FMT>(r, e8grid, q);
+    cu_decode<FMT>(r, e8grid, q);
   }
 }
 

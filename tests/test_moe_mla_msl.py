@@ -270,3 +270,12 @@ def test_mla_planted_defect_is_caught(metal, defect):
         out = mla.launch_specs(*args, tile=8)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
+
+
+def test_moe_bank_split_into_groups_below_32_bit_shapes(metal, monkeypatch):
+    # Stacked buffers are capped (MLX shapes are 32-bit); a layer above the cap becomes several
+    # groups of the same format, each with its own lut, and the result is unchanged.
+    experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=17)
+    monkeypatch.setattr(moe, "MAX_BANK_BYTES", 2 * 2 * 1280 + 100)   # 1280 B a projection: two experts a group
+    run_moe(experts, N=2, K=3, ids=[[0, 2, 4], [1, 2, 3]], seed=17)
+    assert metal.count("moe_gate_up") == 3

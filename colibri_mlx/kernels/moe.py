@@ -40,6 +40,7 @@ HADAMARD_MAX_BLOCK = 4096  # 16 KB of threadgroup memory (Metal allows 32 KB)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 PARAMS_LEN = 8
 E8_FMT = 6
+MAX_BANK_BYTES = 2**31 - 1
 
 _SECTION = re.compile(r"^// ==== kernel body(?:: (\w+))? ====\s*$", re.M)
 
@@ -60,10 +61,8 @@ def read_kernel_sections(name: str, backend_name: str) -> tuple[str, dict]:
 
 
 def unit_header(backend_name: str) -> str:
-    """qgemv's fmt 1-6 unit decoders followed by the fmt 0 wrappers (moe_block's header)."""
-    qgemv_header, _ = dispatch.read_kernel_source("qgemv", backend_name)
-    moe_header, _ = read_kernel_sections("moe_block", backend_name)
-    return qgemv_header + "\n" + moe_header
+    """moe_block's header: the fmt 0-6 unit decoders (mla_decode appends its own)."""
+    return read_kernel_sections("moe_block", backend_name)[0]
 
 
 def _pad8(a: mx.array) -> mx.array:
@@ -178,6 +177,10 @@ def _decline_expert(gate, up, down) -> Optional[str]:
     return None
 
 
+def _nbytes(w) -> int:
+    return w.nbytes if isinstance(w, QTensor) else 4 * w.size
+
+
 def _max_block(n: int) -> int:
     from ..formats.e8 import block_tiling
 
@@ -198,7 +201,16 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
             continue
         key = (weight_format(gate), weight_format(down), _shape(gate), _shape(down))
         members.setdefault(key, []).append((int(e), gate, up, down))
-    for ((fmt, gs), (fmt_d, gs_d), (O, I), (Od, Id)), group in members.items():
+    for key, group in list(members.items()):
+        # MLX shapes are 32-bit: a stacked buffer holds at most MAX_BANK_BYTES; larger layers
+        # (256 DeepSeek-V3 experts: 3.8 GB of gate+up) become several groups of one format.
+        per_expert = max(_nbytes(w) for w in group[0][1:])
+        per_chunk = max(1, MAX_BANK_BYTES // (2 * per_expert))
+        if len(group) > per_chunk:
+            del members[key]
+            for c in range(0, len(group), per_chunk):
+                members[key + (c,)] = group[c:c + per_chunk]
+    for ((fmt, gs), (fmt_d, gs_d), (O, I), (Od, Id), *_), group in members.items():
         gu_bytes, gu_scales, d_bytes, d_scales = [], [], [], []
         for _, gate, up, down in group:
             for w, b, s in ((gate, gu_bytes, gu_scales), (up, gu_bytes, gu_scales), (down, d_bytes, d_scales)):

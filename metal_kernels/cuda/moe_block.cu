@@ -2,14 +2,119 @@
 // moe_gate_up (leader slot computes gate and up rows of its expert for every token routed to
 // it, writes silu(g) * u to all of that expert's slots) and moe_down (each distinct expert's
 // down row read once, applied to every token that chose it, weighted, summed in registers).
-// One warp per output row; grid.y = slot for moe_gate_up. Appended to qgemv.cu's header
-// (colibri_qgemv::load_unit / unit_scale / decode_unit); the wrappers add fmt 0 and fold the
+// One warp per output row; grid.y = slot for moe_gate_up. colibri_units:: is qgemv.cu's first
+// version of the fmt 1-6 unit decoders (commit 37602f4); the wrappers add fmt 0 and fold the
 // fmt 1-3 row scale into the unit scale. Template values arrive as constexpr lines.
+
+namespace colibri_units {
+
+__device__ constexpr int wpu(int fmt) {
+  return fmt == 1 ? 8 : (fmt == 3 ? 32 : (fmt == 5 ? 64 : (fmt == 6 ? 32 : 16)));
+}
+
+template <int FMT, int VEC>
+__device__ __forceinline__ void load_unit(const uint8_t* wrow, int rb, int u, uint32_t* r) {
+  if (FMT == 5) {
+    const uint2* p = reinterpret_cast<const uint2*>(wrow + 24 * u);
+    const uint2 a = p[0];
+    const uint2 b = p[1];
+    const uint2 c = p[2];
+    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = c.x; r[5] = c.y;
+  } else if (FMT == 6) {
+    const int blk = 98 * (u >> 3);
+    const int ib = u & 7;
+    const unsigned short* qs = reinterpret_cast<const unsigned short*>(wrow + blk + 8 * ib);
+    const unsigned short* sw = reinterpret_cast<const unsigned short*>(wrow + blk + 64 + 4 * ib);
+    const unsigned short* dd = reinterpret_cast<const unsigned short*>(wrow + blk + 96);
+    r[0] = uint32_t(qs[0]) | (uint32_t(qs[1]) << 16);
+    r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
+    r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
+    r[3] = uint32_t(dd[0]);
+  } else if (VEC) {
+    const uint2 v = *reinterpret_cast<const uint2*>(wrow + 8 * u);
+    r[0] = v.x;
+    r[1] = v.y;
+  } else {
+    const int off = 8 * u;
+    uint32_t lo = 0;
+    uint32_t hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (off + k < rb) {
+        lo |= uint32_t(wrow[off + k]) << (8 * k);
+      }
+      if (off + 4 + k < rb) {
+        hi |= uint32_t(wrow[off + 4 + k]) << (8 * k);
+      }
+    }
+    r[0] = lo;
+    r[1] = hi;
+  }
+}
+
+template <int FMT, int GS>
+__device__ __forceinline__ float unit_scale(const float* scales, int row, int ng, int u,
+                                            const uint32_t* r) {
+  if (FMT == 4) {
+    return scales[row * ng + (u * 16) / GS];
+  } else if (FMT == 5) {
+    return scales[row * ng + u];
+  } else if (FMT == 6) {
+    const float d = __half2float(__ushort_as_half((unsigned short)r[3]));
+    return d * (0.5f + float(r[2] >> 28)) * 0.25f;
+  }
+  return 1.0f;
+}
+
+template <int FMT>
+__device__ __forceinline__ void decode_unit(const uint32_t* r, const uint32_t* e8grid, float* q) {
+  if (FMT == 1) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      q[k] = float(int(r[k >> 2] << (24 - 8 * (k & 3))) >> 24);
+    }
+  } else if (FMT == 2 || FMT == 4) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      q[k] = float((r[k >> 3] >> (4 * (k & 7))) & 15u) - 8.0f;
+    }
+  } else if (FMT == 3) {
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      q[k] = float((r[k >> 4] >> (2 * (k & 15))) & 3u) - 2.0f;
+    }
+  } else if (FMT == 5) {
+#pragma unroll
+    for (int k = 0; k < 64; ++k) {
+      const uint32_t lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
+      const uint32_t hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
+      q[k] = float(lo | (hi << 2)) - 4.0f;
+    }
+  } else if (FMT == 6) {
+#pragma unroll
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t seven = (r[2] >> (7 * l)) & 0x7Fu;
+      const uint32_t s8 = seven | ((uint32_t(__popc(seven)) & 1u) << 7);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int b = 2 * l + h;
+        const uint32_t g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float mag = float((g >> (8 * j)) & 0xFFu);
+          q[8 * l + 4 * h + j] = ((s8 >> (4 * h + j)) & 1u) ? -mag : mag;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace colibri_units
 
 namespace colibri_moe {
 
 __device__ constexpr int wpu(int fmt) {
-  return fmt == 0 ? 4 : colibri_qgemv::wpu(fmt);
+  return fmt == 0 ? 4 : colibri_units::wpu(fmt);
 }
 
 template <int FMT, int VEC>
@@ -21,7 +126,7 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int I, int u, 
       r[k] = (4 * u + k < I) ? p[k] : 0u;
     }
   } else {
-    colibri_qgemv::load_unit<FMT, VEC>(wrow, rb, u, r);
+    colibri_units::load_unit<FMT, VEC>(wrow, rb, u, r);
   }
 }
 
@@ -32,7 +137,7 @@ __device__ __forceinline__ float unit_scale(const float* scales, int row, int ng
   } else if (FMT <= 3) {
     return scales[row];
   }
-  return colibri_qgemv::unit_scale<FMT, GS>(scales, row, ng, u, r);
+  return colibri_units::unit_scale<FMT, GS>(scales, row, ng, u, r);
 }
 
 template <int FMT>
@@ -43,7 +148,7 @@ __device__ __forceinline__ void decode(const uint32_t* r, const uint32_t* e8grid
       q[k] = __uint_as_float(r[k]);
     }
   } else {
-    colibri_qgemv::decode_unit<FMT>(r, e8grid, q);
+    colibri_units::decode_unit<FMT>(r, e8grid, q);
   }
 }
 
