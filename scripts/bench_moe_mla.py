@@ -85,17 +85,23 @@ def table(weights):
     return table_from_dict(weights)
 
 
-def timeit(fn, iters):
+def timeit(fn, iters, label=None):
     for _ in range(3):
         mx.eval(fn())
     mx.synchronize()
-    ts = []
+    ts, builds = [], []
     for _ in range(iters):
         t0 = time.perf_counter()
-        mx.eval(fn())
+        out = fn()
+        builds.append(time.perf_counter() - t0)   # Python graph building: the GPU waits
+        mx.eval(out)
         mx.synchronize()
         ts.append(time.perf_counter() - t0)
+    BUILD[label or fn.__qualname__] = statistics.median(builds)
     return statistics.median(ts)
+
+
+BUILD: dict = {}
 
 
 def mlxlm_quantize(module):
@@ -127,8 +133,8 @@ def bench_moe(args, results):
     mx.eval([x for x in xs])
 
     t_ours_routed = timeit(lambda: [kernels.moe_block(xs[i], ours[i].experts, ids[i], gw[i]) for i in range(CHAIN)],
-                           args.iters) / CHAIN
-    t_ours_block = timeit(lambda: [ours[i](xs[i][None]) for i in range(CHAIN)], args.iters) / CHAIN
+                           args.iters, "ours moe_routed") / CHAIN
+    t_ours_block = timeit(lambda: [ours[i](xs[i][None]) for i in range(CHAIN)], args.iters, "ours moe_block") / CHAIN
 
     lm_args = lm.ModelArgs(**{k: v for k, v in config(experts=E).items() if k in lm.ModelArgs.__dataclass_fields__})
     switch = [mlxlm_quantize(SwitchGLU(D, INTER, E)) for _ in range(CHAIN)]
@@ -137,10 +143,10 @@ def bench_moe(args, results):
     def lm_routed():
         return [(switch[i](xb[i], ids[i]) * gw[i][..., None]).sum(-2) for i in range(CHAIN)]
 
-    t_lm_routed = timeit(lm_routed, args.iters) / CHAIN
+    t_lm_routed = timeit(lm_routed, args.iters, "mlx-lm moe_routed") / CHAIN
     del switch
     lm_moe = [mlxlm_quantize(lm.DeepseekV3MoE(lm_args)) for _ in range(CHAIN)]
-    t_lm_block = timeit(lambda: [lm_moe[i](xb[i][None]) for i in range(CHAIN)], args.iters) / CHAIN
+    t_lm_block = timeit(lambda: [lm_moe[i](xb[i][None]) for i in range(CHAIN)], args.iters, "mlx-lm moe_block") / CHAIN
     del lm_moe
 
     routed_bytes = 8 * 3 * (INTER * D // 2 + INTER * D // 64 * 4)
@@ -181,7 +187,7 @@ def bench_mla(args, results):
         mask = mx.ones((1, 1, 1, T + 1), mx.bool_)
         mx.eval([c.buffers for c in caches], cos, sin, mask)
         t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, mask, caches[i], T)[0] for i in range(CHAIN)],
-                        args.iters) / CHAIN
+                        args.iters, f"ours mla T{T}") / CHAIN
         lm_caches = []
         for _ in range(CHAIN):
             c = KVCache()
@@ -195,7 +201,7 @@ def bench_mla(args, results):
                 c.offset = T
             return [theirs[i](xb[i], mask=None, cache=lm_caches[i]) for i in range(CHAIN)]
 
-        t_lm = timeit(lm_step, args.iters) / CHAIN
+        t_lm = timeit(lm_step, args.iters, f"mlx-lm mla T{T}") / CHAIN
         wbytes = sum(q.nbytes for q in (ours[0].q_a_proj, ours[0].q_b_proj, ours[0].kv_a_proj,
                                         ours[0].kv_b_proj, ours[0].o_proj))
         cache_bytes_ours = (T + 1) * (KV_LORA + ROPE) * 4
@@ -238,6 +244,7 @@ def main():
         t0 = time.perf_counter()
         {"moe": bench_moe, "mla": bench_mla, "launch": bench_launch_cost}[part](args, results)
         print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    results["graph_build_s"] = dict(BUILD)
     results["counters"] = kernels.counters()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -246,6 +253,7 @@ def main():
         if isinstance(r, dict) and "ours_us" in r:
             print(f"{k:28s} {r['ours_us']:9.1f} {r['mlxlm_us']:10.1f} {r['mlxlm_us'] / r['ours_us']:6.2f} "
                   f"{r['floor_us']:9.1f} {r['floor_us'] / r['ours_us']:8.2f}")
+    print("graph building (s per chain of 8):", {k: round(v * 1e6 / CHAIN, 1) for k, v in BUILD.items()}, "us/layer")
     print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; {format_line()}")
 
 
