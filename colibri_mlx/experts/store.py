@@ -600,10 +600,11 @@ def process_memory() -> dict:
 def format_stats(report: dict) -> str:
     """One line for the generation stats: hit split, disk bytes and wait per token, memory."""
     line = (f"expert hit rate {100 * report['hit_rate']:.1f}% (pin {100 * report['hit_rate_pinned']:.1f}% + "
-            f"lru {100 * report['hit_rate_lru']:.1f}%; prefetched {100 * report['prefetch_rate']:.1f}%) | "
+            f"lru {100 * report['hit_rate_lru']:.1f}%; prefetched {100 * report['prefetch_rate']:.1f}% of lookups, "
+            f"{100 * report['prefetch_accuracy']:.0f}% of guesses used) | "
             f"disk {report['bytes_read_per_token'] / 1e6:.1f} MB/token, wait "
-            f"{1e3 * report['disk_wait_per_token_s']:.1f} ms/token | resident {report['resident_weight_bytes'] / GB:.2f} GB"
-            f" + experts {report['cached_bytes'] / GB:.2f}/{report['budget_bytes'] / GB:.2f} GB")
+            f"{1e3 * report['disk_wait_per_token_s']:.1f} ms/token | "
+            f"resident {report['resident_weight_bytes'] / GB:.2f} GB + experts {report['cached_bytes'] / GB:.2f}/{report['budget_bytes'] / GB:.2f} GB")
     if "rss_bytes" in report:
         line += f" | RSS {report['rss_bytes'] / GB:.2f} GB"
     return line
