@@ -107,6 +107,7 @@ def main():
     ours = our_model(cfg)
     cache = ours.make_cache()
     res["ours_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    print(f"ours (kernels on): {res['ours_ms']:.2f} ms/token", flush=True)
     with kernels.force_reference():   # the pure-MLX reference path, same weights
         cache = ours.make_cache()
         res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
@@ -121,6 +122,7 @@ def main():
 
     lm = lm_model(cfg)
     lm_cache = make_prompt_cache(lm)
+    print(f"ours floor {res['floor_ms']:.2f} ms; reference path {res['ours_reference_ms']:.2f} ms/token", flush=True)
     res["mlxlm_ms"] = decode_times(lambda t: lm(t, cache=lm_cache), prompt, args.steps) * 1e3
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
