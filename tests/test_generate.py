@@ -151,5 +151,5 @@ def test_load_without_tokenizer_or_model(checkpoint, tmp_path):
     (dst / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match="no tokenizer.json"):
         colibri_mlx.load(dst)
-    with pytest.raises(ValueError, match="no model given and no bundled demo model"):
-        colibri_mlx.load(None)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        colibri_mlx.load(tmp_path / "missing")
