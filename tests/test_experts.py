@@ -194,30 +194,33 @@ def test_lru_matches_model_and_never_exceeds_budget(small):
         store.close()
 
 
-def _admission_lru_model(accesses, capacity, freq, window):
+def _admission_lru_model(rounds, capacity, freq, window):
     """LRU of equal-sized items that admits a newcomer only if it was selected at least as often
-    (history + this run, halved every ``window`` selections) as the LRU victim."""
+    (history + this run, halved once ``window`` selections are reached) as the LRU victim. Each round counts
+    its selections first (the router), then looks them up in order."""
     cache, hits, seen = OrderedDict(), [], 0
-    for key in accesses:
-        freq[key] = freq.get(key, 0) + 1
-        seen += 1
-        if seen == window:
+    for chosen in rounds:
+        for key in chosen:
+            freq[key] = freq.get(key, 0) + 1
+        seen += len(chosen)
+        if seen >= window:  # aged after the round that reaches the window
             freq = {k: v / 2 for k, v in freq.items()}
             seen = 0
-        if key in cache:
-            cache.move_to_end(key)
-            hits.append(True)
-            continue
-        hits.append(False)
-        if len(cache) == capacity:
-            if freq[key] < freq.get(next(iter(cache)), 0):
+        for key in chosen:
+            if key in cache:
+                cache.move_to_end(key)
+                hits.append(True)
                 continue
-            cache.popitem(last=False)
-        cache[key] = True
+            hits.append(False)
+            if len(cache) == capacity:
+                if freq[key] < freq.get(next(iter(cache)), 0):
+                    continue
+                cache.popitem(last=False)
+            cache[key] = True
     return hits
 
 
-def test_admission_keeps_hot_experts_against_a_scan(small, tmp_path):
+def test_admission_keeps_hot_experts_when_the_cache_is_smaller_than_a_token(small, tmp_path):
     c = Container(small)
     probe = ExpertStore(c, 0, record_usage=False)
     one = probe.layouts[(1, 0)].nbytes
@@ -227,28 +230,37 @@ def test_admission_keeps_hot_experts_against_a_scan(small, tmp_path):
     h = UsageHistory.empty(4, 12, engine_id("deepseek_v3"))
     h.counts[1, [hot_a, hot_b]] = [9, 7]  # hot in the history
     write_usage(usage, h, "deepseek_v3")
-    accesses = [(1, e) for _ in range(60) for e in (hot_a, hot_b, cold)]  # a loop one longer than the cache
-    capacity = 2
+    chosen = [(1, hot_a), (1, hot_b), (1, cold)]  # one token's set: one expert more than the cache
+    capacity, rounds = 2, 60
     results = {}
     for admission in (True, False):
         store = ExpertStore(c, capacity * one, usage_path=str(usage), record_usage=False, prefetch=False,
                             admission=admission)
         store._freq_window = 37
         hits = []
-        for key in accesses:
-            store.prepare(key[0], np.array([[key[1]]]))
-            before = store.stats.hits_lru
-            store.get(*key)
-            hits.append(store.stats.hits_lru > before)
-            assert store.cached_bytes <= capacity * one
+        for _ in range(rounds):
+            store.prepare(1, np.array([[hot_a, hot_b, cold]]))
+            for key in chosen:
+                before = store.stats.hits_lru
+                store.get(*key)
+                hits.append(store.stats.hits_lru > before)
+                assert store.cached_bytes <= capacity * one
         results[admission] = sum(hits)
         if admission:
             freq = {(1, e): float(n) for e, n in enumerate(h.counts[1]) if n}
-            assert hits == _admission_lru_model(accesses, capacity, freq, 37)
+            assert hits == _admission_lru_model([chosen] * rounds, capacity, freq, 37)
             assert store.stats.bypassed > 0
         store.close()
     # The loop evicts the hot pair every round under plain LRU; admission keeps it while its lead lasts.
-    assert results[False] == 0 and results[True] > 60  # of 120 hot lookups (aging lets the loop in now and then)
+    assert results[False] == 0 and results[True] > rounds  # of 120 hot lookups (aging lets the loop in now and then)
+    # A cache that holds the whole token is a plain LRU, admission or not.
+    store = ExpertStore(c, 3 * one, usage_path=str(usage), record_usage=False, prefetch=False)
+    for _ in range(3):
+        store.prepare(1, np.array([[hot_a, hot_b, cold]]))
+        for key in chosen:
+            store.get(*key)
+    assert store.stats.hits_lru == 6 and store.stats.bypassed == 0
+    store.close()
 
 
 def test_pinned_experts_stay_and_count_against_the_budget(small, tmp_path):

@@ -5,11 +5,11 @@ it. The cache holds at most ``budget_bytes`` of experts in two parts:
 
 * a pinned set, the hottest experts of the usage history (``.coli_usage``, FORMAT.md §1.6) that
   fit the pin budget, never evicted;
-* an LRU for the rest of the budget, with frequency admission (TinyLFU-like): when full, an
-  expert is admitted only if it was selected at least as often (usage history + this run,
-  halved every ``10 x n_experts`` selections) as the LRU expert it would evict; otherwise it
-  is used once and dropped. Without it a cache smaller than one token's working set thrashes
-  to a 0% hit rate.
+* an LRU for the rest of the budget. While the LRU is smaller than one token's unpinned
+  working set (where a plain LRU evicts everything before its reuse: 0% hits), it admits an
+  expert only if it was selected at least as often (usage history + this run, halved every
+  ``10 x n_experts`` selections) as the LRU expert it would evict; otherwise the expert is used
+  once and dropped.
 
 Reads (``os.preadv``, GIL released) run on a small priority pool (:mod:`.prefetch`): when a
 layer's selection is known, its missing experts are queued (``DEMAND``) in up to
@@ -253,6 +253,8 @@ class ExpertStore:
         self._freq = self.usage.counts.astype(np.float64)
         self._freq_window = 10 * len(self.layouts)
         self._freq_seen = 0
+        self._set_bytes: dict[int, int] = {}  # per MoE layer: bytes of its last unpinned selection
+        self.working_set_bytes = 0  # their sum: what one token asks of the LRU
         self.pinned_keys = self._choose_pins(pin, pin_bytes)
         self.pinned_reserved = sum(self.layouts[k].nbytes for k in self.pinned_keys)
         self.lru_capacity = self.budget_bytes - self.pinned_reserved
@@ -409,6 +411,9 @@ class ExpertStore:
             self.stats.tokens += int(ids.shape[0]) if ids.ndim > 1 else 1
         keys = [(layer, int(e)) for e in np.unique(ids) if e >= 0]
         self._prev_sets[layer] = keys
+        unpinned = sum(self.layouts[k].nbytes for k in keys if k not in self.pinned_keys)
+        self.working_set_bytes += unpinned - self._set_bytes.get(layer, 0)
+        self._set_bytes[layer] = unpinned
         self._drop_stale_prefetches(layer, set(keys))
         with self._lock:
             self._plan = [k for k in keys if not self._resident(k) and k not in self._inflight]
@@ -469,7 +474,7 @@ class ExpertStore:
             return
         if loaded.nbytes > self.lru_capacity:
             return  # larger than the whole LRU: used once, not kept
-        if self.admission and self._lru and self._lru_bytes + loaded.nbytes > self.lru_capacity:
+        if self._admitting() and self._lru and self._lru_bytes + loaded.nbytes > self.lru_capacity:
             victim = next(iter(self._lru))
             if self._freq[key] < self._freq[victim]:
                 self.stats.bypassed += 1  # colder than what it would evict: used once, not kept
@@ -479,6 +484,12 @@ class ExpertStore:
             self._lru_bytes -= old.nbytes
         self._lru[key] = loaded
         self._lru_bytes += loaded.nbytes
+
+    def _admitting(self) -> bool:
+        """Admission only while the LRU is smaller than one token's unpinned working set: then
+        plain LRU evicts every expert before its reuse (a loop longer than the cache), while
+        above it recency wins (an expert chosen now is often chosen again next token)."""
+        return self.admission and self.lru_capacity < self.working_set_bytes
 
     def _pump(self) -> None:
         """Fill free read slots (lock held): this layer's demand reads first, then guesses."""
@@ -604,7 +615,8 @@ def format_stats(report: dict) -> str:
             f"{100 * report['prefetch_accuracy']:.0f}% of guesses used) | "
             f"disk {report['bytes_read_per_token'] / 1e6:.1f} MB/token, wait "
             f"{1e3 * report['disk_wait_per_token_s']:.1f} ms/token | "
-            f"resident {report['resident_weight_bytes'] / GB:.2f} GB + experts {report['cached_bytes'] / GB:.2f}/{report['budget_bytes'] / GB:.2f} GB")
+            f"resident {report['resident_weight_bytes'] / GB:.2f} GB + experts {report['cached_bytes'] / GB:.2f}"
+            f"/{report['budget_bytes'] / GB:.2f} GB")
     if "rss_bytes" in report:
         line += f" | RSS {report['rss_bytes'] / GB:.2f} GB"
     return line
