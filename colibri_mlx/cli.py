@@ -208,6 +208,67 @@ class _ChatSession:
         return last
 
 
+# --- bench / serve -------------------------------------------------------------------------
+
+_MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
+                             help="Container or Hugging Face checkpoint directory. Default: the bundled demo model.")
+
+
+def _with_streaming_options(f):
+    for option in reversed(_STREAMING_OPTIONS):
+        f = option(f)
+    return f
+
+
+@main.command()
+@_MODEL_OPTION
+@click.option("--prompt-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--gen-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1), help="Measured runs.")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1), help="Sequences per run.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random prompt ids.")
+@_with_streaming_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
+    """Prompt and generation tok/s on random prompts: a warm-up run, then --repeat runs (docs/serve.md)."""
+    import json
+
+    from .bench import format_table, report_json, run_bench
+
+    model, _ = _load_for_cli(model_path)
+    name = model_path if model_path is not None else "demo"
+    try:
+        report = run_bench(model, prompt_tokens, gen_tokens, repeat, batch, seed, model_name=name)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
+
+
+@main.command()
+@_MODEL_OPTION
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Default when a request gives none.")
+@click.option("--temp", "temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Default sampling temperature; 0 is greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@_with_streaming_options
+def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p):
+    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
+    from .serve import SamplingDefaults, model_id_for, serve as run_server
+
+    model, tokenizer = _load_for_cli(model_path)
+    defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p)
+    try:
+        run_server(model, tokenizer, host, port, model_id_for(model_path), defaults)
+    except OSError as e:  # address in use, host not found
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e}") from None
+
+
 def _add_convert_command():
     # The command module imports only click; the converter itself loads when the command runs.
     from .convert.command import convert_command
