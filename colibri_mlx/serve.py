@@ -209,6 +209,9 @@ def generate_deltas(model, tokenizer, req: CompletionRequest, outcome: Outcome) 
             yield text
         if stopped:
             outcome.finish_reason = "stop"
+            store = getattr(model, "expert_store", None)
+            if store is not None:  # stream_generate saves it only when it runs to the end
+                store.save_usage()
             return
         if r.finish_reason is not None:
             outcome.finish_reason = r.finish_reason
