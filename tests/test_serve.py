@@ -166,6 +166,21 @@ def test_stop_string_across_tokens(server, oracle):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_end_of_sequence_finishes_with_stop(server, demo):
+    # The demo model ends this (last verse of the Bible, repeated) with <|eos|> after " Amen.".
+    prompt = "The grace of our Lord Jesus Christ be with you all." + " Amen." * 8
+    responses = list(colibri_mlx.stream_generate(*demo, prompt, max_tokens=N))
+    assert responses[-1].finish_reason == "stop" and len(responses) < N  # the premise of this test
+    body = {"prompt": prompt, "max_tokens": N}
+    status, whole = post(server, "/v1/completions", body)
+    assert whole["choices"][0] == {"index": 0, "text": "".join(r.text for r in responses), "logprobs": None,
+                                   "finish_reason": "stop"}
+    assert whole["usage"]["completion_tokens"] == len(responses)  # the end-of-sequence token counts
+    chunks = post_stream(server, "/v1/completions", body)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
 def test_seeded_sampling_is_reproducible(server, demo):
     sampling = dict(temperature=1.5, top_p=0.95, top_k=50, min_p=0.01, seed=7)
     expected = "".join(direct(demo, PROMPT, 5, **sampling))
