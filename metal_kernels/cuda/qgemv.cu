@@ -1,10 +1,13 @@
 // qgemv, CUDA twin of metal_kernels/qgemv.metal (same algorithm, same launch, same params).
 //
-// One warp (32 lanes) per output row, grid = (32 * O, 1, 1) threads; lane l takes units
-// l, l + 32, ... of the row (see the .metal file for the unit of each fmt), issues UNROLL
-// units of loads before any arithmetic, applies each weight to all S rows of x, accumulates
-// in float32 and reduces with __shfl_xor_sync. CUDA launches whole blocks, so warps past the
-// last row exist and return at once (a whole warp at a time: blockDim.x is a multiple of 32).
+// One block of NW warps per ROWS consecutive output rows, grid = (32 * NW * ceil(O / ROWS))
+// threads. Thread t of the block takes units t, t + 32 * NW, ... of each of its rows (see the
+// .metal file for the unit of each fmt): the NW warps split the row (split-K), the x values of
+// a unit are widened once for all ROWS rows, each decoded weight is applied to all S rows of x.
+// UNROLL units x ROWS rows of loads are issued before any arithmetic. fmt 2/4 decode nibble
+// pairs as half2 (exact), products and sums are float32; __shfl_xor_sync reduces a warp,
+// shared memory the NW warps. Rows past O (the last block) re-read row O - 1 and are not
+// written; MLX launches exactly ceil(O / ROWS) blocks of 32 * NW threads.
 //
 // Template values arrive as `constexpr int` / `using T = ...` lines at the top of the body
 // (MLX_PLATFORM.md B2), so helpers take them as explicit template arguments.
@@ -12,10 +15,16 @@
 namespace colibri_qgemv {
 
 __device__ constexpr int wpu(int fmt) {
-  return fmt == 1 ? 8 : (fmt == 3 ? 32 : (fmt == 5 ? 64 : (fmt == 6 ? 32 : 16)));
+  return fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32));
 }
 
-template <int FMT, int VEC>
+__device__ constexpr int seg(int fmt, int gs) {
+  return (fmt == 4 && gs % 32 != 0) ? 16 : wpu(fmt);
+}
+
+// VEC 2 (rows a multiple of 16 bytes) reads a unit with one 16-byte load when the buffer
+// itself is 16-byte aligned (W16, checked once per launch: a row slice may be 8-aligned only).
+template <int FMT, int VEC, bool W16>
 __device__ __forceinline__ void load_unit(const uint8_t* wrow, int rb, int u, uint32_t* r) {
   if (FMT == 5) {
     const uint2* p = reinterpret_cast<const uint2*>(wrow + 24 * u);
@@ -33,33 +42,35 @@ __device__ __forceinline__ void load_unit(const uint8_t* wrow, int rb, int u, ui
     r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
     r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
     r[3] = uint32_t(dd[0]);
+  } else if (VEC == 2 && W16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(wrow + 16 * u);
+    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
   } else if (VEC) {
-    const uint2 v = *reinterpret_cast<const uint2*>(wrow + 8 * u);
-    r[0] = v.x;
-    r[1] = v.y;
+    const uint2* p = reinterpret_cast<const uint2*>(wrow + 16 * u);
+    const uint2 a = p[0];
+    const uint2 b = (VEC == 2 || 16 * u + 8 < rb) ? p[1] : make_uint2(0u, 0u);
+    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
   } else {
-    const int off = 8 * u;
-    uint32_t lo = 0;
-    uint32_t hi = 0;
+    const int off = 16 * u;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (off + k < rb) {
-        lo |= uint32_t(wrow[off + k]) << (8 * k);
+    for (int m = 0; m < 4; ++m) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (off + 4 * m + k < rb) {
+          v |= uint32_t(wrow[off + 4 * m + k]) << (8 * k);
+        }
       }
-      if (off + 4 + k < rb) {
-        hi |= uint32_t(wrow[off + 4 + k]) << (8 * k);
-      }
+      r[m] = v;
     }
-    r[0] = lo;
-    r[1] = hi;
   }
 }
 
 template <int FMT, int GS>
-__device__ __forceinline__ float unit_scale(const float* scales, int row, int ng, int u,
-                                            const uint32_t* r) {
+__device__ __forceinline__ float seg_scale(const float* scales, int row, int ng, int u, int g,
+                                           const uint32_t* r) {
   if (FMT == 4) {
-    return scales[row * ng + (u * 16) / GS];
+    return scales[row * ng + min((32 * u + seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {
     return scales[row * ng + u];
   } else if (FMT == 6) {
@@ -69,50 +80,68 @@ __device__ __forceinline__ float unit_scale(const float* scales, int row, int ng
   return 1.0f;
 }
 
-// 2^23 + c built in the mantissa, minus (2^23 + offset): c - offset exactly, at full FMA rate
-// (int->float conversion runs at a quarter of it and made the kernel issue-bound).
+// 2^23 + c built in the mantissa, minus (2^23 + offset): c - offset exactly, at full FMA rate.
 __device__ __forceinline__ float code(uint32_t c, float magic_plus_offset) {
   return __uint_as_float(0x4B000000u | c) - magic_plus_offset;
 }
 
+__device__ __forceinline__ __half2 as_half2(uint32_t v) {
+  __half2 h;
+  memcpy(&h, &v, 4);
+  return h;
+}
+
+// Nibbles n at bits 0 and 16 of b (lo) or 4 and 20 (hi), as the floats n - 8 (exact: half
+// 1024 + n minus 1032; half 1024 + 16n times 1/16 minus 72).
+__device__ __forceinline__ float2 nib_lo(uint32_t b) {
+  return __half22float2(__hsub2(as_half2((b & 0x000F000Fu) | 0x64006400u),
+                                __float2half2_rn(1032.0f)));
+}
+__device__ __forceinline__ float2 nib_hi(uint32_t b) {
+  return __half22float2(__hfma2(as_half2((b & 0x00F000F0u) | 0x64006400u),
+                                __float2half2_rn(0.0625f), __float2half2_rn(-72.0f)));
+}
+
 template <int FMT>
-__device__ __forceinline__ void decode_unit(const uint32_t* r, const uint32_t* e8grid, float* q) {
+__device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_t* e8grid, float* q) {
   if (FMT == 1) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      q[k] = code(((r[k >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
+      q[k] = code(((r[(k0 + k) >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
     }
   } else if (FMT == 2 || FMT == 4) {
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {
-      q[k] = code((r[k >> 3] >> (4 * (k & 7))) & 15u, 8388616.0f);
-    }
+    const uint32_t b = r[k0 >> 3];
+    const float2 n04 = nib_lo(b);
+    const float2 n15 = nib_hi(b);
+    const float2 n26 = nib_lo(b >> 8);
+    const float2 n37 = nib_hi(b >> 8);
+    q[0] = n04.x; q[1] = n15.x; q[2] = n26.x; q[3] = n37.x;
+    q[4] = n04.y; q[5] = n15.y; q[6] = n26.y; q[7] = n37.y;
   } else if (FMT == 3) {
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      q[k] = code((r[k >> 4] >> (2 * (k & 15))) & 3u, 8388610.0f);
+    for (int k = 0; k < 8; ++k) {
+      q[k] = code((r[(k0 + k) >> 4] >> (2 * ((k0 + k) & 15))) & 3u, 8388610.0f);
     }
   } else if (FMT == 5) {
 #pragma unroll
-    for (int k = 0; k < 64; ++k) {
-      const uint32_t lo = (r[k >> 4] >> (2 * (k & 15))) & 3u;
-      const uint32_t hi = (r[4 + (k >> 5)] >> (k & 31)) & 1u;
+    for (int k = 0; k < 8; ++k) {
+      const int i = k0 + k;
+      const uint32_t lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
+      const uint32_t hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
       q[k] = code(lo | (hi << 2), 8388612.0f);
     }
   } else if (FMT == 6) {
+    const int l = k0 >> 3;
+    const uint32_t seven = (r[2] >> (7 * l)) & 0x7Fu;
+    const uint32_t s8 = seven | ((uint32_t(__popc(seven)) & 1u) << 7);
 #pragma unroll
-    for (int l = 0; l < 4; ++l) {
-      const uint32_t seven = (r[2] >> (7 * l)) & 0x7Fu;
-      const uint32_t s8 = seven | ((uint32_t(__popc(seven)) & 1u) << 7);
+    for (int h = 0; h < 2; ++h) {
+      const int b = 2 * l + h;
+      const uint32_t g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int b = 2 * l + h;
-        const uint32_t g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float mag = code((g >> (8 * j)) & 0xFFu, 8388608.0f);
-          q[8 * l + 4 * h + j] = __uint_as_float(__float_as_uint(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
-        }
+      for (int j = 0; j < 4; ++j) {
+        const float mag = code((g >> (8 * j)) & 0xFFu, 8388608.0f);
+        q[4 * h + j] = __uint_as_float(__float_as_uint(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
       }
     }
   }
@@ -130,9 +159,7 @@ __device__ __forceinline__ void load_x8(const __half* p, float* o) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    __half2 h;
-    memcpy(&h, &w[m], 4);
-    const float2 f = __half22float2(h);
+    const float2 f = __half22float2(as_half2(w[m]));
     o[2 * m] = f.x;
     o[2 * m + 1] = f.y;
   }
@@ -148,37 +175,91 @@ __device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float* o) {
   }
 }
 
-template <int S, int WPU, int XV, typename T>
-__device__ __forceinline__ void dot_unit(const float* q, const T* x, int I, int i0, float us,
-                                         float* acc) {
-  if (XV && i0 + WPU <= I) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      const T* xs = x + s * I + i0;
-      float d = 0.0f;
-#pragma unroll
-      for (int m = 0; m < WPU; m += 8) {
-        float xf[8];
-        load_x8(xs + m, xf);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          d += q[m + k] * xf[k];
-        }
-      }
-      acc[s] += d * us;
-    }
+// x[i .. i + 7] of one row of x as float, zero past I. XV: rows of x 16-byte aligned.
+template <int XV, typename T>
+__device__ __forceinline__ void x8(const T* xs, int I, int i, float* o) {
+  if (XV && i + 8 <= I) {
+    load_x8(xs + i, o);
   } else {
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      const T* xs = x + s * I + i0;
-      float d = 0.0f;
+    for (int k = 0; k < 8; ++k) {
+      o[k] = (i + k < I) ? static_cast<float>(xs[i + k]) : 0.0f;
+    }
+  }
+}
+
+template <int FMT, int GS, int S, int ROWS, int XV, typename T>
+__device__ __forceinline__ void unit(const uint32_t (*raw)[6], const T* x, const float* scales,
+                                     const uint32_t* e8grid, const int* rows, int ng, int I, int u,
+                                     float (*acc)[S]) {
+  constexpr int WPU = wpu(FMT);
+  constexpr int SEG = seg(FMT, GS);
 #pragma unroll
-      for (int k = 0; k < WPU; ++k) {
-        if (i0 + k < I) {
-          d += q[k] * static_cast<float>(xs[k]);
+  for (int g = 0; g < WPU / SEG; ++g) {
+    float d[ROWS][S];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        d[r][s] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < SEG; c += 8) {
+      const int k0 = SEG * g + c;
+      float q[ROWS][8];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        decode8<FMT>(raw[r], k0, e8grid, q[r]);
+      }
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        float xf[8];
+        x8<XV, T>(x + s * I, I, WPU * u + k0, xf);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            d[r][s] += q[r][k] * xf[k];
+          }
         }
       }
-      acc[s] += d * us;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float sc = seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] += d[r][s] * sc;
+      }
+    }
+  }
+}
+
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV,
+          typename T>
+__device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const float* scales,
+                                             const uint32_t* e8grid, const int* rows, int rb,
+                                             int ng, int I, int n_units, int tid,
+                                             float (*acc)[S]) {
+  for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
+    uint32_t raw[UNROLL][ROWS][6];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * NW * j;
+      if (u < n_units) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          load_unit<FMT, VEC, W16>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const int u = base + 32 * NW * j;
+      if (u < n_units) {
+        unit<FMT, GS, S, ROWS, XV, T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
+      }
     }
   }
 }
@@ -186,63 +267,84 @@ __device__ __forceinline__ void dot_unit(const float* q, const T* x, int I, int 
 }  // namespace colibri_qgemv
 
 // ==== kernel body ====
-  constexpr int WPU = colibri_qgemv::wpu(FMT);
   const int O = params[0];
   const int I = params[1];
   const int rb = params[2];
   const int ng = params[3];
   const int n_units = params[4];
-  const long gid = long(blockIdx.x) * long(blockDim.x) + long(threadIdx.x);
-  const int row = int(gid >> 5);
-  const int lane = int(threadIdx.x & 31);
-  if (row >= O) {
-    return;
-  }
-  const uint8_t* wrow = w + size_t(row) * size_t(rb);
-  // A row slice of a larger array can start anywhere; vector loads of x need 16 bytes.
-  const bool x_aligned = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  const int tid = int(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int row0 = int(blockIdx.x) * ROWS;
+  __shared__ float red[NW * ROWS * S];
 
-  float acc[S];
+  int rows[ROWS];
 #pragma unroll
-  for (int s = 0; s < S; ++s) {
-    acc[s] = 0.0f;
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = min(row0 + r, O - 1);
   }
-  for (int base = 0; base < n_units; base += 32 * UNROLL) {
-    uint32_t raw[UNROLL][6];
-    float us[UNROLL];
+  float acc[ROWS][S];
 #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * j + lane;
-      if (u < n_units) {
-        colibri_qgemv::load_unit<FMT, VEC>(wrow, rb, u, raw[j]);
-        us[j] = colibri_qgemv::unit_scale<FMT, GS>(scales, row, ng, u, raw[j]);
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      acc[r][s] = 0.0f;
+    }
+  }
+  // A row slice of a larger array can start anywhere 8-aligned; vector loads of x need 16 bytes.
+  const bool w16 = (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+  if (w16 && x16) {
+    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, T>(
+        x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
+  } else {
+    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, T>(
+        x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        acc[r][s] += __shfl_xor_sync(0xffffffffu, acc[r][s], off);
       }
     }
+  }
+  if (NW > 1) {
+    if (lane == 0) {
 #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * j + lane;
-      if (u < n_units) {
-        float q[WPU];
-        colibri_qgemv::decode_unit<FMT>(raw[j], e8grid, q);
-        if (x_aligned) {
-          colibri_qgemv::dot_unit<S, WPU, XV, T>(q, x, I, u * WPU, us[j], acc);
-        } else {
-          colibri_qgemv::dot_unit<S, WPU, 0, T>(q, x, I, u * WPU, us[j], acc);
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          red[(warp * ROWS + r) * S + s] = acc[r][s];
         }
       }
     }
+    __syncthreads();
   }
+  // Thread r * S + s of the first warp writes y[s, row0 + r].
+  if (tid < ROWS * S) {
+    const int r = tid / S;
+    const int s = tid % S;
+    float v = 0.0f;
+    if (NW > 1) {
 #pragma unroll
-  for (int s = 0; s < S; ++s) {
+      for (int k = 0; k < NW; ++k) {
+        v += red[(k * ROWS + r) * S + s];
+      }
+    } else {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      acc[s] += __shfl_xor_sync(0xffffffffu, acc[s], off);
+      for (int rr = 0; rr < ROWS; ++rr) {
+#pragma unroll
+        for (int ss = 0; ss < S; ++ss) {
+          v = (rr == r && ss == s) ? acc[rr][ss] : v;
+        }
+      }
     }
-  }
-  if (lane == 0) {
-    const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      y[s * O + row] = static_cast<T>(acc[s] * row_scale);
+    const int row = row0 + r;
+    if (row < O) {
+      const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
+      y[s * O + row] = static_cast<T>(v * row_scale);
     }
   }

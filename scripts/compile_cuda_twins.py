@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Compile CUDA twins here with nvcc, inside the wrapper MLX's cuda_kernel generates.
+
+    .venv/bin/python scripts/compile_cuda_twins.py [--all] [--ptxas] [--keep DIR]
+
+No GPU needed: this catches syntax and type errors (and, with --ptxas, register use and
+spills per specialization) before the one GPU run. The wrapper is written as
+mlx/backend/cuda/custom_kernel.cpp (MLX 0.32) writes it: MLX's default header, our header,
+``namespace mlx::core::cu { __global__ void custom_kernel_<name>(const T* in..., T* out...)
+{ constexpr int ...; using T = ...; <body> } }``. MLX's device headers are not shipped in the
+wheel, so ``mlx/backend/cuda/device/utils.cuh`` is a stub with the CUDA headers it pulls in.
+MLX compiles with NVRTC and ``--device-as-default-execution-space``; nvcc has no such switch, so
+helpers must say ``__device__`` (ours do). Launches come from ``qgemv.launch_spec`` so the
+template values are exactly those the GPU would get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
+from kernel_oracle import random_qtensor, random_x  # noqa: E402
+
+ARCH = "sm_90a"
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+              mx.uint8: "uint8_t", mx.int32: "int32_t", mx.uint32: "uint32_t",
+              mx.uint16: "uint16_t", mx.int8: "int8_t"}
+
+DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+UTILS_STUB = """#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/limits>
+#include <cstdint>
+#define WARP_SIZE 32
+"""
+
+
+def wrap(spec: dispatch.LaunchSpec, kernel_name: str) -> str:
+    """The translation unit MLX's build_kernel() writes for this launch."""
+    params = [f"    const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(spec.input_names, spec.inputs)]
+    params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(spec.output_names, spec.output_dtypes)]
+    consts = []
+    for name, value in spec.template:
+        if isinstance(value, mx.Dtype):
+            consts.append(f"  using {name} = {CUDA_TYPES[value]};")
+        elif isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {str(value).lower()};")
+        else:
+            consts.append(f"  constexpr int {name} = {int(value)};")
+    return (DEFAULT_HEADER + spec.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void {kernel_name}(\n" + ",\n".join(params) + ") {\n"
+            + "\n".join(consts) + "\n\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def qgemv_specs(full: bool):
+    """Launches covering every fmt, x dtype, S and load path the GPU check and bench use."""
+    shapes = [(64, 4096), (7, 300)] if full else [(64, 4096)]
+    for fmt, (O, I) in itertools.product((1, 2, 3, 4, 5, 6), shapes):
+        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float16), (5, mx.float32)):
+            for gs in ((64, 48) if fmt == 4 else (None,)):
+                qt = random_qtensor(fmt, O, I, gs=gs, seed=1)
+                x = random_x(S, I, dtype=dtype)
+                yield f"fmt{fmt}_{O}x{I}_S{S}_{dtype}_gs{gs}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+    if full:
+        qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
+        for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
+            x = random_x(32 // max(rows, 4), 2048, dtype=mx.bfloat16)
+            yield (f"fmt4_R{rows}_NW{nw}_U{unroll}",
+                   qgemv.launch_spec(x, qt, dispatch.CUDA, rows=rows, simdgroups=nw, unroll=unroll))
+
+
+def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
+    name = "custom_kernel_" + re.sub(r"\W", "_", label)
+    src = work / f"{name}.cu"
+    src.write_text(wrap(spec, name))
+    cmd = ["nvcc", f"-arch={ARCH}", "-std=c++17", "-I", str(work / "include"), "-c", str(src),
+           "-o", str(src.with_suffix(".o"))]
+    if ptxas:
+        cmd += ["-Xptxas", "-v"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    return res.returncode == 0, res.stderr
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true", help="also odd shapes and tuning variants")
+    ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
+    ap.add_argument("--keep", type=Path, help="keep the generated sources here")
+    args = ap.parse_args()
+    if shutil.which("nvcc") is None:
+        print("compile_cuda_twins: nvcc not found")
+        return 2
+    work = Path(args.keep or tempfile.mkdtemp(prefix="cuda_twins_"))
+    (work / "include/mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
+    (work / "include/mlx/backend/cuda/device/utils.cuh").write_text(UTILS_STUB)
+    n_fail = 0
+    for label, spec in qgemv_specs(args.all):
+        ok, err = compile_one(label, spec, work, args.ptxas)
+        n_fail += not ok
+        info = ""
+        if args.ptxas:
+            regs = re.findall(r"Used (\d+) registers", err)
+            spill = re.findall(r"(\d+) bytes spill stores", err)
+            info = f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
+        print(f"{'OK  ' if ok else 'FAIL'} qgemv {label}{info}", flush=True)
+        if not ok:
+            print(err)
+    print(f"compile_cuda_twins: {n_fail} failed (sources in {work})")
+    if not args.keep and not n_fail:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
