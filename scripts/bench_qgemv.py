@@ -93,6 +93,19 @@ def bench_mlx_qmm(O, I, x):
     return time_evals(outs), nbytes
 
 
+# The default launch (qgemv.launch_spec) first, then rows per threadgroup, split-K and unroll
+# variants around it.
+TUNINGS = [{}, {"rows": 8}, {"rows": 2}, {"unroll": 4}, {"simdgroups": 1}, {"simdgroups": 4}]
+
+
+def launch_label(fmt, O, I, gs, x, tuning) -> str:
+    """R<rows> NW<SIMD groups per threadgroup> U<unroll> of the launch these settings give."""
+    qt = QTensor(mx.zeros((weight_nbytes(fmt, O, I, gs),), mx.uint8),
+                 mx.zeros((scale_nbytes(fmt, O, I, gs) // 4,)), fmt, O, I, gs, "label")
+    t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, **tuning).template)
+    return f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']}" + ("" if tuning else " (default)")
+
+
 def row(label, O, I, t, nbytes, t_base=None):
     bw = nbytes / t
     r = {"kernel": label, "shape": f"{O}x{I}", "us": t * 1e6, "GB/s": bw / 1e9, "pct_peak": 100 * bw / PEAK}
@@ -115,18 +128,18 @@ def main():
         t_qmm, b_qmm = bench_mlx_qmm(O, I, x)
         rows.append(row("mx.quantized_matmul 4b g64", O, I, t_qmm, b_qmm))
         for fmt, gs in ((2, None), (4, 64)):
-            for unroll, sg in ((4, 4), (8, 4), (2, 8)):
-                t, b = bench_ours(fmt, O, I, x, gs, unroll=unroll, simdgroups=sg)
-                rows.append(row(f"qgemv fmt {fmt} U{unroll} SG{sg}", O, I, t, b, t_qmm))
+            for tuning in TUNINGS:
+                t, b = bench_ours(fmt, O, I, x, gs, **tuning)
+                rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, gs, x, tuning)}", O, I, t, b, t_qmm))
         for fmt in (1, 3, 5, 6):
             t, b = bench_ours(fmt, O, I, x)
-            rows.append(row(f"qgemv fmt {fmt}", O, I, t, b, t_qmm))
+            rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, None, x, {})}", O, I, t, b, t_qmm))
         print(f"done {O}x{I}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'kernel':30s} {'shape':>11s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s}")
+    print(f"\n{'kernel':40s} {'shape':>11s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s}")
     for r in rows:
-        print(f"{r['kernel']:30s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
+        print(f"{r['kernel']:40s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
               f"{r.get('x_vs_qmm', 1.0):6.2f}")
     return 0
 
