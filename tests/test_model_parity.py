@@ -298,3 +298,37 @@ def test_top_k_mask_breaks_ties_by_position():
     scores = mx.array([[0.0, 2.0, 1.0, 1.0, 1.0, -mx.inf, 1.0]])
     assert np.array(top_k_mask(scores, 3)).tolist() == [[False, True, True, True, False, False, False]]
     assert np.array(top_k_mask(scores, 1)).tolist() == [[False, True, False, False, False, False, False]]
+
+
+def test_dsa_container_without_indexer_runs_dense_attention(checkpoints, tmp_path):
+    # Upstream's converter writes the DSA indexer only in a separate --indexer pass, so most GLM-5
+    # containers lack it; such a directory loads with dense attention and says so.
+    from safetensors.numpy import load_file, save_file
+
+    hf, path, sparse = checkpoints["glm_shared_yarn"]
+    dst = tmp_path / "no_indexer"
+    shutil.copytree(path, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: v for k, v in tensors.items() if ".indexer." not in k}, str(shard))
+    with pytest.warns(UserWarning, match="no DSA indexer weights, attention is dense"):
+        dense = load_model(str(dst))
+    assert dense.dense_attention_reason and sparse.dense_attention_reason is None
+    assert all(layer.self_attn.indexer is None for layer in dense.layers)
+    short = random_tokens(6, seed=6)  # within index_topk=8: dense is DSA
+    assert_logits_close(dense(mx.array(short)), torch_logits(hf, short), "dense within index_topk")
+    long = random_tokens(20, seed=20)  # beyond it the sparse model differs
+    assert np.abs(np.asarray(dense(mx.array(long))) - torch_logits(hf, long)).max() > 1e-3
+
+
+def test_partial_indexer_is_still_refused(checkpoints, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    _, path, _ = checkpoints["glm_shared_yarn"]
+    dst = tmp_path / "partial_indexer"
+    shutil.copytree(path, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: v for k, v in tensors.items() if "layers.0.self_attn.indexer.wk" not in k}, str(shard))
+    with pytest.raises(ValueError, match="missing tensor .*layers.0.self_attn.indexer.wk"):
+        load_model(str(dst))

@@ -12,6 +12,7 @@ and absorbed decode attention through :func:`latent_attention` — the three hot
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -112,6 +113,10 @@ class ModelArgs:
             kwargs["indexer_types"] = _indexer_types(config, MODEL_TYPES[model_type])
         return cls(**kwargs)
 
+    def without_indexer(self) -> None:
+        """Run DSA models with dense attention (for containers converted without ``--indexer``)."""
+        self.dsa = False
+
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.num_hidden_layers or self.mlp_layer_types[i] == "sparse"
 
@@ -190,6 +195,21 @@ class WeightTable:
             more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
             raise ValueError(f"{self.source}: tensors not used by this config.json: {extra[:8]}{more}; "
                              "was the checkpoint built for another config?")
+
+
+def _dense_attention_fallback(args: ModelArgs, weights: WeightTable) -> str | None:
+    """A DSA model whose directory holds no indexer weights at all runs dense attention, as
+    upstream colibri does: its converter writes the indexer only in a separate ``--indexer`` pass
+    (a re-download of the whole checkpoint), so most GLM-5 containers lack it. Dense attention
+    equals DSA up to ``index_topk`` tokens of context and differs beyond, so say so once."""
+    if not args.dsa or any(".self_attn.indexer." in name for name in weights.names):
+        return None
+    args.without_indexer()
+    reason = (f"{weights.source}: no DSA indexer weights, attention is dense: identical to the sparse "
+              f"model up to index_topk={args.index_topk} tokens of context, different beyond "
+              "(convert with --indexer to add them)")
+    warnings.warn(reason, stacklevel=3)
+    return reason
 
 
 def linear(x: mx.array, w, bias: mx.array | None = None) -> mx.array:
@@ -465,6 +485,7 @@ class Model:
         D, V = args.hidden_size, args.vocab_size
         self.args = args
         self.embed_tokens = weights.take("model.embed_tokens.weight", (V, D))
+        self.dense_attention_reason = _dense_attention_fallback(args, weights)
         self.layers = [DecoderLayer(args, weights, i) for i in range(args.num_hidden_layers)]
         self.norm = weights.take("model.norm.weight", (D,))
         if "lm_head.weight" in weights or not args.tie_word_embeddings:
