@@ -12,10 +12,8 @@
 // loads of UNROLL units x ROWS rows before any arithmetic to keep bytes in flight.
 // Accumulation is float32; simd_sum reduces a SIMD group, threadgroup memory the NW groups.
 //
-// fmt 2/4 decode two nibbles per instruction: a nibble pair (n, n') at bits 0 and 16 OR-ed
-// into 0x6400 (half 1024) is the half2 (1024 + n, 1024 + n'); one half2 subtract of 1032
-// gives (n - 8, n' - 8) exactly (the high nibble of a byte: mask 0x00F0, half 1024 + 16n,
-// one half2 FMA by 1/16 then -72). Products and sums stay float32.
+// The unit loads and exact decoders (fmt 2/4: two nibbles per half2 instruction) are
+// metal_kernels/qdecode.h, prepended to this header by colibri_mlx/kernels/qgemv.py.
 //
 // Template: T (x/y dtype), FMT, S, GS (fmt 4 group size, a multiple of 16: a scale covers
 // whole 16-weight halves of a unit), VEC (2: rows a multiple of 16 bytes, 1: of 8 bytes,
@@ -28,209 +26,22 @@
 //
 // The CUDA twin metal_kernels/cuda/qgemv.cu implements the same algorithm line for line.
 
-constexpr int qg_wpu(int fmt) {
-  return fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32));
-}
-
-// Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
-// scale in the middle of a 32-weight unit; every other case has one scale per unit.
-constexpr int qg_seg(int fmt, int gs) {
-  return (fmt == 4 && gs % 32 != 0) ? 16 : qg_wpu(fmt);
-}
-
-// Raw bytes of unit u of one row into r[0..5] (little-endian words).
-template <int FMT, int VEC>
-inline void qg_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
-  if (FMT == 5) {
-    // 24-byte groups: every row and group start is 8-byte aligned.
-    const device uint2* p = (const device uint2*)(wrow + 24 * u);
-    const uint2 a = p[0];
-    const uint2 b = p[1];
-    const uint2 c = p[2];
-    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = c.x; r[5] = c.y;
-  } else if (FMT == 6) {
-    // 98-byte super-blocks are only 2-byte aligned.
-    const int blk = 98 * (u >> 3);
-    const int ib = u & 7;
-    const device ushort* qs = (const device ushort*)(wrow + blk + 8 * ib);
-    const device ushort* sw = (const device ushort*)(wrow + blk + 64 + 4 * ib);
-    const device ushort* dd = (const device ushort*)(wrow + blk + 96);
-    r[0] = uint(qs[0]) | (uint(qs[1]) << 16);
-    r[1] = uint(qs[2]) | (uint(qs[3]) << 16);
-    r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
-    r[3] = uint(dd[0]);
-  } else if (VEC) {
-    // The buffer is only promised 8-byte alignment: two 8-byte loads. With rows a multiple of
-    // 8 but not 16 bytes, the second half of a row's last unit lies past the row.
-    const device uint2* p = (const device uint2*)(wrow + 16 * u);
-    const uint2 a = p[0];
-    const uint2 b = (VEC == 2 || 16 * u + 8 < rb) ? p[1] : uint2(0u, 0u);
-    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
-  } else {
-    // Row length not a multiple of 8: byte loads, none past the end of the row.
-    const int off = 16 * u;
-    for (int m = 0; m < 4; ++m) {
-      uint v = 0;
-      for (int k = 0; k < 4; ++k) {
-        if (off + 4 * m + k < rb) {
-          v |= uint(wrow[off + 4 * m + k]) << (8 * k);
-        }
-      }
-      r[m] = v;
-    }
-  }
-}
-
-// Scale of segment g of unit u: fmt 4 its group's, fmt 5 its group's, fmt 6 d * (0.5 + code)
-// / 4 (the grid holds doubled magnitudes); fmt 1-3 apply the row scale after the reduction.
-// A fmt 4 half-unit past the row end (its x are zero) clamps to the row's last group.
-template <int FMT, int GS>
-inline float qg_seg_scale(const device float* scales, int row, int ng, int u, int g,
-                          thread const uint* r) {
-  if (FMT == 4) {
-    return scales[row * ng + min((32 * u + qg_seg(FMT, GS) * g) / GS, ng - 1)];
-  } else if (FMT == 5) {
-    return scales[row * ng + u];
-  } else if (FMT == 6) {
-    const float d = float(as_type<half>(ushort(r[3])));
-    return d * (0.5f + float(r[2] >> 28)) * 0.25f;
-  }
-  return 1.0f;
-}
-
-// A code c < 2^23 OR-ed into the mantissa of 2^23 is the float 2^23 + c exactly; one FADD of
-// -(2^23 + offset) then gives c - offset exactly (int->float conversions run at a quarter of
-// the FMA rate).
-inline float qg_code(uint c, float magic_plus_offset) {
-  return as_type<float>(0x4B000000u | c) - magic_plus_offset;
-}
-
-// Nibbles n at bits 0 and 16 of b (lo) or 4 and 20 (hi), as the floats n - 8.
-inline float2 qg_nib_lo(uint b) {
-  return float2(as_type<half2>((b & 0x000F000Fu) | 0x64006400u) - half2(half(1032.0f)));
-}
-inline float2 qg_nib_hi(uint b) {
-  return float2(fma(as_type<half2>((b & 0x00F000F0u) | 0x64006400u), half2(half(0.0625f)), half2(half(-72.0f))));
-}
-
-// Codes (fmt 6: signed grid magnitudes) of weights k0 .. k0 + 7 of a unit, in weight order.
-template <int FMT>
-inline void qg_decode8(thread const uint* r, int k0, const device uint* e8grid, thread float* q) {
-  if (FMT == 1) {
-    // Two's complement byte b: (b ^ 0x80) - 128.
-    for (int k = 0; k < 8; ++k) {
-      q[k] = qg_code(((r[(k0 + k) >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
-    }
-  } else if (FMT == 2 || FMT == 4) {
-    // Weight k in nibble k of the word (even weight in the low nibble), stored code = value + 8.
-    const uint b = r[k0 >> 3];
-    const float2 n04 = qg_nib_lo(b);
-    const float2 n15 = qg_nib_hi(b);
-    const float2 n26 = qg_nib_lo(b >> 8);
-    const float2 n37 = qg_nib_hi(b >> 8);
-    q[0] = n04.x; q[1] = n15.x; q[2] = n26.x; q[3] = n37.x;
-    q[4] = n04.y; q[5] = n15.y; q[6] = n26.y; q[7] = n37.y;
-  } else if (FMT == 3) {
-    for (int k = 0; k < 8; ++k) {
-      q[k] = qg_code((r[(k0 + k) >> 4] >> (2 * ((k0 + k) & 15))) & 3u, 8388610.0f);
-    }
-  } else if (FMT == 5) {
-    // Bytes 0..15: low 2 bits of each code; bytes 16..23: bit 2.
-    for (int k = 0; k < 8; ++k) {
-      const int i = k0 + k;
-      const uint lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
-      const uint hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
-      q[k] = qg_code(lo | (hi << 2), 8388612.0f);
-    }
-  } else if (FMT == 6) {
-    // 8 weights = one 7-bit sign field; the 8th sign makes the count of negatives even.
-    const int l = k0 >> 3;
-    const uint seven = (r[2] >> (7 * l)) & 0x7Fu;
-    const uint s8 = seven | ((popcount(seven) & 1u) << 7);
-    for (int h = 0; h < 2; ++h) {
-      const int b = 2 * l + h;
-      const uint g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
-      for (int j = 0; j < 4; ++j) {
-        const float mag = qg_code((g >> (8 * j)) & 0xFFu, 8388608.0f);
-        q[4 * h + j] = as_type<float>(as_type<uint>(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
-      }
-    }
-  }
-}
-
-// Eight consecutive x values as float from one or two 16-byte loads.
-inline void qg_load_x8(const device float* p, thread float* o) {
-  const float4 a = *((const device float4*)p);
-  const float4 b = *((const device float4*)(p + 4));
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-
-inline void qg_load_x8(const device half* p, thread float* o) {
-  const uint4 v = *((const device uint4*)p);
-  const uint w[4] = {v.x, v.y, v.z, v.w};
-  for (int m = 0; m < 4; ++m) {
-    const float2 f = float2(as_type<half2>(w[m]));
-    o[2 * m] = f.x;
-    o[2 * m + 1] = f.y;
-  }
-}
-
-inline void qg_load_x8(const device bfloat16_t* p, thread float* o) {
-  // bfloat16 is the top half of a float32: widening is a shift or a mask.
-  const uint4 v = *((const device uint4*)p);
-  const uint w[4] = {v.x, v.y, v.z, v.w};
-  for (int m = 0; m < 4; ++m) {
-    o[2 * m] = as_type<float>(w[m] << 16);
-    o[2 * m + 1] = as_type<float>(w[m] & 0xFFFF0000u);
-  }
-}
-
-// x[i .. i + 7] of one row of x as float, zero past I (so padding codes contribute nothing).
-template <int XV, typename T>
-inline void qg_x8(const device T* xs, int I, int i, thread float* o) {
-  if (XV && i + 8 <= I) {
-    qg_load_x8(xs + i, o);
-  } else {
-    for (int k = 0; k < 8; ++k) {
-      o[k] = (i + k < I) ? float(xs[i + k]) : 0.0f;
-    }
-  }
-}
-
 // acc[r][s] += sum over unit u of row r of w * x[s]: x widened once for all ROWS rows,
 // each decoded weight applied to all S rows of x, one scale multiply per segment.
-template <int FMT, int GS, int S, int ROWS, int XV, typename T>
-inline void qg_unit(thread const uint (*raw)[6], const device T* x, const device float* scales,
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+inline void qg_unit(thread const uint (*raw)[W], const device T* x, const device float* scales,
                     const device uint* e8grid, thread const int* rows, int ng, int I, int u,
                     thread float (*acc)[S]) {
-  constexpr int WPU = qg_wpu(FMT);
-  constexpr int SEG = qg_seg(FMT, GS);
-  for (int g = 0; g < WPU / SEG; ++g) {
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  int xoff[S];
+  for (int s = 0; s < S; ++s) {
+    xoff[s] = s * I;
+  }
+  for (int g = 0; g < NSEG; ++g) {
     float d[ROWS][S];
+    qd_seg_dots<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, 0xFFFFFFFFu, I, u, g, e8grid, d);
     for (int r = 0; r < ROWS; ++r) {
-      for (int s = 0; s < S; ++s) {
-        d[r][s] = 0.0f;
-      }
-    }
-    for (int c = 0; c < SEG; c += 8) {
-      const int k0 = SEG * g + c;
-      float q[ROWS][8];
-      for (int r = 0; r < ROWS; ++r) {
-        qg_decode8<FMT>(raw[r], k0, e8grid, q[r]);
-      }
-      for (int s = 0; s < S; ++s) {
-        float xf[8];
-        qg_x8<XV, T>(x + s * I, I, WPU * u + k0, xf);
-        for (int r = 0; r < ROWS; ++r) {
-          for (int k = 0; k < 8; ++k) {
-            d[r][s] += q[r][k] * xf[k];
-          }
-        }
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      const float sc = qg_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
+      const float sc = qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
       for (int s = 0; s < S; ++s) {
         acc[r][s] += d[r][s] * sc;
       }
@@ -262,19 +73,19 @@ inline void qg_unit(thread const uint (*raw)[6], const device T* x, const device
     }
   }
   for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
-    uint raw[UNROLL][ROWS][6];
+    uint raw[UNROLL][ROWS][qd_words(FMT)];
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
       if (u < n_units) {
         for (int r = 0; r < ROWS; ++r) {
-          qg_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          qd_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
         }
       }
     }
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
       if (u < n_units) {
-        qg_unit<FMT, GS, S, ROWS, XV, T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
+        qg_unit<FMT, GS, S, ROWS, XV, qd_words(FMT), T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
       }
     }
   }
@@ -311,7 +122,7 @@ inline void qg_unit(thread const uint (*raw)[6], const device T* x, const device
     }
     const int row = row0 + r;
     if (row < O) {
-      const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
+      const float row_scale = qd_row_scale<FMT>(scales, row);
       y[s * O + row] = static_cast<T>(v * row_scale);
     }
   }

@@ -125,7 +125,7 @@ SPLIT_K = {"simdgroups": 4, "rows": 2}
 DEFECTS = {
     "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;"),
     "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))"),
-    "group index off by one": (4, "(32 * u + qg_seg(FMT, GS) * g) / GS", "(32 * u + qg_seg(FMT, GS) * g + 16) / GS"),
+    "group index off by one": (4, "(32 * u + qd_seg(FMT, GS) * g) / GS", "(32 * u + qd_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
     "last unit of a row skipped": (1, "if (u < n_units) {\n        qg_unit", "if (u + 1 < n_units) {\n        qg_unit"),

@@ -143,6 +143,16 @@ def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
     return header, body
 
 
+DECODE_HEADER = {METAL: "qdecode.h", CUDA: "cuda/qdecode.cuh"}
+
+
+@functools.lru_cache(maxsize=None)
+def decode_header(backend_name: str) -> str:
+    """The shared fmt 0-6 unit loads and decoders (``metal_kernels/qdecode.h`` or
+    ``metal_kernels/cuda/qdecode.cuh``); every kernel reading quantized weights prepends it."""
+    return (KERNEL_DIR / DECODE_HEADER[backend_name]).read_text()
+
+
 @dataclass
 class LaunchSpec:
     """Everything one custom-kernel launch needs, identical for MLX and the MSL simulator."""

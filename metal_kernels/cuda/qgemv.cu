@@ -14,220 +14,25 @@
 
 namespace colibri_qgemv {
 
-__device__ constexpr int wpu(int fmt) {
-  return fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32));
-}
+namespace qd = colibri_qd;
 
-__device__ constexpr int seg(int fmt, int gs) {
-  return (fmt == 4 && gs % 32 != 0) ? 16 : wpu(fmt);
-}
-
-// VEC 2 (rows a multiple of 16 bytes) reads a unit with one 16-byte load when the buffer
-// itself is 16-byte aligned (W16, checked once per launch: a row slice may be 8-aligned only).
-template <int FMT, int VEC, bool W16>
-__device__ __forceinline__ void load_unit(const uint8_t* wrow, int rb, int u, uint32_t* r) {
-  if (FMT == 5) {
-    const uint2* p = reinterpret_cast<const uint2*>(wrow + 24 * u);
-    const uint2 a = p[0];
-    const uint2 b = p[1];
-    const uint2 c = p[2];
-    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y; r[4] = c.x; r[5] = c.y;
-  } else if (FMT == 6) {
-    const int blk = 98 * (u >> 3);
-    const int ib = u & 7;
-    const unsigned short* qs = reinterpret_cast<const unsigned short*>(wrow + blk + 8 * ib);
-    const unsigned short* sw = reinterpret_cast<const unsigned short*>(wrow + blk + 64 + 4 * ib);
-    const unsigned short* dd = reinterpret_cast<const unsigned short*>(wrow + blk + 96);
-    r[0] = uint32_t(qs[0]) | (uint32_t(qs[1]) << 16);
-    r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
-    r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
-    r[3] = uint32_t(dd[0]);
-  } else if (VEC == 2 && W16) {
-    const uint4 v = *reinterpret_cast<const uint4*>(wrow + 16 * u);
-    r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
-  } else if (VEC) {
-    const uint2* p = reinterpret_cast<const uint2*>(wrow + 16 * u);
-    const uint2 a = p[0];
-    const uint2 b = (VEC == 2 || 16 * u + 8 < rb) ? p[1] : make_uint2(0u, 0u);
-    r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
-  } else {
-    const int off = 16 * u;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      uint32_t v = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (off + 4 * m + k < rb) {
-          v |= uint32_t(wrow[off + 4 * m + k]) << (8 * k);
-        }
-      }
-      r[m] = v;
-    }
-  }
-}
-
-template <int FMT, int GS>
-__device__ __forceinline__ float seg_scale(const float* scales, int row, int ng, int u, int g,
-                                           const uint32_t* r) {
-  if (FMT == 4) {
-    return scales[row * ng + min((32 * u + seg(FMT, GS) * g) / GS, ng - 1)];
-  } else if (FMT == 5) {
-    return scales[row * ng + u];
-  } else if (FMT == 6) {
-    const float d = __half2float(__ushort_as_half((unsigned short)r[3]));
-    return d * (0.5f + float(r[2] >> 28)) * 0.25f;
-  }
-  return 1.0f;
-}
-
-// 2^23 + c built in the mantissa, minus (2^23 + offset): c - offset exactly, at full FMA rate.
-__device__ __forceinline__ float code(uint32_t c, float magic_plus_offset) {
-  return __uint_as_float(0x4B000000u | c) - magic_plus_offset;
-}
-
-__device__ __forceinline__ __half2 as_half2(uint32_t v) {
-  __half2 h;
-  memcpy(&h, &v, 4);
-  return h;
-}
-
-// Nibbles n at bits 0 and 16 of b (lo) or 4 and 20 (hi), as the floats n - 8 (exact: half
-// 1024 + n minus 1032; half 1024 + 16n times 1/16 minus 72).
-__device__ __forceinline__ float2 nib_lo(uint32_t b) {
-  return __half22float2(__hsub2(as_half2((b & 0x000F000Fu) | 0x64006400u),
-                                __float2half2_rn(1032.0f)));
-}
-__device__ __forceinline__ float2 nib_hi(uint32_t b) {
-  return __half22float2(__hfma2(as_half2((b & 0x00F000F0u) | 0x64006400u),
-                                __float2half2_rn(0.0625f), __float2half2_rn(-72.0f)));
-}
-
-template <int FMT>
-__device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_t* e8grid, float* q) {
-  if (FMT == 1) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      q[k] = code(((r[(k0 + k) >> 2] >> (8 * (k & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);
-    }
-  } else if (FMT == 2 || FMT == 4) {
-    const uint32_t b = r[k0 >> 3];
-    const float2 n04 = nib_lo(b);
-    const float2 n15 = nib_hi(b);
-    const float2 n26 = nib_lo(b >> 8);
-    const float2 n37 = nib_hi(b >> 8);
-    q[0] = n04.x; q[1] = n15.x; q[2] = n26.x; q[3] = n37.x;
-    q[4] = n04.y; q[5] = n15.y; q[6] = n26.y; q[7] = n37.y;
-  } else if (FMT == 3) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      q[k] = code((r[(k0 + k) >> 4] >> (2 * ((k0 + k) & 15))) & 3u, 8388610.0f);
-    }
-  } else if (FMT == 5) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const int i = k0 + k;
-      const uint32_t lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
-      const uint32_t hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
-      q[k] = code(lo | (hi << 2), 8388612.0f);
-    }
-  } else if (FMT == 6) {
-    const int l = k0 >> 3;
-    const uint32_t seven = (r[2] >> (7 * l)) & 0x7Fu;
-    const uint32_t s8 = seven | ((uint32_t(__popc(seven)) & 1u) << 7);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int b = 2 * l + h;
-      const uint32_t g = e8grid[(r[b >> 2] >> (8 * (b & 3))) & 0xFFu];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float mag = code((g >> (8 * j)) & 0xFFu, 8388608.0f);
-        q[4 * h + j] = __uint_as_float(__float_as_uint(mag) ^ (((s8 >> (4 * h + j)) & 1u) << 31));
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ void load_x8(const float* p, float* o) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-}
-
-__device__ __forceinline__ void load_x8(const __half* p, float* o) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const float2 f = __half22float2(as_half2(w[m]));
-    o[2 * m] = f.x;
-    o[2 * m + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float* o) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    o[2 * m] = __uint_as_float(w[m] << 16);
-    o[2 * m + 1] = __uint_as_float(w[m] & 0xFFFF0000u);
-  }
-}
-
-// x[i .. i + 7] of one row of x as float, zero past I. XV: rows of x 16-byte aligned.
-template <int XV, typename T>
-__device__ __forceinline__ void x8(const T* xs, int I, int i, float* o) {
-  if (XV && i + 8 <= I) {
-    load_x8(xs + i, o);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      o[k] = (i + k < I) ? static_cast<float>(xs[i + k]) : 0.0f;
-    }
-  }
-}
-
-template <int FMT, int GS, int S, int ROWS, int XV, typename T>
-__device__ __forceinline__ void unit(const uint32_t (*raw)[6], const T* x, const float* scales,
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+__device__ __forceinline__ void unit(const uint32_t (*raw)[W], const T* x, const float* scales,
                                      const uint32_t* e8grid, const int* rows, int ng, int I, int u,
                                      float (*acc)[S]) {
-  constexpr int WPU = wpu(FMT);
-  constexpr int SEG = seg(FMT, GS);
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+  int xoff[S];
 #pragma unroll
-  for (int g = 0; g < WPU / SEG; ++g) {
+  for (int s = 0; s < S; ++s) {
+    xoff[s] = s * I;
+  }
+#pragma unroll
+  for (int g = 0; g < NSEG; ++g) {
     float d[ROWS][S];
+    qd::seg_dots<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, 0xFFFFFFFFu, I, u, g, e8grid, d);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        d[r][s] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < SEG; c += 8) {
-      const int k0 = SEG * g + c;
-      float q[ROWS][8];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        decode8<FMT>(raw[r], k0, e8grid, q[r]);
-      }
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        float xf[8];
-        x8<XV, T>(x + s * I, I, WPU * u + k0, xf);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            d[r][s] += q[r][k] * xf[k];
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const float sc = seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
+      const float sc = qd::seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
 #pragma unroll
       for (int s = 0; s < S; ++s) {
         acc[r][s] += d[r][s] * sc;
@@ -243,14 +48,14 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
                                              int ng, int I, int n_units, int tid,
                                              float (*acc)[S]) {
   for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
-    uint32_t raw[UNROLL][ROWS][6];
+    uint32_t raw[UNROLL][ROWS][qd::words(FMT)];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
       if (u < n_units) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-          load_unit<FMT, VEC, W16>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          qd::load<FMT, VEC, W16>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
         }
       }
     }
@@ -258,7 +63,7 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
       if (u < n_units) {
-        unit<FMT, GS, S, ROWS, XV, T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
+        unit<FMT, GS, S, ROWS, XV, qd::words(FMT), T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
       }
     }
   }
@@ -344,7 +149,7 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
     }
     const int row = row0 + r;
     if (row < O) {
-      const float row_scale = (FMT <= 3) ? scales[row] : 1.0f;
+      const float row_scale = colibri_qd::row_scale<FMT>(scales, row);
       y[s * O + row] = static_cast<T>(v * row_scale);
     }
   }
