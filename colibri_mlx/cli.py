@@ -76,6 +76,10 @@ _STREAMING_OPTIONS = [
     click.option("--expert-top-p", "expert_top_p", type=click.FloatRange(0, 1, min_open=True), default=None,
                  expose_value=False, callback=_remember,
                  help="Router top-p over the selected experts (upstream TOPP); fewer reads, CHANGES RESULTS."),
+    # Not streaming, but a load() option too: rides along on every command that loads a model.
+    click.option("--dtype", "dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
+                 expose_value=False, callback=_remember,
+                 help="Activation and KV cache dtype. auto: float32 on the CPU backend, bfloat16 on GPUs."),
 ]
 
 

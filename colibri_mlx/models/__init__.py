@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import os
 
-from .deepseek_v3 import MODEL_TYPES, Model, ModelArgs
+from .deepseek_v3 import ACTIVATION_DTYPES, MODEL_TYPES, Model, ModelArgs, resolve_dtype
 from .loading import load_model
 
-__all__ = ["DEMO_MODEL_DIR", "MODEL_TYPES", "Model", "ModelArgs", "load", "load_model"]
+__all__ = ["ACTIVATION_DTYPES", "DEMO_MODEL_DIR", "MODEL_TYPES", "Model", "ModelArgs", "load", "load_model",
+           "resolve_dtype"]
 
 # A 4-layer, 29M-parameter model of this family trained on the King James Bible, shipped as a
 # colibri container (fmt 6 experts, fmt 4 attention/dense, fmt 1 embeddings): docs/demo-model.md.
 DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
 
 
-def load(path=None, **options):
+def load(path=None, dtype=None, **options):
     """``(model, tokenizer)`` from a container or Hugging Face checkpoint directory.
 
-    ``path=None`` loads the bundled demo model (:data:`DEMO_MODEL_DIR`). Expert streaming
-    options (``ram_gb``, ``pin``, ``pin_gb``, ``expert_top_p``, store options): see
+    ``path=None`` loads the bundled demo model (:data:`DEMO_MODEL_DIR`). ``dtype``: activation
+    dtype ("auto" = float32 on CPU, bfloat16 on GPU; "float32", "bfloat16", "float16"). Expert
+    streaming options (``ram_gb``, ``pin``, ``pin_gb``, ``expert_top_p``, store options): see
     :func:`load_model` and docs/streaming.md.
     """
     if path is None:
@@ -35,7 +37,7 @@ def load(path=None, **options):
     from ..tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    return load_model(path, **options), tokenizer
+    return load_model(path, dtype=dtype, **options), tokenizer
 
 
 STREAMING_OPTIONS = frozenset(("ram_gb", "pin", "pin_gb", "expert_top_p", "prefetch", "workers", "max_inflight",

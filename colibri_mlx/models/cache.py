@@ -4,6 +4,9 @@ Per layer and token the cache keeps what MLA needs to rebuild keys and values: t
 latent (``kv_lora_rank`` floats, 512 for DeepSeek-V3/GLM-5) and the roped shared key
 (``qk_rope_head_dim``, 64), plus, on DSA "full" layers, the indexer key (``index_head_dim``).
 
+Buffers hold the model's activation dtype (bfloat16 on GPUs: half the bytes read per decode
+step of a float32 cache); each stream keeps the dtype of its first rows.
+
 A batch of sequences shares one time axis. Sequences of different prompt lengths are
 left-padded: ``left_padding[b]`` leading slots of sequence ``b`` hold padding, are never attended
 to, and do not count as positions (a sequence's first real token has position 0).
@@ -27,6 +30,8 @@ class LayerCache:
         """Write ``rows [B, L, W]`` at ``start`` and return ``[B, start+L, W]`` for this stream."""
         B, L, W = rows.shape
         buf = self.buffers.get(stream)
+        if buf is not None and buf.dtype != rows.dtype:
+            raise ValueError(f"cache stream {stream!r} holds {buf.dtype}, got rows of {rows.dtype}")
         end = start + L
         if buf is None or buf.shape[1] < end:
             capacity = ((end + GROW_STEP - 1) // GROW_STEP) * GROW_STEP

@@ -4,7 +4,14 @@ Numerics follow transformers 5.23 (``models/deepseek_v3``, ``deepseek_v32``, ``g
 the parity oracle of tests/test_model_parity.py. Reads top to bottom: config, norms, attention
 (MLA + DSA lightning indexer), dense MLP, router, MoE, decoder layer, model, ``sanitize``.
 
-Weights are float32 ``mx.array`` (from Hugging Face checkpoints) or QTensor (from containers).
+Weights are float ``mx.array`` (from Hugging Face checkpoints) or QTensor (from containers).
+
+Activation dtype (``Model(..., dtype=)``, :func:`resolve_dtype`): float32 on the CPU backend,
+bfloat16 on GPUs by default. Activations, float weights and the latent cache are held in it; the
+kernels accumulate in float32. Selection and normalization stay in float32 whatever the dtype:
+router and indexer scores, top-k, softmax (the attention core computes in float32), RoPE
+rotation; logits are returned as float32. With float32 every cast is a no-op.
+
 Every projection goes through ``kernels.qmatmul``; routed experts through :func:`routed_experts`
 and absorbed decode attention through :func:`latent_attention` — the three hot paths.
 """
@@ -35,6 +42,23 @@ ABSORBED_MAX_TOKENS = 4
 # The q/kv latent norms use a fixed epsilon in every reference implementation.
 LATENT_NORM_EPS = 1e-6
 INDEXER_NORM_EPS = 1e-6
+
+ACTIVATION_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+FLOAT_DTYPES = tuple(ACTIVATION_DTYPES.values())
+
+
+def resolve_dtype(dtype=None) -> mx.Dtype:
+    """The activation dtype: ``None``/"auto" is float32 on the CPU backend (MLX's CPU half
+    precision ops are several times slower than float32) and bfloat16 on a GPU (Metal or CUDA:
+    half the bytes for activations and the latent cache, as mlx-lm)."""
+    if dtype is None or dtype == "auto":
+        return mx.float32 if mx.default_device().type == mx.cpu else mx.bfloat16
+    if isinstance(dtype, mx.Dtype) and dtype in FLOAT_DTYPES:
+        return dtype
+    if isinstance(dtype, str) and dtype in ACTIVATION_DTYPES:
+        return ACTIVATION_DTYPES[dtype]
+    raise ValueError(f"unsupported activation dtype {dtype!r}; expected 'auto' or one of "
+                     f"{sorted(ACTIVATION_DTYPES)}")
 
 
 # ----------------------------------------------------------------------------------- config
@@ -160,6 +184,8 @@ class WeightTable:
 
     ``fetch(name, shape)`` returns a float ``mx.array`` or a QTensor. Every take is checked
     against the expected shape, and :meth:`check_all_used` refuses tensors nothing asked for.
+    Float arrays are handed out in ``dtype`` (the model's activation dtype, set by
+    :class:`Model`) unless the caller asks for another; QTensors as stored.
     """
 
     IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -169,11 +195,12 @@ class WeightTable:
         self.fetch = fetch
         self.source = source
         self.used: set[str] = set()
+        self.dtype = mx.float32
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
 
-    def take(self, name: str, shape: tuple) -> Any:
+    def take(self, name: str, shape: tuple, dtype: mx.Dtype | None = None) -> Any:
         if name not in self.names:
             raise ValueError(f"{self.source}: missing tensor {name!r} (expected shape {tuple(shape)})")
         value = self.fetch(name, tuple(shape))
@@ -181,10 +208,10 @@ class WeightTable:
         if got != tuple(shape):
             raise ValueError(f"{self.source}: tensor {name!r} has shape {got}, config.json implies {tuple(shape)}")
         self.used.add(name)
-        return value
+        return _cast_float(value, dtype or self.dtype)
 
-    def maybe(self, name: str, shape: tuple) -> Any:
-        return self.take(name, shape) if name in self.names else None
+    def maybe(self, name: str, shape: tuple, dtype: mx.Dtype | None = None) -> Any:
+        return self.take(name, shape, dtype) if name in self.names else None
 
     def has_prefix(self, prefix: str) -> bool:
         return any(n.startswith(prefix) for n in self.names)
@@ -195,6 +222,14 @@ class WeightTable:
             more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
             raise ValueError(f"{self.source}: tensors not used by this config.json: {extra[:8]}{more}; "
                              "was the checkpoint built for another config?")
+
+
+def _cast_float(value, dtype: mx.Dtype):
+    if not isinstance(value, mx.array) or value.dtype not in FLOAT_DTYPES or value.dtype == dtype:
+        return value
+    value = value.astype(dtype)
+    mx.eval(value)  # now, so the wider source array is freed tensor by tensor during load
+    return value
 
 
 def _dense_attention_fallback(args: ModelArgs, weights: WeightTable) -> str | None:
@@ -222,7 +257,7 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 
 def embedding_rows(table, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of an embedding table (float or row-quantized QTensor) as float32."""
+    """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32)."""
     if not isinstance(table, QTensor):
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
@@ -253,7 +288,9 @@ class Indexer:
         self.wk = w.take(prefix + "wk.weight", (hd, args.hidden_size))
         self.k_norm_weight = w.take(prefix + "k_norm.weight", (hd,))
         self.k_norm_bias = w.take(prefix + "k_norm.bias", (hd,))
-        self.weights_proj = w.take(prefix + "weights_proj.weight", (nh, args.hidden_size))
+        # Scoring weights stay float32 (like the router): the top-k selection should not
+        # depend on half-precision rounding.
+        self.weights_proj = w.take(prefix + "weights_proj.weight", (nh, args.hidden_size), dtype=mx.float32)
 
     def _rope(self, x, cos, sin):
         r = self.rope_dim
@@ -270,8 +307,10 @@ class Indexer:
         T = keys.shape[1]
         if T <= self.topk:
             return None
-        scores = mx.maximum((q @ keys[:, None].swapaxes(-1, -2)) * self.head_dim**-0.5, 0)  # [B, nh, L, T]
-        head_weights = linear(x, self.weights_proj) * self.n_heads**-0.5  # [B, L, nh]
+        f32 = mx.float32
+        scores = mx.maximum((q.astype(f32) @ keys.astype(f32)[:, None].swapaxes(-1, -2)) * self.head_dim**-0.5,
+                            0)  # [B, nh, L, T]
+        head_weights = linear(x.astype(f32), self.weights_proj) * self.n_heads**-0.5  # [B, L, nh]
         index_scores = (head_weights[:, :, None, :] @ scores.transpose(0, 2, 1, 3))[:, :, 0]  # [B, L, T]
         index_scores = mx.where(mask[:, 0], index_scores, -mx.inf)
         return top_k_mask(index_scores, self.topk)[:, None]
@@ -371,8 +410,9 @@ class Router:
     def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
         E = args.n_routed_experts
         self.args = args
-        self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size)), prefix + "weight")
-        bias = w.maybe(prefix + "e_score_correction_bias", (E,))
+        f32 = mx.float32
+        self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size), dtype=f32), prefix + "weight")
+        bias = w.maybe(prefix + "e_score_correction_bias", (E,), dtype=f32)
         self.bias = mx.zeros((E,), mx.float32) if bias is None else _as_float32(bias, prefix + "bias")
         self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
 
@@ -479,11 +519,16 @@ class MTPLayer:
 
 
 class Model:
-    """``model(tokens [B, L], cache=None, left_padding=None) -> logits [B, L, vocab]`` (float32)."""
+    """``model(tokens [B, L], cache=None, left_padding=None) -> logits [B, L, vocab]`` (float32).
 
-    def __init__(self, args: ModelArgs, weights: WeightTable):
+    ``dtype``: activation dtype (:func:`resolve_dtype`; None = float32 on CPU, bfloat16 on GPU).
+    """
+
+    def __init__(self, args: ModelArgs, weights: WeightTable, dtype=None):
         D, V = args.hidden_size, args.vocab_size
         self.args = args
+        self.dtype = resolve_dtype(dtype)
+        weights.dtype = self.dtype
         self.embed_tokens = weights.take("model.embed_tokens.weight", (V, D))
         self.dense_attention_reason = _dense_attention_fallback(args, weights)
         self.layers = [DecoderLayer(args, weights, i) for i in range(args.num_hidden_layers)]
@@ -523,12 +568,12 @@ class Model:
         if start + L > self.max_length:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
         cos, sin, mask = self._positions_and_mask(cache.left_padding, start, L)
-        x = embedding_rows(self.embed_tokens, tokens).astype(mx.float32)
+        x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         selection = None
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection)
         cache.advance(L)
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head)
+        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
 
     def _positions_and_mask(self, left_padding: mx.array, start: int, L: int):
         slots = mx.arange(start, start + L)

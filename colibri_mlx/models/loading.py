@@ -3,8 +3,8 @@ unconverted Hugging Face checkpoint.
 
 Both are directories of safetensors shards read through ``colibri_mlx.container.Container``
 (strict header checks, lazy memory-mapped views). A tensor with a ``.qs`` companion is a
-quantized weight and stays a QTensor; every other tensor is widened to float32 and kept on the
-default (CPU) device. FP8 e4m3 weights are dequantized with their ``weight_scale_inv`` blocks
+quantized weight and stays a QTensor; every other tensor is widened to float32, then cast once to
+the model's activation dtype (``dtype``, :func:`deepseek_v3.resolve_dtype`) as the model takes it. FP8 e4m3 weights are dequantized with their ``weight_scale_inv`` blocks
 (128×128 per scale, the DeepSeek-V3 / GLM-5-FP8 layout): ``W = fp8(w) * scale_inv[i//128, j//128]``.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from ..container import Container
 from ..formats.qtensor import QTensor
-from .deepseek_v3 import Model, ModelArgs, WeightTable, sanitize
+from .deepseek_v3 import Model, ModelArgs, WeightTable, resolve_dtype, sanitize
 
 FP8_DTYPES = ("F8_E4M3",)
 SCALE_INV_SUFFIX = "_scale_inv"
@@ -34,24 +34,27 @@ def read_config(path: str) -> dict:
 
 
 def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,
-               expert_top_p: float | None = None, **store_options) -> Model:
+               expert_top_p: float | None = None, dtype=None, **store_options) -> Model:
     """The model of a container / checkpoint directory.
 
     ``ram_gb`` streams the routed experts from disk through an ``experts.ExpertStore`` with that
     many GB (1e9 bytes) of expert cache; ``pin`` ("auto" or a .coli_usage path) and ``pin_gb``
     choose its pinned set; other ``store_options`` go to the store. ``expert_top_p`` turns on
-    router top-p (changes results). Without ``ram_gb`` every expert is resident.
+    router top-p (changes results). Without ``ram_gb`` every expert is resident. ``dtype``:
+    activation dtype, "auto"/None (float32 on the CPU backend, bfloat16 on GPUs), "float32",
+    "bfloat16" or "float16".
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: model directory does not exist")
+    dtype = resolve_dtype(dtype)  # a bad value fails before any tensor is read
     config = read_config(path)
     args = ModelArgs.from_config(config)
     container = Container(path, config=config)
     if ram_gb is None:
         if pin is not None or pin_gb is not None or store_options:
             raise ValueError("pin / pin_gb / expert store options need ram_gb (expert streaming)")
-        model = Model(args, weight_table(container))
+        model = Model(args, weight_table(container), dtype)
         model.expert_store = None
     else:
         from ..experts import ExpertStore, resident_bytes
@@ -60,7 +63,7 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
         store = ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, **store_options)
         table = weight_table(container)
         table.expert_store = store
-        model = Model(args, table)
+        model = Model(args, table, dtype)
         model.expert_store = store
         store.resident_weight_bytes = resident_bytes(model)
     if expert_top_p is not None:

@@ -118,6 +118,7 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, interleaved: bool) -> 
     """Rotate the last axis of ``x`` ``[B, heads, L, dim]``; cos/sin ``[B, L, dim/2]``.
 
     Interleaved pairs are ``(2j, 2j+1)`` (DeepSeek's layout), half-split pairs ``(j, j+dim/2)``.
+    The rotation is computed in float32 (cos/sin are float32) and returned in x's dtype.
     """
     cos, sin = cos[:, None], sin[:, None]
     if interleaved:
@@ -125,4 +126,4 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array, interleaved: bool) -> 
     else:
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
-    return mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    return mx.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
