@@ -204,12 +204,14 @@ def test_weights_are_cast_once_routing_stays_float32(checkpoints):
     assert model.layers[0].self_attn.indexer.weights_proj.dtype == mx.float32
 
 
-def test_float32_is_the_cpu_default(checkpoints):
-    assert mx.default_device().type == mx.cpu
-    assert resolve_dtype(None) == resolve_dtype("auto") == mx.float32
+def test_default_dtype_is_float32_on_cpu_bfloat16_on_gpu(checkpoints):
+    default = mx.float32 if mx.default_device().type == mx.cpu else mx.bfloat16
+    assert resolve_dtype(None) == resolve_dtype("auto") == default
     assert resolve_dtype("bfloat16") == resolve_dtype(mx.bfloat16) == mx.bfloat16
     _, path, _ = checkpoints["v3_lora_g1"]
-    assert load_model(path).dtype == mx.float32
+    assert load_model(path).dtype == default
+    with mx.stream(mx.cpu):
+        assert resolve_dtype(None) == mx.float32
     model, _ = load(path, dtype="float16")
     assert model.dtype == mx.float16
 
