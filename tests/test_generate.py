@@ -17,7 +17,7 @@ from colibri_mlx.generate import SamplingParams, apply_repetition_penalty, filte
 def checkpoint(tmp_path_factory):
     hf = build_config_model("glm_shared_yarn", seed=3)
     path = save_checkpoint(hf, str(tmp_path_factory.mktemp("glm")))
-    model, tokenizer = colibri_mlx.load(path)
+    model, tokenizer = colibri_mlx.load(path, dtype="float32")
     return hf, path, model, tokenizer
 
 

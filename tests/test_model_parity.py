@@ -42,7 +42,7 @@ def checkpoints(tmp_path_factory):
     for name in CONFIGS:
         hf = build_config_model(name)
         path = save_checkpoint(hf, str(tmp_path_factory.mktemp(name)), **SAVE_OPTIONS.get(name, {}))
-        out[name] = (hf, path, load_model(path))
+        out[name] = (hf, path, load_model(path, dtype="float32"))
     return out
 
 
@@ -107,7 +107,7 @@ def test_features_matter(checkpoints):
 
     def change(name, mutate):
         hf, path, _ = checkpoints[name]
-        model = load_model(path)
+        model = load_model(path, dtype="float32")
         ref = np.array(model(tokens))
         mutate(model)
         return np.abs(np.array(model(tokens)) - ref).max()
@@ -156,7 +156,7 @@ def test_fp8_checkpoint_matches_dequantized_transformers(tmp_path):
     with safe_open(os.path.join(path, "model.safetensors"), "np") as f:
         assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in f.keys()
     tokens = random_tokens(12, seed=4)
-    assert_logits_close(load_model(path)(mx.array(tokens)), torch_logits(hf, tokens), "fp8")
+    assert_logits_close(load_model(path, dtype="float32")(mx.array(tokens)), torch_logits(hf, tokens), "fp8")
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -228,7 +228,7 @@ def test_mtp_layer_is_loaded_and_kept(copy_of, checkpoints):
             t["model.layers.3." + name] = rng.standard_normal(shape).astype(np.float32)
 
     _rewrite_tensors(path, add_mtp)
-    model = load_model(path)
+    model = load_model(path, dtype="float32")
     assert len(model.mtp_layers) == 1 and model.mtp_layers[0].eh_proj.shape == (64, 128)
     tokens = mx.array(random_tokens(6, seed=1))
     np.testing.assert_array_equal(np.array(model(tokens)), np.array(checkpoints["v3_lora_g1"][2](tokens)))
@@ -258,7 +258,7 @@ def test_quantized_container_matches_dequantized_transformers(checkpoints, tmp_p
     arch, overrides = CONFIGS[name]
     hf, path, _ = checkpoints[name]
     effective = write_container(state_dict_numpy(hf), path, str(tmp_path / "container"))
-    model = load_model(tmp_path / "container")
+    model = load_model(tmp_path / "container", dtype="float32")
     fmts = {getattr(model.layers[2].mlp.experts[e][0], "fmt", None) for e in range(8)}
     assert fmts == {1, 2, 3, 4, 5}
     oracle = build_hf_model(arch, **overrides)
@@ -284,7 +284,7 @@ def test_e8_container_matches_dequantized_transformers(tmp_path):
     path = save_checkpoint(hf, str(tmp_path / "hf"))
     e8_experts = lambda name, shape: (6, None) if ".experts." in name else None
     effective = write_container(state_dict_numpy(hf), path, str(tmp_path / "container"), e8_experts)
-    model = load_model(tmp_path / "container")
+    model = load_model(tmp_path / "container", dtype="float32")
     assert {model.layers[1].mlp.experts[e][2].fmt for e in range(4)} == {6}
     oracle = build_hf_model("deepseek_v3", seed=6, **overrides)
     load_effective_weights(oracle, effective)
@@ -312,7 +312,7 @@ def test_dsa_container_without_indexer_runs_dense_attention(checkpoints, tmp_pat
         tensors = load_file(str(shard))
         save_file({k: v for k, v in tensors.items() if ".indexer." not in k}, str(shard))
     with pytest.warns(UserWarning, match="no DSA indexer weights, attention is dense"):
-        dense = load_model(str(dst))
+        dense = load_model(str(dst), dtype="float32")
     assert dense.dense_attention_reason and sparse.dense_attention_reason is None
     assert all(layer.self_attn.indexer is None for layer in dense.layers)
     short = random_tokens(6, seed=6)  # within index_topk=8: dense is DSA
