@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -91,6 +92,63 @@ def qgemv_specs(full: bool):
                    qgemv.launch_spec(x, qt, dispatch.CUDA, rows=rows, simdgroups=nw, unroll=unroll))
 
 
+def mla_specs(full: bool):
+    """mla_qabs / mla_attn / mla_out for every kv_b fmt, f32 and bf16 caches, with and
+    without a DSA index list (the launches mla.launch_specs builds)."""
+    from colibri_mlx.kernels import mla
+
+    rng = np.random.default_rng(0)
+    H, nope, v, R, rope, T = 8, 128, 128, 512, 64, 300
+    for fmt in (0, 1, 2, 3, 4, 5):
+        for cache, sel in ((mx.bfloat16, False), (mx.float32, True)):
+            kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=64, seed=fmt) if fmt
+                    else mx.zeros((H * (nope + v), R), mx.float32))
+            f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+            mask = mx.array(rng.random((1, 1, 2, T)) < 0.9)
+            selected = mx.array(rng.integers(0, T, (1, 2, 64)).astype(np.int32)) if sel else None
+            specs = []
+            run = mla.launch_specs(f(1, H, 2, nope), f(1, H, 2, rope), f(1, T, R).astype(cache),
+                                   f(1, T, rope).astype(cache), kv_b, 0.1, mask, nope, v, selected,
+                                   backend=dispatch.CUDA)
+
+            def capture(spec):
+                specs.append(spec)
+                return [mx.zeros(s, d) for s, d in zip(spec.output_shapes, spec.output_dtypes)]
+
+            run(capture)
+            for spec in specs:
+                yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
+
+
+def moe_specs(full: bool):
+    """moe_gate_up / moe_down / hadamard for every fmt at S = 1 (bf16 x) and S = 8 (f32 x),
+    the launch MLX gets (moe.gate_up_spec / down_spec) plus the split-K variants."""
+    from colibri_mlx.kernels import moe
+
+    fmts = (0, 1, 2, 3, 4, 5, 6)
+    for fmt in fmts:
+        D, inter = (512, 256) if fmt != 6 else (512, 256)
+        experts = []
+        for e in range(4):
+            if fmt == 0:
+                experts.append(tuple(mx.zeros(s, mx.float32) for s in ((inter, D), (inter, D), (D, inter))))
+            else:
+                experts.append((random_qtensor(fmt, inter, D, gs=64, seed=e), random_qtensor(fmt, inter, D, gs=64, seed=e + 10),
+                                random_qtensor(fmt, D, inter, gs=64, seed=e + 20)))
+        (group,) = moe.build_bank(experts).groups
+        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)) + (((3, mx.float16),) if full else ()):
+            K = 2
+            x = random_x(S, D, dtype=dtype)
+            ids = mx.zeros((S, K), mx.int32)
+            w = mx.ones((S, K), mx.float32)
+            h = mx.zeros((S * K, inter), mx.float32)
+            for nw in ((None, 2, 4) if full else (None, 2)):
+                yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
+                yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
+    for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
+        yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
+
+
 def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
     name = "custom_kernel_" + re.sub(r"\W", "_", label)
     src = work / f"{name}.cu"
@@ -108,6 +166,8 @@ def main():
     ap.add_argument("--all", action="store_true", help="also odd shapes and tuning variants")
     ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
     ap.add_argument("--keep", type=Path, help="keep the generated sources here")
+    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla"),
+                    help="kernel families to compile (qgemv moe mla)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("compile_cuda_twins: nvcc not found")
@@ -116,7 +176,9 @@ def main():
     (work / "include/mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
     (work / "include/mlx/backend/cuda/device/utils.cuh").write_text(UTILS_STUB)
     n_fail = 0
-    for label, spec in qgemv_specs(args.all):
+    families = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs}
+    specs = ((f"{fam} {label}", spec) for fam in args.only for label, spec in families[fam](args.all))
+    for label, spec in specs:
         ok, err = compile_one(label, spec, work, args.ptxas)
         n_fail += not ok
         info = ""
@@ -124,7 +186,7 @@ def main():
             regs = re.findall(r"Used (\d+) registers", err)
             spill = re.findall(r"(\d+) bytes spill stores", err)
             info = f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
-        print(f"{'OK  ' if ok else 'FAIL'} qgemv {label}{info}", flush=True)
+        print(f"{'OK  ' if ok else 'FAIL'} {label}{info}", flush=True)
         if not ok:
             print(err)
     print(f"compile_cuda_twins: {n_fail} failed (sources in {work})")

@@ -130,6 +130,18 @@ def test_moe_float_experts(metal):
     run_moe(experts, N=2, K=2, seed=11)
 
 
+@pytest.mark.parametrize("nw,rows_gu,rows_d", [(1, 1, 1), (2, 2, 3), (4, 1, 4), (2, 4, 8)])
+@pytest.mark.parametrize("fmt", [1, 4, 5, 6])
+def test_moe_launch_variants(metal, monkeypatch, fmt, nw, rows_gu, rows_d):
+    # Split-K across SIMD groups (partial sums through threadgroup memory), row blocks with
+    # clamped rows past O, and down items that cross experts inside one unroll step.
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: nw)
+    monkeypatch.setattr(moe, "gate_up_rows", lambda S: rows_gu)
+    monkeypatch.setattr(moe.qgemv, "default_rows", lambda S: rows_d)
+    experts = make_experts([fmt] * 6, D=300 if fmt == 6 else 136, inter=72, gs=48, seed=30 + fmt)
+    run_moe(experts, N=2, K=3, ids=[[0, 2, 5], [5, 1, 2]], seed=30 + fmt)
+
+
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)
@@ -151,12 +163,19 @@ def test_hadamard_matches_float64(n):
 
 
 MOE_DEFECTS = {
-    "leader writes only its own slot": ("if (moe_local(ids, lut, b, E) == e) {\n        const int s = b / K;\n        const float g",
-                                        "if (b == a) {\n        const int s = b / K;\n        const float g"),
-    "up row read from gate": ("const device uint8_t* urow = grow + size_t(O) * size_t(rb);",
-                              "const device uint8_t* urow = grow;"),
-    "gate weight ignored": ("acc[s] += d * us[j] * wt[s];", "acc[s] += d * us[j];"),
-    "repeated expert counted once per token only": ("wt[s] += weights[b];", "wt[s] = weights[b];"),
+    "leader writes only its own slot": ("if (sl[b] == e) {\n          h[size_t(b) * O + row] = hv;",
+                                        "if (b == a) {\n          h[size_t(b) * O + row] = hv;"),
+    "up row read from gate": ("rows[ROWS + r] = rows[r] + O;", "rows[ROWS + r] = rows[r];"),
+    "gate weight ignored": ("acc[r][s] += d[r][s] * (sc * wt[s]);", "acc[r][s] += d[r][s] * sc;"),
+    "repeated expert counted once per token only": ("ewt[j * S + c / K] += weights[c];", "ewt[j * S + c / K] = weights[c];"),
+    "down skips the last distinct expert": ("const int n_items = n_distinct[0] * n_units;",
+                                            "const int n_items = (n_distinct[0] - 1) * n_units;"),
+    "down split-K partial sums overwritten": ("v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];"),
+    "gate_up split-K up partial dropped": ("uv += red[(k * R2 + ROWS + r) * S + s];", "uv = red[(k * R2 + ROWS + r) * S + s];"),
+    "gate_up reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  // Thread r * S + s writes h",
+                                          "  // Thread r * S + s writes h"),
+    "down expert table barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  const int n_items",
+                                          "  const int n_items"),
     "hadamard missing barrier": ("buf[i + hs] = u - v;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                  "buf[i + hs] = u - v;\n    }"),
 }
@@ -178,6 +197,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
                     for n in ("moe_block", "hadamard"))
     assert files.count(good) == 1, f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)   # split-K defects need NW > 1
     experts = make_experts([6, 6, 4, 4, 6], D=300, inter=40, gs=32, seed=21)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         run_moe(experts, N=3, K=3, ids=[[0, 2, 1], [4, 4, 3], [0, 1, 2]], seed=21)

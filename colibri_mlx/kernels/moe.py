@@ -27,14 +27,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.qtensor import QTensor
-from . import dispatch, reference
+from . import dispatch, qgemv, reference
 from .reference import e8_grid_words, row_bytes, scales_per_row
 
 MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
 MAX_SLOTS = 64          # N * K: the kernels keep per-token masks in 32 bits, slots in a loop
 SIMD = 32
-SIMDGROUPS = 4
-UNROLL = 2
+MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
+TARGET_SIMDGROUPS = qgemv.TARGET_SIMDGROUPS
+UNIT_WEIGHTS = {0: 8, **qgemv.UNIT_WEIGHTS}     # qdecode.h units; fmt 0: 8 float32 weights
 HADAMARD_TG = 256
 HADAMARD_MAX_BLOCK = 4096  # 16 KB of threadgroup memory (Metal allows 32 KB)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -60,9 +61,9 @@ def read_kernel_sections(name: str, backend_name: str) -> tuple[str, dict]:
     return text[:marks[0].start()], bodies
 
 
-def unit_header(backend_name: str) -> str:
-    """moe_block's header: the fmt 0-6 unit decoders (mla_decode appends its own)."""
-    return read_kernel_sections("moe_block", backend_name)[0]
+def kernel_header(name: str, backend_name: str) -> str:
+    """A kernel file's header with the shared fmt 0-6 decoders (qdecode) in front."""
+    return dispatch.decode_header(backend_name) + read_kernel_sections(name, backend_name)[0]
 
 
 def _pad8(a: mx.array) -> mx.array:
@@ -132,7 +133,14 @@ class Projection:
 
     @property
     def vec(self) -> int:
-        return int(self.fmt in (1, 2, 3, 4) and self.rb % 8 == 0)
+        """qdecode's 16-byte unit loads: 2 rows a multiple of 16 bytes, 1 of 8, 0 byte loads."""
+        if self.fmt not in (1, 2, 3, 4):
+            return 0
+        return 2 if self.rb % 16 == 0 else 1 if self.rb % 8 == 0 else 0
+
+    @property
+    def n_units(self) -> int:
+        return -(-self.I // UNIT_WEIGHTS[self.fmt])
 
 
 @dataclass
@@ -250,48 +258,68 @@ def clear_banks() -> None:
 
 
 def _params(p: Projection, K: int, n_slots: int, E: int) -> mx.array:
-    n_units = -(-p.I // (4 if p.fmt == 0 else _UNIT_WEIGHTS[p.fmt]))
-    return mx.array([p.I, p.O, p.rb, p.ng, n_units, K, n_slots, E], dtype=mx.int32)
+    return mx.array([p.I, p.O, p.rb, p.ng, p.n_units, K, n_slots, E], dtype=mx.int32)
 
 
-_UNIT_WEIGHTS = {1: 8, 2: 16, 3: 32, 4: 16, 5: 64, 6: 32}
+def _simdgroups(row_blocks: int, units: int) -> int:
+    """Split-K SIMD groups per threadgroup: qgemv's rule (fill ~4096 SIMD groups while every
+    thread keeps >= 1 unit), with the distinct experts' row blocks as the threadgroups."""
+    nw = 1
+    while nw < MAX_SIMDGROUPS and row_blocks * nw < TARGET_SIMDGROUPS and units >= SIMD * 2 * nw:
+        nw *= 2
+    return nw
 
 
-def _template(p: Projection, S: int, **extra) -> list:
-    t = [(k, v) for k, v in extra.items()]
-    return t + [("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
-                ("VEC", p.vec), ("UNROLL", UNROLL)]
+def _template(p: Projection, S: int, rows: int, nw: int, x_dtype) -> list:
+    x_vec = int((p.I * x_dtype.size) % 16 == 0)
+    return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
+            ("VEC", p.vec), ("XV", x_vec), ("UNROLL", qgemv.default_unroll(max(p.fmt, 1), S)),
+            ("ROWS", int(rows)), ("NW", int(nw))]
+
+
+def gate_up_rows(S: int) -> int:
+    """Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load; ROWS * S <= 32
+    final writers and the accumulators of qgemv's ROWS = 4 (2 for S > 4)."""
+    return 2 if S <= 4 else 1
 
 
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
-                 backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
+                 backend: str = dispatch.METAL, rows: Optional[int] = None,
+                 simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
     S = x.shape[0]
     n_slots = S * K
     p = group.gate_up
+    rows = rows or gate_up_rows(S)
+    busy = min(n_slots, len(group.experts))          # distinct experts at most
+    nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
     _, bodies = read_kernel_sections("moe_block", backend)
     return dispatch.LaunchSpec(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
-        output_names=("h",), source=bodies["moe_gate_up"], header=unit_header(backend),
+        output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
         inputs=[_pad8(x), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
                 group.lut, _params(p, K, n_slots, group.n_layer_experts)],
         output_shapes=[(n_slots, p.O)],
-        output_dtypes=[mx.float32], grid=(SIMD * p.O, n_slots, 1),
-        threadgroup=(SIMD * SIMDGROUPS, 1, 1), template=_template(p, S, T=x.dtype))
+        output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1),
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, x.dtype))
 
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
-              backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
+              backend: str = dispatch.METAL, rows: Optional[int] = None,
+              simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (float32): this group's weighted down projections summed per token."""
     p = group.down
+    rows = rows or qgemv.default_rows(S)
+    busy = min(S * K, len(group.experts))
+    nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
     _, bodies = read_kernel_sections("moe_block", backend)
     return dispatch.LaunchSpec(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
-        output_names=("y",), source=bodies["moe_down"], header=unit_header(backend),
+        output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
         inputs=[_pad8(h), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
                 group.lut, _pad8(weights.reshape(-1).astype(mx.float32)), _params(p, K, S * K, group.n_layer_experts)],
-        output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * p.O, 1, 1),
-        threadgroup=(SIMD * SIMDGROUPS, 1, 1), template=_template(p, S))
+        output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32))
 
 
 @functools.lru_cache(maxsize=None)
