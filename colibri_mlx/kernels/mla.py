@@ -18,7 +18,7 @@ import numpy as np
 
 from ..formats.qtensor import QTensor
 from . import dispatch
-from .moe import Projection, _pad8, e8grid, read_kernel_sections, unit_header, weight_format
+from .moe import Projection, _pad8, e8grid, kernel_header, read_kernel_sections, weight_format
 
 MAX_QUERY_ROWS = 4
 SIMD = 32
@@ -108,7 +108,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     else:
         mask_u8 = mx.zeros((8,), mx.uint8)
     sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else mx.zeros((8,), mx.int32)
-    header = unit_header(backend) + read_kernel_sections("mla_decode", backend)[0]
+    header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
     wpu = _UNIT_WEIGHTS[p.fmt]
     NU = _ceil_div(_ceil_div(R, wpu), SIMD)
