@@ -2,28 +2,54 @@
 // latent cache, three launches (colibri_mlx/kernels/mla.py):
 //
 //   mla_qabs  q'[q, h, :] = W_UK^h^T q_nope[q, h]      one threadgroup per (head, query row);
-//             simdgroups split the nope rows of W_UK^h, lanes own units of the R columns, so
+//             SIMD groups split the nope rows of W_UK^h, lanes own units of the R columns, so
 //             every kv_b byte of W_UK is read once per query row; threadgroup reduction.
-//   mla_attn  split-K flash decoding: one SIMD group per (tile of cache positions, block of
-//             HB heads, query row). Per position the lanes hold R/32 latent columns (+ rope
-//             columns); the row is read once for HB heads; score = (q'.latent + q_rope.k_rope)
-//             * scale (masked: -1e30, like the reference); online softmax (running max m, sum
-//             l, unnormalized combine acc) -> one partial (acc[R], m, l) per tile and head.
+//   mla_attn  split-K flash decoding: one threadgroup per (head group, tile of cache positions,
+//             query row), head group fastest in the grid so the head groups of one tile run
+//             together and share the tile through L2. NSG SIMD groups x HB heads share each
+//             latent row: the threadgroup stages C = 8 positions (latent + rope columns, cache
+//             dtype widened to float once) in threadgroup memory, every SIMD group computes its
+//             HB x 8 partial scores (lanes own columns, conflict-free), one reduce-scatter
+//             (31 shuffles) leaves lane i * 8 + c with the score of head i, position c, and the
+//             online softmax runs once per chunk: one max / sum over 8 lanes, one rescale of the
+//             accumulator per chunk (not per position), then acc += p * latent for the 8
+//             positions. One partial (acc[R], m, l) per tile and head.
 //   mla_out   one threadgroup per (head, query row): merges the tiles' partials into the
 //             normalized latent context in threadgroup memory, then out = W_UV^h context
-//             (simdgroups take rows, lanes units, simd_sum).
+//             (SIMD groups take rows, lanes units, simd_sum).
 //
 // Cache length has no cap: tiles are as many as needed, the merge loops over them. With an
-// index list (DSA) the tiles run over the listed positions instead of 0..T-1.
-// Header: appended to qgemv.metal's and moe_block.metal's headers (cm_* unit helpers: fmt 0-5).
+// index list (DSA) the tiles run over the listed positions instead of 0..T-1. kv_b decoding
+// is qdecode.h's (prepended to this header). Math is float32 for any cache dtype.
 // The CUDA twin metal_kernels/cuda/mla_decode.cu implements the same algorithm.
 //
 // params (int32[16]): H, nope, v, R, rope, T, P (positions per query row), TT (positions per
 // tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, 0.
 // fparams (float32[8]): scale, 0...
 
+// Positions per softmax chunk; HB x MLA_CHUNK = 32 partial scores per SIMD group.
+constexpr int mla_chunk() {
+  return 8;
+}
+
+// Lane l ends with the sum over the SIMD group of v[l] (v[32] per lane): halving exchanges,
+// 16 + 8 + 4 + 2 + 1 shuffles. After the exchange at distance w, lane bit w says which half
+// of the indices the lane keeps.
+inline float mla_reduce_scatter(thread float* v, int lane) {
+  for (int w = 16; w >= 1; w >>= 1) {
+    const bool upper = (lane & w) != 0;
+    for (int k = 0; k < w; ++k) {
+      const float keep = upper ? v[k + w] : v[k];
+      const float send = upper ? v[k] : v[k + w];
+      v[k] = keep + simd_shuffle_xor(send, ushort(w));
+    }
+  }
+  return v[0];
+}
+
 // ==== kernel body: mla_qabs ====
-  constexpr int WPU = cm_wpu(FMT);
+  constexpr int WPU = qd_wpu(FMT);
+  constexpr int SEG = qd_seg(FMT, GS);
   threadgroup float red[NSG * NU * WPU * 32];
   const int H = params[0];
   const int nope = params[1];
@@ -43,18 +69,22 @@
   }
   for (int n = sg; n < nope; n += NSG) {
     const int row = h * (nope + v) + n;
-    const float xq = qn[(size_t(q) * H + h) * nope + n];
+    const float xq = qn[(size_t(q) * H + h) * nope + n] * qd_row_scale<FMT>(scales, row);
     const device uint8_t* wrow = w + size_t(row) * size_t(rb);
     for (int j = 0; j < NU; ++j) {
       const int u = lane + 32 * j;
       if (u < n_units) {
-        uint r[6];
-        cm_load<FMT, VEC>(wrow, rb, R, u, r);
-        const float us = cm_unit_scale<FMT, GS>(scales, row, ng, u, r) * xq;
-        float wq[WPU];
-        cm_decode<FMT>(r, e8grid, wq);
-        for (int k = 0; k < WPU; ++k) {
-          acc[j * WPU + k] += us * wq[k];
+        uint r[qd_words(FMT)];
+        qd_load<FMT, VEC>(wrow, rb, u, r);
+        for (int g = 0; g < WPU / SEG; ++g) {
+          const float us = qd_seg_scale<FMT, GS>(scales, row, ng, u, g, r) * xq;
+          for (int c = 0; c < SEG; c += 8) {
+            float wq[8];
+            qd_decode8<FMT>(r, SEG * g + c, e8grid, wq);
+            for (int k = 0; k < 8; ++k) {
+              acc[j * WPU + SEG * g + c + k] += us * wq[k];
+            }
+          }
         }
       }
     }
@@ -76,33 +106,39 @@
     qabs[(size_t(q) * H + h) * R + c] = s;
   }
 // ==== kernel body: mla_attn ====
+  constexpr int C = mla_chunk();
+  constexpr int RW = (CJ + RJ) * 32;           // a staged position: latent columns, then rope
+  threadgroup float lat_s[C * RW];
+  threadgroup int keep_s[C];                   // 1 keep, 0 masked (-1e30), -1 past the tile
   const int H = params[0];
   const int R = params[3];
   const int rope = params[4];
   const int T = params[5];
   const int P = params[6];
   const int TT = params[7];
-  const int NT = params[8];
   const int L = params[9];
   const int has_mask = params[13];
   const int has_sel = params[14];
   const float scale = fparams[0];
+  const int tid = int(thread_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
-  const int tile = int(threadgroup_position_in_grid.x) * NSG + int(simdgroup_index_in_threadgroup);
-  const int h0 = int(threadgroup_position_in_grid.y) * HB;
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int tile = int(threadgroup_position_in_grid.y);
   const int q = int(threadgroup_position_in_grid.z);
-  if (tile >= NT) {
-    return;
-  }
+  const int h0 = (int(threadgroup_position_in_grid.x) * NSG + sg) * HB;
+  const bool active = h0 < H;                  // idle SIMD groups still stage and wait
   const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
   float qa[HB][CJ];
   float qr[HB][RJ];
   float acc[HB][CJ];
   float m[HB];
   float l[HB];
   for (int i = 0; i < HB; ++i) {
-    const device float* qa_h = qabs + (size_t(q) * H + h0 + i) * R;
-    const device float* qr_h = qrope + (size_t(q) * H + h0 + i) * rope;
+    const int hh = min(h0 + i, H - 1);
+    const device float* qa_h = qabs + (size_t(q) * H + hh) * R;
+    const device float* qr_h = qrope + (size_t(q) * H + hh) * rope;
     for (int j = 0; j < CJ; ++j) {
       const int c = lane + 32 * j;
       qa[i][j] = c < R ? qa_h[c] : 0.0f;
@@ -115,57 +151,109 @@
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
-  const int p1 = min(P, (tile + 1) * TT);
-  for (int p = tile * TT; p < p1; ++p) {
-    const int t = has_sel ? sel[size_t(q) * P + p] : p;
-    const device TC* lat = latent + (size_t(b) * T + t) * R;
-    const device TC* kr = krope + (size_t(b) * T + t) * rope;
-    float lv[CJ];
-    float kv[RJ];
-    for (int j = 0; j < CJ; ++j) {
-      const int c = lane + 32 * j;
-      lv[j] = c < R ? float(lat[c]) : 0.0f;
+  for (int c0 = p0; c0 < p1; c0 += C) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
+    for (int k = tid; k < C * RW; k += NSG * 32) {
+      const int c = k / RW;
+      const int col = k - c * RW;
+      float val = 0.0f;
+      if (c0 + c < p1) {
+        const int t = has_sel ? sel[size_t(q) * P + c0 + c] : c0 + c;
+        if (col < R) {
+          val = float(latent[(size_t(b) * T + t) * R + col]);
+        } else if (col >= CJ * 32 && col - CJ * 32 < rope) {
+          val = float(krope[(size_t(b) * T + t) * rope + col - CJ * 32]);
+        }
+      }
+      lat_s[k] = val;
     }
-    for (int j = 0; j < RJ; ++j) {
-      const int c = lane + 32 * j;
-      kv[j] = c < rope ? float(kr[c]) : 0.0f;
+    if (tid < C) {
+      int keep = -1;
+      if (c0 + tid < p1) {
+        const int t = has_sel ? sel[size_t(q) * P + c0 + tid] : c0 + tid;
+        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+      }
+      keep_s[tid] = keep;
     }
-    const bool keep = !has_mask || mask[size_t(q) * T + t] != 0;
-    for (int i = 0; i < HB; ++i) {
-      float d = 0.0f;
-      for (int j = 0; j < CJ; ++j) {
-        d += qa[i][j] * lv[j];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (active) {
+      // d[i * C + c]: this lane's share of head i's score at position c (heads >= HB: 0).
+      float d[32];
+      for (int k = 0; k < 32; ++k) {
+        d[k] = 0.0f;
       }
-      for (int j = 0; j < RJ; ++j) {
-        d += qr[i][j] * kv[j];
+      for (int c = 0; c < C; ++c) {
+        const threadgroup float* row = lat_s + c * RW;
+        for (int j = 0; j < CJ; ++j) {
+          const float lv = row[lane + 32 * j];
+          for (int i = 0; i < HB; ++i) {
+            d[i * C + c] += qa[i][j] * lv;
+          }
+        }
+        for (int j = 0; j < RJ; ++j) {
+          const float kv = row[CJ * 32 + lane + 32 * j];
+          for (int i = 0; i < HB; ++i) {
+            d[i * C + c] += qr[i][j] * kv;
+          }
+        }
       }
-      d = simd_sum(d);
-      const float s = keep ? d * scale : -1e30f;
-      const float m_new = max(m[i], s);
-      const float alpha = exp(m[i] - m_new);
-      const float pw = exp(s - m_new);
-      l[i] = l[i] * alpha + pw;
-      for (int j = 0; j < CJ; ++j) {
-        acc[i][j] = acc[i][j] * alpha + pw * lv[j];
+      // Lane i * C + c: score of head i at position c; the softmax of a head spans 8 lanes.
+      const float dot = mla_reduce_scatter(d, lane);
+      const int keep = keep_s[lane % C];
+      const float s = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : -INFINITY);
+      float cmax = max(s, simd_shuffle_xor(s, ushort(1)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(2)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));
+      float m_old = m[0];
+      for (int i = 1; i < HB; ++i) {
+        m_old = (lane / C == i) ? m[i] : m_old;
       }
-      m[i] = m_new;
+      const float m_new = max(m_old, cmax);
+      const float alpha = exp(m_old - m_new);
+      const float pw = keep >= 0 ? exp(s - m_new) : 0.0f;
+      float psum = pw + simd_shuffle_xor(pw, ushort(1));
+      psum += simd_shuffle_xor(psum, ushort(2));
+      psum += simd_shuffle_xor(psum, ushort(4));
+      for (int i = 0; i < HB; ++i) {
+        const float al = simd_shuffle(alpha, ushort(i * C));
+        m[i] = simd_shuffle(m_new, ushort(i * C));
+        l[i] = l[i] * al + simd_shuffle(psum, ushort(i * C));
+        for (int j = 0; j < CJ; ++j) {
+          acc[i][j] *= al;
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        float pc[HB];
+        for (int i = 0; i < HB; ++i) {
+          pc[i] = simd_shuffle(pw, ushort(i * C + c));
+        }
+        const threadgroup float* row = lat_s + c * RW;
+        for (int j = 0; j < CJ; ++j) {
+          const float lv = row[lane + 32 * j];
+          for (int i = 0; i < HB; ++i) {
+            acc[i][j] += pc[i] * lv;
+          }
+        }
+      }
     }
   }
-  for (int i = 0; i < HB; ++i) {
-    const size_t part = (size_t(q) * H + h0 + i) * NT + tile;
-    for (int j = 0; j < CJ; ++j) {
-      const int c = lane + 32 * j;
-      if (c < R) {
-        pacc[part * R + c] = acc[i][j];
+  if (active) {
+    for (int i = 0; i < HB; ++i) {
+      const size_t part = (size_t(q) * H + h0 + i) * size_t(params[8]) + tile;
+      for (int j = 0; j < CJ; ++j) {
+        const int c = lane + 32 * j;
+        if (c < R) {
+          pacc[part * R + c] = acc[i][j];
+        }
       }
-    }
-    if (lane == 0) {
-      pml[2 * part] = m[i];
-      pml[2 * part + 1] = l[i];
+      if (lane == 0) {
+        pml[2 * part] = m[i];
+        pml[2 * part + 1] = l[i];
+      }
     }
   }
 // ==== kernel body: mla_out ====
-  constexpr int WPU = cm_wpu(FMT);
+  constexpr int WPU = qd_wpu(FMT);
   threadgroup float ctx[RMAX];
   const int H = params[0];
   const int nope = params[1];
@@ -189,12 +277,12 @@
   for (int t = 0; t < NT; ++t) {
     den += exp(pml[2 * (part0 + t)] - mx_) * pml[2 * (part0 + t) + 1];
   }
-  for (int c = tid; c < R; c += NSG * 32) {
+  for (int c = tid; c < RMAX; c += NSG * 32) {
     float s = 0.0f;
-    for (int t = 0; t < NT; ++t) {
+    for (int t = 0; t < NT && c < R; ++t) {
       s += exp(pml[2 * (part0 + t)] - mx_) * pacc[(part0 + t) * R + c];
     }
-    ctx[c] = s / den;
+    ctx[c] = s / den;                          // 0 past R: the last unit's padding weights
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (int vi = sg; vi < v; vi += NSG) {
@@ -202,19 +290,23 @@
     const device uint8_t* wrow = w + size_t(row) * size_t(rb);
     float a = 0.0f;
     for (int u = lane; u < n_units; u += 32) {
-      uint r[6];
-      cm_load<FMT, VEC>(wrow, rb, R, u, r);
-      const float us = cm_unit_scale<FMT, GS>(scales, row, ng, u, r);
-      float wq[WPU];
-      cm_decode<FMT>(r, e8grid, wq);
-      float d = 0.0f;
-      for (int k = 0; k < WPU; ++k) {
-        d += (u * WPU + k < R) ? wq[k] * ctx[u * WPU + k] : 0.0f;
+      uint r[qd_words(FMT)];
+      qd_load<FMT, VEC>(wrow, rb, u, r);
+      for (int g = 0; g < WPU / qd_seg(FMT, GS); ++g) {
+        float d = 0.0f;
+        for (int c = 0; c < qd_seg(FMT, GS); c += 8) {
+          const int k0 = qd_seg(FMT, GS) * g + c;
+          float wq[8];
+          qd_decode8<FMT>(r, k0, e8grid, wq);
+          for (int k = 0; k < 8; ++k) {
+            d += wq[k] * ctx[u * WPU + k0 + k];
+          }
+        }
+        a += d * qd_seg_scale<FMT, GS>(scales, row, ng, u, g, r);
       }
-      a += d * us;
     }
     a = simd_sum(a);
     if (lane == 0) {
-      out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a);
+      out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a * qd_row_scale<FMT>(scales, row));
     }
   }

@@ -249,6 +249,14 @@ def test_mla_batch_queries_mask_and_rope_wider_than_a_simd_group(metal):
     run_mla(metal, B=2, L=3, H=2, T=45, R=96, rope=40, v=16, tile=8, masked=True, seed=3)
 
 
+@pytest.mark.parametrize("H,tile", [(20, 16), (3, 12), (8, 24)])
+def test_mla_head_groups_and_chunks(metal, H, tile):
+    # 20 heads: 5 blocks of 4 -> two threadgroups of 4 SIMD groups, three of them idle in the
+    # second (they still stage chunks and wait); 3 heads: one head per SIMD group; tiles that
+    # are not a multiple of the 8-position chunk (a chunk crosses the tile end).
+    run_mla(metal, H=H, T=61, tile=tile, masked=True, seed=40 + H)
+
+
 def test_mla_selected_positions(metal):
     run_mla(metal, B=1, L=2, T=90, n_sel=20, tile=8, seed=4)
 
@@ -267,11 +275,16 @@ def test_mla_dispatch_counts(metal):
 
 
 MLA_DEFECTS = {
-    "online softmax without rescale": ("acc[i][j] = acc[i][j] * alpha + pw * lv[j];", "acc[i][j] = acc[i][j] + pw * lv[j];"),
+    "online softmax without rescale": ("acc[i][j] *= al;", ""),
     "tile merge ignores max": ("s += exp(pml[2 * (part0 + t)] - mx_) * pacc", "s += pacc"),
-    "rope part dropped": ("d += qr[i][j] * kv[j];", "d += 0.0f;"),
+    "rope part dropped": ("d[i * C + c] += qr[i][j] * kv;", "d[i * C + c] += 0.0f;"),
     "qabs reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g",
                                        "  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g"),
+    "chunk staged without a barrier": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (active) {", "    if (active) {"),
+    "reduce-scatter keeps the wrong half": ("const float keep = upper ? v[k + w] : v[k];", "const float keep = upper ? v[k] : v[k + w];"),
+    "chunk sum misses half the head's lanes": ("psum += simd_shuffle_xor(psum, ushort(4));", ""),
+    "mask ignored in the chunk": ("keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;", "keep = 1;"),
+    "positions past the tile end scored": ("      int keep = -1;", "      int keep = 1;"),
 }
 
 
@@ -283,11 +296,12 @@ def test_mla_planted_defect_is_caught(metal, defect):
 
     def planted(spec):
         spec.source = spec.source.replace(good, bad)
+        spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
-    args, _ = mla_inputs(T=70, masked=True, seed=6)
+    args, _ = mla_inputs(H=8, T=70, masked=True, seed=6)      # two SIMD groups share each chunk
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        out = mla.launch_specs(*args, tile=8)(planted)
+        out = mla.launch_specs(*args, tile=12)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
 

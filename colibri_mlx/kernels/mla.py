@@ -18,7 +18,7 @@ import numpy as np
 
 from ..formats.qtensor import QTensor
 from . import dispatch
-from .moe import Projection, _pad8, e8grid, kernel_header, read_kernel_sections, weight_format
+from .moe import UNIT_WEIGHTS, Projection, _pad8, e8grid, kernel_header, read_kernel_sections, weight_format
 
 MAX_QUERY_ROWS = 4
 SIMD = 32
@@ -27,7 +27,8 @@ TARGET_TILES = 64         # split-K: enough (tile, head block) SIMD groups to fi
 MIN_TILE = 32
 CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
-_UNIT_WEIGHTS = {0: 4, 1: 8, 2: 16, 3: 32, 4: 16, 5: 64}
+KV_B_FMTS = (0, 1, 2, 3, 4, 5)
+CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
 
 
 def _ceil_div(a, b):
@@ -59,7 +60,7 @@ _kvb: dict = {}
 
 def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
     fmt, gs = weight_format(kv_b)
-    if fmt not in _UNIT_WEIGHTS:
+    if fmt not in KV_B_FMTS:
         return f"kv_b fmt {fmt} (fmt 0-5 only)"
     if fmt == 4 and (not gs or gs % 16):
         return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
@@ -79,8 +80,14 @@ def _template(p: Projection, **extra) -> list:
         ("FMT", p.fmt), ("GS", int(p.gs) if p.fmt == 4 else 16), ("VEC", p.vec)]
 
 
+def default_tile(P: int) -> int:
+    """Positions per tile: about TARGET_TILES tiles, at least MIN_TILE, a multiple of CHUNK."""
+    tt = max(MIN_TILE, _ceil_div(P, TARGET_TILES))
+    return _ceil_div(tt, CHUNK) * CHUNK
+
+
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel) -> mx.array:
-    n_units = _ceil_div(R, _UNIT_WEIGHTS[p.fmt])
+    n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
     return mx.array([H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, 0],
                     dtype=mx.int32)
 
@@ -96,7 +103,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if (p.O, p.I) != (H * (nope + v), R):
         raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
     P = T if selected is None else selected.shape[-1]
-    TT = tile or max(MIN_TILE, _ceil_div(P, TARGET_TILES))
+    TT = tile or default_tile(P)
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel)
@@ -110,9 +117,11 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else mx.zeros((8,), mx.int32)
     header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
-    wpu = _UNIT_WEIGHTS[p.fmt]
+    wpu = UNIT_WEIGHTS[p.fmt]
     NU = _ceil_div(_ceil_div(R, wpu), SIMD)
     HB = _heads_per_block(H)
+    attn_sg = min(NSG, _ceil_div(H, HB))          # SIMD groups sharing each staged chunk
+    head_groups = _ceil_div(H, HB * attn_sg)
     CJ, RJ = _ceil_div(R, SIMD), max(1, _ceil_div(rope, SIMD))
     tg = (SIMD * NSG, 1, 1)
 
@@ -129,8 +138,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             output_names=("pacc", "pml"), source=bodies["mla_attn"], header=header,
             inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
-            grid=(SIMD * NSG * _ceil_div(NT, NSG), H // HB, BL), threadgroup=tg,
-            template=[("TC", latent.dtype), ("NSG", NSG), ("HB", HB), ("CJ", CJ), ("RJ", RJ)])
+            grid=(SIMD * attn_sg * head_groups, NT, BL), threadgroup=(SIMD * attn_sg, 1, 1),
+            template=[("TC", latent.dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", CJ), ("RJ", RJ)])
 
     def out_spec(pacc, pml):
         return dispatch.LaunchSpec(
@@ -139,7 +148,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
             output_shapes=[(BL, H, v)], output_dtypes=[q_nope.dtype],
             grid=(SIMD * NSG, H, BL), threadgroup=tg,
-            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=CJ * SIMD))
+            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64))
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
