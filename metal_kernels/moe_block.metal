@@ -130,18 +130,7 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       }
     }
   }
-  for (int r = 0; r < R2; ++r) {
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = simd_sum(acc[r][s]);
-    }
-  }
-  if (lane == 0) {
-    for (int r = 0; r < R2; ++r) {
-      for (int s = 0; s < S; ++s) {
-        red[(warp * R2 + r) * S + s] = acc[r][s];
-      }
-    }
-  }
+  qd_simd_partials<R2, S>(acc, red, warp, lane);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Thread r * S + s writes h of token s, row row0 + r, into every slot of s routed to e.
   if (tid < ROWS * S) {
@@ -281,18 +270,7 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = simd_sum(acc[r][s]);
-    }
-  }
-  if (lane == 0) {
-    for (int r = 0; r < ROWS; ++r) {
-      for (int s = 0; s < S; ++s) {
-        red[(warp * ROWS + r) * S + s] = acc[r][s];
-      }
-    }
-  }
+  qd_simd_partials<ROWS, S>(acc, red, warp, lane);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // Thread r * S + s writes y[s, row0 + r] (0 when no expert of this group serves token s).
   if (tid < ROWS * S) {

@@ -243,3 +243,21 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
     }
   }
 }
+
+// Split-K epilogue: each SIMD group sums its lanes' acc[r][s]; lane 0 stores the group's
+// partials at red[(warp * ROWS + r) * S + s] for the caller to add after a barrier.
+template <int ROWS, int S>
+inline void qd_simd_partials(thread float (*acc)[S], threadgroup float* red, int warp, int lane) {
+  for (int r = 0; r < ROWS; ++r) {
+    for (int s = 0; s < S; ++s) {
+      acc[r][s] = simd_sum(acc[r][s]);
+    }
+  }
+  if (lane == 0) {
+    for (int r = 0; r < ROWS; ++r) {
+      for (int s = 0; s < S; ++s) {
+        red[(warp * ROWS + r) * S + s] = acc[r][s];
+      }
+    }
+  }
+}

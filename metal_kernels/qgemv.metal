@@ -89,19 +89,8 @@ inline void qg_unit(thread const uint (*raw)[W], const device T* x, const device
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = simd_sum(acc[r][s]);
-    }
-  }
+  qd_simd_partials<ROWS, S>(acc, red, warp, lane);
   if (NW > 1) {
-    if (lane == 0) {
-      for (int r = 0; r < ROWS; ++r) {
-        for (int s = 0; s < S; ++s) {
-          red[(warp * ROWS + r) * S + s] = acc[r][s];
-        }
-      }
-    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   // Thread r * S + s of the first SIMD group writes y[s, row0 + r].

@@ -30,14 +30,6 @@ __device__ __forceinline__ void slot_table(const int32_t* ids, const int32_t* lu
   __syncthreads();
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, off);
-  }
-  return v;
-}
-
 // acc[r][s] += the rows' units tid, tid + 32 * NW, ... against the tokens in `tokens`.
 template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, typename T>
 __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, const float* sgu,
@@ -210,22 +202,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, T>(
         x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   }
-#pragma unroll
-  for (int r = 0; r < R2; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = colibri_moe::warp_sum(acc[r][s]);
-    }
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < R2; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        red[(warp * R2 + r) * S + s] = acc[r][s];
-      }
-    }
-  }
+  colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
   __syncthreads();
   if (tid < ROWS * S) {
     const int r = tid / S;
@@ -328,22 +305,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0>(
         h, wd, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
   }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = colibri_moe::warp_sum(acc[r][s]);
-    }
-  }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        red[(warp * ROWS + r) * S + s] = acc[r][s];
-      }
-    }
-  }
+  colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
   __syncthreads();
   if (tid < ROWS * S) {
     const int r = tid / S;

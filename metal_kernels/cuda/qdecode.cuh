@@ -241,5 +241,30 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
   }
 }
 
+// Split-K epilogue: each warp sums its lanes' acc[r][s]; lane 0 stores the warp's partials at
+// red[(warp * ROWS + r) * S + s] for the caller to add after a barrier.
+template <int ROWS, int S>
+__device__ __forceinline__ void warp_partials(float (*acc)[S], float* red, int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        acc[r][s] += __shfl_xor_sync(0xffffffffu, acc[r][s], off);
+      }
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        red[(warp * ROWS + r) * S + s] = acc[r][s];
+      }
+    }
+  }
+}
+
 }  // namespace colibri_qd
 

@@ -106,26 +106,8 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
     colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, T>(
         x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
   }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        acc[r][s] += __shfl_xor_sync(0xffffffffu, acc[r][s], off);
-      }
-    }
-  }
+  colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
   if (NW > 1) {
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-          red[(warp * ROWS + r) * S + s] = acc[r][s];
-        }
-      }
-    }
     __syncthreads();
   }
   // Thread r * S + s of the first warp writes y[s, row0 + r].
