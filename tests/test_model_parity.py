@@ -300,17 +300,22 @@ def test_top_k_mask_breaks_ties_by_position():
     assert np.array(top_k_mask(scores, 1)).tolist() == [[False, True, False, False, False, False, False]]
 
 
+def _copy_without(src, dst, fragment: str):
+    """A copy of checkpoint ``src`` without the tensors whose names contain ``fragment``."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for shard in dst.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        save_file({k: v for k, v in tensors.items() if fragment not in k}, str(shard))
+    return dst
+
+
 def test_dsa_container_without_indexer_runs_dense_attention(checkpoints, tmp_path):
     # Upstream's converter writes the DSA indexer only in a separate --indexer pass, so most GLM-5
     # containers lack it; such a directory loads with dense attention and says so.
-    from safetensors.numpy import load_file, save_file
-
     hf, path, sparse = checkpoints["glm_shared_yarn"]
-    dst = tmp_path / "no_indexer"
-    shutil.copytree(path, dst)
-    for shard in dst.glob("*.safetensors"):
-        tensors = load_file(str(shard))
-        save_file({k: v for k, v in tensors.items() if ".indexer." not in k}, str(shard))
+    dst = _copy_without(path, tmp_path / "no_indexer", ".indexer.")
     with pytest.warns(UserWarning, match="no DSA indexer weights, attention is dense"):
         dense = load_model(str(dst), dtype="float32")
     assert dense.dense_attention_reason and sparse.dense_attention_reason is None
@@ -322,13 +327,7 @@ def test_dsa_container_without_indexer_runs_dense_attention(checkpoints, tmp_pat
 
 
 def test_partial_indexer_is_still_refused(checkpoints, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
     _, path, _ = checkpoints["glm_shared_yarn"]
-    dst = tmp_path / "partial_indexer"
-    shutil.copytree(path, dst)
-    for shard in dst.glob("*.safetensors"):
-        tensors = load_file(str(shard))
-        save_file({k: v for k, v in tensors.items() if "layers.0.self_attn.indexer.wk" not in k}, str(shard))
+    dst = _copy_without(path, tmp_path / "partial_indexer", "layers.0.self_attn.indexer.wk")
     with pytest.raises(ValueError, match="missing tensor .*layers.0.self_attn.indexer.wk"):
         load_model(str(dst))
