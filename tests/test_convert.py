@@ -3,6 +3,7 @@ float64 / torch references and upstream's quantizer formulas written out element
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -548,10 +549,12 @@ def test_cli_convert(checkpoints, tmp_path):
 # ---------------------------------------------------------------- the loaded model
 
 
-@pytest.mark.parametrize("recipe", ["default", "int3-up"])
-def test_loaded_container_logits_match_dequantized_reference(tmp_path, recipe):
-    """An FP8 checkpoint converted and loaded by colibri_mlx.load, against transformers running
-    the container's own dequantized weights: names, layouts and formats reach the model intact."""
+@pytest.mark.parametrize("source, recipe", [("fp8", "default"), ("fp8", "int3-up"), ("bf16", "default"),
+                                            ("f16", "default"), ("f32", "int3-up")])
+def test_loaded_container_logits_match_dequantized_reference(tmp_path, source, recipe):
+    """A checkpoint (FP8 block-scaled, BF16, F16 or F32) converted and loaded by colibri_mlx.load,
+    against transformers running the container's own dequantized weights: names, layouts and
+    formats reach the model intact."""
     helpers = pytest.importorskip("helpers_models")
     colibri_mlx = pytest.importorskip("colibri_mlx")
     if not hasattr(colibri_mlx, "load"):
@@ -561,7 +564,18 @@ def test_loaded_container_logits_match_dequantized_reference(tmp_path, recipe):
     from colibri_mlx.container import expected_shapes
 
     hf = helpers.build_hf_model("deepseek_v3", seed=5, n_routed_experts=8, moe_intermediate_size=64)
-    src = helpers.save_checkpoint(hf, str(tmp_path / "fp8"), fp8=True)
+    if source in ("bf16", "f16"):
+        # The checkpoint holds rounded weights: round the float32 oracle's parameters the same way
+        # (only parameters: a half-precision rotary buffer would corrupt the oracle itself).
+        half = torch.bfloat16 if source == "bf16" else torch.float16
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.copy_(p.to(half).float())
+        src = helpers.save_checkpoint(copy.deepcopy(hf).to(half), str(tmp_path / source))
+        with Container(src) as c:
+            assert c.info("model.layers.0.self_attn.kv_b_proj.weight").dtype == source.upper()
+    else:
+        src = helpers.save_checkpoint(hf, str(tmp_path / source), fp8=source == "fp8")
     out = tmp_path / "out"
     _convert(src, out, recipe=recipe)
     dequantized = {}
