@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything the H200 has to check and time, in one device call (device time is the scarce thing).
+#
+# Here, before the call:
+#   bash ../shared/device/prepare-mlx-cuda.sh            # prints the back-to-back staging runs
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2
+# Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl"]:
+#   bash .devwhl/pN/install.sh && bash scripts/gpu_session.sh
+# Logs land in $OUT (or ./gpu-out when run elsewhere). Correctness runs before any timing, and a
+# failing check does not stop the timings (the log says which failed).
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/root/site:/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/env.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
+
+step() {  # step NAME COMMAND...: run, log, record pass/fail
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  printf '%-14s rc=%d %4ds\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$out/summary.txt"
+}
+
+step check_twins   python3 scripts/check_kernels_gpu.py
+step kernel_tests  python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py
+step parity        python3 -m pytest -q tests/test_model_parity.py \
+                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference
+step bench_qgemv   python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json"
+step bench_moe_mla python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768
+step bench_e2e     python3 scripts/bench_e2e.py --steps 16
+tail -n 25 "$out"/bench_*.log
+cat "$out/summary.txt"
