@@ -6,6 +6,9 @@ Each subcommand parses options here and imports its implementation lazily, so th
 
 from __future__ import annotations
 
+import io
+import sys
+
 import click
 
 from . import __version__
@@ -114,6 +117,26 @@ def _stats_line(last) -> str:
     return line
 
 
+def _utf8_text(text: str, what: str) -> str:
+    """``text`` as given (argv and stdin decode undecodable bytes to surrogates), or a clear error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+        at = f"byte 0x{byte:02x}" if byte is not None else f"character {text[e.start]!r}"
+        raise click.ClickException(f"{what} is not valid UTF-8 ({at} at character {e.start})") from None
+    return text
+
+
+def _read_stdin_text() -> str:
+    data = click.get_binary_stream("stdin").read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"the prompt on stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at "
+                                   f"offset {e.start})") from None
+
+
 def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
     """Print the reply as it streams; return (text, generated token ids, last response)."""
     from .generate import stream_generate
@@ -133,8 +156,9 @@ def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is, without the chat template.")
 def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template):
     """Generate text for one prompt; the stats line goes to stderr."""
-    if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
+    prompt = _read_stdin_text() if prompt == "-" else _utf8_text(prompt, "the prompt")
+    if system is not None:
+        system = _utf8_text(system, "the system message")
     model, tokenizer = _load_for_cli(model_path)
     try:
         if no_chat_template:
@@ -157,12 +181,18 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
 @_sampling_options
 def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system):
     """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits."""
+    if system is not None:
+        system = _utf8_text(system, "the system message")
     model, tokenizer = _load_for_cli(model_path)
     if not tokenizer.chat_template:
         raise click.ClickException("the model's tokenizer has no chat template; use `colibri generate "
                                    "--no-chat-template` instead")
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     session = _ChatSession(model, tokenizer, system)
+    # A strict decoder would fail on a bad byte and drop the rest of its buffer (the next lines):
+    # keep the bytes as surrogates instead, and refuse that one line (_utf8_text).
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
     click.echo("colibri chat: /reset clears the conversation, /exit quits.", err=True)
     while True:
         try:
@@ -179,7 +209,10 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         if not command:
             continue
         try:
-            last = session.turn(line, opts)
+            last = session.turn(_utf8_text(line, "the message"), opts)
+        except click.ClickException as e:  # a bad line: say so and read the next one
+            click.echo(f"Error: {e.format_message()}", err=True)
+            continue
         except ValueError as e:
             raise click.ClickException(str(e)) from None
         click.echo(_stats_line(last), err=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -88,3 +91,21 @@ def test_chat_session_feeds_only_new_tokens(checkpoint, monkeypatch):
 def test_missing_model_is_a_clear_error():
     result = CliRunner().invoke(main, ["generate", "-m", "/nonexistent/dir", "-p", "x"])
     assert result.exit_code != 0 and "does not exist" in result.output
+
+
+def test_non_utf8_input_is_a_clear_error(checkpoint):
+    path, _, _ = checkpoint
+    # argv and the terminal hand undecodable bytes over as surrogate escapes.
+    bad = b"in \xff the".decode("utf-8", "surrogateescape")
+    result = CliRunner().invoke(main, ["generate", "-m", path, "-p", bad, "--max-tokens", "2"])
+    assert result.exit_code == 1 and "the prompt is not valid UTF-8 (byte 0xff at character 3)" in result.output
+    result = CliRunner().invoke(main, ["generate", "-m", path, "-p", "-", "--max-tokens", "2"], input=b"ok \xfe")
+    assert result.exit_code == 1 and "not valid UTF-8 (byte 0xfe at offset 3)" in result.output
+    # A real pipe with a strict UTF-8 stdin decoder (CliRunner echoes input through a strict encoder).
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    chat = subprocess.run([sys.executable, "-m", "colibri_mlx", "chat", "-m", path, "--max-tokens", "2"],
+                          input=b"in \xff the\nab\n", capture_output=True, env=env, timeout=120)
+    stderr = chat.stderr.decode()
+    assert chat.returncode == 0, stderr
+    assert "Error: the message is not valid UTF-8 (byte 0xff at character 3)" in stderr
+    assert len(STATS.findall(stderr)) == 1  # the next line still got its reply
