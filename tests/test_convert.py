@@ -434,6 +434,31 @@ def test_resume_with_other_parameters_is_refused(checkpoints, tmp_path):
     assert manifest["shards"]["model-00004-of-00004.safetensors"] == ""
 
 
+def test_outdir_with_a_foreign_shard_is_refused_before_writing(checkpoints, tmp_path):
+    # A container reads every *.safetensors in its directory: converting next to another
+    # shard would "succeed" into a container with every tensor twice.
+    indir, _ = checkpoints("bf16")
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copyfile(indir / "model-00001-of-00004.safetensors", out / "model-00001-of-00004.safetensors")
+    with pytest.raises(ConvertError, match=r"model-00001-of-00004\.safetensors.*fresh --outdir"):
+        _convert(indir, out)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00004.safetensors"]
+
+
+def test_stale_shard_of_an_earlier_conversion_is_refused(checkpoints, tmp_path):
+    indir, _ = checkpoints("bf16")
+    out = tmp_path / "out"
+    _convert(indir, out)
+    (out / ".out-progress.json").unlink()  # as the refusal to mix conversions suggests
+    shutil.copyfile(out / "out-00001.safetensors", out / "out-00007.safetensors")  # a bigger run's leftover
+    with pytest.raises(ConvertError, match=r"out-00007\.safetensors"):
+        _convert(indir, out)
+    (out / "out-00007.safetensors").unlink()
+    _convert(indir, out)
+    Container(str(out))  # readable: no tensor twice
+
+
 # ---------------------------------------------------------------- bad input
 
 

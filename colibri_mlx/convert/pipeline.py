@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +42,10 @@ def _quant_rows() -> int:
 
 
 QUANT_ROWS = _quant_rows()
+
+# The names the three passes write (SHARD_PREFIX + 5 digits); any other shard in the output
+# directory would be read as part of the container.
+PASS_SHARD_NAME = re.compile(r"out-(?:mtp-|idx-)?\d{5}\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -313,6 +318,7 @@ class Conversion:
         `release(path)` is called once its output is recorded (--repo deletes it); `sizes`
         (source -> bytes) sizes the progress bar when the shards are not local."""
         os.makedirs(self.outdir, exist_ok=True)
+        self._refuse_foreign_shards()
         self._remove_stale_temporaries()
         manifest = ProgressManifest(self.outdir, self.prefix, self.plan.params())
         todo = [(i, s) for i, s in enumerate(sources) if manifest.done(os.path.basename(s), self.outdir) is None]
@@ -330,6 +336,7 @@ class Conversion:
                 bar.update(max(0, sizes[source] - done_bytes))  # headers, scales, skipped tensors
                 manifest.record(key, name if rows is not None else "", rows or [])
                 release(path)
+        self._refuse_unrecorded_shards(manifest)
         summary = Summary()
         for row in manifest.all_stats():
             summary.add_row(row)
@@ -363,6 +370,24 @@ class Conversion:
 
         return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                     desc="convert", disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
+
+    def _refuse_foreign_shards(self):
+        foreign = sorted(n for n in os.listdir(self.outdir)
+                         if n.endswith(".safetensors") and not PASS_SHARD_NAME.fullmatch(n))
+        if foreign:
+            raise ConvertError(f"{self.outdir} holds {', '.join(foreign)}, which the converter does not write; a "
+                               "container reads every *.safetensors in its directory, so its tensors would be "
+                               "read twice. Move them out or use a fresh --outdir.")
+
+    def _refuse_unrecorded_shards(self, manifest: "ProgressManifest"):
+        # Checked after the run: an unrecorded shard of this pass can also be one a killed run
+        # renamed into place just before recording it, which this run has rewritten and recorded.
+        recorded = set(manifest.data["shards"].values())
+        pattern = re.compile(re.escape(self.prefix) + r"\d{5}\.safetensors")
+        stale = sorted(n for n in os.listdir(self.outdir) if pattern.fullmatch(n) and n not in recorded)
+        if stale:
+            raise ConvertError(f"{self.outdir}: {', '.join(stale)} were not written by this conversion (left by an "
+                               f"earlier one?) and would be read as part of the container; delete them.")
 
     def _remove_stale_temporaries(self):
         # write_shard writes <name>.tmp-<pid>; a killed run leaves one behind.
