@@ -494,6 +494,16 @@ def test_nvfp4_reciprocal_global_refused(tmp_path):
         _convert(d, tmp_path / "out")
 
 
+@pytest.mark.parametrize("filename", ["config.json", "model.safetensors.index.json"])
+def test_json_file_that_is_not_an_object(checkpoints, tmp_path, filename):
+    indir, _ = checkpoints("bf16")
+    d = tmp_path / "in"
+    shutil.copytree(indir, d)
+    (d / filename).write_text('["model-00001-of-00004.safetensors"]')
+    with pytest.raises(ConvertError, match=rf"{filename}: expected a JSON object, got list"):
+        _convert(d, tmp_path / "out")
+
+
 def test_truncated_shard(checkpoints, tmp_path):
     indir, _ = checkpoints("bf16")
     d = tmp_path / "in"

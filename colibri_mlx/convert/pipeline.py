@@ -434,9 +434,12 @@ def read_json(path: str) -> Optional[dict]:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except ValueError as e:
         raise ConvertError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 class OutdirLock:
