@@ -213,8 +213,9 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         except click.ClickException as e:  # a bad line: say so and read the next one
             click.echo(f"Error: {e.format_message()}", err=True)
             continue
-        except ValueError as e:
-            raise click.ClickException(str(e)) from None
+        except ValueError as e:  # e.g. past the context limit: the conversation so far stays
+            click.echo(f"Error: {e} (/reset starts over)", err=True)
+            continue
         click.echo(_stats_line(last), err=True)
 
 
@@ -231,6 +232,18 @@ class _ChatSession:
         self.cached_ids: list[int] = []
 
     def turn(self, user_text, opts):
+        """The reply's last response; on an error the conversation is as before the turn."""
+        cache_offset = self.cache.offset
+        try:
+            return self._turn(user_text, opts)
+        except BaseException:
+            if self.messages and self.messages[-1] == {"role": "user", "content": user_text}:
+                self.messages.pop()
+            if self.cache.offset != cache_offset:  # stopped mid-reply: the cache holds a partial turn
+                self.cache, self.cached_ids = self.model.make_cache(), []
+            raise
+
+    def _turn(self, user_text, opts):
         self.messages.append({"role": "user", "content": user_text})
         ids = self.tokenizer.encode_chat(self.messages)
         n = len(self.cached_ids)

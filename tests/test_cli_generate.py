@@ -109,3 +109,43 @@ def test_non_utf8_input_is_a_clear_error(checkpoint):
     assert chat.returncode == 0, stderr
     assert "Error: the message is not valid UTF-8 (byte 0xff at character 3)" in stderr
     assert len(STATS.findall(stderr)) == 1  # the next line still got its reply
+
+
+def test_chat_turn_past_the_context_limit_keeps_the_conversation(checkpoint):
+    path, model, tokenizer = checkpoint
+    too_long = " ".join(["word"] * (model.max_length + 10))
+    result = run("chat", "-m", path, "--max-tokens", "3", input=f"ab\n{too_long}\ncd\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "exceeds the context limit" in result.stderr
+    stats = STATS.findall(result.stderr)
+    assert len(stats) == 2
+    # The refused message is not part of the conversation: turn 3 continues turn 1.
+    from colibri_mlx.cli import _ChatSession
+
+    session = _ChatSession(model, tokenizer, None)
+    session.turn("ab", dict(max_tokens=3))
+    with pytest.raises(ValueError, match="context limit"):
+        session.turn(too_long, dict(max_tokens=3))
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    assert session.cache.offset == len(session.cached_ids)
+    expected = session.turn("cd", dict(max_tokens=3))
+    assert stats[1] == (str(expected.prompt_tokens), str(expected.generation_tokens))
+
+
+def test_chat_turn_interrupted_mid_reply_starts_the_cache_over(checkpoint, monkeypatch):
+    import colibri_mlx.cli as cli
+
+    _, model, tokenizer = checkpoint
+    session = cli._ChatSession(model, tokenizer, None)
+    session.turn("ab", dict(max_tokens=3))
+    real = cli._stream_reply
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_stream_reply", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.turn("cd", dict(max_tokens=3))
+    assert [m["content"] for m in session.messages] == ["ab", session.messages[1]["content"]]
+    assert session.cache.offset == len(session.cached_ids) == 0
