@@ -117,6 +117,16 @@ def _stats_line(last) -> str:
     return line
 
 
+def _check_sampling(temperature, top_p, top_k, min_p) -> None:
+    """Refuse bad sampling values before loading the model (minutes for a large one)."""
+    from .generate import SamplingParams
+
+    try:
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def _utf8_text(text: str, what: str) -> str:
     """``text`` as given (argv and stdin decode undecodable bytes to surrogates), or a clear error."""
     try:
@@ -156,6 +166,7 @@ def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is, without the chat template.")
 def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template):
     """Generate text for one prompt; the stats line goes to stderr."""
+    _check_sampling(temperature, top_p, top_k, min_p)
     prompt = _read_stdin_text() if prompt == "-" else _utf8_text(prompt, "the prompt")
     if system is not None:
         system = _utf8_text(system, "the system message")
@@ -181,6 +192,7 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
 @_sampling_options
 def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system):
     """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits."""
+    _check_sampling(temperature, top_p, top_k, min_p)
     if system is not None:
         system = _utf8_text(system, "the system message")
     model, tokenizer = _load_for_cli(model_path)

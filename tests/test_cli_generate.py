@@ -53,7 +53,19 @@ def test_generate_sampling_options_are_reproducible(checkpoint):
     path, _, _ = checkpoint
     args = ("generate", "-m", path, "-p", "abc", "--max-tokens", "8", "--temp", "1.2", "--top-p", "0.9",
             "--top-k", "50", "--min-p", "0.01", "--seed", "4")
-    assert run(*args).stdout == run(*args).stdout
+    first = run(*args)
+    assert first.exit_code == 0 and first.stdout.strip(), first.output
+    assert run(*args).stdout == first.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("option, message", [(("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
+                                             (("--temp", "-1"), "temperature must be >= 0, got -1.0"),
+                                             (("--min-p", "1.5"), "min_p must be in [0, 1], got 1.5")])
+def test_bad_sampling_values_are_refused_before_loading(command, option, message):
+    args = [command, "-m", "/nonexistent/dir", *option] + (["-p", "x"] if command == "generate" else [])
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and message in result.output and "does not exist" not in result.output
 
 
 def test_chat_keeps_cache_between_turns(checkpoint):
