@@ -347,6 +347,22 @@ def test_truncated_shard(tmp_path, tiny):
         Container(tmp_path)
 
 
+@pytest.mark.parametrize("change", ["deleted", "resized"])
+def test_shard_changed_after_open(tmp_path, change):
+    path = tmp_path / "a.safetensors"
+    write_shard(path, {"x": np.arange(4, dtype=np.float32)})
+    c = Container(tmp_path)
+    if change == "deleted":
+        path.unlink()
+    else:
+        write_shard(path, {"x": np.arange(8, dtype=np.float32)})
+    with pytest.raises(ContainerError, match=r"a\.safetensors: .*(cannot map|was \d+ when)"):
+        c.tensor("x")
+    if change == "deleted":
+        with pytest.raises(ContainerError, match=r"a\.safetensors: tensor 'x': cannot read"):
+            c.read_bytes("x")
+
+
 def test_duplicate_name_across_shards(tmp_path):
     write_shard(tmp_path / "a.safetensors", {"x": np.ones(2, np.float32)})
     write_shard(tmp_path / "b.safetensors", {"x": np.ones(2, np.float32), "y": np.ones(1, np.float32)})

@@ -142,8 +142,11 @@ class Container:
     def read_bytes(self, name: str) -> bytes:
         """The stored bytes of one tensor with a single ``pread`` (no memory map)."""
         info = self.info(name)
-        with open(info.path, "rb") as f:
-            data = os.pread(f.fileno(), info.nbytes, info.offset)
+        try:
+            with open(info.path, "rb") as f:
+                data = os.pread(f.fileno(), info.nbytes, info.offset)
+        except OSError as e:
+            raise ContainerError(f"{info.path}: tensor {name!r}: cannot read: {e}") from None
         if len(data) != info.nbytes:
             raise ContainerError(f"{info.path}: tensor {name!r}: read {len(data)} of {info.nbytes} bytes "
                                  f"(file changed since it was opened?)")
@@ -163,10 +166,15 @@ class Container:
     def _map(self, path: str) -> mmap.mmap:
         m = self._maps.get(path)
         if m is None:
-            with open(path, "rb") as f:
-                m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            if len(m) != self._headers[path].file_size:
-                raise ContainerError(f"{path}: file is now {len(m)} bytes, was {self._headers[path].file_size} "
+            try:
+                with open(path, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:  # ValueError: mmap of a file emptied since
+                raise ContainerError(f"{path}: cannot map shard: {e}") from None
+            size = len(m)
+            if size != self._headers[path].file_size:
+                m.close()
+                raise ContainerError(f"{path}: file is now {size} bytes, was {self._headers[path].file_size} "
                                      f"when its header was checked")
             self._maps[path] = m
         return m
