@@ -41,7 +41,7 @@ I3_GROUP, I3_GROUP_BYTES = 64, 24
 E8_BLOCK, E8_BLOCK_BYTES = 256, 98
 # The converter quantizes in blocks of COLI_QUANT_ROWS=8192 rows to cap the float32
 # temporaries (embed/lm_head are ~150k rows); we do the same.
-ROWS_PER_CHUNK = 8192  # converter's fmt 6 .qs value; only its size (4 bytes) is checked
+ROWS_PER_CHUNK = 8192
 
 
 class FormatError(ValueError):
