@@ -376,8 +376,8 @@ class Conversion:
                          if n.endswith(".safetensors") and not PASS_SHARD_NAME.fullmatch(n))
         if foreign:
             raise ConvertError(f"{self.outdir} holds {', '.join(foreign)}, which the converter does not write; a "
-                               "container reads every *.safetensors in its directory, so its tensors would be "
-                               "read twice. Move them out or use a fresh --outdir.")
+                               "container reads every *.safetensors in its directory, so they would be read as part "
+                               "of it. Move them out or use a fresh --outdir.")
 
     def _refuse_unrecorded_shards(self, manifest: "ProgressManifest"):
         # Checked after the run: an unrecorded shard of this pass can also be one a killed run
