@@ -316,3 +316,18 @@ def test_cli_flags_stats_line_and_usage_written(tmp_path):
     assert cut.exit_code == 0, cut.output
     bad = CliRunner().invoke(main, common + ["--expert-top-p", "1.5"])
     assert bad.exit_code != 0 and "expert-top-p" in bad.output
+
+
+def test_store_is_closed_with_its_model(container):
+    import gc
+
+    def open_fds():
+        return set(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    model = load_model(container, ram_gb=0, record_usage=False)
+    run(model)
+    assert len(open_fds() - before) >= 1  # the store keeps its shards open while the model lives
+    del model
+    gc.collect()
+    assert not open_fds() - before

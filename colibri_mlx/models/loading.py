@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +66,8 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
         table.expert_store = store
         model = Model(args, table, dtype)
         model.expert_store = store
+        # The store holds shard fds and reader threads: release them with the model.
+        weakref.finalize(model, store.close)
         store.resident_weight_bytes = resident_bytes(model)
     if expert_top_p is not None:
         from ..experts import set_expert_top_p
