@@ -12,7 +12,6 @@ counters and expert-store statistics cover the measured runs only. The expert us
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+
+from .generate import peak_rss_bytes
 
 WARMUP_GEN_TOKENS = 8
 
@@ -96,7 +97,7 @@ def run_bench(model, prompt_tokens: int = 128, gen_tokens: int = 64, repeat: int
     return BenchReport(
         model=model_name, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, batch=batch, runs=runs,
         kernels=kernels.counters(), expert_stats=store.report() if store is not None else None,
-        process_peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+        process_peak_rss_bytes=peak_rss_bytes())
 
 
 def _spread(values: list[float]) -> dict:

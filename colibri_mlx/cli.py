@@ -102,9 +102,9 @@ def _load_for_cli(model_path):
 
 def _stats_line(last) -> str:
     from . import kernels
+    from .generate import peak_rss_bytes
 
-    import resource
-    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+    rss_gb = peak_rss_bytes() / 1e9
     line = (f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
             f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
             f"peak memory: {last.peak_memory_gb:.2f} GB (MLX), {rss_gb:.2f} GB (process)")

@@ -17,6 +17,14 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 @dataclass
 class GenerationResponse:
     """One generated token: its text delta and id, plus running statistics."""
