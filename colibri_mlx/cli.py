@@ -228,6 +228,9 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         except ValueError as e:  # e.g. past the context limit: the conversation so far stays
             click.echo(f"Error: {e} (/reset starts over)", err=True)
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat; the turn is undone
+            click.echo("\n(reply interrupted; that message was dropped)", err=True)
+            continue
         click.echo(_stats_line(last), err=True)
 
 

@@ -161,3 +161,22 @@ def test_chat_turn_interrupted_mid_reply_starts_the_cache_over(checkpoint, monke
         session.turn("cd", dict(max_tokens=3))
     assert [m["content"] for m in session.messages] == ["ab", session.messages[1]["content"]]
     assert session.cache.offset == len(session.cached_ids) == 0
+
+
+def test_ctrl_c_in_chat_stops_the_reply_not_the_chat(checkpoint, monkeypatch):
+    import colibri_mlx.cli as cli
+
+    path, _, _ = checkpoint
+    real, calls = cli._stream_reply, []
+
+    def first_interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "_stream_reply", first_interrupted)
+    result = run("chat", "-m", path, "--max-tokens", "3", input="ab\ncd\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "reply interrupted" in result.stderr
+    assert len(STATS.findall(result.stderr)) == 1  # the second message still got its reply
