@@ -284,6 +284,17 @@ def test_shapes_from_config_or_argument(tmp_path):
     assert c.tensor("w", (4, 10)).fmt == 2
 
 
+def test_unknown_model_type_gives_no_shapes(tmp_path):
+    # DeepSeek-shaped dimensions under another model_type: the model loader refuses the
+    # container, so inspect must not report every tensor as resolving.
+    packed, scales = encode(2, np.random.default_rng(9).standard_normal((4, 10)).astype(np.float32))
+    write_shard(tmp_path / "a.safetensors", {"w": QTensor(packed, scales, 2, 4, 10)})
+    c = Container(tmp_path, config={**TINY, "model_type": "llama"})
+    with pytest.raises(ContainerError, match=r"config\.json: cannot derive tensor shapes: .*unknown model_type 'llama'"):
+        c.shapes
+    assert expected_shapes({k: v for k, v in TINY.items() if k != "model_type"})  # absent = deepseek_v3
+
+
 # -- reader: malformed input -------------------------------------------------------------------
 def _entry(dtype, shape, a, b):
     return {"dtype": dtype, "shape": shape, "data_offsets": [a, b]}

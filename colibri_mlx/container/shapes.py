@@ -13,6 +13,8 @@ from typing import Mapping, Optional
 
 Shape = tuple[int, int]
 
+# The model_types whose tensors this table describes (models.MODEL_TYPES loads the same set).
+MODEL_TYPES = frozenset(("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa"))
 DSA_MODEL_TYPES = frozenset(("deepseek_v32", "glm_moe_dsa"))
 # Hugging Face defaults of the indexer fields (transformers' DeepseekV32Config / GlmMoeDsaConfig).
 DSA_DEFAULT_HEADS = {"deepseek_v32": 64, "glm_moe_dsa": 32}
@@ -52,6 +54,9 @@ class _Dims:
 
         self.config = config
         self.model_type = config.get("model_type", "deepseek_v3")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unknown model_type {self.model_type!r}; tensor shapes are known for "
+                             f"{sorted(MODEL_TYPES)}")
         self.D = need("hidden_size")
         self.vocab = need("vocab_size")
         self.layers = need("num_hidden_layers")
