@@ -494,6 +494,12 @@ def test_nvfp4_reciprocal_global_refused(tmp_path):
         _convert(d, tmp_path / "out")
 
 
+def test_missing_indir_creates_no_outdir(tmp_path):
+    with pytest.raises(ConvertError, match=r"--indir .*nowhere: not a directory"):
+        _convert(tmp_path / "nowhere", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("filename", ["config.json", "model.safetensors.index.json"])
 def test_json_file_that_is_not_an_object(checkpoints, tmp_path, filename):
     indir, _ = checkpoints("bf16")

@@ -34,6 +34,8 @@ def convert(outdir: str, indir: Optional[str] = None, repo: Optional[str] = None
         raise ConvertError("give exactly one of --indir DIR or --repo ID")
     if mtp and indexer:
         raise ConvertError("--mtp and --indexer are separate passes; run them one at a time")
+    if indir is not None and not os.path.isdir(indir):
+        raise ConvertError(f"--indir {indir}: not a directory")
     mode = "mtp" if mtp else "indexer" if indexer else "main"
     os.makedirs(outdir, exist_ok=True)
     with OutdirLock(outdir):
@@ -66,8 +68,6 @@ def _finish(summary: Summary, outdir: str, log):
 
 
 def _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, jobs, stats, progress, log):
-    if not os.path.isdir(indir):
-        raise ConvertError(f"--indir {indir}: not a directory")
     plan = _plan(read_json(os.path.join(indir, "config.json")), n_layers, recipe, mode, bit_options, log)
     shards = list_shards(indir)
     weight_map = (read_json(os.path.join(indir, "model.safetensors.index.json")) or {}).get("weight_map")
