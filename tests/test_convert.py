@@ -485,6 +485,15 @@ def test_wrong_block_scale_shape(tmp_path):
         _convert(d, tmp_path / "out")
 
 
+def test_e8_scale_overflow_names_the_tensor(tmp_path):
+    # RMS 1e7 in a 256-weight block overflows fmt 6's fp16 super-block scale.
+    w = np.full((2, 256), 1e7, np.float32)
+    d = _single(tmp_path, {"model.layers.1.mlp.experts.0.up_proj.weight": torch.from_numpy(w)})
+    with pytest.raises(ConvertError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp\.experts\.0"
+                                           r"\.up_proj\.weight'.*overflows fp16"):
+        _convert(d, tmp_path / "out", recipe="e8")
+
+
 def test_nvfp4_reciprocal_global_refused(tmp_path):
     packed, block, _ = _nvfp4_encode(np.zeros((16, 32), np.float32), np.random.default_rng(0))
     d = _single(tmp_path, {"model.layers.1.mlp.experts.0.up_proj.weight": packed,

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .codecs import FormatError
+
 QK = 256            # weights per super-block
 SUB = 32            # weights per sub-block (one u32 of signs + 4-bit scale code)
 BLOCK_BYTES = 98    # 64 grid indices + 8 u32 sign/scale words + fp16 d
@@ -202,11 +204,11 @@ def rotate(x):
 def _check_packed(packed: np.ndarray, O: int, I: int) -> np.ndarray:
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
-        raise ValueError(f"fmt 6 packed weights must be uint8, got {packed.dtype}")
+        raise FormatError(f"fmt 6 packed weights must be uint8, got {packed.dtype}")
     nsb = -(-I // QK)
     want = BLOCK_BYTES * O * nsb
     if packed.size != want:
-        raise ValueError(f"fmt 6 [{O}, {I}] needs {want} bytes (98 per 256 inputs per row), "
+        raise FormatError(f"fmt 6 [{O}, {I}] needs {want} bytes (98 per 256 inputs per row), "
                          f"got {packed.size}")
     return packed.reshape(O * nsb, BLOCK_BYTES)
 
@@ -269,15 +271,15 @@ def encode_rotated_e8(w_rot: np.ndarray,
 def _check_encode_input(w) -> np.ndarray:
     w = np.asarray(w)
     if w.ndim != 2:
-        raise ValueError(f"fmt 6 encodes a 2-D weight [O, I], got shape {w.shape}")
+        raise FormatError(f"fmt 6 encodes a 2-D weight [O, I], got shape {w.shape}")
     if w.shape[1] % QK:
-        raise ValueError(f"fmt 6 needs I % {QK} == 0 (as upstream's converter), got I={w.shape[1]}")
+        raise FormatError(f"fmt 6 needs I % {QK} == 0 (as upstream's converter), got I={w.shape[1]}")
     if not np.issubdtype(w.dtype, np.floating):
-        raise ValueError(f"fmt 6 encodes float weights, got {w.dtype}")
+        raise FormatError(f"fmt 6 encodes float weights, got {w.dtype}")
     w = w.astype(np.float32, copy=False)
     if not np.isfinite(w).all():
         bad = np.argwhere(~np.isfinite(w))[0]
-        raise ValueError(f"fmt 6 encodes finite weights, got {w[tuple(bad)]} at {tuple(bad)}")
+        raise FormatError(f"fmt 6 encodes finite weights, got {w[tuple(bad)]} at {tuple(bad)}")
     return w
 
 
@@ -291,7 +293,7 @@ def _encode_blocks(x: np.ndarray, lib=None) -> np.ndarray:
     with np.errstate(over="ignore"):
         d16 = d.astype(np.float16)
     if not np.isfinite(d16).all():
-        raise ValueError(f"fmt 6 super-block scale overflows fp16: RMS {float(d.max()) * 20:.3g} "
+        raise FormatError(f"fmt 6 super-block scale overflows fp16: RMS {float(d.max()) * 20:.3g} "
                          f"> ~1.3e6 in a 256-weight block")
     d = d16.astype(np.float32)                    # search with the value that is stored
     m, d_sub = mag.reshape(n * 8, SUB), np.repeat(d, 8, axis=0)
