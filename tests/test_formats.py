@@ -207,6 +207,19 @@ def test_decode_matches_elementwise_reader_on_random_bytes(fmt, gs):
         assert_close_relative(got, dumb_decode(fmt, packed, scales, O, I, gs))
 
 
+@pytest.mark.parametrize("gs", [1, 3, 7, 33])
+def test_fmt4_odd_group_size_with_odd_I(gs):
+    # ceil(I/gs)*gs == I < 2*ceil(I/2): the decoder's nibbles outnumber the padded groups.
+    rng = np.random.default_rng(gs)
+    for O, I in [(2, gs), (3, 3 * gs), (2, 2 * gs + 1)]:
+        w = weights(rng, O, I, "normal")
+        packed, scales = F.encode(4, w, gs)
+        ref_packed, ref_scales = dumb_encode(4, w, gs)
+        np.testing.assert_array_equal(packed, ref_packed)
+        np.testing.assert_array_equal(scales.view(np.uint32), ref_scales.view(np.uint32))
+        assert_close_relative(F.decode(4, packed, scales, O, I, gs), dumb_decode(4, packed, scales, O, I, gs))
+
+
 @pytest.mark.parametrize("fmt,gs", CASES)
 def test_edge_bytes_decode_to_the_ends_of_the_range(fmt, gs):
     O, I = 2, 70

@@ -232,7 +232,7 @@ class Int4Grouped(Codec, fmt=4):
 
     def dequantize(self, packed, scales, O, I, gs):
         ng = _ceil_div(I, gs)
-        values = _unpack_codes(packed, 4).astype(np.float32) - np.float32(8)
+        values = _unpack_codes(packed, 4)[:, :I].astype(np.float32) - np.float32(8)
         grouped = _pad_last(values, ng * gs, 0).reshape(O, ng, gs)
         return (grouped * scales.reshape(O, ng, 1)).reshape(O, ng * gs)[:, :I]
 
