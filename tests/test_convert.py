@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 from colibri_mlx.container import Container, ContainerError
 from colibri_mlx.convert import ConvertError, convert
 from colibri_mlx.convert.classify import BitPlan, classify, format_for
-from colibri_mlx.convert.sources import E4M3FN, E8M0, SafetensorsShard, WeightSource
+from colibri_mlx.container.reader import E4M3FN, E8M0
+from colibri_mlx.convert.sources import SafetensorsShard, WeightSource
 from colibri_mlx.formats import decode
 
 REPO = Path(__file__).resolve().parents[1]

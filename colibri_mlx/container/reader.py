@@ -345,7 +345,9 @@ def _e8m0_table() -> np.ndarray:
     return np.where(e == 255, np.nan, 2.0 ** (e - 127)).astype(np.float32)
 
 
-_FP8_TABLES = {"F8_E4M3": _e4m3fn_table(), "F8_E8M0": _e8m0_table()}
+E4M3FN = _e4m3fn_table()
+E8M0 = _e8m0_table()
+_FP8_TABLES = {"F8_E4M3": E4M3FN, "F8_E8M0": E8M0}
 
 
 def to_float32(stored: np.ndarray, dtype: str) -> np.ndarray:

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from ..container.reader import E4M3FN, to_float32
 from ..container.safetensors_reader import DTYPES, TensorInfo, read_shard_header
 from .classify import ConvertError
 
@@ -23,30 +24,9 @@ NVFP4_GROUP = 16
 _PLAIN_FLOATS = ("F32", "F16", "BF16")
 
 
-def _e4m3fn_table() -> np.ndarray:
-    """All 256 float8_e4m3fn codes as float32: bias 7, no infinities, S.1111.111 = NaN."""
-    code = np.arange(256)
-    sign = np.where(code & 0x80, -1.0, 1.0)
-    exp = (code >> 3) & 0xF
-    man = code & 0x7
-    mag = np.where(exp == 0, man * 2.0 ** -9, (8 + man) * np.exp2(exp - 10.0))
-    mag = np.where((exp == 15) & (man == 7), np.nan, mag)
-    return (sign * mag).astype(np.float32)
-
-
-def _e8m0_table() -> np.ndarray:
-    """All 256 UE8M0 codes: 2^(code-127), 0xFF = NaN (2^-127 is an exact f32 subnormal)."""
-    table = np.exp2(np.arange(256, dtype=np.float64) - 127.0)
-    table[255] = np.nan
-    return table.astype(np.float32)
-
-
 # e2m1: 1 sign, 2 exponent, 1 mantissa bits; bit 3 is the sign.
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
-E4M3FN = _e4m3fn_table()
-E8M0 = _e8m0_table()
-_SCALE_TABLES = {"F8_E4M3": E4M3FN, "F8_E8M0": E8M0}
 
 
 class SafetensorsShard:
@@ -98,10 +78,6 @@ class SafetensorsShard:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 class WeightSource:
@@ -186,20 +162,10 @@ class WeightSource:
         return self._nvfp4_rows(r0, r1)
 
     def _plain(self, raw: np.ndarray) -> np.ndarray:
-        if self.dtype == "BF16":
-            return bf16_to_f32(raw)
-        return raw.astype(np.float32)
+        return to_float32(raw, self.dtype)
 
     def _scale_f32(self, name: str) -> np.ndarray:
-        info = self.shard.info(name)
-        raw = self.shard.raw(name)
-        if info.dtype in _SCALE_TABLES:
-            return _SCALE_TABLES[info.dtype][raw]
-        return self._plain_of(info.dtype, raw)
-
-    @staticmethod
-    def _plain_of(dtype: str, raw: np.ndarray) -> np.ndarray:
-        return bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
+        return to_float32(self.shard.raw(name), self.shard.info(name).dtype)
 
     def _fp8_rows(self, r0: int, r1: int) -> np.ndarray:
         if r0 % FP8_BLOCK:
