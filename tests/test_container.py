@@ -381,6 +381,13 @@ def test_duplicate_name_across_shards(tmp_path):
         Container(tmp_path)
 
 
+def test_macos_appledouble_files_are_not_shards(tmp_path):
+    write_shard(tmp_path / "out-00000.safetensors", {"x": np.ones(2, np.float32)})
+    (tmp_path / "._out-00000.safetensors").write_bytes(b"\x00\x05\x16\x07" + bytes(80))  # AppleDouble
+    c = Container(tmp_path)
+    assert [os.path.basename(p) for p in c.shards] == ["out-00000.safetensors"]
+
+
 def test_scales_without_weight(tmp_path):
     write_shard(tmp_path / "a.safetensors", {"w.qs": np.ones(4, np.float32)})
     with pytest.raises(ContainerError, match=r"a\.safetensors: tensor 'w\.qs': scales without a weight"):

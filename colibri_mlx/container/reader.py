@@ -44,8 +44,11 @@ class Container:
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise ContainerError(f"{self.path}: not a container directory")
+        # Hidden names are not shards: macOS writes "._out-00000.safetensors" AppleDouble files
+        # beside every file on exFAT/FAT drives (upstream would try to parse them and fail).
         self.shards: list[str] = sorted(
-            os.path.join(self.path, f) for f in os.listdir(self.path) if f.endswith(".safetensors"))
+            os.path.join(self.path, f) for f in os.listdir(self.path)
+            if f.endswith(".safetensors") and not f.startswith("."))
         if not self.shards:
             raise ContainerError(f"{self.path}: no *.safetensors shards in the directory")
         if len(self.shards) > MAX_SHARDS:
