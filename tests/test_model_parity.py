@@ -331,3 +331,12 @@ def test_partial_indexer_is_still_refused(checkpoints, tmp_path):
     dst = _copy_without(path, tmp_path / "partial_indexer", "layers.0.self_attn.indexer.wk")
     with pytest.raises(ValueError, match="missing tensor .*layers.0.self_attn.indexer.wk"):
         load_model(str(dst))
+
+
+def test_loader_and_container_agree_on_supported_model_types():
+    # container.shapes (inspect, converter) and the model keep their own tables; they must agree.
+    from colibri_mlx.container import shapes
+    from colibri_mlx.models.deepseek_v3 import DSA_FAMILIES, MODEL_TYPES
+
+    assert set(MODEL_TYPES) == shapes.MODEL_TYPES
+    assert {t for t, family in MODEL_TYPES.items() if family in DSA_FAMILIES} == shapes.DSA_MODEL_TYPES
