@@ -5,10 +5,19 @@ bytes, model part (``tensor_class``); totals per fmt and per part; routed-expert
 ambiguous byte counts (several fmt/gs readings fit) are flagged with the reading chosen and the
 one upstream's engine would take; anything that cannot be read gets a verdict and makes
 ``report.ok`` false (the CLI then exits 1).
+
+Weights config.json implies but the container lacks (a dropped expert, layers lost to a wrong
+``convert --n-layers``) also fail the verdict, by the loader's rules (``models.deepseek_v3``):
+the 2-D weights of ``expected_shapes`` plus the norms and biases the model takes. Parts the
+loader does without are listed as absent, not missing: an MTP layer none of whose tensors is
+stored (written only by ``convert --mtp``), the DSA indexer when no indexer tensor is stored
+(written only by ``convert --indexer``; the model then runs dense attention), a stored MTP
+layer's own embedding/head copies, and the router's ``e_score_correction_bias``.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -17,7 +26,7 @@ from typing import Optional
 from ..formats import FMT_NAMES, FormatError, detect_format
 from .reader import Container
 from .safetensors_reader import ContainerError
-from .shapes import TENSOR_CLASSES, expert_key, tensor_class
+from .shapes import TENSOR_CLASSES, expected_shapes, expert_key, tensor_class
 
 PROGRESS_MIN_TENSORS = 2000  # below this a progress bar is noise
 
@@ -40,6 +49,20 @@ class TensorRow:
 
 
 @dataclass
+class MissingWeights:
+    """Weights config.json implies that the container does not store."""
+
+    required: list[str] = field(default_factory=list)  # the loader refuses the container without them
+    optional: dict[str, list[str]] = field(default_factory=dict)  # OPTIONAL_PARTS key -> names
+    skipped: Optional[str] = None  # why the check could not run (no usable config.json)
+    per_layer: dict[int, int] = field(default_factory=dict)  # layer -> weights it needs (optional absent ones not)
+
+    @property
+    def optional_names(self) -> list[str]:
+        return [n for names in self.optional.values() for n in names]
+
+
+@dataclass
 class Report:
     path: str
     rows: list[TensorRow]
@@ -48,6 +71,7 @@ class Report:
     total_nbytes: int
     routed_experts: int
     expert_nbytes: list[int]  # distinct per-expert byte counts (one value when uniform)
+    missing: MissingWeights = field(default_factory=MissingWeights)
 
     @property
     def ambiguous(self) -> list[TensorRow]:
@@ -59,7 +83,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.unresolved
+        return not self.unresolved and not self.missing.required
 
 
 def inspect_container(path: str, progress: bool = True) -> Report:
@@ -67,7 +91,174 @@ def inspect_container(path: str, progress: bool = True) -> Report:
     names = container.weight_names()
     n_layers = container.config.get("num_hidden_layers")
     rows = [_row(container, name, n_layers) for name in _progress(names, progress)]
-    return _summarize(container.path, rows)
+    report = _summarize(container.path, rows)
+    report.missing = find_missing(container.config, set(names))
+    return report
+
+
+# -- weights config.json implies that are not stored -------------------------------------------
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+INDEXER_PART = ".self_attn.indexer."
+ROUTER_BIAS = ".mlp.gate.e_score_correction_bias"
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # the loader takes these if stored
+
+# key -> why the loader does without it (formatted with the MTP layer numbers)
+OPTIONAL_PARTS = {
+    "mtp": "MTP layer {mtp}, written only by `colibri convert --mtp`; generation does not use it",
+    "indexer": "DSA indexer, written only by `colibri convert --indexer`; without it the model runs "
+               "dense attention, the same as sparse up to index_topk tokens of context",
+    "mtp_copy": "the MTP layer's own embedding/head copies; the loader takes them when stored",
+    "router_bias": "router e_score_correction_bias; the loader routes with a zero bias without it",
+}
+
+
+def find_missing(config: dict, present: set[str]) -> MissingWeights:
+    """Compare the stored weight names with what config.json implies (see the module docstring)."""
+    if not config:
+        return MissingWeights(skipped="the container has no config.json")
+    try:
+        shapes = expected_shapes(config)
+    except (KeyError, ValueError) as e:
+        return MissingWeights(skipped=f"config.json: cannot derive tensor names: {e}")
+    n_layers = int(config["num_hidden_layers"])
+    expected = set(shapes) | expected_vectors(shapes, bool(config.get("attention_bias")))
+    stored_mtp = {layer for layer in map(_layer_of, present) if layer is not None and layer >= n_layers}
+    indexer_stored = any(INDEXER_PART in name for name in present)
+    result = MissingWeights()
+    needed = set(expected)
+    for name in sorted(expected - present, key=_name_order):
+        part = _optional_part(name, n_layers, stored_mtp, indexer_stored, present)
+        if part is None:
+            result.required.append(name)
+        else:
+            result.optional.setdefault(part, []).append(name)
+            needed.discard(name)
+    result.per_layer = _count_per_layer(needed)
+    return result
+
+
+def expected_vectors(shapes: dict, attention_bias: bool) -> set[str]:
+    """The 1-D norms and biases the model takes (``WeightTable.take`` / ``maybe`` in
+    ``models.deepseek_v3``), derived from the 2-D weights of the same layer."""
+    names = {"model.norm.weight"}
+    for p in {f"model.layers.{m.group(1)}." for m in map(_LAYER_NAME.match, shapes) if m}:
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                  p + "self_attn.kv_a_layernorm.weight"}
+        attn = p + "self_attn."
+        if attn + "q_a_proj.weight" in shapes:
+            names.add(attn + "q_a_layernorm.weight")
+        if attention_bias:
+            names |= {attn + "kv_a_proj_with_mqa.bias", attn + "o_proj.bias"}
+            if attn + "q_a_proj.weight" in shapes:
+                names.add(attn + "q_a_proj.bias")
+        if attn + "indexer.wk.weight" in shapes:
+            names |= {attn + "indexer.k_norm.weight", attn + "indexer.k_norm.bias"}
+        if p + "mlp.gate.weight" in shapes:
+            names.add(p + ROUTER_BIAS[1:])
+        if p + "eh_proj.weight" in shapes:
+            names |= {p + "enorm.weight", p + "hnorm.weight", p + "shared_head.norm.weight"}
+    return names
+
+
+def _optional_part(name: str, n_layers: int, stored_mtp: set[int], indexer_stored: bool,
+                   present: set[str]) -> Optional[str]:
+    layer = _layer_of(name)
+    is_mtp = layer is not None and layer >= n_layers
+    if is_mtp and layer not in stored_mtp:
+        return "mtp"  # the loader recognises an MTP layer by its tensors; a partial one is refused
+    if INDEXER_PART in name and not indexer_stored:
+        return "indexer"  # the loader's dense-attention fallback needs no indexer tensor at all
+    if is_mtp and name.split(".", 3)[3] in MTP_COPIES:
+        return "mtp_copy"
+    if name.endswith(ROUTER_BIAS) and name[: -len(ROUTER_BIAS)] + ".mlp.gate.weight" in present:
+        return "router_bias"  # without its router weight it goes with the rest of the lost layer
+    return None
+
+
+def _layer_of(name: str) -> Optional[int]:
+    m = _LAYER_NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _name_order(name: str):
+    """Layers and experts in numeric order (layer 10 after layer 9)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _count_per_layer(names) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for layer in map(_layer_of, names):
+        if layer is not None:
+            counts[layer] += 1
+    return dict(counts)
+
+
+def group_missing(names: list[str], per_layer: dict[int, int]) -> list[str]:
+    """Compact lines: top-level names as they are; per layer its routed experts by projection and
+    its other weights; runs of layers missing every weight as one line."""
+    by_layer: dict[int, list[str]] = defaultdict(list)
+    lines = []
+    for name in names:
+        layer = _layer_of(name)
+        if layer is None:
+            lines.append(name)
+        else:
+            by_layer[layer].append(name)
+    whole: list[int] = []
+    for layer in sorted(by_layer):
+        if len(by_layer[layer]) == per_layer.get(layer):
+            whole.append(layer)
+            continue
+        lines += _whole_layers_text(whole, by_layer)
+        whole = []
+        lines.append(f"layer {layer}: {_layer_text(by_layer[layer])}")
+    return lines + _whole_layers_text(whole, by_layer)
+
+
+def _whole_layers_text(layers: list[int], by_layer: dict[int, list[str]]) -> list[str]:
+    lines, start = [], 0
+    for i in range(1, len(layers) + 1):
+        if i == len(layers) or layers[i] != layers[i - 1] + 1:
+            run = layers[start:i]
+            count = sum(len(by_layer[k]) for k in run)
+            span = f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
+            lines.append(f"{span}: every weight ({count:,} tensors)")
+            start = i
+    return lines
+
+
+def _layer_text(names: list[str], shown: int = 6) -> str:
+    experts: dict[int, list[str]] = defaultdict(list)
+    others = []
+    for name in names:
+        key = expert_key(name)
+        if key:
+            experts[key[1]].append(key[2])
+        else:
+            others.append(name.split(".", 3)[3])
+    by_projections: dict[str, list[int]] = defaultdict(list)
+    for expert, projections in sorted(experts.items()):
+        by_projections["/".join(p for p in ("gate", "up", "down") if p in projections)].append(expert)
+    parts = [f"expert{'s' if len(ids) > 1 else ''} {_ranges(ids)} ({proj})" for proj, ids in by_projections.items()]
+    if others:
+        more = f" and {len(others) - shown} more" if len(others) > shown else ""
+        parts.append(", ".join(others[:shown]) + more)
+    return "; ".join(parts)
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            run = ids[start:i]
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            start = i
+    return ", ".join(out)
+
+
+def optional_note(part: str, names: list[str]) -> str:
+    mtp = _ranges(sorted({_layer_of(n) for n in names if _layer_of(n) is not None}))
+    return OPTIONAL_PARTS[part].format(mtp=mtp)
 
 
 def _progress(names: list[str], enabled: bool):
@@ -163,6 +354,11 @@ def report_json(report: Report) -> dict:
         "routed_experts": {"count": report.routed_experts, "nbytes_per_expert": report.expert_nbytes},
         "ambiguous": [r.name for r in report.ambiguous],
         "unresolved": [{"name": r.name, "verdict": r.error} for r in report.unresolved],
+        "missing": report.missing.required,
+        "missing_optional": report.missing.optional_names,
+        "optional_absent": [{"part": part, "count": len(names), "note": optional_note(part, names)}
+                            for part, names in report.missing.optional.items()],
+        "missing_check_skipped": report.missing.skipped,
     }
 
 
@@ -205,18 +401,44 @@ def _experts_text(report: Report) -> str:
     return f"routed experts: {report.routed_experts}, {each} each (weights + scales)"
 
 
+MAX_MISSING_LINES = 24  # --json lists every name
+
+
 def _verdict_lines(report: Report) -> list[str]:
     lines = [""]
     for r in report.ambiguous:
         lines.append(f"AMBIGUOUS {r.name}: {r.note}")
     for r in report.unresolved:
         lines.append(f"UNRESOLVED {r.name}: {r.error}")
+    lines += _missing_lines(report.missing)
     if report.ok:
         lines.append(f"verdict: all {len(report.rows)} tensors resolve"
                      + (f" ({len(report.ambiguous)} ambiguous, read with the converter's defaults)"
-                        if report.ambiguous else ""))
-    else:
-        lines.append(f"verdict: {len(report.unresolved)} of {len(report.rows)} tensors cannot be read")
+                        if report.ambiguous else "")
+                     + ("" if report.missing.skipped else "; every weight config.json requires is present"))
+        return lines
+    verdicts = []
+    if report.unresolved:
+        verdicts.append(f"{len(report.unresolved)} of {len(report.rows)} tensors cannot be read")
+    if report.missing.required:
+        verdicts.append(f"{len(report.missing.required):,} weights config.json requires are missing, "
+                        "colibri_mlx.load refuses this container")
+    lines.append("verdict: " + "; ".join(verdicts))
+    return lines
+
+
+def _missing_lines(missing: MissingWeights) -> list[str]:
+    if missing.skipped:
+        return [f"missing-weight check skipped: {missing.skipped}"]
+    lines = []
+    if missing.required:
+        grouped = group_missing(missing.required, missing.per_layer)
+        lines.append(f"MISSING {len(missing.required):,} weights config.json implies:")
+        lines += [f"  {line}" for line in grouped[:MAX_MISSING_LINES]]
+        if len(grouped) > MAX_MISSING_LINES:
+            lines.append(f"  ... and {len(grouped) - MAX_MISSING_LINES} more lines (--json lists every name)")
+    for part, names in missing.optional.items():
+        lines.append(f"absent (optional: {optional_note(part, names)}): {len(names):,} tensors")
     return lines
 
 
