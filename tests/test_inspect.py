@@ -293,8 +293,12 @@ def test_mtp_layer_and_indexer_absent_are_optional(tmp_path):
     ([MTP_LAYER + "enorm.weight"], True),
     ([MTP_LAYER + "eh_proj.weight", MTP_LAYER + "mlp.experts.0.up_proj.weight"], True),
     ([MTP_LAYER + "embed_tokens.weight", MTP_LAYER + "shared_head.head.weight"], False),
-    (["model.layers.1.mlp.gate.e_score_correction_bias"], False),
-], ids=["part-of-indexer", "mtp-norm", "mtp-eh_proj", "mtp-embed-head-copies", "router-bias"])
+    (["model.layers.1.mlp.gate.e_score_correction_bias"], True),
+    ([MTP_LAYER + "self_attn.indexer." + t for t in ("wq_b.weight", "wk.weight", "weights_proj.weight",
+                                                     "k_norm.weight", "k_norm.bias")], False),
+    ([MTP_LAYER + "self_attn.indexer.wk.weight"], True),
+], ids=["part-of-indexer", "mtp-norm", "mtp-eh_proj", "mtp-embed-head-copies", "router-bias",
+        "mtp-indexer", "part-of-mtp-indexer"])
 def test_stored_optional_part_must_be_whole(tmp_path, drop, required):
     """An MTP layer or indexer that is stored at all must be complete; verdict == the loader's."""
     build_plain(tmp_path, DSA, drop=drop)

@@ -12,7 +12,7 @@ the 2-D weights of ``expected_shapes`` plus the norms and biases the model takes
 loader does without are listed as absent, not missing: an MTP layer none of whose tensors is
 stored (written only by ``convert --mtp``), the DSA indexer when no indexer tensor is stored
 (written only by ``convert --indexer``; the model then runs dense attention), a stored MTP
-layer's own embedding/head copies, and the router's ``e_score_correction_bias``.
+layer's own embedding/head copies, and the MTP layer's indexer.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ OPTIONAL_PARTS = {
     "indexer": "DSA indexer, written only by `colibri convert --indexer`; without it the model runs "
                "dense attention, the same as sparse up to index_topk tokens of context",
     "mtp_copy": "the MTP layer's own embedding/head copies; the loader takes them when stored",
-    "router_bias": "router e_score_correction_bias; the loader routes with a zero bias without it",
+    "mtp_indexer": "the MTP layer's DSA indexer; neither --mtp nor --indexer writes it, and the "
+                   "MTP layer is built without it",
 }
 
 
@@ -170,8 +171,9 @@ def _optional_part(name: str, n_layers: int, stored_mtp: set[int], indexer_store
         return "indexer"  # the loader's dense-attention fallback needs no indexer tensor at all
     if is_mtp and name.split(".", 3)[3] in MTP_COPIES:
         return "mtp_copy"
-    if name.endswith(ROUTER_BIAS) and name[: -len(ROUTER_BIAS)] + ".mlp.gate.weight" in present:
-        return "router_bias"  # without its router weight it goes with the rest of the lost layer
+    if is_mtp and INDEXER_PART in name and not any(n.startswith(name.split(INDEXER_PART)[0] + INDEXER_PART)
+                                                   for n in present):
+        return "mtp_indexer"  # a partly stored one is still required
     return None
 
 

@@ -349,7 +349,10 @@ class Attention:
         self.o_proj = w.take(prefix + "o_proj.weight", (D, H * self.v_dim))
         self.o_bias = w.take(prefix + "o_proj.bias", (D,)) if bias else None
         self.indexer_kind = args.indexer_kind(layer_idx)
-        self.indexer = Indexer(args, w, prefix + "indexer.") if self.indexer_kind == "full" else None
+        # The MTP layer's indexer is optional: upstream's --mtp and --indexer passes both skip it.
+        has_indexer = self.indexer_kind == "full" and (layer_idx < args.num_hidden_layers
+                                                       or w.has_prefix(prefix + "indexer."))
+        self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
 
     def queries(self, x):
         if self.args.q_lora_rank is None:
@@ -412,8 +415,8 @@ class Router:
         self.args = args
         f32 = mx.float32
         self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size), dtype=f32), prefix + "weight")
-        bias = w.maybe(prefix + "e_score_correction_bias", (E,), dtype=f32)
-        self.bias = mx.zeros((E,), mx.float32) if bias is None else _as_float32(bias, prefix + "bias")
+        # noaux_tc routing selects with this bias; routing without it would silently differ.
+        self.bias = _as_float32(w.take(prefix + "e_score_correction_bias", (E,), dtype=f32), prefix + "bias")
         self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
