@@ -488,7 +488,7 @@ def test_wrong_block_scale_shape(tmp_path):
 
 def test_e8_scale_overflow_names_the_tensor(tmp_path):
     # RMS 1e7 in a 256-weight block overflows fmt 6's fp16 super-block scale.
-    w = np.full((2, 256), 1e7, np.float32)
+    w = np.full((MOE, D), 1e7, np.float32)  # the shape CONFIG implies
     d = _single(tmp_path, {"model.layers.1.mlp.experts.0.up_proj.weight": torch.from_numpy(w)})
     with pytest.raises(ConvertError, match=r"model\.safetensors: tensor 'model\.layers\.1\.mlp\.experts\.0"
                                            r"\.up_proj\.weight'.*overflows fp16"):
@@ -507,6 +507,80 @@ def test_nvfp4_reciprocal_global_refused(tmp_path):
 def test_missing_indir_creates_no_outdir(tmp_path):
     with pytest.raises(ConvertError, match=r"--indir .*nowhere: not a directory"):
         _convert(tmp_path / "nowhere", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"xbits": 5}, "bits must be one of"), ({"recipe": "int5"}, "unknown recipe 'int5'"),
+    ({"group_size": 40}, "group-size must be"), ({"up_bits": "e8"}, "all three expert projections"),
+])
+def test_bad_options_are_refused_before_the_outdir_exists(checkpoints, tmp_path, options, message):
+    indir, _ = checkpoints("bf16")
+    with pytest.raises(ConvertError, match=message):
+        _convert(indir, tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_outdir_that_is_a_file_is_refused(checkpoints, tmp_path):
+    indir, _ = checkpoints("bf16")
+    (tmp_path / "out").write_text("not a directory")
+    with pytest.raises(ConvertError, match=r"--outdir .*out: exists and is not a directory"):
+        _convert(indir, tmp_path / "out")
+
+
+def _shrink_experts(indir: Path, d: Path) -> Path:
+    """A copy of the checkpoint whose config.json implies narrower experts than its shards hold."""
+    shutil.copytree(indir, d)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": MOE // 2}))
+    return d
+
+
+def test_shape_disagreeing_with_config_is_refused_before_any_output(checkpoints, tmp_path):
+    # The container stores quantized weights as flat bytes and takes [O, I] from config.json:
+    # a mismatch would convert for hours and fail only at load.
+    indir, _ = checkpoints("nvfp4")  # NVFP4 stores [O, I/2]: the check compares the logical [O, I]
+    d = _shrink_experts(indir, tmp_path / "in")
+    with pytest.raises(ConvertError, match=r"model-00002-of-00004\.safetensors: tensor 'model\.layers\.1\.mlp\."
+                                           r"experts\.0\.down_proj\.weight' has shape \[256, 256\] but config\.json "
+                                           r"implies \[256, 128\]"):
+        _convert(d, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # shard 1 was fine, but nothing was converted
+
+
+def test_shape_check_covers_the_mtp_pass_and_spares_unknown_names(checkpoints, tmp_path):
+    indir, _ = checkpoints("bf16")
+    d = _shrink_experts(indir, tmp_path / "in")
+    with pytest.raises(ConvertError, match=r"model-00004-of-00004\.safetensors: tensor 'model\.layers\.2\.mlp\."
+                                           r"experts\.0\.down_proj\.weight' has shape"):
+        _convert(d, tmp_path / "mtp", mtp=True)
+    # names config.json does not imply (here a deepseek_v3 config and DSA indexer weights,
+    # an extra matrix) convert as upstream converts them
+    (tmp_path / "extra").mkdir()
+    extra = torch.from_numpy(np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32))
+    e = _single(tmp_path / "extra", {"model.layers.0.self_attn.o_proj.weight": torch.ones(D, 64),
+                                     "model.layers.0.mlp.extra_proj.weight": extra})
+    _convert(e, tmp_path / "extra_out")
+    _convert(indir, tmp_path / "idx", indexer=True)
+    with Container(tmp_path / "extra_out") as c:
+        assert c.tensor("model.layers.0.mlp.extra_proj.weight", (8, 64)).fmt == 4
+    # a model_type the shape table does not know converts as upstream's does, with a warning
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "model_type": "glm4_moe"}))
+    logged = []
+    convert(str(tmp_path / "other"), indir=str(d), mtp=True, progress=False, log=logged.append)
+    assert any("WARNING: source tensor shapes are not checked (unknown model_type 'glm4_moe'" in m for m in logged)
+
+
+@pytest.mark.parametrize("name, shape", [("model.layers.1.mlp.experts.gate_up_proj", (E, 2 * MOE, D)),
+                                         ("model.layers.1.mlp.experts.down_proj", (E, D, MOE))])
+def test_fused_3d_experts_are_refused(tmp_path, name, shape):
+    # transformers v5's fused layout; upstream would store it float32 under a name the engine never reads
+    w = torch.from_numpy(np.random.default_rng(4).standard_normal(shape).astype(np.float32)).to(torch.bfloat16)
+    d = _single(tmp_path, {name: w})
+    with pytest.raises(ConvertError, match=rf"model\.safetensors: tensor '{name}' is a fused 3-D expert tensor "
+                                           rf"BF16\[{shape[0]}, {shape[1]}, {shape[2]}\].*per-expert 2-D tensors"):
+        _convert(d, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -551,13 +625,18 @@ class _FakeHub:
         return shutil.copy(self.root / filename, Path(local_dir) / filename)
 
 
-def test_repo_download_convert_delete(checkpoints, tmp_path, monkeypatch):
+def _serve(monkeypatch, root: Path) -> _FakeHub:
     import huggingface_hub
 
-    indir, reference = checkpoints("fp8-f32")
-    fake = _FakeHub(indir)
+    fake = _FakeHub(root)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: fake.model_info(*a, **k))
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
+    return fake
+
+
+def test_repo_download_convert_delete(checkpoints, tmp_path, monkeypatch):
+    indir, reference = checkpoints("fp8-f32")
+    fake = _serve(monkeypatch, indir)
     out = tmp_path / "out"
     convert(str(out), repo="org/tiny", progress=False, log=lambda m: None, min_free_gb=0)
     _convert(indir, tmp_path / "local")
@@ -568,6 +647,46 @@ def test_repo_download_convert_delete(checkpoints, tmp_path, monkeypatch):
     assert not any(f.endswith(".safetensors") for f in fake.downloads[n:])  # resumed: nothing fetched
     with pytest.raises(ConvertError, match="min-free-gb"):
         convert(str(tmp_path / "full"), repo="org/tiny", progress=False, log=lambda m: None, min_free_gb=1e9)
+
+
+def _repo_convert(out: Path, **options):
+    return convert(str(out), repo="org/tiny", progress=False, log=lambda m: None, min_free_gb=0, **options)
+
+
+def test_repo_refusals_leave_the_outdir_untouched(checkpoints, tmp_path, monkeypatch):
+    # --repo used to copy config/tokenizer (and create _meta, the lock) before these refusals ran.
+    indir, _ = checkpoints("bf16")
+    _serve(monkeypatch, indir)
+    with pytest.raises(ConvertError, match="unknown recipe"):
+        _repo_convert(tmp_path / "fresh", recipe="int5")
+    assert not (tmp_path / "fresh").exists()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes((indir / "model-00003-of-00004.safetensors").read_bytes())
+    with pytest.raises(ConvertError, match=r"model\.safetensors, which the converter does not write"):
+        _repo_convert(foreign)
+    assert sorted(p.name for p in foreign.iterdir()) == ["model.safetensors"]
+    out = tmp_path / "out"
+    _repo_convert(out)
+    (out / "config.json").write_text("{}")  # if the refused run copied metadata, this would be replaced
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(ConvertError, match="Refusing to mix conversions"):
+        _repo_convert(out, ebits=8)
+    assert (out / "config.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_repo_index_that_is_not_an_object(checkpoints, tmp_path, monkeypatch):
+    indir, _ = checkpoints("bf16")
+    d = tmp_path / "in"
+    shutil.copytree(indir, d)
+    (d / "model.safetensors.index.json").write_text('["model-00004-of-00004.safetensors"]')
+    _serve(monkeypatch, d)
+    with pytest.raises(ConvertError, match=r"model\.safetensors\.index\.json: expected a JSON object, got list"):
+        _repo_convert(tmp_path / "out", mtp=True)  # only the --mtp/--indexer passes read the index
+    assert not (tmp_path / "out").exists()
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ["model-00004-of-00004.safetensors"]}')
+    with pytest.raises(ConvertError, match=r"'weight_map' must be a JSON object, got list"):
+        _repo_convert(tmp_path / "out", mtp=True)
 
 
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import sys
+import tempfile
+from contextlib import ExitStack
 from typing import Callable, Optional
 
 from .classify import ConvertError
 from .pipeline import (METADATA_FILES, METADATA_PATTERNS, Conversion, OutdirLock, Summary, copy_metadata,
-                       list_shards, read_json, shards_for_mode)
+                       list_shards, read_json, read_weight_map, shards_for_mode)
 from .recipes import describe, resolve_plan
 
 DEFAULT_N_LAYERS = 78  # upstream's default (GLM-5.2); used only when config.json is absent
@@ -28,22 +30,23 @@ def convert(outdir: str, indir: Optional[str] = None, repo: Optional[str] = None
 
     `bit_options` are ebits, io_bits, xbits, shared_bits, o_bits, kvb_bits, attn_bits,
     dmlp_bits, gate_bits, up_bits, down_bits, group_size (None = recipe/upstream default).
+    The whole plan (options, recipe, source, output directory state, source shapes against
+    config.json) is validated before the output directory is created or written.
     Returns the per-class summary of the whole container pass.
     """
     if (indir is None) == (repo is None):
         raise ConvertError("give exactly one of --indir DIR or --repo ID")
     if mtp and indexer:
         raise ConvertError("--mtp and --indexer are separate passes; run them one at a time")
-    if indir is not None and not os.path.isdir(indir):
-        raise ConvertError(f"--indir {indir}: not a directory")
     mode = "mtp" if mtp else "indexer" if indexer else "main"
-    os.makedirs(outdir, exist_ok=True)
-    with OutdirLock(outdir):
-        if indir is not None:
-            return _convert_local(indir, outdir, mode, recipe, n_layers, bit_options,
-                                  max(jobs, workers), stats, progress, log)
-        return _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers),
-                             min_free_gb, revision, stats, progress, log)
+    resolve_plan(bit_options, recipe, mode, n_layers or DEFAULT_N_LAYERS)  # bad options: no I/O at all
+    if indir is not None:
+        if not os.path.isdir(indir):
+            raise ConvertError(f"--indir {indir}: not a directory")
+        return _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers), stats,
+                              progress, log)
+    return _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers), min_free_gb,
+                         revision, stats, progress, log)
 
 
 def _plan(config: Optional[dict], n_layers, recipe, mode, bit_options, log):
@@ -61,6 +64,21 @@ def _plan(config: Optional[dict], n_layers, recipe, mode, bit_options, log):
     return plan
 
 
+def _expected_shapes(config: Optional[dict], log) -> Optional[dict]:
+    """config.json's [O, I] of every 2-D weight, or None (with a warning) where it implies none."""
+    from ..container import expected_shapes
+
+    if config is None:
+        log("[plan] WARNING: no config.json: source tensor shapes are not checked")
+        return None
+    try:
+        return expected_shapes(config)
+    except (KeyError, ValueError) as e:
+        # Upstream converts any checkpoint; only the engine needs a known model_type.
+        log(f"[plan] WARNING: source tensor shapes are not checked ({e.args[0] if e.args else e})")
+        return None
+
+
 def _finish(summary: Summary, outdir: str, log):
     log(summary.table())
     log(f"container -> {outdir}")
@@ -68,18 +86,22 @@ def _finish(summary: Summary, outdir: str, log):
 
 
 def _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, jobs, stats, progress, log):
-    plan = _plan(read_json(os.path.join(indir, "config.json")), n_layers, recipe, mode, bit_options, log)
-    shards = list_shards(indir)
-    weight_map = (read_json(os.path.join(indir, "model.safetensors.index.json")) or {}).get("weight_map")
-    shards = shards_for_mode(shards, weight_map, mode, plan.n_layers)
-    conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=False, log=log)
-    summary = conversion.run(shards)
-    if mode == "main":  # the --mtp/--indexer passes add to a container that has its metadata
-        copied, missing = copy_metadata(indir, outdir)
-        log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
-        if missing:
-            log(f"[meta] WARNING: {', '.join(missing)} not found in {indir} (the engine needs config.json, "
-                "chat needs tokenizer.json)")
+    config = read_json(os.path.join(indir, "config.json"))
+    plan = _plan(config, n_layers, recipe, mode, bit_options, log)
+    weight_map = read_weight_map(os.path.join(indir, "model.safetensors.index.json"))
+    shards = shards_for_mode(list_shards(indir), weight_map, mode, plan.n_layers)
+    conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=False, log=log,
+                            expected_shapes=_expected_shapes(config, log))
+    conversion.check_outdir()
+    conversion.check_sources(shards)
+    with OutdirLock(outdir):
+        summary = conversion.run(shards)
+        if mode == "main":  # the --mtp/--indexer passes add to a container that has its metadata
+            copied, missing = copy_metadata(indir, outdir)
+            log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
+            if missing:
+                log(f"[meta] WARNING: {', '.join(missing)} not found in {indir} (the engine needs config.json, "
+                    "chat needs tokenizer.json)")
     return _finish(summary, outdir, log)
 
 
@@ -91,16 +113,25 @@ def _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, jobs, min_f
     hub = HubSource(repo, outdir, revision)
     meta_names = [n for n in hub.sizes if n in METADATA_FILES
                   or any(fnmatch.fnmatch(n, p) for p in METADATA_PATTERNS)]
-    meta_dir = hub.fetch_metadata(meta_names)
-    plan = _plan(read_json(os.path.join(meta_dir, "config.json")), n_layers, recipe, mode, bit_options, log)
-    shards = shards_for_mode(hub.shards, hub.weight_map() if mode != "main" else None, mode, plan.n_layers)
-    if mode == "main":
-        copied, missing = copy_metadata(meta_dir, outdir)
-        log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
-    # Upstream's --repo naming: out-NNNNN is the source shard's index, even for empty outputs.
-    conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=True, log=log)
-    sizes = {s: hub.sizes.get(s) or 0 for s in shards}
-    summary = conversion.run(shards, sizes=sizes, fetch=hub.fetch_shard, release=hub.release,
-                             before_shard=lambda: require_free(outdir, min_free_gb, starting=False))
+    # Planning reads config.json and the index from a scratch directory: the output is
+    # touched only once the plan and its state are known good.
+    with ExitStack() as locked:
+        with tempfile.TemporaryDirectory(prefix="colibri-convert-meta-") as meta_dir:
+            hub.fetch_metadata(meta_names, meta_dir)
+            config = read_json(os.path.join(meta_dir, "config.json"))
+            plan = _plan(config, n_layers, recipe, mode, bit_options, log)
+            weight_map = hub.weight_map(meta_dir) if mode != "main" else None
+            shards = shards_for_mode(hub.shards, weight_map, mode, plan.n_layers)
+            # Upstream's --repo naming: out-NNNNN is the source shard's index, even for empty outputs.
+            conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=True, log=log,
+                                    expected_shapes=_expected_shapes(config, log))
+            conversion.check_outdir()
+            locked.enter_context(OutdirLock(outdir))
+            if mode == "main":
+                copied, _ = copy_metadata(meta_dir, outdir)
+                log(f"[meta] copied: {', '.join(copied) or 'nothing'}")
+        sizes = {s: hub.sizes.get(s) or 0 for s in shards}
+        summary = conversion.run(shards, sizes=sizes, fetch=hub.fetch_shard, release=hub.release,
+                                 before_shard=lambda: require_free(outdir, min_free_gb, starting=False))
     hub.cleanup()
     return _finish(summary, outdir, log)

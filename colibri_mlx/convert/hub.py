@@ -12,6 +12,7 @@ import shutil
 from typing import Optional
 
 from .classify import ConvertError
+from .pipeline import read_weight_map
 
 INFLIGHT = "_inflight"
 META = "_meta"
@@ -19,6 +20,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def free_gb(path: str) -> float:
+    # The output directory is created only once the plan is validated: ask its nearest ancestor.
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
     return shutil.disk_usage(path).free / 1e9
 
 
@@ -87,22 +92,18 @@ class HubSource:
             os.unlink(path)
         shutil.rmtree(os.path.join(self.inflight, ".cache"), ignore_errors=True)
 
-    def fetch_metadata(self, names: list[str]) -> str:
-        """Download the small metadata files that exist into `<outdir>/_meta`; returns that dir."""
-        meta = os.path.join(self.outdir, META)
+    def fetch_metadata(self, names: list[str], dest: str):
+        """Download the small metadata files that exist into `dest` (a planning directory
+        outside the output: the output is not touched before the plan is validated)."""
         for name in names:
             if name in self.sizes:
-                self.download(name, meta)
-        return meta
+                self.download(name, dest)
 
-    def weight_map(self) -> Optional[dict]:
+    def weight_map(self, dest: str) -> Optional[dict]:
         if INDEX_FILE not in self.sizes:
             return None
-        import json
-
-        with open(self.download(INDEX_FILE, os.path.join(self.outdir, META))) as f:
-            return json.load(f).get("weight_map")
+        return read_weight_map(self.download(INDEX_FILE, dest))
 
     def cleanup(self):
         shutil.rmtree(self.inflight, ignore_errors=True)
-        shutil.rmtree(os.path.join(self.outdir, META), ignore_errors=True)
+        shutil.rmtree(os.path.join(self.outdir, META), ignore_errors=True)  # left by earlier versions

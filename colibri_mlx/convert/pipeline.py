@@ -134,16 +134,42 @@ def _convert_in_worker(task: TensorTask, stats: bool) -> TensorResult:
 # ------------------------------------------------------------------ one shard
 
 
-def shard_tasks(shard: SafetensorsShard, plan: BitPlan, mode: str) -> list[TensorTask]:
+def shard_tasks(shard: SafetensorsShard, plan: BitPlan, mode: str,
+                expected_shapes: Optional[dict] = None) -> list[TensorTask]:
+    """The tensors of this pass in `shard`, each checked against config.json's `expected_shapes`
+    (name -> (O, I); None = no config.json). Names the table does not know are converted
+    unchecked, as upstream converts them."""
     tasks = []
     for name in shard.names():
         kind = classify(name, plan.n_layers, mode)
         if kind in ("skip", "consumed"):
             continue
+        _refuse_fused_experts(shard, name)
+        if expected_shapes is not None and name in expected_shapes:
+            _check_shape(shard, name, expected_shapes[name])
         fmt, gs = (None, None) if kind == "f32" else plan.format_for(kind, name)
         nbytes = _source_nbytes(shard, name)
         tasks.append(TensorTask(shard.path, name, kind, fmt, gs, nbytes))
     return tasks
+
+
+def _refuse_fused_experts(shard: SafetensorsShard, name: str):
+    # transformers v5 fuses experts into [E, 2*inter, D] / [E, D, inter] tensors; upstream would
+    # store them float32 under names the engine never reads.
+    info = shard.info(name)
+    if ".mlp.experts." in name and len(info.shape) >= 3:
+        raise ConvertError(f"{shard.path}: tensor {name!r} is a fused {len(info.shape)}-D expert tensor "
+                           f"{info.dtype}{list(info.shape)}; the converter expects per-expert 2-D tensors "
+                           "'model.layers.<i>.mlp.experts.<e>.{gate,up,down}_proj.weight' (the Hugging Face "
+                           "release layout). Convert the original release checkpoint instead.")
+
+
+def _check_shape(shard: SafetensorsShard, name: str, want: tuple):
+    shape = tuple(WeightSource(shard, name).shape)  # NVFP4 packs two inputs a byte: the logical [O, I]
+    if shape != tuple(want):
+        raise ConvertError(f"{shard.path}: tensor {name!r} has shape {list(shape)} but config.json implies "
+                           f"{list(want)}; the checkpoint and its config.json disagree (wrong config.json, "
+                           "or a shard of another model?)")
 
 
 def _source_nbytes(shard: SafetensorsShard, name: str) -> int:
@@ -306,10 +332,28 @@ class Conversion:
     progress: bool = True
     name_by_index: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
+    expected_shapes: Optional[dict] = None  # config.json's name -> (O, I); None = unchecked
 
     @property
     def prefix(self) -> str:
         return SHARD_PREFIX[self.mode]
+
+    def check_outdir(self):
+        """Refuse an output directory this run cannot use, reading only: called before anything
+        is created or written there (run() checks again under the lock)."""
+        if not os.path.exists(self.outdir):
+            return
+        if not os.path.isdir(self.outdir):
+            raise ConvertError(f"--outdir {self.outdir}: exists and is not a directory")
+        self._refuse_foreign_shards()
+        ProgressManifest(self.outdir, self.prefix, self.plan.params())  # refuses another conversion's record
+
+    def check_sources(self, paths: list[str]):
+        """Every local shard's headers against the plan and config.json, before the first is
+        encoded: a mismatch in the last shard is refused in seconds, not after hours."""
+        for path in paths:
+            with SafetensorsShard(path) as shard:
+                shard_tasks(shard, self.plan, self.mode, self.expected_shapes)
 
     def run(self, sources: list[str], sizes: Optional[dict] = None,
             fetch: Callable[[str], str] = lambda s: s, release: Callable[[str], None] = lambda p: None,
@@ -352,7 +396,7 @@ class Conversion:
         shard_summary = Summary()
         out, done_bytes = {}, 0
         with SafetensorsShard(path) as shard:
-            tasks = shard_tasks(shard, self.plan, self.mode)
+            tasks = shard_tasks(shard, self.plan, self.mode, self.expected_shapes)
             for result in runner.run(shard, tasks):
                 out[result.name] = result.value
                 shard_summary.add(result)
@@ -442,16 +486,27 @@ def read_json(path: str) -> Optional[dict]:
     return data
 
 
+def read_weight_map(path: str) -> Optional[dict]:
+    """The `weight_map` of a model.safetensors.index.json (None if the file or key is absent)."""
+    weight_map = (read_json(path) or {}).get("weight_map")
+    if weight_map is not None and not isinstance(weight_map, dict):
+        raise ConvertError(f"{path}: 'weight_map' must be a JSON object, got {type(weight_map).__name__}")
+    return weight_map
+
+
 class OutdirLock:
-    """Two converters on one output directory would corrupt each other (upstream's .convert.lock)."""
+    """Two converters on one output directory would corrupt each other (upstream's .convert.lock).
+    Taking it creates the output directory: nothing touches it before the plan is validated."""
 
     def __init__(self, outdir: str):
+        self.outdir = outdir
         self.path = os.path.join(outdir, ".convert.lock")
         self._fh = None
 
     def __enter__(self):
         import fcntl
 
+        os.makedirs(self.outdir, exist_ok=True)
         self._fh = open(self.path, "w")
         try:
             fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
