@@ -139,7 +139,7 @@ def _utf8_text(text: str, what: str) -> str:
 
 
 def _read_stdin_text() -> str:
-    data = click.get_binary_stream("stdin").read()
+    data = sys.stdin.buffer.read()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
