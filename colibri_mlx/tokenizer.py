@@ -66,23 +66,34 @@ class Tokenizer:
 
 
 class StreamingDetokenizer:
-    """Text deltas for a growing token list; holds back a trailing incomplete UTF-8 sequence."""
+    """Text deltas for a growing token list; holds back a trailing incomplete UTF-8 sequence.
+
+    With a byte-level decoder (this model family's tokenizers) only the tokens since the last
+    newline are decoded: bytes after a newline decode the same on their own, and re-decoding the
+    whole reply per token would make a long reply quadratic. Other decoders (SentencePiece's
+    Metaspace drops the leading space of a decode's first token) re-decode the whole reply.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.emitted = 0
+        self.line: list[int] = []
+        self.emitted = 0  # characters of the current window's text already returned
+        self.windowed = type(getattr(tokenizer.backend, "decoder", None)).__name__ == "ByteLevel"
 
     def add(self, token: int) -> str:
-        self.tokens.append(int(token))
-        text = self.tokenizer.decode(self.tokens)
+        self.line.append(int(token))
+        text = self.tokenizer.decode(self.line)
         if text.endswith("\ufffd"):
             return ""
-        delta, self.emitted = text[self.emitted:], len(text)
+        delta = text[self.emitted:]
+        if self.windowed and text.endswith("\n"):
+            self.line, self.emitted = [], 0
+        else:
+            self.emitted = len(text)
         return delta
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens)
+        text = self.tokenizer.decode(self.line)
         delta, self.emitted = text[self.emitted:], len(text)
         return delta
 
