@@ -19,6 +19,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 
+from .generate import SamplingParams
+
 MAX_BODY_BYTES = 16 << 20
 
 
@@ -31,15 +33,10 @@ class RequestError(ValueError):
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
+class SamplingDefaults(SamplingParams):
     """Server-wide defaults (the command line); each request may override them."""
 
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
 
 
 @dataclass
