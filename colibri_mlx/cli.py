@@ -47,13 +47,16 @@ def _sampling_options(f):
         click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
                      help="Container or Hugging Face checkpoint directory. Default: the bundled "
                           "demo model (a tiny KJV-trained model, docs/demo-model.md)."),
-        click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1)),
+        click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
+                     help="Most tokens to generate per reply."),
         click.option("--temp", "temperature", default=0.0, show_default=True, type=float,
                      help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--top-p", default=1.0, show_default=True, type=float,
+                     help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this."),
         click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
-        click.option("--min-p", default=0.0, show_default=True, type=float),
-        click.option("--seed", default=None, type=int),
+        click.option("--min-p", default=0.0, show_default=True, type=float,
+                     help="Drop tokens less likely than this fraction of the most likely one."),
+        click.option("--seed", default=None, type=int, help="Seed for sampling (reproducible output)."),
         click.option("--system", default=None, help="System message (chat template only)."),
     ]
     for option in reversed(options + _STREAMING_OPTIONS):
