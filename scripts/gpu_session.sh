@@ -19,20 +19,30 @@ export PYTHONPATH=/root/site:/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
 
-step() {  # step NAME COMMAND...: run, log, record pass/fail
-  local name=$1; shift
+step() {  # step NAME LIMIT COMMAND...: run under a time limit, log, record pass/fail
+  local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   printf '%-14s rc=%d %4ds\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$out/summary.txt"
 }
 
-step check_twins   python3 scripts/check_kernels_gpu.py
-step kernel_tests  python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py
-step parity        python3 -m pytest -q tests/test_model_parity.py \
-                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference
-step bench_qgemv   python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json"
-step bench_moe_mla python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768
-step bench_e2e     python3 scripts/bench_e2e.py --steps 16
-tail -n 25 "$out"/bench_*.log
+# Steps to run: the arguments (default: all). One device call may last 600 s, so a session is
+# usually two calls, e.g. `gpu_session.sh check_twins kernel_tests parity bench_qgemv` and
+# `gpu_session.sh bench_moe_mla bench_e2e`.
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(check_twins kernel_tests parity bench_qgemv bench_moe_mla bench_e2e)
+for s in "${steps[@]}"; do
+  case $s in
+    check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py ;;
+    kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py ;;
+    parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
+                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference ;;
+    bench_qgemv)   step bench_qgemv 150 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
+    bench_moe_mla) step bench_moe_mla 300 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
+    bench_e2e)     step bench_e2e 280 python3 scripts/bench_e2e.py --steps 16 ;;
+    *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
+  esac
+done
+tail -n 25 "$out"/bench_*.log 2>/dev/null
 cat "$out/summary.txt"
