@@ -32,6 +32,8 @@ from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
 
 D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V = 7168, 2048, 128, 1536, 512, 128, 64, 128
 COPY_BW = 4.3e12
+# Activation dtype of our model: bf16 on GPUs (load(dtype="auto")), float32 on the CPU backend.
+ACT = mx.bfloat16 if kernels.backend() != "reference" else mx.float32
 CHAIN = 8
 
 
@@ -68,10 +70,10 @@ def dense_mlp_weights(prefix, inter=18432):
 
 
 def attention_weights(prefix):
-    return {prefix + "q_a_proj.weight": rand_q4(Q_LORA, D), prefix + "q_a_layernorm.weight": mx.ones((Q_LORA,)),
+    return {prefix + "q_a_proj.weight": rand_q4(Q_LORA, D), prefix + "q_a_layernorm.weight": mx.ones((Q_LORA,), ACT),
             prefix + "q_b_proj.weight": rand_q4(H * (NOPE + ROPE), Q_LORA),
             prefix + "kv_a_proj_with_mqa.weight": rand_q4(KV_LORA + ROPE, D),
-            prefix + "kv_a_layernorm.weight": mx.ones((KV_LORA,)),
+            prefix + "kv_a_layernorm.weight": mx.ones((KV_LORA,), ACT),
             prefix + "kv_b_proj.weight": rand_q4(H * (NOPE + V), KV_LORA),
             prefix + "o_proj.weight": rand_q4(D, H * V)}
 
@@ -98,10 +100,30 @@ def timeit(fn, iters, label=None):
         mx.synchronize()
         ts.append(time.perf_counter() - t0)
     BUILD[label or fn.__qualname__] = statistics.median(builds)
+    if label:
+        count_nodes(fn, label)
     return statistics.median(ts)
 
 
 BUILD: dict = {}
+NODES: dict = {}
+
+# Primitives that only make views on MLX's GPU backends (no kernel launch).
+VIEW_PRIMITIVES = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "AsStrided",
+                   "StopGradient", "Depends"}
+
+
+def count_nodes(fn, label):
+    """Primitives in one layer's graph (all, and those that launch a kernel), from mx.export_to_dot."""
+    import re
+    import tempfile
+
+    outs = fn()
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *(outs if isinstance(outs, (list, tuple)) else [outs]))
+        names = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    launching = [n for n in names if n.split("(")[0].strip() not in VIEW_PRIMITIVES]
+    NODES[label] = (len(names) / CHAIN, len(launching) / CHAIN)
 
 
 def mlxlm_quantize(module):
@@ -127,7 +149,7 @@ def bench_moe(args, results):
     rng = np.random.default_rng(0)
     ids = [mx.array(rng.choice(E, (1, 8), replace=False).astype(np.int32)) for _ in range(CHAIN)]
     gw = [mx.array(rng.uniform(0.1, 1, (1, 8)).astype(np.float32)) for _ in range(CHAIN)]
-    xs = [mx.random.normal((1, D)) for _ in range(CHAIN)]
+    xs = [mx.random.normal((1, D)).astype(ACT) for _ in range(CHAIN)]  # as the model runs
     for m in ours:   # stack the banks before timing
         kernels.moe_block(xs[0], m.experts, ids[0], gw[0])
     mx.eval([x for x in xs])
@@ -174,14 +196,17 @@ def bench_mla(args, results):
     ours = [Attention(margs, table(attention_weights("a.")), "a.", 0) for _ in range(CHAIN)]
     lm_args = lm.ModelArgs(**{k: v for k, v in config().items() if k in lm.ModelArgs.__dataclass_fields__})
     theirs = [mlxlm_quantize(lm.DeepseekV3Attention(lm_args)) for _ in range(CHAIN)]
-    xs = [mx.random.normal((1, 1, D)) for _ in range(CHAIN)]
-    xb = [x.astype(mx.bfloat16) for x in xs]
+    xb = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(CHAIN)]
+    # Ours runs bf16 activations and a bf16 latent cache on GPUs, like mlx-lm (float32 on the CPU
+    # backend, where the reference path computes in float32: the --tiny smoke run).
+    act = ACT
+    xs = [x.astype(act) for x in xb]
     for T in args.cache:
         caches = []
         for _ in range(CHAIN):
             c = LayerCache()
-            c.append("latent", mx.random.normal((1, T, KV_LORA)), 0)
-            c.append("k_rope", mx.random.normal((1, T, ROPE)), 0)
+            c.append("latent", mx.random.normal((1, T, KV_LORA)).astype(act), 0)
+            c.append("k_rope", mx.random.normal((1, T, ROPE)).astype(act), 0)
             caches.append(c)
         cos, sin = rope.cos_sin(mx.array([[T]]))
         mask = mx.ones((1, 1, 1, T + 1), mx.bool_)
@@ -204,7 +229,7 @@ def bench_mla(args, results):
         t_lm = timeit(lm_step, args.iters, f"mlx-lm mla T{T}") / CHAIN
         wbytes = sum(q.nbytes for q in (ours[0].q_a_proj, ours[0].q_b_proj, ours[0].kv_a_proj,
                                         ours[0].kv_b_proj, ours[0].o_proj))
-        cache_bytes_ours = (T + 1) * (KV_LORA + ROPE) * 4
+        cache_bytes_ours = (T + 1) * (KV_LORA + ROPE) * act.size
         results[f"mla_T{T}"] = dict(ours_us=t_ours * 1e6, mlxlm_us=t_lm * 1e6, weight_bytes=wbytes,
                                     cache_bytes=cache_bytes_ours,
                                     floor_us=(wbytes + cache_bytes_ours) / COPY_BW * 1e6)
@@ -246,15 +271,36 @@ def main():
         print(f"[{part}: {time.perf_counter() - t0:.0f} s]", flush=True)
     results["graph_build_s"] = dict(BUILD)
     results["counters"] = kernels.counters()
+    print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"{'per layer (chain of 8)':28s} {'ours us':>9s} {'mlx-lm us':>10s} {'ratio':>6s} {'floor us':>9s} {'BW frac':>8s}")
-    for k, r in results.items():
-        if isinstance(r, dict) and "ours_us" in r:
-            print(f"{k:28s} {r['ours_us']:9.1f} {r['mlxlm_us']:10.1f} {r['mlxlm_us'] / r['ours_us']:6.2f} "
-                  f"{r['floor_us']:9.1f} {r['floor_us'] / r['ours_us']:8.2f}")
-    print("graph building (s per chain of 8):", {k: round(v * 1e6 / CHAIN, 1) for k, v in BUILD.items()}, "us/layer")
     print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; {format_line()}")
+
+
+def _labels(key: str) -> tuple[str, str]:
+    """BUILD/NODES labels of a result row: 'moe_routed' -> 'ours moe_routed', 'mla_T16' -> 'ours mla T16'."""
+    name = key.replace("_T", " T")
+    return f"ours {name}", f"mlx-lm {name}"
+
+
+def print_table(results):
+    """Per layer: total (the method: graph building + evaluation), the Python graph-building part, the
+    primitives that launch kernels, and launches x the tiny-op cost as the launch-overhead estimate."""
+    tiny = results.get("tiny_op_us", float("nan"))
+    print(f"{'per layer (chain of 8)':22s} {'ours us':>8s} {'build':>6s} {'launch':>7s} {'ovh us':>7s} "
+          f"{'mlx-lm':>7s} {'build':>6s} {'launch':>7s} {'ratio':>6s} {'floor':>6s} {'BW frac':>7s}")
+    for k, r in results.items():
+        if not (isinstance(r, dict) and "ours_us" in r):
+            continue
+        lo, ll = _labels(k)
+        bo, bl = BUILD.get(lo, float("nan")) * 1e6 / CHAIN, BUILD.get(ll, float("nan")) * 1e6 / CHAIN
+        no, nl = NODES.get(lo, (float("nan"),) * 2)[1], NODES.get(ll, (float("nan"),) * 2)[1]
+        r.update(ours_build_us=bo, mlxlm_build_us=bl, ours_launches=no, mlxlm_launches=nl,
+                 ours_launch_overhead_us=no * tiny)
+        print(f"{k:22s} {r['ours_us']:8.1f} {bo:6.0f} {no:7.1f} {no * tiny:7.0f} {r['mlxlm_us']:7.1f} {bl:6.0f} "
+              f"{nl:7.1f} {r['mlxlm_us'] / r['ours_us']:6.2f} {r['floor_us']:6.1f} {r['floor_us'] / r['ours_us']:7.2f}")
+    print("build = Python graph building per layer (inside 'us'); launch = primitives that launch a kernel per layer;"
+          " ovh = launch x tiny-op cost (estimate of the launch-overhead share); ratio = mlx-lm / ours")
 
 
 def shrink():

@@ -50,29 +50,40 @@ def random_qtensors(fmt, O, I, gs, n):
     return out
 
 
-def time_evals(make_outputs) -> float:
-    """Median seconds per GEMV; ``make_outputs()`` builds GEMVS_PER_EVAL lazy outputs."""
+SUBMIT: dict = {}
+
+
+def time_evals(make_outputs, label=None) -> float:
+    """Median seconds per GEMV; ``make_outputs()`` builds GEMVS_PER_EVAL lazy outputs.
+    With ``label``, also records the CPU time until ``mx.async_eval`` returns (MLX has encoded
+    every launch and submitted the CUDA graph): when that is close to the total, the figure is
+    MLX's per-launch CPU cost, not the kernel."""
     mx.eval(make_outputs())  # warm-up: JIT compile, allocations
     mx.synchronize()
-    times = []
+    times, submits = [], []
     for _ in range(REPS):
         outs = make_outputs()
         mx.synchronize()
         t0 = time.perf_counter()
+        mx.async_eval(outs)
+        t1 = time.perf_counter()
         mx.eval(outs)
         mx.synchronize()
         times.append(time.perf_counter() - t0)
+        submits.append(t1 - t0)
+    if label:
+        SUBMIT[label] = statistics.median(submits) / GEMVS_PER_EVAL
     return statistics.median(times) / GEMVS_PER_EVAL
 
 
-def bench_ours(fmt, O, I, x, gs=None, **tuning):
+def bench_ours(fmt, O, I, x, gs=None, label=None, **tuning):
     qts = random_qtensors(fmt, O, I, gs, n_copies(weight_nbytes(fmt, O, I, gs)))
     nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + x.nbytes
 
     def outs():
         return [qgemv.qgemv(x, qts[k % len(qts)], dispatch.CUDA, **tuning) for k in range(GEMVS_PER_EVAL)]
 
-    t = time_evals(outs)
+    t = time_evals(outs, label)
     del qts
     return t, nbytes
 
@@ -90,7 +101,20 @@ def bench_mlx_qmm(O, I, x):
         return [mx.quantized_matmul(x, *ws[k % n], transpose=True, group_size=64, bits=4)
                 for k in range(GEMVS_PER_EVAL)]
 
-    return time_evals(outs), nbytes
+    return time_evals(outs, f"qmm {O}x{I}"), nbytes
+
+
+def bench_kernel_only(fmt, O, I, x, gs, stack=16):
+    """The kernel without MLX's per-launch cost: one launch over ``stack`` weights' rows stacked
+    ([stack*O, I], the same bytes per row), timed per launch; returns the time per GEMV's share."""
+    qts = random_qtensors(fmt, stack * O, I, gs, max(2, n_copies(stack * weight_nbytes(fmt, O, I, gs))))
+    nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + x.nbytes
+    n = len(qts)
+
+    def outs():
+        return [qgemv.qgemv(x, qts[k % n], dispatch.CUDA) for k in range(GEMVS_PER_EVAL // stack)]
+
+    return time_evals(outs) * (GEMVS_PER_EVAL // stack) / GEMVS_PER_EVAL, nbytes
 
 
 # The default launch (qgemv.launch_spec) first, then rows per threadgroup, split-K and unroll
@@ -129,8 +153,12 @@ def main():
         rows.append(row("mx.quantized_matmul 4b g64", O, I, t_qmm, b_qmm))
         for fmt, gs in ((2, None), (4, 64)):
             for tuning in TUNINGS:
-                t, b = bench_ours(fmt, O, I, x, gs, **tuning)
+                label = f"fmt {fmt} {O}x{I}" if not tuning else None
+                t, b = bench_ours(fmt, O, I, x, gs, label=label, **tuning)
                 rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, gs, x, tuning)}", O, I, t, b, t_qmm))
+            if O * I < 18432 * 7168:
+                t, b = bench_kernel_only(fmt, O, I, x, gs)
+                rows.append(row(f"qgemv fmt {fmt} kernel only (16 stacked)", O, I, t, b, t_qmm))
         for fmt in (1, 3, 5, 6):
             t, b = bench_ours(fmt, O, I, x)
             rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, None, x, {})}", O, I, t, b, t_qmm))
@@ -141,6 +169,10 @@ def main():
     for r in rows:
         print(f"{r['kernel']:40s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
               f"{r.get('x_vs_qmm', 1.0):6.2f}")
+    print("\nCPU time per GEMV until mx.async_eval returned (all launches encoded and submitted) vs the total:")
+    for label, t in SUBMIT.items():
+        print(f"  {label:24s} submit {t * 1e6:6.2f} us")
+    print("kernel only: one launch over 16 weights' rows stacked, time per GEMV's share (no per-launch cost)")
     return 0
 
 
