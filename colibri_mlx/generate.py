@@ -92,25 +92,33 @@ def filter_logits(logits: mx.array, p: SamplingParams) -> mx.array:
     return logits
 
 
-def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable[[mx.array], int]:
+def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable[[mx.array], mx.array]:
+    """``logits -> token`` as a lazy scalar ``mx.array`` (so the next step can be built before it is read)."""
     if params.temperature == 0:
-        return lambda logits: int(mx.argmax(logits).item())
+        return lambda logits: mx.argmax(logits)
     key = mx.random.key(seed if seed is not None else time.time_ns() % (1 << 63))
 
     def sample(logits):
         nonlocal key
         key, sub = mx.random.split(key)
-        return int(mx.random.categorical(filter_logits(logits, params), key=sub).item())
+        return mx.random.categorical(filter_logits(logits, params), key=sub)
 
     return sample
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
-                    seed: Optional[int] = None, cache=None, stop_ids: Sequence[int] = ()) -> Iterator[tuple[int, dict]]:
+                    seed: Optional[int] = None, cache=None, stop_ids: Sequence[int] = (),
+                    pipelined: Optional[bool] = None) -> Iterator[tuple[int, dict]]:
     """Yield ``(token, stats)`` per generated token; ``stats`` has prompt/generation timing.
 
     ``cache`` continues a conversation: ``prompt_ids`` are the new tokens only. Generation ends
     at a stop id (yielded, ``finish_reason="stop"``), at ``max_tokens`` or at the context limit.
+    When the generation ends, the cache holds the prompt and every generated token but the last.
+
+    ``pipelined`` (default: on unless a repetition penalty needs each token's value first) builds
+    step n+1's graph and queues it while step n still runs on the device, as mlx-lm does, so
+    Python graph building overlaps the GPU. The tokens are the same either way; a step fed with a
+    stop token is taken back out of the cache.
     """
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
@@ -120,29 +128,49 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     if cache.offset + len(prompt_ids) > limit:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens (+{cache.offset} in the cache) exceeds the "
                          f"context limit of {limit} tokens")
+    penalty = params.repetition_penalty != 1.0
+    pipelined = not penalty if pipelined is None else pipelined
+    if pipelined and penalty:
+        raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
     sampler = make_sampler(params, seed)
     stop = set(int(s) for s in stop_ids)
     seen = list(prompt_ids)
+
+    def next_token(logits):
+        if penalty:
+            logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        return sampler(logits)
+
     t0 = time.perf_counter()
     logits = model(mx.array([prompt_ids]), cache)[0, -1]
     mx.eval(logits)
     stats = {"prompt_tokens": len(prompt_ids), "prompt_time": time.perf_counter() - t0}
     t1 = time.perf_counter()
+    token_arr = next_token(logits)
     for n in range(1, max_tokens + 1):
-        token = sampler(apply_repetition_penalty(logits, seen, params.repetition_penalty))
+        continues = n < max_tokens and cache.offset < limit    # known before the token's value
+        fed_ahead = pipelined and continues
+        if fed_ahead:   # step n+1 is built and queued before token n is read
+            following = next_token(model(token_arr.reshape(1, 1), cache)[0, -1])
+            mx.async_eval(following)
+        token = int(token_arr.item())
         seen.append(token)
         stats["generation_tokens"], stats["generation_time"] = n, time.perf_counter() - t1
         if token in stop:
             stats["finish_reason"] = "stop"
-        elif n == max_tokens or cache.offset >= limit:
+            if fed_ahead:
+                cache.offset -= 1   # the stop token was fed ahead: take it back out
+        elif not continues:
             stats["finish_reason"] = "length"
         else:
             stats["finish_reason"] = None
         yield token, dict(stats)
         if stats["finish_reason"] is not None:
             return
-        logits = model(mx.array([[token]]), cache)[0, -1]
-        mx.eval(logits)
+        if fed_ahead:
+            token_arr = following
+        else:
+            token_arr = next_token(model(mx.array([[token]]), cache)[0, -1])
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:

@@ -28,12 +28,19 @@ step() {  # step NAME LIMIT COMMAND...: run under a time limit, log, record pass
 }
 
 # Steps to run: the arguments (default: all). One device call may last 600 s, so a session is
-# usually two calls, e.g. `gpu_session.sh check_twins kernel_tests parity bench_qgemv` and
-# `gpu_session.sh bench_moe_mla bench_e2e`.
+# usually two calls, e.g. `gpu_session.sh checks bench_qgemv bench_moe_mla` and `gpu_session.sh bench_e2e`.
+# `checks` runs check_twins, kernel_tests and parity concurrently (before any timing).
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(check_twins kernel_tests parity bench_qgemv bench_moe_mla bench_e2e)
+[ ${#steps[@]} -eq 0 ] && steps=(checks bench_qgemv bench_moe_mla bench_e2e)
 for s in "${steps[@]}"; do
   case $s in
+    checks)        # the three correctness steps at once: JIT compiles are CPU-bound, 16 cores
+                   (step check_twins 280 python3 scripts/check_kernels_gpu.py) &
+                   (step kernel_tests 280 python3 -m pytest -q tests/test_moe_block.py tests/test_mla_decode.py \
+                      $(ls tests/test_router*.py 2>/dev/null)) &
+                   (step parity 280 python3 -m pytest -q tests/test_model_parity.py \
+                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference) &
+                   wait ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py ;;
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \

@@ -96,6 +96,35 @@ def test_cache_continues_a_conversation(checkpoint):
     assert turn2 == whole
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.3, top_k=20)])
+def test_pipelined_generation_equals_step_by_step(checkpoint, params):
+    """Building step n+1 before token n is read changes nothing: same tokens, same cache state
+    (also after a stop token, which the pipelined loop feeds ahead and then takes back out)."""
+    _, _, model, _ = checkpoint
+    runs = {}
+    for pipelined in (False, True):
+        cache = model.make_cache()
+        toks = [t for t, _ in generate_tokens(model, [5, 6, 7], 12, params, seed=3, cache=cache, pipelined=pipelined)]
+        stop_cache = model.make_cache()
+        stopped = list(generate_tokens(model, [5, 6, 7], 12, params, seed=3, cache=stop_cache,
+                                       stop_ids=[toks[4]], pipelined=pipelined))
+        nxt = [t for t, _ in generate_tokens(model, [stopped[-1][0], 9], 4, cache=stop_cache, pipelined=False)]
+        runs[pipelined] = (toks, cache.offset, [t for t, _ in stopped], stop_cache.offset, nxt)
+    assert runs[True] == runs[False]
+    toks, offset, stopped, stop_offset, _ = runs[True]
+    assert offset == 3 + 12 - 1 and stopped[-1] == toks[4]
+    # prompt + generated but the last, then the next turn: 2 fed + 4 generated but the last
+    assert stop_offset == (3 + len(stopped) - 1) + (2 + 4 - 1)
+
+
+def test_pipelined_generation_refuses_a_repetition_penalty(checkpoint):
+    _, _, model, _ = checkpoint
+    with pytest.raises(ValueError, match="repetition penalty"):
+        next(generate_tokens(model, [1, 2], 3, SamplingParams(repetition_penalty=1.2), pipelined=True))
+    # the default chooses the step-by-step loop then
+    assert len(list(generate_tokens(model, [1, 2], 3, SamplingParams(repetition_penalty=1.2)))) == 3
+
+
 def test_filter_logits_against_numpy():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(50).astype(np.float32) * 3
