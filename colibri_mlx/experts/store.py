@@ -584,7 +584,7 @@ def _projection(p: ProjectionLayout, buffers: list[np.ndarray]):
         return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))
     s = p.scales
     scales = _as_float32(buffers[s.read][s.start: s.start + s.nbytes], s.dtype)
-    return QTensor(mx.array(raw), mx.array(scales), p.fmt, p.O, p.I, p.gs, p.weight.name)
+    return QTensor(mx.array(raw), mx.array(scales), p.fmt, p.O, p.I, p.gs, p.weight.name, streamed=True)
 
 
 def _as_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -23,6 +23,7 @@ class QTensor:
     I: int
     gs: Optional[int] = None
     name: str = ""
+    streamed: bool = False   # an expert read on demand by ExpertStore (never cached dequantized)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,4 +48,4 @@ class QTensor:
         if isinstance(self.packed, mx.array):
             return self
         return QTensor(mx.array(np.asarray(self.packed)), mx.array(np.asarray(self.scales)),
-                       self.fmt, self.O, self.I, self.gs, self.name)
+                       self.fmt, self.O, self.I, self.gs, self.name, self.streamed)

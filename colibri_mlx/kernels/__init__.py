@@ -59,10 +59,12 @@ def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
         path = "f32" if qt.fmt == 0 else "qmm"
         dispatch.record_call(path, "dequant-matmul")
         gpu = impl in (METAL, CUDA) and x.dtype in (mx.float16, mx.bfloat16)
+        if not gpu and qt.fmt != 0:
+            return reference.cached_qmatmul(x, qt)
         return reference.qmatmul(x, qt, compute_dtype=x.dtype if gpu else mx.float32)
     if impl == REFERENCE:
         dispatch.record_call("qgemv", REFERENCE)
-        return reference.qmatmul(x, qt)
+        return reference.cached_qmatmul(x, qt)
     reason = _qgemv.decline_reason(x, qt)
     if reason is not None:
         dispatch.record_fallback("qgemv", reason)

@@ -7,6 +7,10 @@ fmt 6 grid) and multiplies in float32.
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections import OrderedDict
+
 import mlx.core as mx
 import numpy as np
 
@@ -170,6 +174,63 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
 def dequantize(qt) -> mx.array:
     """float32 ``[O, I]`` of the whole QTensor."""
     return dequantize_rows(qt, 0, qt.O)
+
+
+class DequantCache:
+    """float32 copies of dequantized weights for the CPU backend's decode, least recently used
+    first out, within ``budget_bytes`` (``COLIBRI_DEQUANT_CACHE_MB``, default 2048; 0 turns it off).
+
+    The reference path otherwise dequantizes every weight on every call, which is most of a CPU
+    decode step. The copies are bit-identical to a fresh dequantization; an entry dies with its
+    QTensor (weak reference), so a recycled ``id()`` can never hit a stale entry.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.used = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict = OrderedDict()   # id(qt) -> float32 [O, I]
+
+    def get(self, qt) -> mx.array | None:
+        nbytes = 4 * qt.O * qt.I
+        if nbytes > self.budget or qt.streamed:   # streamed experts live within the RAM budget
+            return None
+        key = id(qt)
+        w = self._entries.get(key)
+        if w is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return w
+        self.misses += 1
+        w = dequantize(qt)
+        mx.eval(w)
+        while self.used + nbytes > self.budget and self._entries:
+            self._drop(next(iter(self._entries)))
+        self._entries[key] = w
+        self.used += nbytes
+        weakref.finalize(qt, self._drop, key)
+        return w
+
+    def _drop(self, key) -> None:
+        w = self._entries.pop(key, None)
+        if w is not None:
+            self.used -= w.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.used = 0
+
+
+dequant_cache = DequantCache(int(float(os.environ.get("COLIBRI_DEQUANT_CACHE_MB", "2048")) * 2**20))
+
+
+def cached_qmatmul(x: mx.array, qt) -> mx.array:
+    """:func:`qmatmul` through :data:`dequant_cache` (same result bit for bit); weights over the
+    budget are dequantized per call as before."""
+    w = dequant_cache.get(qt)
+    if w is None:
+        return qmatmul(x, qt)
+    return (x.astype(mx.float32) @ w.T).astype(x.dtype)
 
 
 def qmatmul(x: mx.array, qt, compute_dtype=mx.float32) -> mx.array:
