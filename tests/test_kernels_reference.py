@@ -155,3 +155,49 @@ def test_decline_reasons():
     assert qgemv.decline_reason(random_x(8, 32), qt) is None
     assert "S=9" in qgemv.decline_reason(random_x(9, 32), qt)
     assert "dtype" in qgemv.decline_reason(random_x(1, 32).astype(mx.int32), qt)
+
+
+# ---------------------------------------------------------------------------------------
+# concat_rows: projections of the same input stacked into one weight (one launch)
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("S", [1, 3, 12])     # qgemv-sized and prefill-sized x
+def test_concat_rows_equals_separate_projections_bit_exact(fmt, S):
+    a, b = random_qtensor(fmt, 7, 200, gs=32, seed=fmt), random_qtensor(fmt, 5, 200, gs=32, seed=fmt + 9)
+    fused = kernels.concat_rows([a, b])
+    assert (fused.fmt, fused.O, fused.I, fused.gs) == (fmt, 12, 200, a.gs)
+    # the bytes are exactly the two tensors' rows, in order
+    np.testing.assert_array_equal(np.asarray(reference.dequantize(fused)),
+                                  np.concatenate([np.asarray(reference.dequantize(a)),
+                                                  np.asarray(reference.dequantize(b))]))
+    x = random_x(S, 200, seed=S)
+    y = np.asarray(kernels.qmatmul(x, fused))
+    np.testing.assert_array_equal(y[:, :7], np.asarray(kernels.qmatmul(x, a)))
+    np.testing.assert_array_equal(y[:, 7:], np.asarray(kernels.qmatmul(x, b)))
+    assert_close(kernels.qmatmul(x, fused), x, fused, f"fused fmt {fmt}")
+    # the parts read back as views equal the originals
+    for part, orig in ((kernels.rows_of(fused, 0, 7), a), (kernels.rows_of(fused, 7, 12), b)):
+        np.testing.assert_array_equal(np.asarray(part.packed), np.asarray(orig.packed))
+        np.testing.assert_array_equal(np.asarray(part.scales), np.asarray(orig.scales))
+
+
+def test_concat_rows_float_weights():
+    a, b = mx.random.normal((6, 40)), mx.random.normal((3, 40))
+    fused = kernels.concat_rows([a, b])
+    np.testing.assert_array_equal(np.asarray(fused), np.concatenate([np.asarray(a), np.asarray(b)]))
+    np.testing.assert_array_equal(np.asarray(kernels.rows_of(fused, 6, 9)), np.asarray(b))
+
+
+def test_concat_rows_refuses_what_is_not_row_stackable():
+    q4 = random_qtensor(4, 4, 64, gs=32)
+    cases = [
+        [q4, random_qtensor(2, 4, 64)],                         # different fmt
+        [q4, random_qtensor(4, 4, 64, gs=16)],                  # different group size
+        [q4, random_qtensor(4, 4, 96, gs=32)],                  # different input width
+        [q4, mx.zeros((4, 64))],                                # quantized and float
+        [random_qtensor(6, 2, 256), random_qtensor(6, 2, 256)],  # fmt 6 (rotated basis): not fused
+        [mx.zeros((2, 8)), mx.zeros((2, 8), mx.float16)],       # float dtypes differ
+    ]
+    for ws in cases:
+        assert kernels.concat_rows(ws) is None

@@ -155,3 +155,17 @@ def test_planted_defect_is_caught(defect):
         y = simulate(spec)
         assert_close(y, x, qt, defect)
     assert "failed to compile" not in str(caught.value)
+
+
+def test_stacked_rows_give_the_separate_launches_bits():
+    """kernels.concat_rows (q_a + kv_a in one launch): each output row is computed on its own,
+    so the stacked launch equals the two separate ones bit for bit (same SIMD groups per row)."""
+    from colibri_mlx import kernels
+
+    a, b = random_qtensor(4, 24, 512, gs=32, seed=1), random_qtensor(4, 9, 512, gs=32, seed=2)
+    fused = kernels.concat_rows([a, b])
+    x = random_x(1, 512, seed=3)
+    y = np.asarray(simulate(qgemv.launch_spec(x, fused, simdgroups=2)))
+    np.testing.assert_array_equal(y[:, :24], np.asarray(simulate(qgemv.launch_spec(x, a, simdgroups=2))))
+    np.testing.assert_array_equal(y[:, 24:], np.asarray(simulate(qgemv.launch_spec(x, b, simdgroups=2))))
+    assert_close(mx.array(y), x, fused, "stacked")

@@ -27,8 +27,15 @@ from .dispatch import (
 
 __all__ = [
     "CUDA", "METAL", "REFERENCE", "backend", "counters", "force_reference", "format_counters",
-    "mla_decode", "moe_block", "qmatmul", "reset_counters",
+    "concat_rows", "mla_decode", "moe_block", "qmatmul", "reset_counters",
 ]
+
+# Formats whose rows are independent byte runs with their scales in per-row order (FORMAT.md §2:
+# row o starts at o * row_bytes, scales [O] or [O, ng] row-major): stacking two tensors' rows is
+# concatenating their byte streams and their scale arrays. fmt 6 is row-wise too but holds the
+# rotated matrix and only routed experts use it, fmt 0 takes the dequant-matmul path anyway: both
+# are left out rather than special-cased.
+ROW_CONCAT_FMTS = (1, 2, 3, 4, 5)
 
 
 def qmatmul(x: mx.array, w) -> mx.array:
@@ -69,3 +76,41 @@ def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
         return reference.qmatmul(x, qt)
     dispatch.record_call("qgemv", impl)
     return _qgemv.qgemv(x, qt, impl)
+
+
+def concat_rows(weights) -> "mx.array | QTensor | None":
+    """One weight holding the rows of ``weights`` in order, so projections of the same input run
+    as one qmatmul (one launch) whose output is split with slices; None when they cannot share
+    one: mixed float/quantized, different fmt, input width, group size or float dtype.
+
+    The result is evaluated at once and is the only copy the caller should keep (drop the parts).
+    """
+    first = weights[0]
+    if all(isinstance(w, mx.array) for w in weights):
+        if any(w.ndim != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype for w in weights):
+            return None
+        fused = mx.concatenate(list(weights), axis=0)
+    elif all(isinstance(w, QTensor) for w in weights):
+        if first.fmt not in ROW_CONCAT_FMTS or any(
+                (w.fmt, w.I, w.gs if w.fmt == 4 else None) != (first.fmt, first.I, first.gs if first.fmt == 4 else None)
+                for w in weights):
+            return None
+        packed = mx.concatenate([_qgemv._as_mx(w.packed, mx.uint8).reshape(-1) for w in weights])
+        scales = mx.concatenate([_qgemv._as_mx(w.scales, mx.float32).reshape(-1) for w in weights])
+        fused = QTensor(packed, scales, first.fmt, sum(w.O for w in weights), first.I, first.gs,
+                        "+".join(w.name for w in weights))
+    else:
+        return None
+    mx.eval(fused.packed, fused.scales) if isinstance(fused, QTensor) else mx.eval(fused)
+    return fused
+
+
+def rows_of(w, r0: int, r1: int):
+    """Rows ``r0:r1`` of a float weight or QTensor fmt 1-5 as a view (no copy), e.g. one part of a
+    :func:`concat_rows` weight for statistics."""
+    if isinstance(w, mx.array):
+        return w[r0:r1]
+    from .reference import row_bytes, scales_per_row
+
+    rb, spr = row_bytes(w.fmt, w.I), scales_per_row(w.fmt, w.I, w.gs)
+    return QTensor(w.packed[r0 * rb: r1 * rb], w.scales[r0 * spr: r1 * spr], w.fmt, r1 - r0, w.I, w.gs, w.name)

@@ -334,16 +334,19 @@ class Attention:
         self.kv_lora_rank = args.kv_lora_rank
         self.scale = softmax_scale(args.rope, args.qk_head_dim)
         bias = args.attention_bias
+        # The query projection that reads x: q_a (low-rank queries) or q_proj.
         if args.q_lora_rank is None:
-            self.q_proj = w.take(prefix + "q_proj.weight", (H * args.qk_head_dim, D))
+            q_x = w.take(prefix + "q_proj.weight", (H * args.qk_head_dim, D))
+            q_x_bias = None
         else:
-            self.q_a_proj = w.take(prefix + "q_a_proj.weight", (args.q_lora_rank, D))
-            self.q_a_bias = w.take(prefix + "q_a_proj.bias", (args.q_lora_rank,)) if bias else None
+            q_x = w.take(prefix + "q_a_proj.weight", (args.q_lora_rank, D))
+            q_x_bias = w.take(prefix + "q_a_proj.bias", (args.q_lora_rank,)) if bias else None
             self.q_a_norm = w.take(prefix + "q_a_layernorm.weight", (args.q_lora_rank,))
             self.q_b_proj = w.take(prefix + "q_b_proj.weight", (H * args.qk_head_dim, args.q_lora_rank))
         kv_a_out = args.kv_lora_rank + args.qk_rope_head_dim
-        self.kv_a_proj = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
-        self.kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
+        kv_a = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
+        kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
+        self._load_x_projections(q_x, q_x_bias, kv_a, kv_a_bias)
         self.kv_a_norm = w.take(prefix + "kv_a_layernorm.weight", (args.kv_lora_rank,))
         self.kv_b_proj = w.take(prefix + "kv_b_proj.weight", (H * (self.nope + self.v_dim), args.kv_lora_rank))
         self.o_proj = w.take(prefix + "o_proj.weight", (D, H * self.v_dim))
@@ -354,20 +357,60 @@ class Attention:
                                                        or w.has_prefix(prefix + "indexer."))
         self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
 
-    def queries(self, x):
+    def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
+        """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
+        formats agree their rows are stacked into one weight (one qgemv launch per step; the
+        parts are not kept), else they stay two."""
+        self.q_x_rows = q_x.shape[0]
+        fused = kernels.concat_rows([q_x, kv_a])
+        if fused is None:
+            self.x_proj, self.x_proj_bias = None, None
+            self.q_x, self.q_x_bias, self.kv_a, self.kv_a_bias = q_x, q_x_bias, kv_a, kv_a_bias
+            return
+        self.x_proj = fused
+        self.x_proj_bias = None if q_x_bias is None else mx.concatenate([q_x_bias, kv_a_bias])
+
+    # Parts of the stacked projection (views), for statistics and scripts that read them by name.
+    @property
+    def q_a_proj(self):
+        return self._x_part(0) if self.args.q_lora_rank is not None else None
+
+    @property
+    def q_proj(self):
+        return self._x_part(0) if self.args.q_lora_rank is None else None
+
+    @property
+    def kv_a_proj(self):
+        return self._x_part(1)
+
+    def _x_part(self, i):
+        if self.x_proj is None:
+            return (self.q_x, self.kv_a)[i]
+        rows = (0, self.q_x_rows, self.x_proj.shape[0])
+        return kernels.rows_of(self.x_proj, rows[i], rows[i + 1])
+
+    def project_x(self, x):
+        """``(q or q_a output, kv_a output)`` of x: one launch when the weights are stacked."""
+        if self.x_proj is None:
+            return linear(x, self.q_x, self.q_x_bias), linear(x, self.kv_a, self.kv_a_bias)
+        y = linear(x, self.x_proj, self.x_proj_bias)
+        return y[..., : self.q_x_rows], y[..., self.q_x_rows:]
+
+    def queries(self, q_x):
+        """``(q, q_latent)`` from the query part of :meth:`project_x`."""
         if self.args.q_lora_rank is None:
-            return linear(x, self.q_proj), None
-        q_latent = rms_norm(linear(x, self.q_a_proj, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            return q_x, None
+        q_latent = rms_norm(q_x, self.q_a_norm, LATENT_NORM_EPS)
         return linear(q_latent, self.q_b_proj), q_latent
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None):
         """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
         B, L, _ = x.shape
-        q, q_latent = self.queries(x)
+        q_x, kv = self.project_x(x)
+        q, q_latent = self.queries(q_x)
         q = q.reshape(B, L, self.n_heads, self.args.qk_head_dim).transpose(0, 2, 1, 3)
         q_nope = q[..., : self.nope]
         q_rope = apply_rope(q[..., self.nope :], cos, sin, self.args.rope_interleave)
-        kv = linear(x, self.kv_a_proj, self.kv_a_bias)
         latent = rms_norm(kv[..., : self.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = apply_rope(kv[:, None, :, self.kv_lora_rank :], cos, sin, self.args.rope_interleave)[:, 0]
         if layer_cache is not None:
