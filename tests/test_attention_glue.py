@@ -93,3 +93,89 @@ def test_unstackable_x_projections_stay_separate(checkpoints, tmp_path):
     tokens = random_tokens(6, seed=2)
     n_layers = len(mixed.layers)
     assert qgemv_calls_per_decode_step(mixed, tokens) == qgemv_calls_per_decode_step(same, tokens) + n_layers
+
+
+# ---------------------------------------------------------------------------------------
+# RoPE: one mx.fast.rope op per decode step for q and for k
+
+
+YARN_AF1 = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)       # DeepSeek-V3: factor 1
+YARN_AF = dict(YARN_AF1, mscale=0.9, mscale_all_dim=1.0)                          # attention factor != 1
+
+
+@pytest.mark.parametrize("params", [dict(rope_type="default", rope_theta=10000.0), YARN_AF1, YARN_AF],
+                         ids=["default", "yarn", "yarn_mscale"])
+@pytest.mark.parametrize("position", [0, 7, 4095, 100_000, 163_839])
+def test_fast_rope_matches_cos_sin_rotation(params, position):
+    from colibri_mlx.models.rope import apply_rope, make_rope
+
+    rope = make_rope(params, 64, 163_840, interleaved=False)
+    cos, sin = rope.cos_sin(mx.array([[position]], dtype=mx.int32))
+    rng = np.random.default_rng(position)
+    for shape in ((1, 8, 1, 64), (1, 1, 64)):      # queries [B, H, 1, dim], the key [B, 1, dim]
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        want = apply_rope(x if len(shape) == 4 else x[:, None], cos, sin, interleaved=False)
+        want = np.asarray(want if len(shape) == 4 else want[:, 0], dtype=np.float64)
+        got = np.asarray(rope.apply_fast(x, mx.array(position, dtype=mx.int32)), dtype=np.float64)
+        # Both sides turn by the same float32 angle fl(position * inv_freq) where 1/fast_freqs
+        # gives inv_freq back; elsewhere the angle moves by one ulp of inv_freq times position.
+        # On top: float32 rounding of a*c - b*s (a few 2^-24 of max|x|).
+        inv = np.asarray(rope.inv_freq, np.float64)
+        inexact = (1.0 / np.asarray(rope.fast_freqs, np.float64)).astype(np.float32) != inv
+        angle_err = position * (inv[inexact].max() if inexact.any() else 0.0) * 2.0**-23
+        tol = np.abs(np.asarray(x)).max() * (8 * 2.0**-24 + 2 * angle_err)
+        assert np.abs(got - want).max() <= tol, (params["rope_type"], position, shape)
+        # and it is a rotation: a wrong position (one step off) is far outside the tolerance
+        off = np.asarray(rope.apply_fast(x, mx.array(position + 1, dtype=mx.int32)), dtype=np.float64)
+        assert np.abs(off - want).max() > 100 * tol
+
+
+def test_fast_rope_freqs_round_trip():
+    from colibri_mlx.models.rope import make_rope
+
+    rope = make_rope(YARN_AF1, 64, 163_840)
+    inv, freqs = np.asarray(rope.inv_freq), np.asarray(rope.fast_freqs)
+    exact = (1.0 / freqs.astype(np.float64)).astype(np.float32) == inv
+    assert exact.mean() >= 0.9
+    assert np.all(np.abs((1.0 / freqs.astype(np.float64)) / inv - 1) <= 2.0**-23)   # one ulp at most
+
+
+def test_decode_rotates_with_fast_rope_only_for_one_row_of_one_sequence(checkpoints, monkeypatch):
+    model = load_model(checkpoints["v3_lora_g1"], dtype="float32")
+    calls = []
+    real = mx.fast.rope
+    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    tokens = random_tokens(8, seed=4, batch=2)
+    cache = model.make_cache()
+    model(mx.array(tokens[:1, :7]), cache)                  # prefill: cos/sin
+    assert calls == []
+    model(mx.array(tokens[:1, 7:]), cache)                  # decode, one sequence: q and k per layer
+    n = len(model.layers)
+    assert len(calls) == 2 * n
+    H, r = model.args.num_attention_heads, model.args.qk_rope_head_dim
+    assert calls[:2] == [(1, H, 1, r), (1, 1, r)]
+    cache = model.make_cache()
+    model(mx.array(tokens[:, :7]), cache)
+    model(mx.array(tokens[:, 7:]), cache)                   # a batch of two: cos/sin
+    assert len(calls) == 2 * n
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fast_rope_decode_equals_cos_sin_decode(checkpoints, name, monkeypatch):
+    """The whole model: decode with mx.fast.rope against decode with the cos/sin rotation."""
+    from colibri_mlx.models import deepseek_v3
+
+    model = load_model(checkpoints[name], dtype="float32")
+    tokens = random_tokens(12, seed=5)
+    calls = []
+    rope = mx.fast.rope
+    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(1) or rope(*a, **k))
+    fast = prefill_then_decode(model, tokens, 6)
+    assert len(calls) == 2 * len(model.layers) * 6
+    real = deepseek_v3.Model._positions_and_mask
+    monkeypatch.setattr(deepseek_v3.Model, "_positions_and_mask", lambda *a: real(*a)[:3] + (None,))
+    slow = prefill_then_decode(model, tokens, 6)
+    assert len(calls) == 2 * len(model.layers) * 6          # the cos/sin rotation this time
+    # float32 rounding through a few layers: measured ~1e-7 of the logit scale
+    assert np.abs(fast - slow).max() <= 1e-5 * np.abs(slow).max()

@@ -51,9 +51,10 @@ def qmatmul(x: mx.array, w) -> mx.array:
     if x.shape[-1] != w.I:
         raise ValueError(f"qmatmul: x has {x.shape[-1]} features but {w.name or 'weight'} "
                          f"is [{w.O}, {w.I}] (fmt {w.fmt})")
+    if x.ndim == 2:
+        return _qmatmul_2d(x, w)   # MLX records even a no-op reshape as a graph node
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.I)
-    y = _qmatmul_2d(x2, w)
+    y = _qmatmul_2d(x.reshape(-1, w.I), w)
     return y.reshape(*lead, w.O)
 
 
@@ -114,3 +115,29 @@ def rows_of(w, r0: int, r1: int):
 
     rb, spr = row_bytes(w.fmt, w.I), scales_per_row(w.fmt, w.I, w.gs)
     return QTensor(w.packed[r0 * rb: r1 * rb], w.scales[r0 * spr: r1 * spr], w.fmt, r1 - r0, w.I, w.gs, w.name)
+
+
+def take_rows(w, order):
+    """``w`` with its rows in ``order`` (a permutation of ``range(O)``), evaluated: the same
+    bytes and scales per row, so every output of a qmatmul is the same number, moved. Float
+    weights or QTensor fmt 0-6 (every fmt stores rows independently, FORMAT.md §2; fmt 0 and 6
+    carry no per-row scales)."""
+    import numpy as np
+
+    from .reference import _as_mx, scales_per_row
+
+    order = np.asarray(order)
+    if sorted(order.tolist()) != list(range(w.shape[0])):
+        raise ValueError(f"take_rows: not a permutation of the {w.shape[0]} rows")
+    idx = mx.array(order.astype(np.int32))
+    if not isinstance(w, QTensor):
+        out = w[idx]
+        mx.eval(out)
+        return out
+    packed = _as_mx(w.packed, None)                       # any element type: rows are equal runs
+    packed = packed.reshape(w.O, -1)[idx].reshape(packed.shape)
+    spr = scales_per_row(w.fmt, w.I, w.gs)
+    scales = _as_mx(w.scales, None)
+    scales = scales.reshape(w.O, spr)[idx].reshape(scales.shape) if spr else scales
+    mx.eval(packed, scales)
+    return QTensor(packed, scales, w.fmt, w.O, w.I, w.gs, w.name)
