@@ -201,3 +201,83 @@ def test_concat_rows_refuses_what_is_not_row_stackable():
     ]
     for ws in cases:
         assert kernels.concat_rows(ws) is None
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 4, 5, 6])
+def test_take_rows_moves_whole_rows(fmt):
+    qt = random_qtensor(fmt, 6, 256, gs=32, seed=fmt) if fmt else None
+    w = qt if qt is not None else mx.random.normal((6, 256))
+    order = [3, 0, 5, 1, 4, 2]
+    moved = kernels.take_rows(w, order)
+    dense = np.asarray(reference.dequantize(w) if qt is not None else w)
+    got = np.asarray(reference.dequantize(moved) if qt is not None else moved)
+    np.testing.assert_array_equal(got, dense[order])
+    x = random_x(2, 256, seed=4)
+    np.testing.assert_array_equal(np.asarray(kernels.qmatmul(x, moved)), np.asarray(kernels.qmatmul(x, w))[:, order])
+    with pytest.raises(ValueError, match="permutation"):
+        kernels.take_rows(w, [0, 0, 1, 2, 3, 4])
+
+
+# ---------------------------------------------------------------------------------------
+# What MLX is handed per launch: compact source text, kernel objects found by identity
+
+
+def test_compact_source_drops_only_what_compilers_ignore():
+    text = "\n".join([
+        "// a comment line",
+        "   int a = 1;   // trailing comment",
+        "",
+        "#define TWO(x) \\",
+        "  // inside a macro: kept, the macro's end must not move",
+        "  (x + x)",
+        "",
+        "const char* s = \"http://not-a-comment\"; // kept with its string",
+        "    return a;",
+    ])
+    assert dispatch.compact_source(text) == "\n".join([
+        "int a = 1;",
+        "#define TWO(x) \\",
+        "// inside a macro: kept, the macro's end must not move",
+        "(x + x)",
+        "const char* s = \"http://not-a-comment\"; // kept with its string",
+        "return a;",
+    ]) + "\n"
+
+
+@pytest.mark.parametrize("backend", [dispatch.METAL, dispatch.CUDA])
+def test_kernel_text_handed_to_mlx_is_compact(backend):
+    raw = (dispatch.KERNEL_DIR / (f"qgemv.metal" if backend == dispatch.METAL else "cuda/qgemv.cu")).read_text()
+    raw_decode = (dispatch.KERNEL_DIR / dispatch.DECODE_HEADER[backend]).read_text()
+    spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(4, 4, 64, gs=32), backend)
+    sent = len(spec.source) + len(spec.header)
+    assert sent < 0.75 * (len(raw) + len(raw_decode))
+    assert "//" not in spec.source and "\n\n" not in spec.header
+
+
+def test_launch_statics_are_built_once_per_weight_and_shape():
+    qt = random_qtensor(4, 8, 128, gs=32)
+    a = qgemv.launch_spec(random_x(1, 128), qt, dispatch.CUDA)
+    b = qgemv.launch_spec(random_x(1, 128, seed=5), qt, dispatch.CUDA)
+    assert a.header is b.header and a.source is b.source and a.template is b.template
+    assert all(u is v for u, v in zip(a.inputs[1:], b.inputs[1:])) and a.inputs[0] is not b.inputs[0]
+    c = qgemv.launch_spec(random_x(3, 128), qt, dispatch.CUDA)
+    assert dict(c.template)["S"] == 3 and c.output_shapes == [(3, 8)]
+    other = random_qtensor(4, 8, 128, gs=32, seed=9)
+    d = qgemv.launch_spec(random_x(1, 128), other, dispatch.CUDA)
+    assert d.inputs[1] is not a.inputs[1]
+
+
+def test_kernel_objects_found_by_identity_then_by_content(monkeypatch):
+    made = []
+    monkeypatch.setattr(mx.fast, "metal_kernel", lambda **kw: made.append(kw) or object())
+    monkeypatch.setattr(dispatch, "_kernels", {})
+    monkeypatch.setattr(dispatch, "_kernels_by_id", {})
+    spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(2, 4, 64), dispatch.METAL)
+    k = dispatch._kernel_object(dispatch.METAL, spec)
+    assert dispatch._kernel_object(dispatch.METAL, spec) is k
+    # equal text in new string objects: same kernel, found by content
+    spec.source, spec.header = "".join(list(spec.source)), "".join(list(spec.header))
+    assert dispatch._kernel_object(dispatch.METAL, spec) is k
+    spec.source = spec.source + "\n"          # other text: another kernel
+    assert dispatch._kernel_object(dispatch.METAL, spec) is not k
+    assert len(made) == 2

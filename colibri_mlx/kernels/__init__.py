@@ -48,18 +48,18 @@ def qmatmul(x: mx.array, w) -> mx.array:
     if not isinstance(w, QTensor):
         dispatch.record_call("dense", "matmul")
         return x @ w.T
-    if x.shape[-1] != w.I:
-        raise ValueError(f"qmatmul: x has {x.shape[-1]} features but {w.name or 'weight'} "
+    shape = x.shape
+    if shape[-1] != w.I:
+        raise ValueError(f"qmatmul: x has {shape[-1]} features but {w.name or 'weight'} "
                          f"is [{w.O}, {w.I}] (fmt {w.fmt})")
-    if x.ndim == 2:
-        return _qmatmul_2d(x, w)   # MLX records even a no-op reshape as a graph node
-    lead = x.shape[:-1]
-    y = _qmatmul_2d(x.reshape(-1, w.I), w)
-    return y.reshape(*lead, w.O)
+    if len(shape) == 2:
+        return _qmatmul_2d(x, w, shape[0])   # MLX records even a no-op reshape as a graph node
+    x2 = x.reshape(-1, w.I)
+    y = _qmatmul_2d(x2, w, x2.shape[0])
+    return y.reshape(*shape[:-1], w.O)
 
 
-def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
-    S = x.shape[0]
+def _qmatmul_2d(x: mx.array, qt: QTensor, S: int) -> mx.array:
     impl = backend()
     if qt.fmt == 0 or S > _qgemv.MAX_ROWS:
         # Prefill / f32 weights: dequantized tiles + matmul (in x's dtype on GPUs, where the
@@ -71,7 +71,7 @@ def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
     if impl == REFERENCE:
         dispatch.record_call("qgemv", REFERENCE)
         return reference.qmatmul(x, qt)
-    reason = _qgemv.decline_reason(x, qt)
+    reason = _qgemv.decline_reason_for(qt, S, x.dtype)
     if reason is not None:
         dispatch.record_fallback("qgemv", reason)
         return reference.qmatmul(x, qt)
