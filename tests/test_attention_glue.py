@@ -32,6 +32,18 @@ def container(checkpoints, tmp_path_factory):
     return out
 
 
+GPU = mx.default_device().type == mx.gpu
+
+
+def assert_same_logits(a, b):
+    """Bit-exact on the CPU (the reference path computes every output row on its own); on a GPU
+    the prefill matmuls may tile a stacked weight differently: float32 rounding only."""
+    if not GPU:
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
 def prefill_then_decode(model, tokens, n_prefill):
     cache = model.make_cache()
     steps = [np.array(model(mx.array(tokens[:, :n_prefill]), cache))]
@@ -53,7 +65,7 @@ def test_stacked_x_projections_equal_separate_ones(checkpoints, name, monkeypatc
     assert all(layer.self_attn.x_proj is not None for layer in fused.layers)
     assert all(layer.self_attn.x_proj is None for layer in separate.layers)
     tokens = random_tokens(12, seed=3)
-    np.testing.assert_array_equal(prefill_then_decode(fused, tokens, 9), prefill_then_decode(separate, tokens, 9))
+    assert_same_logits(prefill_then_decode(fused, tokens, 9), prefill_then_decode(separate, tokens, 9))
 
 
 def test_stacked_quantized_x_projections_equal_separate_ones(container, monkeypatch):
@@ -63,7 +75,7 @@ def test_stacked_quantized_x_projections_equal_separate_ones(container, monkeypa
     # one copy of the weights: the parts are views of the stacked bytes, same size as before
     assert attn.q_a_proj.nbytes + attn.kv_a_proj.nbytes == attn.x_proj.nbytes
     tokens = random_tokens(20, seed=8)
-    np.testing.assert_array_equal(prefill_then_decode(fused, tokens, 17), prefill_then_decode(separate, tokens, 17))
+    assert_same_logits(prefill_then_decode(fused, tokens, 17), prefill_then_decode(separate, tokens, 17))
 
 
 def qgemv_calls_per_decode_step(model, tokens):
@@ -71,7 +83,7 @@ def qgemv_calls_per_decode_step(model, tokens):
     model(mx.array(tokens[:, :-1]), cache)
     kernels.reset_counters()
     mx.eval(model(mx.array(tokens[:, -1:]), cache))
-    return kernels.counters()["calls"]["qgemv/reference"]
+    return sum(n for k, n in kernels.counters()["calls"].items() if k.startswith("qgemv/"))
 
 
 def test_unstackable_x_projections_stay_separate(checkpoints, tmp_path):
@@ -102,9 +114,6 @@ def test_unstackable_x_projections_stay_separate(checkpoints, tmp_path):
 YARN_AF1 = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                 mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)       # DeepSeek-V3: factor 1
 YARN_AF = dict(YARN_AF1, mscale=0.9, mscale_all_dim=1.0)                          # attention factor != 1
-
-
-GPU = mx.default_device().type == mx.gpu
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(not GPU, reason="no GPU"))])

@@ -161,6 +161,16 @@ def test_decline_reasons():
 # concat_rows: projections of the same input stacked into one weight (one launch)
 
 
+def assert_same_rows(got, want):
+    """Bit-exact where every output row is computed on its own (the reference, the qgemv kernel);
+    a GPU matmul (prefill, fmt 0) may tile a different row count differently: float32 rounding."""
+    got, want = np.asarray(got), np.asarray(want)
+    if mx.default_device().type == mx.cpu:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("S", [1, 3, 12])     # qgemv-sized and prefill-sized x
 def test_concat_rows_equals_separate_projections_bit_exact(fmt, S):
@@ -173,8 +183,8 @@ def test_concat_rows_equals_separate_projections_bit_exact(fmt, S):
                                                   np.asarray(reference.dequantize(b))]))
     x = random_x(S, 200, seed=S)
     y = np.asarray(kernels.qmatmul(x, fused))
-    np.testing.assert_array_equal(y[:, :7], np.asarray(kernels.qmatmul(x, a)))
-    np.testing.assert_array_equal(y[:, 7:], np.asarray(kernels.qmatmul(x, b)))
+    assert_same_rows(y[:, :7], kernels.qmatmul(x, a))
+    assert_same_rows(y[:, 7:], kernels.qmatmul(x, b))
     assert_close(kernels.qmatmul(x, fused), x, fused, f"fused fmt {fmt}")
     # the parts read back as views equal the originals
     for part, orig in ((kernels.rows_of(fused, 0, 7), a), (kernels.rows_of(fused, 7, 12), b)):
@@ -213,7 +223,7 @@ def test_take_rows_moves_whole_rows(fmt):
     got = np.asarray(reference.dequantize(moved) if qt is not None else moved)
     np.testing.assert_array_equal(got, dense[order])
     x = random_x(2, 256, seed=4)
-    np.testing.assert_array_equal(np.asarray(kernels.qmatmul(x, moved)), np.asarray(kernels.qmatmul(x, w))[:, order])
+    assert_same_rows(kernels.qmatmul(x, moved), np.asarray(kernels.qmatmul(x, w))[:, order])
     with pytest.raises(ValueError, match="permutation"):
         kernels.take_rows(w, [0, 0, 1, 2, 3, 4])
 
