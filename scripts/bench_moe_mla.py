@@ -211,7 +211,8 @@ def bench_mla(args, results):
         cos, sin = rope.cos_sin(mx.array([[T]]))
         mask = mx.ones((1, 1, 1, T + 1), mx.bool_)
         mx.eval([c.buffers for c in caches], cos, sin, mask)
-        t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, mask, caches[i], T)[0] for i in range(CHAIN)],
+        pos = mx.array(T, dtype=mx.int32)   # what Model passes for one decode row (mx.fast.rope)
+        t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, mask, caches[i], T, rope_offset=pos)[0] for i in range(CHAIN)],
                         args.iters, f"ours mla T{T}") / CHAIN
         lm_caches = []
         for _ in range(CHAIN):

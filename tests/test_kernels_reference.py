@@ -155,3 +155,139 @@ def test_decline_reasons():
     assert qgemv.decline_reason(random_x(8, 32), qt) is None
     assert "S=9" in qgemv.decline_reason(random_x(9, 32), qt)
     assert "dtype" in qgemv.decline_reason(random_x(1, 32).astype(mx.int32), qt)
+
+
+# ---------------------------------------------------------------------------------------
+# concat_rows: projections of the same input stacked into one weight (one launch)
+
+
+def assert_same_rows(got, want):
+    """Bit-exact where every output row is computed on its own (the reference, the qgemv kernel);
+    a GPU matmul (prefill, fmt 0) may tile a different row count differently: float32 rounding."""
+    got, want = np.asarray(got), np.asarray(want)
+    if mx.default_device().type == mx.cpu:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("S", [1, 3, 12])     # qgemv-sized and prefill-sized x
+def test_concat_rows_equals_separate_projections_bit_exact(fmt, S):
+    a, b = random_qtensor(fmt, 7, 200, gs=32, seed=fmt), random_qtensor(fmt, 5, 200, gs=32, seed=fmt + 9)
+    fused = kernels.concat_rows([a, b])
+    assert (fused.fmt, fused.O, fused.I, fused.gs) == (fmt, 12, 200, a.gs)
+    # the bytes are exactly the two tensors' rows, in order
+    np.testing.assert_array_equal(np.asarray(reference.dequantize(fused)),
+                                  np.concatenate([np.asarray(reference.dequantize(a)),
+                                                  np.asarray(reference.dequantize(b))]))
+    x = random_x(S, 200, seed=S)
+    y = np.asarray(kernels.qmatmul(x, fused))
+    assert_same_rows(y[:, :7], kernels.qmatmul(x, a))
+    assert_same_rows(y[:, 7:], kernels.qmatmul(x, b))
+    assert_close(kernels.qmatmul(x, fused), x, fused, f"fused fmt {fmt}")
+    # the parts read back as views equal the originals
+    for part, orig in ((kernels.rows_of(fused, 0, 7), a), (kernels.rows_of(fused, 7, 12), b)):
+        np.testing.assert_array_equal(np.asarray(part.packed), np.asarray(orig.packed))
+        np.testing.assert_array_equal(np.asarray(part.scales), np.asarray(orig.scales))
+
+
+def test_concat_rows_float_weights():
+    a, b = mx.random.normal((6, 40)), mx.random.normal((3, 40))
+    fused = kernels.concat_rows([a, b])
+    np.testing.assert_array_equal(np.asarray(fused), np.concatenate([np.asarray(a), np.asarray(b)]))
+    np.testing.assert_array_equal(np.asarray(kernels.rows_of(fused, 6, 9)), np.asarray(b))
+
+
+def test_concat_rows_refuses_what_is_not_row_stackable():
+    q4 = random_qtensor(4, 4, 64, gs=32)
+    cases = [
+        [q4, random_qtensor(2, 4, 64)],                         # different fmt
+        [q4, random_qtensor(4, 4, 64, gs=16)],                  # different group size
+        [q4, random_qtensor(4, 4, 96, gs=32)],                  # different input width
+        [q4, mx.zeros((4, 64))],                                # quantized and float
+        [random_qtensor(6, 2, 256), random_qtensor(6, 2, 256)],  # fmt 6 (rotated basis): not fused
+        [mx.zeros((2, 8)), mx.zeros((2, 8), mx.float16)],       # float dtypes differ
+    ]
+    for ws in cases:
+        assert kernels.concat_rows(ws) is None
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 4, 5, 6])
+def test_take_rows_moves_whole_rows(fmt):
+    qt = random_qtensor(fmt, 6, 256, gs=32, seed=fmt) if fmt else None
+    w = qt if qt is not None else mx.random.normal((6, 256))
+    order = [3, 0, 5, 1, 4, 2]
+    moved = kernels.take_rows(w, order)
+    dense = np.asarray(reference.dequantize(w) if qt is not None else w)
+    got = np.asarray(reference.dequantize(moved) if qt is not None else moved)
+    np.testing.assert_array_equal(got, dense[order])
+    x = random_x(2, 256, seed=4)
+    assert_same_rows(kernels.qmatmul(x, moved), np.asarray(kernels.qmatmul(x, w))[:, order])
+    with pytest.raises(ValueError, match="permutation"):
+        kernels.take_rows(w, [0, 0, 1, 2, 3, 4])
+
+
+# ---------------------------------------------------------------------------------------
+# What MLX is handed per launch: compact source text, kernel objects found by identity
+
+
+def test_compact_source_drops_only_what_compilers_ignore():
+    text = "\n".join([
+        "// a comment line",
+        "   int a = 1;   // trailing comment",
+        "",
+        "#define TWO(x) \\",
+        "  // inside a macro: kept, the macro's end must not move",
+        "  (x + x)",
+        "",
+        "const char* s = \"http://not-a-comment\"; // kept with its string",
+        "    return a;",
+    ])
+    assert dispatch.compact_source(text) == "\n".join([
+        "int a = 1;",
+        "#define TWO(x) \\",
+        "// inside a macro: kept, the macro's end must not move",
+        "(x + x)",
+        "const char* s = \"http://not-a-comment\"; // kept with its string",
+        "return a;",
+    ]) + "\n"
+
+
+@pytest.mark.parametrize("backend", [dispatch.METAL, dispatch.CUDA])
+def test_kernel_text_handed_to_mlx_is_compact(backend):
+    raw = (dispatch.KERNEL_DIR / (f"qgemv.metal" if backend == dispatch.METAL else "cuda/qgemv.cu")).read_text()
+    raw_decode = (dispatch.KERNEL_DIR / dispatch.DECODE_HEADER[backend]).read_text()
+    spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(4, 4, 64, gs=32), backend)
+    sent = len(spec.source) + len(spec.header)
+    assert sent < 0.75 * (len(raw) + len(raw_decode))
+    assert "//" not in spec.source and "\n\n" not in spec.header
+
+
+def test_launch_statics_are_built_once_per_weight_and_shape():
+    qt = random_qtensor(4, 8, 128, gs=32)
+    a = qgemv.launch_spec(random_x(1, 128), qt, dispatch.CUDA)
+    b = qgemv.launch_spec(random_x(1, 128, seed=5), qt, dispatch.CUDA)
+    assert a.header is b.header and a.source is b.source and a.template is b.template
+    assert all(u is v for u, v in zip(a.inputs[1:], b.inputs[1:])) and a.inputs[0] is not b.inputs[0]
+    c = qgemv.launch_spec(random_x(3, 128), qt, dispatch.CUDA)
+    assert dict(c.template)["S"] == 3 and c.output_shapes == [(3, 8)]
+    other = random_qtensor(4, 8, 128, gs=32, seed=9)
+    d = qgemv.launch_spec(random_x(1, 128), other, dispatch.CUDA)
+    assert d.inputs[1] is not a.inputs[1]
+
+
+def test_kernel_objects_found_by_identity_then_by_content(monkeypatch):
+    made = []
+    monkeypatch.setattr(mx.fast, "metal_kernel", lambda **kw: made.append(kw) or object())
+    monkeypatch.setattr(dispatch, "_kernels", {})
+    monkeypatch.setattr(dispatch, "_kernels_by_id", {})
+    spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(2, 4, 64), dispatch.METAL)
+    k = dispatch._kernel_object(dispatch.METAL, spec)
+    assert dispatch._kernel_object(dispatch.METAL, spec) is k
+    # equal text in new string objects: same kernel, found by content
+    spec.source, spec.header = "".join(list(spec.source)), "".join(list(spec.header))
+    assert dispatch._kernel_object(dispatch.METAL, spec) is k
+    spec.source = spec.source + "\n"          # other text: another kernel
+    assert dispatch._kernel_object(dispatch.METAL, spec) is not k
+    assert len(made) == 2

@@ -128,7 +128,7 @@ DEFECTS = {
     "group index off by one": (4, "(32 * u + qd_seg(FMT, GS) * g) / GS", "(32 * u + qd_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
-    "last unit of a row skipped": (1, "if (u < n_units) {\n        qg_unit", "if (u + 1 < n_units) {\n        qg_unit"),
+    "last unit of a row skipped": (1, "if (u < n_units) {\nqg_unit", "if (u + 1 < n_units) {\nqg_unit"),
     "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
     "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
     "rows of a threadgroup shifted": (3, "rows[r] = min(row0 + r, O - 1);", "rows[r] = min(row0 + r + 1, O - 1);"),
@@ -155,3 +155,17 @@ def test_planted_defect_is_caught(defect):
         y = simulate(spec)
         assert_close(y, x, qt, defect)
     assert "failed to compile" not in str(caught.value)
+
+
+def test_stacked_rows_give_the_separate_launches_bits():
+    """kernels.concat_rows (q_a + kv_a in one launch): each output row is computed on its own,
+    so the stacked launch equals the two separate ones bit for bit (same SIMD groups per row)."""
+    from colibri_mlx import kernels
+
+    a, b = random_qtensor(4, 24, 512, gs=32, seed=1), random_qtensor(4, 9, 512, gs=32, seed=2)
+    fused = kernels.concat_rows([a, b])
+    x = random_x(1, 512, seed=3)
+    y = np.asarray(simulate(qgemv.launch_spec(x, fused, simdgroups=2)))
+    np.testing.assert_array_equal(y[:, :24], np.asarray(simulate(qgemv.launch_spec(x, a, simdgroups=2))))
+    np.testing.assert_array_equal(y[:, 24:], np.asarray(simulate(qgemv.launch_spec(x, b, simdgroups=2))))
+    assert_close(mx.array(y), x, fused, "stacked")

@@ -27,8 +27,15 @@ from .dispatch import (
 
 __all__ = [
     "CUDA", "METAL", "REFERENCE", "backend", "counters", "force_reference", "format_counters",
-    "mla_decode", "moe_block", "qmatmul", "reset_counters",
+    "concat_rows", "mla_decode", "moe_block", "qmatmul", "reset_counters",
 ]
+
+# Formats whose rows are independent byte runs with their scales in per-row order (FORMAT.md §2:
+# row o starts at o * row_bytes, scales [O] or [O, ng] row-major): stacking two tensors' rows is
+# concatenating their byte streams and their scale arrays. fmt 6 is row-wise too but holds the
+# rotated matrix and only routed experts use it, fmt 0 takes the dequant-matmul path anyway: both
+# are left out rather than special-cased.
+ROW_CONCAT_FMTS = (1, 2, 3, 4, 5)
 
 
 def qmatmul(x: mx.array, w) -> mx.array:
@@ -41,17 +48,18 @@ def qmatmul(x: mx.array, w) -> mx.array:
     if not isinstance(w, QTensor):
         dispatch.record_call("dense", "matmul")
         return x @ w.T
-    if x.shape[-1] != w.I:
-        raise ValueError(f"qmatmul: x has {x.shape[-1]} features but {w.name or 'weight'} "
+    shape = x.shape
+    if shape[-1] != w.I:
+        raise ValueError(f"qmatmul: x has {shape[-1]} features but {w.name or 'weight'} "
                          f"is [{w.O}, {w.I}] (fmt {w.fmt})")
-    lead = x.shape[:-1]
+    if len(shape) == 2:
+        return _qmatmul_2d(x, w, shape[0])   # MLX records even a no-op reshape as a graph node
     x2 = x.reshape(-1, w.I)
-    y = _qmatmul_2d(x2, w)
-    return y.reshape(*lead, w.O)
+    y = _qmatmul_2d(x2, w, x2.shape[0])
+    return y.reshape(*shape[:-1], w.O)
 
 
-def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
-    S = x.shape[0]
+def _qmatmul_2d(x: mx.array, qt: QTensor, S: int) -> mx.array:
     impl = backend()
     if qt.fmt == 0 or S > _qgemv.MAX_ROWS:
         # Prefill / f32 weights: dequantized tiles + matmul (in x's dtype on GPUs, where the
@@ -65,9 +73,73 @@ def _qmatmul_2d(x: mx.array, qt: QTensor) -> mx.array:
     if impl == REFERENCE:
         dispatch.record_call("qgemv", REFERENCE)
         return reference.cached_qmatmul(x, qt)
-    reason = _qgemv.decline_reason(x, qt)
+    reason = _qgemv.decline_reason_for(qt, S, x.dtype)
     if reason is not None:
         dispatch.record_fallback("qgemv", reason)
         return reference.qmatmul(x, qt)
     dispatch.record_call("qgemv", impl)
     return _qgemv.qgemv(x, qt, impl)
+
+
+def concat_rows(weights) -> "mx.array | QTensor | None":
+    """One weight holding the rows of ``weights`` in order, so projections of the same input run
+    as one qmatmul (one launch) whose output is split with slices; None when they cannot share
+    one: mixed float/quantized, different fmt, input width, group size or float dtype.
+
+    The result is evaluated at once and is the only copy the caller should keep (drop the parts).
+    """
+    first = weights[0]
+    if all(isinstance(w, mx.array) for w in weights):
+        if any(w.ndim != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype for w in weights):
+            return None
+        fused = mx.concatenate(list(weights), axis=0)
+    elif all(isinstance(w, QTensor) for w in weights):
+        if first.fmt not in ROW_CONCAT_FMTS or any(
+                (w.fmt, w.I, w.gs if w.fmt == 4 else None) != (first.fmt, first.I, first.gs if first.fmt == 4 else None)
+                for w in weights):
+            return None
+        packed = mx.concatenate([_qgemv._as_mx(w.packed, mx.uint8).reshape(-1) for w in weights])
+        scales = mx.concatenate([_qgemv._as_mx(w.scales, mx.float32).reshape(-1) for w in weights])
+        fused = QTensor(packed, scales, first.fmt, sum(w.O for w in weights), first.I, first.gs,
+                        "+".join(w.name for w in weights))
+    else:
+        return None
+    mx.eval(fused.packed, fused.scales) if isinstance(fused, QTensor) else mx.eval(fused)
+    return fused
+
+
+def rows_of(w, r0: int, r1: int):
+    """Rows ``r0:r1`` of a float weight or QTensor fmt 1-5 as a view (no copy), e.g. one part of a
+    :func:`concat_rows` weight for statistics."""
+    if isinstance(w, mx.array):
+        return w[r0:r1]
+    from .reference import row_bytes, scales_per_row
+
+    rb, spr = row_bytes(w.fmt, w.I), scales_per_row(w.fmt, w.I, w.gs)
+    return QTensor(w.packed[r0 * rb: r1 * rb], w.scales[r0 * spr: r1 * spr], w.fmt, r1 - r0, w.I, w.gs, w.name)
+
+
+def take_rows(w, order):
+    """``w`` with its rows in ``order`` (a permutation of ``range(O)``), evaluated: the same
+    bytes and scales per row, so every output of a qmatmul is the same number, moved. Float
+    weights or QTensor fmt 0-6 (every fmt stores rows independently, FORMAT.md §2; fmt 0 and 6
+    carry no per-row scales)."""
+    import numpy as np
+
+    from .reference import _as_mx, scales_per_row
+
+    order = np.asarray(order)
+    if sorted(order.tolist()) != list(range(w.shape[0])):
+        raise ValueError(f"take_rows: not a permutation of the {w.shape[0]} rows")
+    idx = mx.array(order.astype(np.int32))
+    if not isinstance(w, QTensor):
+        out = w[idx]
+        mx.eval(out)
+        return out
+    packed = _as_mx(w.packed, None)                       # any element type: rows are equal runs
+    packed = packed.reshape(w.O, -1)[idx].reshape(packed.shape)
+    spr = scales_per_row(w.fmt, w.I, w.gs)
+    scales = _as_mx(w.scales, None)
+    scales = scales.reshape(w.O, spr)[idx].reshape(scales.shape) if spr else scales
+    mx.eval(packed, scales)
+    return QTensor(packed, scales, w.fmt, w.O, w.I, w.gs, w.name)

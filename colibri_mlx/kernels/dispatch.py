@@ -140,7 +140,7 @@ def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
     if BODY_MARKER not in text:
         raise RuntimeError(f"{path}: missing the line {BODY_MARKER!r} that separates header and body")
     header, body = text.split(BODY_MARKER, 1)
-    return header, body
+    return compact_source(header), compact_source(body)
 
 
 DECODE_HEADER = {METAL: "qdecode.h", CUDA: "cuda/qdecode.cuh"}
@@ -150,7 +150,29 @@ DECODE_HEADER = {METAL: "qdecode.h", CUDA: "cuda/qdecode.cuh"}
 def decode_header(backend_name: str) -> str:
     """The shared fmt 0-6 unit loads and decoders (``metal_kernels/qdecode.h`` or
     ``metal_kernels/cuda/qdecode.cuh``); every kernel reading quantized weights prepends it."""
-    return (KERNEL_DIR / DECODE_HEADER[backend_name]).read_text()
+    return compact_source((KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
+
+
+def compact_source(text: str) -> str:
+    """Kernel source without comments, blank lines and indentation, for the text MLX gets.
+
+    MLX rebuilds the whole kernel source string on every call and hashes it on every evaluation
+    (MLX_PLATFORM.md §B), so its length is paid per launch; the files keep their comments. Only
+    what C, C++ and MSL ignore is dropped: blank lines, ``//`` comment lines, ``//`` tails of lines
+    without a string literal, leading and trailing blanks. Lines of a ``\\`` continuation and
+    lines ending in one are kept whole (a removed line would change where a macro ends).
+    Compiler line numbers refer to this text."""
+    out, continued = [], False
+    for line in text.splitlines():
+        code = line.strip()
+        if not continued and not code.endswith("\\"):
+            if '"' not in code and "//" in code:
+                code = code[: code.index("//")].rstrip()
+            if not code:
+                continue
+        out.append(code)
+        continued = code.endswith("\\")
+    return "\n".join(out) + "\n"
 
 
 @dataclass
@@ -172,9 +194,19 @@ class LaunchSpec:
 
 
 _kernels: dict = {}
+_kernels_by_id: dict = {}
 
 
 def _kernel_object(backend_name: str, spec: LaunchSpec):
+    """The MLX kernel object for a spec, made once per distinct source.
+
+    Hot paths pass the same (cached) source and header string objects on every call: those are
+    found by object identity, without hashing or comparing ~10 KB of text per launch. Any other
+    string finds its kernel by content."""
+    fast_key = (backend_name, spec.name, id(spec.source), id(spec.header), spec.input_names, spec.output_names)
+    hit = _kernels_by_id.get(fast_key)
+    if hit is not None and hit[1] is spec.source and hit[2] is spec.header:
+        return hit[0]
     key = (backend_name, spec.name, spec.source, spec.header,
            tuple(spec.input_names), tuple(spec.output_names))
     k = _kernels.get(key)
@@ -184,6 +216,8 @@ def _kernel_object(backend_name: str, spec: LaunchSpec):
         k = make(name=spec.name, input_names=list(spec.input_names),
                  output_names=list(spec.output_names), source=spec.source, header=spec.header)
         _kernels[key] = k
+    # Holding the strings keeps their ids from being reused by other text.
+    _kernels_by_id[fast_key] = (k, spec.source, spec.header)
     return k
 
 

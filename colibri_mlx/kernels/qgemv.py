@@ -8,6 +8,8 @@ take a call; the caller then counts a fallback and runs the reference.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -33,18 +35,39 @@ OUTPUT_NAMES = ("y",)
 
 def decline_reason(x: mx.array, qt) -> Optional[str]:
     """Why the GPU kernel will not run this call, or None if it will."""
-    S = x.shape[0]
+    return decline_reason_for(qt, x.shape[0], x.dtype)
+
+
+def decline_reason_for(qt, S: int, dtype) -> Optional[str]:
+    """:func:`decline_reason` from the row count and dtype, remembered per weight (hot path)."""
+    cache = _per_weight(qt, "_qgemv_decline")
+    key = (S, dtype)
+    if key not in cache:
+        cache[key] = _decline(qt, S, dtype)
+    return cache[key]
+
+
+def _decline(qt, S: int, dtype) -> Optional[str]:
     if qt.fmt not in UNIT_WEIGHTS:
         return f"fmt {qt.fmt} has no qgemv kernel"
     if not 1 <= S <= MAX_ROWS:
         return f"S={S} outside 1..{MAX_ROWS}"
-    if x.dtype not in KERNEL_DTYPES:
-        return f"x dtype {x.dtype} not float32/float16/bfloat16"
+    if dtype not in KERNEL_DTYPES:
+        return f"x dtype {dtype} not float32/float16/bfloat16"
     if qt.fmt == 4 and (not qt.gs or qt.gs % 16):
         return f"fmt 4 with gs={qt.gs} (needs a multiple of 16)"
     if SIMD * MAX_SIMDGROUPS * qt.O >= 2**31 or S * max(qt.I, qt.O) >= 2**31:
         return f"shape {qt.O}x{qt.I} too large for 32-bit indexing"
     return None
+
+
+def _per_weight(qt, name: str) -> dict:
+    """A dict kept on the QTensor itself, so what is cached for a weight lives and dies with it
+    (QTensor is a frozen dataclass: its __dict__ is written directly)."""
+    cache = vars(qt).get(name)
+    if cache is None:
+        cache = vars(qt)[name] = {}
+    return cache
 
 
 def _at_least_8(a: mx.array) -> mx.array:
@@ -112,11 +135,38 @@ def default_simdgroups(O: int, rows: int, n_units: int) -> int:
     return nw
 
 
-def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
-                unroll: Optional[int] = None, rows: Optional[int] = None,
-                simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
-    """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
-    S = x.shape[0]
+@functools.lru_cache(maxsize=None)
+def kernel_header(backend: str) -> str:
+    """The shared decoders and qgemv's helpers: one string object per backend, so launches
+    pass the same object every time (dispatch finds its kernel by identity)."""
+    return dispatch.decode_header(backend) + dispatch.read_kernel_source(NAME, backend)[0]
+
+
+@dataclass(frozen=True)
+class _Static:
+    """Everything of a launch but x, for one (weight, S, x dtype, backend, tuning)."""
+
+    weight_inputs: tuple        # packed, scales, e8grid, params
+    output_shapes: list
+    output_dtypes: list
+    grid: tuple
+    threadgroup: tuple
+    template: list
+    source: str
+    header: str
+
+
+def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups) -> _Static:
+    """Built on the first call and kept on the weight (:func:`_per_weight`)."""
+    key = (S, dtype, backend, unroll, rows, simdgroups)
+    cache = _per_weight(qt, "_qgemv_static")
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups)
+    return hit
+
+
+def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups) -> _Static:
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
@@ -124,30 +174,32 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     rb = row_bytes(qt.fmt, qt.I)
-    header, body = dispatch.read_kernel_source(NAME, backend)
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
     vec = (2 if rb % 16 == 0 else 1 if rb % 8 == 0 else 0) if qt.fmt in (1, 2, 3, 4) else 0
-    x_vec = int((qt.I * x.dtype.size) % 16 == 0)
-    template = [("T", x.dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
+    x_vec = int((qt.I * dtype.size) % 16 == 0)
+    template = [("T", dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups))]
+    weight_inputs = (_at_least_8(packed), _at_least_8(scales), _e8grid(), params(qt))
+    mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
+    return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[dtype],
+                   grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
+                   template=template, source=dispatch.read_kernel_source(NAME, backend)[1],
+                   header=kernel_header(backend))
+
+
+def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
+                unroll: Optional[int] = None, rows: Optional[int] = None,
+                simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
+    """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
+    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups)
     return dispatch.LaunchSpec(
-        name=NAME,
-        input_names=INPUT_NAMES,
-        output_names=OUTPUT_NAMES,
-        source=body,
-        header=dispatch.decode_header(backend) + header,
-        inputs=[_at_least_8(x), _at_least_8(packed), _at_least_8(scales), _e8grid(), params(qt)],
-        output_shapes=[(S, qt.O)],
-        output_dtypes=[x.dtype],
-        grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1),
-        threadgroup=(SIMD * simdgroups, 1, 1),
-        template=template,
-    )
+        name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
+        inputs=[_at_least_8(x), *st.weight_inputs], output_shapes=st.output_shapes,
+        output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup, template=st.template)
 
 
 def qgemv(x: mx.array, qt, backend: str, **tuning) -> mx.array:
     """Run the ``backend`` kernel on ``x[S, I]``; the caller checked :func:`decline_reason`."""
-    spec = launch_spec(x, qt, backend, **tuning)
-    return dispatch.launch(backend, spec)[0]
+    return dispatch.launch(backend, launch_spec(x, qt, backend, **tuning))[0]

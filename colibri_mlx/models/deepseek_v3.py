@@ -334,16 +334,29 @@ class Attention:
         self.kv_lora_rank = args.kv_lora_rank
         self.scale = softmax_scale(args.rope, args.qk_head_dim)
         bias = args.attention_bias
+        # The query projection that reads x: q_a (low-rank queries) or q_proj.
         if args.q_lora_rank is None:
-            self.q_proj = w.take(prefix + "q_proj.weight", (H * args.qk_head_dim, D))
+            q_x = w.take(prefix + "q_proj.weight", (H * args.qk_head_dim, D))
+            q_x_bias = None
         else:
-            self.q_a_proj = w.take(prefix + "q_a_proj.weight", (args.q_lora_rank, D))
-            self.q_a_bias = w.take(prefix + "q_a_proj.bias", (args.q_lora_rank,)) if bias else None
+            q_x = w.take(prefix + "q_a_proj.weight", (args.q_lora_rank, D))
+            q_x_bias = w.take(prefix + "q_a_proj.bias", (args.q_lora_rank,)) if bias else None
             self.q_a_norm = w.take(prefix + "q_a_layernorm.weight", (args.q_lora_rank,))
             self.q_b_proj = w.take(prefix + "q_b_proj.weight", (H * args.qk_head_dim, args.q_lora_rank))
         kv_a_out = args.kv_lora_rank + args.qk_rope_head_dim
-        self.kv_a_proj = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
-        self.kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
+        kv_a = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
+        kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
+        # Rows reordered once (_query_rows, _kv_a_rows): q comes out as every head's nope part
+        # then every head's rope part, the rope dims de-interleaved (half-split rotation).
+        if args.q_lora_rank is None:
+            q_x = kernels.take_rows(q_x, self._query_rows())
+        else:
+            self.q_b_proj = kernels.take_rows(self.q_b_proj, self._query_rows())
+        kv_order = self._kv_a_rows()
+        kv_a = kernels.take_rows(kv_a, kv_order)
+        kv_a_bias = None if kv_a_bias is None else kv_a_bias[mx.array(kv_order)]
+        self.rope = make_rope(args.rope, self.rope_dim, args.max_position_embeddings, interleaved=False)
+        self._load_x_projections(q_x, q_x_bias, kv_a, kv_a_bias)
         self.kv_a_norm = w.take(prefix + "kv_a_layernorm.weight", (args.kv_lora_rank,))
         self.kv_b_proj = w.take(prefix + "kv_b_proj.weight", (H * (self.nope + self.v_dim), args.kv_lora_rank))
         self.o_proj = w.take(prefix + "o_proj.weight", (D, H * self.v_dim))
@@ -354,34 +367,112 @@ class Attention:
                                                        or w.has_prefix(prefix + "indexer."))
         self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
 
-    def queries(self, x):
+    def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
+        """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
+        formats agree their rows are stacked into one weight (one qgemv launch per step; the
+        parts are not kept), else they stay two."""
+        self.q_x_rows = q_x.shape[0]
+        fused = kernels.concat_rows([q_x, kv_a])
+        if fused is None:
+            self.x_proj, self.x_proj_bias = None, None
+            self.q_x, self.q_x_bias, self.kv_a, self.kv_a_bias = q_x, q_x_bias, kv_a, kv_a_bias
+            return
+        self.x_proj = fused
+        self.x_proj_bias = None if q_x_bias is None else mx.concatenate([q_x_bias, kv_a_bias])
+
+    # Parts of the stacked projection (views), for statistics and scripts that read them by name.
+    @property
+    def q_a_proj(self):
+        return self._x_part(0) if self.args.q_lora_rank is not None else None
+
+    @property
+    def q_proj(self):
+        return self._x_part(0) if self.args.q_lora_rank is None else None
+
+    @property
+    def kv_a_proj(self):
+        return self._x_part(1)
+
+    def _x_part(self, i):
+        if self.x_proj is None:
+            return (self.q_x, self.kv_a)[i]
+        rows = (0, self.q_x_rows, self.x_proj.shape[0])
+        return kernels.rows_of(self.x_proj, rows[i], rows[i + 1])
+
+    def _rope_order(self) -> np.ndarray:
+        """The rope dims as the half-split rotation wants them: DeepSeek's interleaved pairs
+        ``(2j, 2j+1)`` become ``(j, j + dim/2)``, which is the layout transformers writes out
+        (``apply_rotary_pos_emb_interleave``), so caches and dot products are unchanged."""
+        r = np.arange(self.rope_dim)
+        return np.concatenate([r[0::2], r[1::2]]) if self.args.rope_interleave else r
+
+    def _query_rows(self) -> np.ndarray:
+        """q rows: head-major ``[h][nope | rope]`` -> ``[every head's nope][every head's rope]``,
+        so each part is one contiguous slice of q."""
+        H, hd = self.n_heads, self.args.qk_head_dim
+        heads = np.arange(H)[:, None] * hd
+        nope = (heads + np.arange(self.nope)).reshape(-1)
+        rope = (heads + self.nope + self._rope_order()).reshape(-1)
+        return np.concatenate([nope, rope])
+
+    def _kv_a_rows(self) -> np.ndarray:
+        R = self.kv_lora_rank
+        return np.concatenate([np.arange(R), R + self._rope_order()])
+
+    def project_x(self, x, B, L):
+        """x ``[B*L, D]`` -> q or q_a output ``[B*L, *]``, latent (before its norm) and rope key
+        ``[B, L, *]``: one launch when the weights are stacked, then slices (views)."""
+        if self.x_proj is None:
+            q_x, kv = linear(x, self.q_x, self.q_x_bias), linear(x, self.kv_a, self.kv_a_bias)
+            kv, start = kv.reshape(B, L, -1), 0
+        else:
+            y = linear(x, self.x_proj, self.x_proj_bias)
+            q_x, kv, start = y[:, : self.q_x_rows], y.reshape(B, L, -1), self.q_x_rows
+        end = start + self.kv_lora_rank
+        return q_x, kv[..., start:end], kv[..., end:]
+
+    def queries(self, q_x):
+        """``(q, q_latent)`` from the query part of :meth:`project_x`."""
         if self.args.q_lora_rank is None:
-            return linear(x, self.q_proj), None
-        q_latent = rms_norm(linear(x, self.q_a_proj, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+            return q_x, None
+        q_latent = rms_norm(q_x, self.q_a_norm, LATENT_NORM_EPS)
         return linear(q_latent, self.q_b_proj), q_latent
 
-    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None):
-        """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
-        B, L, _ = x.shape
-        q, q_latent = self.queries(x)
-        q = q.reshape(B, L, self.n_heads, self.args.qk_head_dim).transpose(0, 2, 1, 3)
-        q_nope = q[..., : self.nope]
-        q_rope = apply_rope(q[..., self.nope :], cos, sin, self.args.rope_interleave)
-        kv = linear(x, self.kv_a_proj, self.kv_a_bias)
-        latent = rms_norm(kv[..., : self.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
-        k_rope = apply_rope(kv[:, None, :, self.kv_lora_rank :], cos, sin, self.args.rope_interleave)[:, 0]
+    def _heads(self, part, B, L, width):
+        """``[B*L, H*width]`` -> ``[B, H, L, width]`` (a view when L == 1)."""
+        if L == 1:
+            return part.reshape(B, self.n_heads, 1, width)
+        return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
+
+    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
+        """Returns the attention output and this layer's DSA selection (for the next shared layers).
+
+        ``rope_offset`` (int32 scalar array: the position of a single query row of a single
+        sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used."""
+        B, L, D = x.shape
+        H = self.n_heads
+        q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
+        q, q_latent = self.queries(q_x)
+        q_nope = self._heads(q[:, : H * self.nope], B, L, self.nope)
+        q_rope = self._heads(q[:, H * self.nope:], B, L, self.rope_dim)
+        if rope_offset is not None and L == 1:
+            q_rope, k_rope = self.rope.apply_fast(q_rope, rope_offset), self.rope.apply_fast(k_rope, rope_offset)
+        else:
+            q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
+            k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
+        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         if layer_cache is not None:
             latent = layer_cache.append("latent", latent, start)
             k_rope = layer_cache.append("k_rope", k_rope, start)
         selection = shared_selection
         if self.indexer is not None:
-            selection = self.indexer.select(x, q_latent, cos, sin, mask, layer_cache, start)
+            selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = mask & selection
         out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
                                self.nope, self.v_dim)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, self.n_heads * self.v_dim)
-        return linear(out, self.o_proj, self.o_bias), selection
+        out = out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
+        return linear(out, self.o_proj, self.o_bias).reshape(B, L, D), selection
 
 
 def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim):
@@ -498,9 +589,9 @@ class DecoderLayer:
         else:
             self.mlp = MLP(w, p + "mlp.", D, args.intermediate_size)
 
-    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None):
+    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         h, selection = self.self_attn(rms_norm(x, self.input_norm, self.eps), cos, sin, mask, layer_cache, start,
-                                      shared_selection)
+                                      shared_selection, rope_offset)
         x = x + h
         return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps)), selection
 
@@ -570,11 +661,11 @@ class Model:
         start = cache.offset
         if start + L > self.max_length:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
-        cos, sin, mask = self._positions_and_mask(cache.left_padding, start, L)
+        cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         selection = None
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x, selection = layer(x, cos, sin, mask, layer_cache, start, selection)
+            x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
         cache.advance(L)
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
 
@@ -585,7 +676,10 @@ class Model:
         cos, sin = self.rope.cos_sin(positions)
         keys = mx.arange(start + L)
         mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None])
-        return cos, sin, mask[:, None]  # mask [B, 1, L, T]
+        # One decode row of one sequence: attention rotates with mx.fast.rope at this position
+        # (a scalar offset: every MLX backend takes it; batches keep cos/sin).
+        rope_offset = positions.reshape(()) if positions.size == 1 else None
+        return cos, sin, mask[:, None], rope_offset  # mask [B, 1, L, T]
 
 
 # --------------------------------------------------------------------------------- sanitize

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -66,6 +67,39 @@ class RoPE:
         """positions int ``[B, L]`` -> cos, sin ``[B, L, dim/2]`` float32."""
         angles = positions.astype(mx.float32)[..., None] * self.inv_freq
         return mx.cos(angles) * self.attention_factor, mx.sin(angles) * self.attention_factor
+
+    @cached_property
+    def fast_freqs(self) -> mx.array:
+        """``freqs`` for ``mx.fast.rope``, which turns by ``position / freqs``: float32
+        reciprocals of ``inv_freq``, each moved by one ulp where that makes ``1 / freqs`` (float32
+        or float64 division, as MLX's kernels do) give back ``inv_freq`` exactly."""
+        return mx.array(reciprocals_that_round_trip(np.asarray(self.inv_freq, dtype=np.float32)))
+
+    def apply_fast(self, x: mx.array, offset) -> mx.array:
+        """Half-split rotation of ``x [B, *, L, dim]`` at positions ``offset + l`` in one
+        ``mx.fast.rope`` op (one kernel on GPUs). Equals :func:`apply_rope` with this RoPE's
+        cos/sin and ``interleaved=False`` up to float rounding: the attention factor multiplies
+        the rotated values instead of cos and sin, and the GPU kernels evaluate cos/sin themselves."""
+        y = mx.fast.rope(x, x.shape[-1], traditional=False, base=None, scale=1.0, offset=offset,
+                         freqs=self.fast_freqs)
+        return y if self.attention_factor == 1.0 else y * self.attention_factor
+
+
+def reciprocals_that_round_trip(inv_freq: np.ndarray) -> np.ndarray:
+    """float32 ``f`` with ``float32(1 / f) == inv_freq`` where one exists among the nearest
+    float32 values of the reciprocal (else the nearest reciprocal: one ulp off in the angle)."""
+    def exact(f, want):
+        return np.float32(1.0 / np.float64(f)) == want and np.float32(1) / f == want
+
+    out = (1.0 / inv_freq.astype(np.float64)).astype(np.float32)
+    for j, want in enumerate(inv_freq):
+        if exact(out[j], want):
+            continue
+        for cand in (np.nextafter(out[j], np.float32(np.inf)), np.nextafter(out[j], np.float32(0))):
+            if exact(cand, want):
+                out[j] = cand
+                break
+    return out
 
 
 def make_rope(params: dict, dim: int, max_position_embeddings: int, interleaved: bool = True) -> RoPE:
