@@ -179,6 +179,16 @@ void msl_threadgroup_barrier(int site) {
   to_scheduler();
 }
 
+/* A misuse the shim detects (e.g. a SIMD-group matrix op with inactive lanes): report and stop. */
+void msl_fatal(const char *message) {
+  const msl_thread_info *w = &current->info;
+  error_out->code = 1;
+  snprintf(error_out->message, sizeof(error_out->message),
+           "%s: lane %u of simdgroup %u in threadgroup (%u,%u,%u)", message, w->simd_lane,
+           w->simd_group, w->tgpig[0], w->tgpig[1], w->tgpig[2]);
+  _exit(71);
+}
+
 /* Deposit `size` bytes for this lane, wait until the SIMD group exchanges, return the slot buffer
  * (MSL_SIMD_WIDTH slots of MSL_SLOT_BYTES) and the mask of lanes that took part. */
 const void *msl_simd_exchange(const void *value, int size, int kind, int site, uint32_t *active) {
@@ -202,7 +212,8 @@ static const char *kind_name(int kind) {
                                 "simd_shuffle", "simd_shuffle_down", "simd_shuffle_up",
                                 "simd_shuffle_xor", "simd_broadcast", "simd_broadcast_first",
                                 "simd_product", "simd_and", "simd_or", "simd_xor", "simd_all",
-                                "simd_any", "simd_ballot", "simd_is_first"};
+                                "simd_any", "simd_ballot", "simd_is_first", "simdgroup_load",
+                                "simdgroup_store", "simdgroup_multiply"};
   if (kind >= 0 && kind < (int)(sizeof(names) / sizeof(names[0]))) return names[kind];
   return "simd op";
 }
