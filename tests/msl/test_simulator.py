@@ -523,3 +523,25 @@ def test_simdgroup_matrix_misuse_fails_to_compile(body, why):
     with pytest.raises(SimulatorError, match=f"(?s)failed to compile.*{why}"):
         run_metal_kernel("misuse", ["h", "c"], ["out"], body, inputs=[h, c], output_shapes=[(64,)],
                          output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+
+
+def test_missing_barrier_before_a_simd_op_is_caught():
+    # SIMD groups run one at a time up to the next threadgroup barrier: a SIMD op right after
+    # the write phase does not hide a missing barrier (SIMD group 0 reads SIMD group 1's slots
+    # before they are written in the forward schedule, and the other way round in reverse).
+    src = """
+      uint lid = thread_index_in_threadgroup;
+      threadgroup float buf[64];
+      buf[lid] = x[lid];
+      {BARRIER}
+      const float n = simd_sum(1.0f);
+      out[lid] = simd_sum(buf[(lid + 32) % 64]) / n;
+    """
+    x = RNG.standard_normal(64).astype(np.float32)
+    kw = dict(inputs=[x], output_shapes=[(64,)], output_dtypes=[np.float32], grid=(64, 1, 1),
+              threadgroup=(64, 1, 1))
+    good = src.replace("{BARRIER}", "threadgroup_barrier(mem_flags::mem_threadgroup);")
+    (out,) = run_metal_kernel("bsimd", ["x"], ["out"], good, **kw)
+    np.testing.assert_allclose(out, np.repeat([x[32:].sum(), x[:32].sum()], 32) / 32, rtol=1e-5)
+    with pytest.raises(SimulatorError, match="depends on the thread schedule"):
+        run_metal_kernel("bsimd", ["x"], ["out"], src.replace("{BARRIER}", ""), **kw)
