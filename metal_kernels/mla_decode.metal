@@ -65,8 +65,8 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
 
 // ---- shared index arithmetic (the CUDA twin has the same functions) ----
 
-// Floats of padding after each staged position (R + rope floats): keeps the CUDA twin's
-// fragment reads of the chunk free of bank conflicts (row stride = 8 mod 32 banks).
+// Floats of padding after each staged position (R + rope floats): for the CUDA twin's
+// fragment reads of the chunk (row stride 8 mod 32 banks; see there).
 constexpr int mla_stage_pad() {
   return 8;
 }
