@@ -27,16 +27,18 @@
 // tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, 0.
 //   mla_attn_mma  the same split-K flash decoding with matrix instructions (the default;
 //             mla_attn above stays selectable as variant "simt"): one threadgroup per (block of
-//             HT = 16 heads, tile, query row), NSG = 4 SIMD groups. Per chunk of C = 8 positions
-//             staged as float in threadgroup memory: scores S[16 x 8] = Q'[16 x (R + rope)] .
-//             chunk^T by 8x8 simdgroup matrices, the k-steps split over the SIMD groups, partial
-//             scores summed through threadgroup memory; one thread per (head, position) runs the
-//             online softmax (8 lanes a head) and writes P[16 x 8] and diag(alpha); then each
-//             SIMD group updates its column range of the accumulator O[16 x R] (simdgroup
-//             matrices, NCT tiles of 8 columns x 2 row tiles): O = diag(alpha) O + P . chunk.
-//             Partials (pacc, pml) as mla_attn's, merged by mla_out. Needs R and rope multiples
-//             of 8; q' comes padded to Hp = a multiple of 16 heads (mla_qabs writes zeros there).
-//             The CUDA twin is the same with mma.sync m16n8k8 TF32 fragments (one 16-row tile).
+//             HT heads, tile, query row), NSG = HT / 4 SIMD groups (HT 16, 32 or 64). Per chunk
+//             of C = 8 positions staged as float in threadgroup memory: scores S[HT x 8] =
+//             Q'[HT x (R + rope)] . chunk^T by 8x8 simdgroup matrices; SIMD group sg takes
+//             16-head tile sg % (HT / 16) and the k-steps of k-part sg / (HT / 16) (4 k-parts),
+//             partial scores summed through threadgroup memory; one thread per (head, position)
+//             runs the online softmax (8 lanes a head) and writes P[HT x 8] and diag(alpha);
+//             then each SIMD group updates its column range (NCT tiles of 8 columns) of the
+//             accumulator O[HT x R] for all heads: O = diag(alpha) O + P . chunk. Partials
+//             (pacc, pml) as mla_attn's, merged by mla_out. Needs R and rope multiples of 8;
+//             q' comes padded to Hp = a multiple of HT heads (mla_qabs writes zeros there).
+//             The CUDA twin is the same with mma.sync m16n8k8 TF32 fragments (a 16-head tile
+//             is one m16 fragment instead of two 8x8 matrices).
 //
 // params (int32[16]): H, nope, v, R, rope, T, P (positions per query row), TT (positions per
 // tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, Hp (heads
@@ -296,13 +298,16 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
 // ==== kernel body: mla_attn_mma ====
   constexpr int C = mla_chunk();               // positions per chunk: the 8 of an 8x8 matrix
   constexpr int RWS = RW + mla_stage_pad();    // staged position: R latent + rope columns, pad
-  constexpr int RT = HT / 8;                   // 8-head row tiles
+  constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
+  constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile
+  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
-  static_assert(HT % 8 == 0 && RW % 8 == 0, "8x8 matrix tiles");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
+  static_assert(RW % 8 == 0, "8x8 matrix tiles");
   threadgroup float lat_s[C * RWS];
-  threadgroup float sc_s[NSG * HT * C];         // partial scores of each SIMD group's k-steps
+  threadgroup float sc_s[KP * HT * C];          // partial scores of each k-part
   threadgroup float p_s[HT * C];                // the chunk's softmax weights P[head][position]
-  threadgroup float diag_s[HT * 8];             // diag(alpha) per row tile, alpha per head
+  threadgroup float diag_s[HT * 8];             // diag(alpha) per 8-head row tile
   threadgroup float o_s[NSG * 64];              // write-out of one tile per SIMD group
   const int H = params[0];
   const int R = params[3];
@@ -325,57 +330,63 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int b = q / L;
   const int p0 = tile * TT;
   const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;                     // scores: this SIMD group's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
   const int hs = tid / C;                      // softmax thread: head hs of the block,
   const int cs = tid % C;                      // position cs of the chunk
   const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
   const device float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
   float m = -INFINITY;                         // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
-  simdgroup_float8x8 acc[RT][NCT];             // O[rt * 8.., (sg * NCT + ct) * 8..]
-  for (int rt = 0; rt < RT; ++rt) {
+  simdgroup_float8x8 acc[2 * HTL][NCT];        // O[rt * 8.., (sg * NCT + ct) * 8..]
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
     for (int ct = 0; ct < NCT; ++ct) {
       acc[rt][ct] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
   }
   for (int c0 = p0; c0 < p1; c0 += C) {
     threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
-    for (int k = tid; k < C * RW; k += NSG * 32) {
-      const int c = k / RW;
-      const int col = k - c * RW;
-      float val = 0.0f;                        // past the tile: 0 (weight 0, no NaN)
-      if (c0 + c < p1) {
-        const int t = mla_position(sel, has_sel, q, P, c0 + c);
-        val = col < R ? float(latent[(size_t(b) * T + t) * R + col])
-                      : float(krope[(size_t(b) * T + t) * rope + col - R]);
+    for (int j = 0; j < NLD; ++j) {
+      const int k = tid + j * NSG * 32;
+      if (k < C * RW) {
+        const int c = k / RW;
+        const int col = k - c * RW;
+        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
+        if (c0 + c < p1) {
+          const int t = mla_position(sel, has_sel, q, P, c0 + c);
+          val = col < R ? float(latent[(size_t(b) * T + t) * R + col])
+                        : float(krope[(size_t(b) * T + t) * rope + col - R]);
+        }
+        lat_s[c * RWS + col] = val;
       }
-      lat_s[c * RWS + col] = val;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // S[rt] = Q'[rt rows, k-steps of this SIMD group] . chunk^T (latent k-steps, then rope)
-    simdgroup_float8x8 s[RT];
-    for (int rt = 0; rt < RT; ++rt) {
-      s[rt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
+    simdgroup_float8x8 s[2];
+    for (int r = 0; r < 2; ++r) {
+      s[r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
-    for (int k0 = sg * 8; k0 < RW; k0 += NSG * 8) {
+    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
       simdgroup_float8x8 kt;
       simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);     // [k][position]
-      for (int rt = 0; rt < RT; ++rt) {
+      for (int r = 0; r < 2; ++r) {
+        const int row0 = ht * 16 + r * 8;
         simdgroup_float8x8 qt;
         if (k0 < R) {
-          simdgroup_load(qt, qa0 + size_t(rt * 8) * R + k0, R);
+          simdgroup_load(qt, qa0 + size_t(row0) * R + k0, R);
         } else {
-          simdgroup_load(qt, qr0 + size_t(rt * 8) * rope + (k0 - R), rope);
+          simdgroup_load(qt, qr0 + size_t(row0) * rope + (k0 - R), rope);
         }
-        simdgroup_multiply_accumulate(s[rt], qt, kt, s[rt]);
+        simdgroup_multiply_accumulate(s[r], qt, kt, s[r]);
       }
     }
-    for (int rt = 0; rt < RT; ++rt) {
-      simdgroup_store(s[rt], sc_s + (sg * HT + rt * 8) * C, C);
+    for (int r = 0; r < 2; ++r) {
+      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     {
       float dot = 0.0f;
-      for (int g = 0; g < NSG; ++g) {
+      for (int g = 0; g < KP; ++g) {
         dot += sc_s[(g * HT + hs) * C + cs];
       }
       int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
@@ -399,30 +410,28 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles
-    simdgroup_float8x8 pt[RT];
-    simdgroup_float8x8 dt[RT];
-    for (int rt = 0; rt < RT; ++rt) {
-      simdgroup_load(pt[rt], p_s + rt * 8 * C, C);
-      simdgroup_load(dt[rt], diag_s + rt * 64, 8);
-    }
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (col0 < R) {
-        simdgroup_float8x8 lt;
-        simdgroup_load(lt, lat_s + col0, RWS);             // [position][column]
-        for (int rt = 0; rt < RT; ++rt) {
-          simdgroup_multiply(acc[rt][ct], dt[rt], acc[rt][ct]);
-          simdgroup_multiply_accumulate(acc[rt][ct], pt[rt], lt, acc[rt][ct]);
+    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads
+    for (int rt = 0; rt < 2 * HTL; ++rt) {
+      simdgroup_float8x8 pt;
+      simdgroup_float8x8 dt;
+      simdgroup_load(pt, p_s + rt * 8 * C, C);
+      simdgroup_load(dt, diag_s + rt * 64, 8);
+      for (int ct = 0; ct < NCT; ++ct) {
+        const int col0 = (sg * NCT + ct) * 8;
+        if (col0 < R) {
+          simdgroup_float8x8 lt;
+          simdgroup_load(lt, lat_s + col0, RWS);           // [position][column]
+          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);
+          simdgroup_multiply_accumulate(acc[rt][ct], pt, lt, acc[rt][ct]);
         }
       }
     }
   }
   // Tiles go through threadgroup memory: rows past H (padding heads) are not written.
-  for (int ct = 0; ct < NCT; ++ct) {
-    const int col0 = (sg * NCT + ct) * 8;
-    if (col0 < R) {
-      for (int rt = 0; rt < RT; ++rt) {
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (col0 < R) {
         simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
         simdgroup_barrier(mem_flags::mem_threadgroup);
         for (int e = lane; e < 64; e += 32) {

@@ -227,9 +227,9 @@ def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dty
             kv_b, 0.3, mask, nope, v), sel
 
 
-def run_mla(metal, tile=None, variant="mma", **kw):
+def run_mla(metal, tile=None, variant="mma", heads=None, **kw):
     args, sel = mla_inputs(**kw)
-    run = mla.launch_specs(*args, selected=sel, tile=tile, variant=variant)
+    run = mla.launch_specs(*args, selected=sel, tile=tile, variant=variant, heads=heads)
     assert run.variant == variant
     out = run(lambda spec: simulate(spec, simulator))
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
@@ -263,14 +263,25 @@ def test_mla_head_groups_and_chunks(metal, H, tile):
     run_mla(metal, H=H, T=61, tile=tile, masked=True, seed=40 + H, variant="simt")
 
 
-@pytest.mark.parametrize("H,R,rope,tile", [(20, 64, 8, 16), (3, 96, 40, 12), (32, 72, 16, 24), (16, 40, 24, None)])
-def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, H, R, rope, tile):
-    # 20 heads: two 16-head blocks, the second with 12 padding heads (q' = 0, never written);
-    # 3 heads: one block, 13 padding; 32: two full blocks. R 96 / 72 / 40: 12 / 9 / 5 column
-    # tiles over 4 SIMD groups (3 / 3 / 2 each, some past R); rope 40 / 24: k-steps over the
-    # latent / rope boundary in different SIMD groups. Tiles 12 / 24 cross a chunk; None:
-    # the default tile (one tile for the whole cache).
-    run_mla(metal, H=H, R=R, rope=rope, T=61, tile=tile, masked=True, seed=40 + H, variant="mma")
+@pytest.mark.parametrize("heads,H,R,rope,tile", [
+    (16, 20, 64, 8, 16), (16, 3, 96, 40, 12), (32, 40, 72, 16, 24), (32, 16, 40, 24, None),
+    (64, 70, 64, 8, 20), (64, 8, 96, 16, 8)])
+def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, heads, H, R, rope, tile):
+    # heads per threadgroup 16 / 32 / 64 (4 / 8 / 16 SIMD groups: 1 / 2 / 4 16-head tiles x 4
+    # k-parts). Head blocks with padding heads (q' = 0, never written): 20 of 2 x 16, 3 of 16,
+    # 40 of 2 x 32, 70 of 2 x 64, 8 of 64. R 96 / 72 / 40: 12 / 9 / 5 column tiles over the
+    # SIMD groups (some past R); rope 40 / 24: k-steps over the latent / rope boundary in
+    # different SIMD groups. Tiles 12 / 20 / 24 cross a chunk; None: the default tile.
+    run_mla(metal, H=H, R=R, rope=rope, T=61, tile=tile, masked=True, seed=40 + H, variant="mma", heads=heads)
+
+
+def test_mla_mma_heads_choice(monkeypatch):
+    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 32
+    monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
+    assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.CUDA, 64) == 64
+    monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")
+    with pytest.raises(ValueError, match="not one of"):
+        mla.mma_heads(dispatch.METAL)
 
 
 @VARIANTS
@@ -323,22 +334,23 @@ MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
 MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "scores: chunk loaded untransposed": ("simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);",
                                           "simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), false);"),
-    "scores: q' rows with the wrong stride": ("simdgroup_load(qt, qa0 + size_t(rt * 8) * R + k0, R);",
-                                              "simdgroup_load(qt, qa0 + size_t(rt * 8) * R + k0, 8);"),
-    "scores: rope k-steps read the latent q'": ("simdgroup_load(qt, qr0 + size_t(rt * 8) * rope + (k0 - R), rope);",
-                                                "simdgroup_load(qt, qa0 + size_t(rt * 8) * R + k0 - 8, R);"),
-    "scores: a SIMD group's partial dropped": ("for (int g = 0; g < NSG; ++g) {\n        dot += sc_s",
-                                               "for (int g = 1; g < NSG; ++g) {\n        dot += sc_s"),
+    "scores: q' rows with the wrong stride": ("simdgroup_load(qt, qa0 + size_t(row0) * R + k0, R);",
+                                              "simdgroup_load(qt, qa0 + size_t(row0) * R + k0, 8);"),
+    "scores: rope k-steps read the latent q'": ("simdgroup_load(qt, qr0 + size_t(row0) * rope + (k0 - R), rope);",
+                                                "simdgroup_load(qt, qa0 + size_t(row0) * R + k0 - 8, R);"),
+    "scores: every SIMD group on head tile 0": ("const int ht = sg % HTL;", "const int ht = 0;"),
+    "scores: a k-part's partial dropped": ("for (int g = 0; g < KP; ++g) {\n        dot += sc_s",
+                                           "for (int g = 1; g < KP; ++g) {\n        dot += sc_s"),
     "scores: partials read without a barrier": (
-        "      simdgroup_store(s[rt], sc_s + (sg * HT + rt * 8) * C, C);\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
-        "      simdgroup_store(s[rt], sc_s + (sg * HT + rt * 8) * C, C);\n    }"),
-    "chunk staged without a barrier": ("      lat_s[c * RWS + col] = val;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
-                                       "      lat_s[c * RWS + col] = val;\n    }"),
+        "      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+        "      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);\n    }"),
+    "chunk staged without a barrier": ("        lat_s[c * RWS + col] = val;\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                       "        lat_s[c * RWS + col] = val;\n      }\n    }"),
     "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                        "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
-    "combine without rescale": ("          simdgroup_multiply(acc[rt][ct], dt[rt], acc[rt][ct]);\n", ""),
+    "combine without rescale": ("          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);\n", ""),
     "alpha off the diagonal": ("cs == hs % 8 ? alpha : 0.0f;", "cs == 0 ? alpha : 0.0f;"),
-    "P loaded transposed": ("simdgroup_load(pt[rt], p_s + rt * 8 * C, C);", "simdgroup_load(pt[rt], p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
+    "P loaded transposed": ("simdgroup_load(pt, p_s + rt * 8 * C, C);", "simdgroup_load(pt, p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
     "combine: column tile of the wrong SIMD group": ("simdgroup_load(lt, lat_s + col0, RWS);",
                                                      "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
     "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
@@ -370,12 +382,13 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
         spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
-    # simt: two SIMD groups share each chunk; mma: two head blocks, the second with 12
-    # padding heads, rope k-steps (rope 16) in SIMD groups 0 and 1 (k-steps 8 and 9 of 10).
-    H, rope = (8, 8) if variant == "simt" else (20, 16)
+    # simt: two SIMD groups share each chunk; mma: 32 heads a block (two 16-head tiles x four
+    # k-parts), two head blocks, the second with 24 padding heads, rope k-steps (rope 16) in
+    # k-parts 0 and 1 (k-steps 8 and 9 of 10).
+    H, rope = (8, 8) if variant == "simt" else (40, 16)
     args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        out = mla.launch_specs(*args, tile=12 if variant == "simt" else 20, variant=variant)(planted)
+        out = mla.launch_specs(*args, tile=12 if variant == "simt" else 20, variant=variant, heads=32)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
 

@@ -10,7 +10,8 @@ The attention has two variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
 (``mla_attn``, scalar FMAs). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
-(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile.
+(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile,
+``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
@@ -37,10 +38,15 @@ MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
 VARIANTS = ("mma", "simt")
-MMA_HEADS = 16            # heads per threadgroup of mla_attn_mma (HT)
-MMA_NSG = 4               # its SIMD groups: HT x CHUNK = one softmax thread per (head, position)
+# Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
+# position)). More heads: fewer re-reads of each chunk (once per head block) and more SIMD
+# groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on CUDA by
+# the registers (HT 64 = 512 threads may use at most 128 a thread; ptxas gives it ~196, so
+# that launch would fail; HT 16: ~150 registers, 3 blocks an SM). Env COLIBRI_MLA_HEADS overrides.
+MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
+MMA_HEAD_CHOICES = (16, 32, 64)
 MMA_MIN_TILE = 64
-MMA_TARGET_BLOCKS = 1024  # (head block, tile) threadgroups per query row to aim for
+MMA_TARGET_BLOCKS = 256   # (head block, tile) threadgroups per query row to aim for
 
 
 def _ceil_div(a, b):
@@ -105,6 +111,14 @@ def mma_tile(P: int, head_blocks: int) -> int:
     return _ceil_div(tt, CHUNK) * CHUNK
 
 
+def mma_heads(backend: str, heads: Optional[int] = None) -> int:
+    """HT of mla_attn_mma: ``heads``, env COLIBRI_MLA_HEADS, or the backend's default."""
+    ht = heads or int(os.environ.get("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
+    if ht not in MMA_HEAD_CHOICES:
+        raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
+    return ht
+
+
 def choose_variant(R: int, rope: int, variant: Optional[str] = None) -> str:
     """``variant`` or env COLIBRI_MLA_VARIANT (default ``mma``); ``simt`` where mma cannot run."""
     want = variant or os.environ.get("COLIBRI_MLA_VARIANT", "mma")
@@ -122,7 +136,8 @@ def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_s
 
 
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
-                 backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None):
+                 backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
+                 heads: Optional[int] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen)."""
     B, H, L, _ = q_nope.shape
@@ -135,9 +150,10 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     P = T if selected is None else selected.shape[-1]
     variant = choose_variant(R, rope, variant)
     mma = variant == "mma"
-    Hp = _ceil_div(H, MMA_HEADS) * MMA_HEADS if mma else H     # q' rows, padded for mma
+    HT = mma_heads(backend, heads)
+    Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
     tile = tile or int(os.environ.get("COLIBRI_MLA_TILE", "0"))
-    TT = tile or (mma_tile(P, Hp // MMA_HEADS) if mma else default_tile(P))
+    TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
@@ -174,9 +190,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             output_names=("pacc", "pml"), source=bodies["mla_attn_mma"], header=header,
             inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
-            grid=(SIMD * MMA_NSG * (Hp // MMA_HEADS), NT, BL), threadgroup=(SIMD * MMA_NSG, 1, 1),
-            template=[("TC", latent.dtype), ("NSG", MMA_NSG), ("HT", MMA_HEADS),
-                      ("NCT", _ceil_div(R, 8 * MMA_NSG)), ("RW", R + rope)])
+            grid=(SIMD * (HT // 4) * (Hp // HT), NT, BL), threadgroup=(SIMD * (HT // 4), 1, 1),
+            template=[("TC", latent.dtype), ("NSG", HT // 4), ("HT", HT),
+                      ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)])
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(

@@ -8,7 +8,7 @@
 // in step.
 // mla_attn_mma (the default variant) is the .metal kernel of that name with one
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 per Metal pair of 8x8 simdgroup products
-// (the 16 heads of a block are one m16 row tile instead of two 8-row tiles); the staged chunk
+// (a 16-head tile is one m16 fragment instead of two 8-row matrices); the staged chunk
 // is rounded to TF32 once (bf16 / f16 caches: exact), q' and P when their fragments are read
 // (cvt.rna: relative error <= 2^-11). The rescale of the accumulator by alpha is per fragment
 // row (Metal: a product with diag(alpha)). Fragment layouts: PTX ISA, "Matrix fragments for
@@ -353,12 +353,15 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
 // ==== kernel body: mla_attn_mma ====
   constexpr int C = colibri_mla::mla_chunk();  // positions per chunk: the mma's N (scores), K (combine)
   constexpr int RWS = RW + colibri_mla::mla_stage_pad();  // staged position: R + rope columns, pad
+  constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
+  constexpr int KP = NSG / HTL;                // scores: warps (k-parts) per head tile
+  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
   static_assert(C == 8, "the chunk is one n8 / k8 fragment");
-  static_assert(HT == 16, "the head block is one m16 fragment (Metal: two 8-row tiles)");
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
   __shared__ float lat_s[C * RWS];             // TF32-rounded
-  __shared__ float sc_s[NSG * HT * C];         // partial scores of each warp's k-steps
+  __shared__ float sc_s[KP * HT * C];          // partial scores of each k-part
   __shared__ float p_s[HT * C];                // the chunk's softmax weights P[head][position]
   __shared__ float alpha_s[HT];                // the chunk's rescale per head
   const int H = params[0];
@@ -382,43 +385,52 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int b = q / L;
   const int p0 = tile * TT;
   const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;                     // scores: this warp's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
   const int hs = tid / C;                      // softmax thread: head hs of the block,
   const int cs = tid % C;                      // position cs of the chunk
   const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
   const float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
   float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
-  float acc[NCT][4];                           // O[16 heads, (sg * NCT + ct) * 8..], C fragments
+  float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
   #pragma unroll
-  for (int ct = 0; ct < NCT; ++ct) {
+  for (int t16 = 0; t16 < HTL; ++t16) {
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[ct][i] = 0.0f;
+    for (int ct = 0; ct < NCT; ++ct) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[t16][ct][i] = 0.0f;
+      }
     }
   }
   for (int c0 = p0; c0 < p1; c0 += C) {
     __syncthreads();   // the previous chunk is consumed
-    for (int k = tid; k < C * RW; k += NSG * 32) {
-      const int c = k / RW;
-      const int col = k - c * RW;
-      float val = 0.0f;                        // past the tile: 0 (weight 0, no NaN)
-      if (c0 + c < p1) {
-        const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + c);
-        val = col < R ? static_cast<float>(latent[(size_t(b) * T + t) * R + col])
-                      : static_cast<float>(krope[(size_t(b) * T + t) * rope + col - R]);
+    #pragma unroll
+    for (int j = 0; j < NLD; ++j) {
+      const int k = tid + j * NSG * 32;
+      if (k < C * RW) {
+        const int c = k / RW;
+        const int col = k - c * RW;
+        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
+        if (c0 + c < p1) {
+          const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + c);
+          val = col < R ? static_cast<float>(latent[(size_t(b) * T + t) * R + col])
+                        : static_cast<float>(krope[(size_t(b) * T + t) * rope + col - R]);
+        }
+        lat_s[c * RWS + col] = colibri_mla::tf32_round(val);
       }
-      lat_s[c * RWS + col] = colibri_mla::tf32_round(val);
     }
     __syncthreads();
-    // S = Q'[16 heads, k-steps of this warp] . chunk^T (latent k-steps, then rope)
+    // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k0 = sg * 8; k0 < RW; k0 += NSG * 8) {
+    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
       uint32_t kf[2];                          // B = chunk^T: (k, n = position)
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
         kf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_n(lane) * RWS + k0 + colibri_mla::frag_b_k(lane, i)]);
       }
-      const float* qk = k0 < R ? qa0 + k0 : qr0 + (k0 - R);
+      const float* qk = (k0 < R ? qa0 + size_t(ht * 16) * R + k0 : qr0 + size_t(ht * 16) * rope + (k0 - R));
       const int qstride = k0 < R ? R : rope;
       uint32_t qf[4];                          // A = Q': (head, k)
       #pragma unroll
@@ -429,13 +441,13 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      sc_s[(sg * HT + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[i];
+      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[i];
     }
     __syncthreads();
     {
       float dot = 0.0f;
       #pragma unroll
-      for (int g = 0; g < NSG; ++g) {
+      for (int g = 0; g < KP; ++g) {
         dot += sc_s[(g * HT + hs) * C + cs];
       }
       int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
@@ -461,41 +473,47 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
     __syncthreads();
-    // O = diag(alpha) O + P . chunk on this warp's column tiles
-    uint32_t pf[4];                            // A = P: (head, position)
-    float al[4];                               // alpha of each C fragment element's row
+    // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      pf[i] = colibri_mla::tf32_bits(p_s[colibri_mla::frag_a_row(lane, i) * C + colibri_mla::frag_a_col(lane, i)]);
-      al[i] = alpha_s[colibri_mla::frag_c_row(lane, i)];
-    }
-    #pragma unroll
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (col0 < R) {
-        uint32_t lf[2];                        // B = chunk: (k = position, n = column)
-        #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
+    for (int t16 = 0; t16 < HTL; ++t16) {
+      uint32_t pf[4];                          // A = P: (head, position)
+      float al[4];                             // alpha of each C fragment element's row
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pf[i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
+        al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
+      }
+      #pragma unroll
+      for (int ct = 0; ct < NCT; ++ct) {
+        const int col0 = (sg * NCT + ct) * 8;
+        if (col0 < R) {
+          uint32_t lf[2];                      // B = chunk: (k = position, n = column)
+          #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
+          }
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[t16][ct][i] *= al[i];
+          }
+          colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
         }
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[ct][i] *= al[i];
-        }
-        colibri_mla::mma_tf32(acc[ct], pf, lf);
       }
     }
   }
   // Rows past H (padding heads) are not written.
   #pragma unroll
-  for (int ct = 0; ct < NCT; ++ct) {
-    const int col0 = (sg * NCT + ct) * 8;
-    if (col0 < R) {
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int h = hb * HT + colibri_mla::frag_c_row(lane, i);
-        if (h < H) {
-          pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[ct][i];
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (col0 < R) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
+          if (h < H) {
+            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
+          }
         }
       }
     }
