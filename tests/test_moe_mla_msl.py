@@ -276,7 +276,8 @@ def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, heads, H, R, rope, t
 
 
 def test_mla_mma_heads_choice(monkeypatch):
-    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 32
+    monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
+    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 16
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
     assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.CUDA, 64) == 64
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")

@@ -41,9 +41,11 @@ VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads of each chunk (once per head block) and more SIMD
 # groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on CUDA by
-# the registers (HT 64 = 512 threads may use at most 128 a thread; ptxas gives it ~196, so
-# that launch would fail; HT 16: ~150 registers, 3 blocks an SM). Env COLIBRI_MLA_HEADS overrides.
-MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
+# registers (ptxas, sm_90a): HT 16 ~150 a thread = 3 blocks of 4 warps an SM, so one block's
+# loads overlap another's matrix work; HT 32 ~200 = one block of 8 warps an SM, nothing to
+# overlap; HT 64 (512 threads may use at most 128) ~196: would not launch. Not yet measured:
+# env COLIBRI_MLA_HEADS overrides.
+MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 16}
 MMA_HEAD_CHOICES = (16, 32, 64)
 MMA_MIN_TILE = 64
 MMA_TARGET_BLOCKS = 256   # (head block, tile) threadgroups per query row to aim for
