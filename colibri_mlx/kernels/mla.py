@@ -48,7 +48,10 @@ VARIANTS = ("mma", "simt")
 MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 16}
 MMA_HEAD_CHOICES = (16, 32, 64)
 MMA_MIN_TILE = 64
-MMA_TARGET_BLOCKS = 256   # (head block, tile) threadgroups per query row to aim for
+# (head block, tile) threadgroups per query row to aim for: one wave on the H200 at 3 blocks
+# an SM (132 SMs); each block stages its chunks one after another (latency-bound), so blocks
+# must run side by side, while every tile adds a partial of R floats per head to write and merge.
+MMA_TARGET_BLOCKS = 384
 
 
 def _ceil_div(a, b):
