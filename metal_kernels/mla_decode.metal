@@ -25,6 +25,24 @@
 //
 // params (int32[16]): H, nope, v, R, rope, T, P (positions per query row), TT (positions per
 // tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, 0.
+//   mla_attn_mma  the same split-K flash decoding with matrix instructions (the default;
+//             mla_attn above stays selectable as variant "simt"): one threadgroup per (block of
+//             HT heads, tile, query row), NSG = HT / 4 SIMD groups (HT 16, 32 or 64). Per chunk
+//             of C = 8 positions staged as float in threadgroup memory: scores S[HT x 8] =
+//             Q'[HT x (R + rope)] . chunk^T by 8x8 simdgroup matrices; SIMD group sg takes
+//             16-head tile sg % (HT / 16) and the k-steps of k-part sg / (HT / 16) (4 k-parts),
+//             partial scores summed through threadgroup memory; one thread per (head, position)
+//             runs the online softmax (8 lanes a head) and writes P[HT x 8] and diag(alpha);
+//             then each SIMD group updates its column range (NCT tiles of 8 columns) of the
+//             accumulator O[HT x R] for all heads: O = diag(alpha) O + P . chunk. Partials
+//             (pacc, pml) as mla_attn's, merged by mla_out. Needs R and rope multiples of 8;
+//             q' comes padded to Hp = a multiple of HT heads (mla_qabs writes zeros there).
+//             The CUDA twin is the same with mma.sync m16n8k8 TF32 fragments (a 16-head tile
+//             is one m16 fragment instead of two 8x8 matrices).
+//
+// params (int32[16]): H, nope, v, R, rope, T, P (positions per query row), TT (positions per
+// tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, Hp (heads
+// of qabs / qrope: H, or H padded to 16 for mla_attn_mma).
 // fparams (float32[8]): scale, 0...
 
 // Positions per softmax chunk; HB x MLA_CHUNK = 32 partial scores per SIMD group.
@@ -47,6 +65,24 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
   return v[0];
 }
 
+// ---- shared index arithmetic (the CUDA twin has the same functions) ----
+
+// Floats of padding after each staged position (R + rope floats): for the CUDA twin's
+// fragment reads of the chunk (row stride 8 mod 32 banks; see there).
+constexpr int mla_stage_pad() {
+  return 8;
+}
+
+// Cache position of entry `pos` of query row q's list: the DSA list or the identity.
+inline int mla_position(const device int32_t* sel, int has_sel, int q, int P, int pos) {
+  return has_sel ? sel[size_t(q) * P + pos] : pos;
+}
+
+// Partial (tile) `tile` of head h of query row q in pacc [BL, H, NT, R] / pml [BL, H, NT, 2].
+inline size_t mla_part(int q, int H, int h, int NT, int tile) {
+  return (size_t(q) * H + h) * size_t(NT) + tile;
+}
+
 // ==== kernel body: mla_qabs ====
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
@@ -63,6 +99,13 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
   const int sg = int(simdgroup_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
   const int tid = int(thread_index_in_threadgroup);
+  const int Hp = params[15];
+  if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
+    for (int c = tid; c < R; c += NSG * 32) {
+      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;
+    }
+    return;
+  }
   float acc[NU * WPU];
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
@@ -103,7 +146,7 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * WPU * 32 + c];
     }
-    qabs[(size_t(q) * H + h) * R + c] = s;
+    qabs[(size_t(q) * Hp + h) * R + c] = s;
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = mla_chunk();
@@ -251,6 +294,160 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
         pml[2 * part + 1] = l[i];
       }
     }
+  }
+// ==== kernel body: mla_attn_mma ====
+  constexpr int C = mla_chunk();               // positions per chunk: the 8 of an 8x8 matrix
+  constexpr int RWS = RW + mla_stage_pad();    // staged position: R latent + rope columns, pad
+  constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
+  constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile
+  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
+  static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
+  static_assert(RW % 8 == 0, "8x8 matrix tiles");
+  threadgroup float lat_s[C * RWS];
+  threadgroup float sc_s[KP * HT * C];          // partial scores of each k-part
+  threadgroup float p_s[HT * C];                // the chunk's softmax weights P[head][position]
+  threadgroup float diag_s[HT * 8];             // diag(alpha) per 8-head row tile
+  threadgroup float o_s[NSG * 64];              // write-out of one tile per SIMD group
+  const int H = params[0];
+  const int R = params[3];
+  const int rope = params[4];
+  const int T = params[5];
+  const int P = params[6];
+  const int TT = params[7];
+  const int NT = params[8];
+  const int L = params[9];
+  const int has_mask = params[13];
+  const int has_sel = params[14];
+  const int Hp = params[15];
+  const float scale = fparams[0];
+  const int tid = int(thread_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int hb = int(threadgroup_position_in_grid.x);
+  const int tile = int(threadgroup_position_in_grid.y);
+  const int q = int(threadgroup_position_in_grid.z);
+  const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;                     // scores: this SIMD group's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
+  const int hs = tid / C;                      // softmax thread: head hs of the block,
+  const int cs = tid % C;                      // position cs of the chunk
+  const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
+  const device float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
+  float m = -INFINITY;                         // running max / sum of head hs (8 lanes agree)
+  float l = 0.0f;
+  simdgroup_float8x8 acc[2 * HTL][NCT];        // O[rt * 8.., (sg * NCT + ct) * 8..]
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      acc[rt][ct] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  for (int c0 = p0; c0 < p1; c0 += C) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
+    for (int j = 0; j < NLD; ++j) {
+      const int k = tid + j * NSG * 32;
+      if (k < C * RW) {
+        const int c = k / RW;
+        const int col = k - c * RW;
+        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
+        if (c0 + c < p1) {
+          const int t = mla_position(sel, has_sel, q, P, c0 + c);
+          val = col < R ? float(latent[(size_t(b) * T + t) * R + col])
+                        : float(krope[(size_t(b) * T + t) * rope + col - R]);
+        }
+        lat_s[c * RWS + col] = val;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
+    simdgroup_float8x8 s[2];
+    for (int r = 0; r < 2; ++r) {
+      s[r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
+      simdgroup_float8x8 kt;
+      simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);     // [k][position]
+      for (int r = 0; r < 2; ++r) {
+        const int row0 = ht * 16 + r * 8;
+        simdgroup_float8x8 qt;
+        if (k0 < R) {
+          simdgroup_load(qt, qa0 + size_t(row0) * R + k0, R);
+        } else {
+          simdgroup_load(qt, qr0 + size_t(row0) * rope + (k0 - R), rope);
+        }
+        simdgroup_multiply_accumulate(s[r], qt, kt, s[r]);
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    {
+      float dot = 0.0f;
+      for (int g = 0; g < KP; ++g) {
+        dot += sc_s[(g * HT + hs) * C + cs];
+      }
+      int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
+      if (c0 + cs < p1) {
+        const int t = mla_position(sel, has_sel, q, P, c0 + cs);
+        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+      }
+      const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : -INFINITY);
+      float cmax = max(sv, simd_shuffle_xor(sv, ushort(1)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(2)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));
+      const float m_new = max(m, cmax);
+      const float alpha = exp(m - m_new);
+      const float pw = keep >= 0 ? exp(sv - m_new) : 0.0f;
+      float psum = pw + simd_shuffle_xor(pw, ushort(1));
+      psum += simd_shuffle_xor(psum, ushort(2));
+      psum += simd_shuffle_xor(psum, ushort(4));
+      m = m_new;
+      l = l * alpha + psum;
+      p_s[hs * C + cs] = pw;
+      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads
+    for (int rt = 0; rt < 2 * HTL; ++rt) {
+      simdgroup_float8x8 pt;
+      simdgroup_float8x8 dt;
+      simdgroup_load(pt, p_s + rt * 8 * C, C);
+      simdgroup_load(dt, diag_s + rt * 64, 8);
+      for (int ct = 0; ct < NCT; ++ct) {
+        const int col0 = (sg * NCT + ct) * 8;
+        if (col0 < R) {
+          simdgroup_float8x8 lt;
+          simdgroup_load(lt, lat_s + col0, RWS);           // [position][column]
+          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);
+          simdgroup_multiply_accumulate(acc[rt][ct], pt, lt, acc[rt][ct]);
+        }
+      }
+    }
+  }
+  // Tiles go through threadgroup memory: rows past H (padding heads) are not written.
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (col0 < R) {
+        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        for (int e = lane; e < 64; e += 32) {
+          const int h = hb * HT + rt * 8 + e / 8;
+          if (h < H) {
+            pacc[mla_part(q, H, h, NT, tile) * R + col0 + e % 8] = o_s[sg * 64 + e];
+          }
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    }
+  }
+  if (cs == 0 && hb * HT + hs < H) {
+    const size_t part = mla_part(q, H, hb * HT + hs, NT, tile);
+    pml[2 * part] = m;
+    pml[2 * part + 1] = l;
   }
 // ==== kernel body: mla_out ====
   constexpr int WPU = qd_wpu(FMT);

@@ -93,8 +93,9 @@ def qgemv_specs(full: bool):
 
 
 def mla_specs(full: bool):
-    """mla_qabs / mla_attn / mla_out for every kv_b fmt, f32 and bf16 caches, with and
-    without a DSA index list (the launches mla.launch_specs builds)."""
+    """mla_qabs / mla_attn_mma / mla_out for every kv_b fmt, f32 and bf16 caches, with and
+    without a DSA index list (the launches mla.launch_specs builds), and the simt variant's
+    mla_attn."""
     from colibri_mlx.kernels import mla
 
     rng = np.random.default_rng(0)
@@ -106,18 +107,20 @@ def mla_specs(full: bool):
             f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
             mask = mx.array(rng.random((1, 1, 2, T)) < 0.9)
             selected = mx.array(rng.integers(0, T, (1, 2, 64)).astype(np.int32)) if sel else None
-            specs = []
-            run = mla.launch_specs(f(1, H, 2, nope), f(1, H, 2, rope), f(1, T, R).astype(cache),
-                                   f(1, T, rope).astype(cache), kv_b, 0.1, mask, nope, v, selected,
-                                   backend=dispatch.CUDA)
+            args = (f(1, H, 2, nope), f(1, H, 2, rope), f(1, T, R).astype(cache),
+                    f(1, T, rope).astype(cache), kv_b, 0.1, mask, nope, v, selected)
+            for variant in mla.VARIANTS:
+                specs = []
+                run = mla.launch_specs(*args, backend=dispatch.CUDA, variant=variant)
 
-            def capture(spec):
-                specs.append(spec)
-                return [mx.zeros(s, d) for s, d in zip(spec.output_shapes, spec.output_dtypes)]
+                def capture(spec):
+                    specs.append(spec)
+                    return [mx.zeros(s, d) for s, d in zip(spec.output_shapes, spec.output_dtypes)]
 
-            run(capture)
-            for spec in specs:
-                yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
+                run(capture)
+                for spec in specs:
+                    if variant == "mma" or spec.name == "mla_attn":
+                        yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
 
 
 def moe_specs(full: bool):

@@ -126,13 +126,23 @@ def simulate(spec, simulator):
     return res
 
 
-def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None):
+# The attention stages' relative error per term when their operands are rounded to TF32 (the
+# CUDA twin's mma variant): cvt.rna keeps 10 mantissa bits, |tf32(x) - x| <= 2^-11 |x|, so a
+# product of two rounded operands errs by <= 2^-10 (1 + 2^-12) of its size (bf16 / f16 caches
+# are exact in TF32: only q' or P is rounded, 2^-11), on top of the float32 accumulation (REL).
+REL_TF32 = REL + 2.0**-10 * (1 + 2.0**-12)
+
+
+def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None, rel_attn=REL):
     """(out64 [B, H, L, v], error budget) of absorbed MLA in float64.
 
     Budget: the context is a convex combination of latent rows, so a score error ds moves it by
     at most 2 * ds * max|latent| (softmax is 1-Lipschitz from scores to weights in l1, times
-    the row spread). ds <= REL * (|q'|.|latent| + |q_rope|.|k_rope|) * scale plus the q' error
-    REL * (|W_UK|^T |q_nope|) . |latent|; out adds REL * |W_UV| @ |ctx| + |W_UV| @ dctx.
+    the row spread). ds <= rel_attn * (|q'|.|latent| + |q_rope|.|k_rope|) * scale plus the q'
+    error REL * (|W_UK|^T |q_nope|) . |latent|; the combine errs by rel_attn * max|latent| (a
+    weight rounded by a relative 2^-11 moves the convex combination by that much of the
+    spread); out adds REL * |W_UV| @ |ctx| + |W_UV| @ dctx. ``rel_attn``: REL for float32
+    arithmetic, REL_TF32 for TF32 tensor-core operands.
     """
     qn, qr, lat, kr = (_f64(a) for a in (q_nope, q_rope, latent, k_rope))
     B, H, L, _ = qn.shape
@@ -146,7 +156,7 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
         return a @ c[:, None].transpose(0, 1, 3, 2)
 
     s = (over_t(q_abs, lat) + over_t(qr, kr)) * scale
-    ds = (REL * (over_t(np.abs(q_abs), np.abs(lat)) + over_t(np.abs(qr), np.abs(kr)))
+    ds = (rel_attn * (over_t(np.abs(q_abs), np.abs(lat)) + over_t(np.abs(qr), np.abs(kr)))
           + over_t(dq, np.abs(lat))) * abs(scale)
     allowed = np.ones((B, 1, L, T), bool) if mask is None else np.asarray(mask).reshape(B, 1, L, T)
     exists = np.ones((B, 1, L, T), bool)
@@ -162,7 +172,7 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
     p /= p.sum(-1, keepdims=True)
     ctx = p @ lat[:, None]
     spread = np.abs(lat).max(1)[:, None, None, :]          # [B, 1, 1, R]
-    dctx = 2 * np.where(exists, ds, 0).max(-1, keepdims=True) * spread + REL * spread
+    dctx = 2 * np.where(exists, ds, 0).max(-1, keepdims=True) * spread + rel_attn * spread
     w_uv_t = w_uv.transpose(0, 2, 1)[None]                   # [1, H, R, v]
     out = ctx @ w_uv_t
     bound = REL * (np.abs(ctx) @ np.abs(w_uv_t)) + np.broadcast_to(dctx, ctx.shape) @ np.abs(w_uv_t)

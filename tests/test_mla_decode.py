@@ -2,6 +2,11 @@
 twins) against the float64 oracle: every kv_b fmt, cache lengths around tile and 4096
 boundaries, masks, DSA position lists, bf16 caches; DeepSeek-V3 head shapes (128 heads,
 R 512, nope 128, v 128, rope 64) and a 40000-long cache on a GPU backend only.
+
+The CUDA twin's mma variant (the default) rounds q', P (and float32 caches) to TF32 for the
+tensor cores: its attention stages get the TF32 budget (moe_mla_oracle.REL_TF32); Metal's
+simdgroup matrices and the simt variant compute in float32 (REL). COLIBRI_MLA_VARIANT=simt
+runs these tests on the old kernel.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import pytest
 
 from colibri_mlx import kernels
 from kernel_oracle import random_qtensor
-from moe_mla_oracle import assert_mla_close
+from colibri_mlx.kernels import mla
+from moe_mla_oracle import REL, REL_TF32, assert_mla_close
 
 GPU = kernels.backend() != kernels.REFERENCE
 gpu_only = pytest.mark.skipif(not GPU, reason="DeepSeek-V3 head shapes: GPU backend only")
@@ -42,7 +48,10 @@ def check(**kw):
     c = kernels.counters()
     assert not c["fallbacks"], c
     assert out.dtype == args[0].dtype
-    return assert_mla_close(out, *args, selected=sel, label=str(kw))
+    R, rope = args[2].shape[-1], args[3].shape[-1]
+    tf32 = kernels.backend() == "cuda" and mla.choose_variant(R, rope) == "mma"
+    assert c["calls"].get(f"mla_attn/{mla.choose_variant(R, rope)}/{kernels.backend()}", 0) == int(GPU), c
+    return assert_mla_close(out, *args, selected=sel, label=str(kw), rel_attn=REL_TF32 if tf32 else REL)
 
 
 @pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])

@@ -227,26 +227,32 @@ def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dty
             kv_b, 0.3, mask, nope, v), sel
 
 
-def run_mla(metal, tile=None, **kw):
+def run_mla(metal, tile=None, variant="mma", heads=None, **kw):
     args, sel = mla_inputs(**kw)
-    run = mla.launch_specs(*args, selected=sel, tile=tile)
+    run = mla.launch_specs(*args, selected=sel, tile=tile, variant=variant, heads=heads)
+    assert run.variant == variant
     out = run(lambda spec: simulate(spec, simulator))
-    assert metal == [] or True
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
 
 
+VARIANTS = pytest.mark.parametrize("variant", mla.VARIANTS)
+
+
+@VARIANTS
 @pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
-def test_mla_every_kv_b_fmt(metal, fmt):
-    run_mla(metal, fmt=fmt, seed=fmt, tile=16)
+def test_mla_every_kv_b_fmt(metal, fmt, variant):
+    run_mla(metal, fmt=fmt, seed=fmt, tile=16, variant=variant)
 
 
+@VARIANTS
 @pytest.mark.parametrize("T", [1, 31, 32, 33, 100])
-def test_mla_cache_lengths_across_tiles(metal, T):
-    run_mla(metal, T=T, tile=32, seed=T, masked=T > 1)
+def test_mla_cache_lengths_across_tiles(metal, T, variant):
+    run_mla(metal, T=T, tile=32, seed=T, masked=T > 1, variant=variant)
 
 
-def test_mla_batch_queries_mask_and_rope_wider_than_a_simd_group(metal):
-    run_mla(metal, B=2, L=3, H=2, T=45, R=96, rope=40, v=16, tile=8, masked=True, seed=3)
+@VARIANTS
+def test_mla_batch_queries_mask_and_rope_wider_than_a_simd_group(metal, variant):
+    run_mla(metal, B=2, L=3, H=2, T=45, R=96, rope=40, v=16, tile=8, masked=True, seed=3, variant=variant)
 
 
 @pytest.mark.parametrize("H,tile", [(20, 16), (3, 12), (8, 24)])
@@ -254,27 +260,66 @@ def test_mla_head_groups_and_chunks(metal, H, tile):
     # 20 heads: 5 blocks of 4 -> two threadgroups of 4 SIMD groups, three of them idle in the
     # second (they still stage chunks and wait); 3 heads: one head per SIMD group; tiles that
     # are not a multiple of the 8-position chunk (a chunk crosses the tile end).
-    run_mla(metal, H=H, T=61, tile=tile, masked=True, seed=40 + H)
+    run_mla(metal, H=H, T=61, tile=tile, masked=True, seed=40 + H, variant="simt")
 
 
-def test_mla_selected_positions(metal):
-    run_mla(metal, B=1, L=2, T=90, n_sel=20, tile=8, seed=4)
+@pytest.mark.parametrize("heads,H,R,rope,tile", [
+    (16, 20, 64, 8, 16), (16, 3, 96, 40, 12), (32, 40, 72, 16, 24), (32, 16, 40, 24, None),
+    (64, 70, 64, 8, 20), (64, 8, 96, 16, 8)])
+def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, heads, H, R, rope, tile):
+    # heads per threadgroup 16 / 32 / 64 (4 / 8 / 16 SIMD groups: 1 / 2 / 4 16-head tiles x 4
+    # k-parts). Head blocks with padding heads (q' = 0, never written): 20 of 2 x 16, 3 of 16,
+    # 40 of 2 x 32, 70 of 2 x 64, 8 of 64. R 96 / 72 / 40: 12 / 9 / 5 column tiles over the
+    # SIMD groups (some past R); rope 40 / 24: k-steps over the latent / rope boundary in
+    # different SIMD groups. Tiles 12 / 20 / 24 cross a chunk; None: the default tile.
+    run_mla(metal, H=H, R=R, rope=rope, T=61, tile=tile, masked=True, seed=40 + H, variant="mma", heads=heads)
 
 
-def test_mla_bf16_cache(metal):
+def test_mla_mma_heads_choice(monkeypatch):
+    monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
+    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 16
+    monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
+    assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.CUDA, 64) == 64
+    monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")
+    with pytest.raises(ValueError, match="not one of"):
+        mla.mma_heads(dispatch.METAL)
+
+
+@VARIANTS
+def test_mla_selected_positions(metal, variant):
+    run_mla(metal, B=1, L=2, T=90, n_sel=20, tile=8, seed=4, variant=variant)
+
+
+@VARIANTS
+def test_mla_bf16_cache(metal, variant):
     pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
-    run_mla(metal, T=40, cache_dtype=mx.bfloat16, seed=5, tile=16)
+    run_mla(metal, T=40, cache_dtype=mx.bfloat16, seed=5, tile=16, variant=variant)
 
 
-def test_mla_dispatch_counts(metal):
+def test_mla_mma_needs_multiples_of_8():
+    assert mla.choose_variant(64, 8) == "mma"
+    assert mla.choose_variant(60, 8) == "simt" and mla.choose_variant(64, 12) == "simt"
+    assert mla.choose_variant(64, 8, "simt") == "simt"
+    with pytest.raises(ValueError, match="not one of"):
+        mla.choose_variant(64, 8, "tensor")
+
+
+@pytest.mark.parametrize("env,want", [(None, ["mla_qabs", "mla_attn_mma", "mla_out"]),
+                                      ("simt", ["mla_qabs", "mla_attn", "mla_out"])])
+def test_mla_dispatch_counts(metal, monkeypatch, env, want):
+    if env:
+        monkeypatch.setenv("COLIBRI_MLA_VARIANT", env)
+    else:
+        monkeypatch.delenv("COLIBRI_MLA_VARIANT", raising=False)
     args, _ = mla_inputs(T=20)
     out = kernels.mla_decode(*args)
-    assert metal == ["mla_qabs", "mla_attn", "mla_out"]
-    assert kernels.counters()["calls"].get("mla_decode/metal") == 1
+    assert metal == want
+    calls = kernels.counters()["calls"]
+    assert calls.get("mla_decode/metal") == 1 and calls.get(f"mla_attn/{env or 'mma'}/metal") == 1, calls
     assert_mla_close(out, *args)
 
 
-MLA_DEFECTS = {
+MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
     "online softmax without rescale": ("acc[i][j] *= al;", ""),
     "tile merge ignores max": ("s += exp(pml[2 * (part0 + t)] - mx_) * pacc", "s += pacc"),
     "rope part dropped": ("d[i * C + c] += qr[i][j] * kv;", "d[i * C + c] += 0.0f;"),
@@ -287,21 +332,64 @@ MLA_DEFECTS = {
     "positions past the tile end scored": ("      int keep = -1;", "      int keep = 1;"),
 }
 
+MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
+    "scores: chunk loaded untransposed": ("simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);",
+                                          "simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), false);"),
+    "scores: q' rows with the wrong stride": ("simdgroup_load(qt, qa0 + size_t(row0) * R + k0, R);",
+                                              "simdgroup_load(qt, qa0 + size_t(row0) * R + k0, 8);"),
+    "scores: rope k-steps read the latent q'": ("simdgroup_load(qt, qr0 + size_t(row0) * rope + (k0 - R), rope);",
+                                                "simdgroup_load(qt, qa0 + size_t(row0) * R + k0 - 8, R);"),
+    "scores: every SIMD group on head tile 0": ("const int ht = sg % HTL;", "const int ht = 0;"),
+    "scores: a k-part's partial dropped": ("for (int g = 0; g < KP; ++g) {\n        dot += sc_s",
+                                           "for (int g = 1; g < KP; ++g) {\n        dot += sc_s"),
+    "scores: partials read without a barrier": (
+        "      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+        "      simdgroup_store(s[r], sc_s + (kp * HT + ht * 16 + r * 8) * C, C);\n    }"),
+    "chunk staged without a barrier": ("        lat_s[c * RWS + col] = val;\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                       "        lat_s[c * RWS + col] = val;\n      }\n    }"),
+    "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                       "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
+    "combine without rescale": ("          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);\n", ""),
+    "alpha off the diagonal": ("cs == hs % 8 ? alpha : 0.0f;", "cs == 0 ? alpha : 0.0f;"),
+    "P loaded transposed": ("simdgroup_load(pt, p_s + rt * 8 * C, C);", "simdgroup_load(pt, p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
+    "combine: column tile of the wrong SIMD group": ("simdgroup_load(lt, lat_s + col0, RWS);",
+                                                     "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
+    "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
+                                           "      const float m_new"),
+    "mask ignored in the chunk": ("        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;\n      }\n      const float sv",
+                                  "        keep = 1;\n      }\n      const float sv"),
+    "write-out tile read before all lanes stored it": (
+        "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
+        "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);"),
+    "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < Hp) {\n            pacc"),
+    "padding heads of q' left unwritten": ("      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;", ""),
+}
 
-@pytest.mark.parametrize("defect", sorted(MLA_DEFECTS))
-def test_mla_planted_defect_is_caught(metal, defect):
-    good, bad = MLA_DEFECTS[defect]
+
+def _launched_text(variant: str) -> str:
     header, bodies = mla.read_kernel_sections("mla_decode", dispatch.METAL)
-    assert (header + "".join(bodies.values())).count(good) == 1, f"defect '{defect}' no longer plants"
+    attn = "mla_attn_mma" if variant == "mma" else "mla_attn"
+    return header + "".join(bodies[k] for k in ("mla_qabs", attn, "mla_out"))
+
+
+@pytest.mark.parametrize("variant,defect", [("simt", d) for d in sorted(MLA_DEFECTS)]
+                         + [("mma", d) for d in sorted(MMA_DEFECTS)])
+def test_mla_planted_defect_is_caught(metal, variant, defect):
+    good, bad = (MLA_DEFECTS if variant == "simt" else MMA_DEFECTS)[defect]
+    assert _launched_text(variant).count(good) == 1, f"defect '{defect}' no longer plants"
 
     def planted(spec):
         spec.source = spec.source.replace(good, bad)
         spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
-    args, _ = mla_inputs(H=8, T=70, masked=True, seed=6)      # two SIMD groups share each chunk
+    # simt: two SIMD groups share each chunk; mma: 32 heads a block (two 16-head tiles x four
+    # k-parts), two head blocks, the second with 24 padding heads, rope k-steps (rope 16) in
+    # k-parts 0 and 1 (k-steps 8 and 9 of 10).
+    H, rope = (8, 8) if variant == "simt" else (40, 16)
+    args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        out = mla.launch_specs(*args, tile=12)(planted)
+        out = mla.launch_specs(*args, tile=12 if variant == "simt" else 20, variant=variant, heads=32)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
 

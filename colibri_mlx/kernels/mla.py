@@ -2,15 +2,23 @@
 
 ``out[b, h, l] = W_UV^h · softmax_t((q'·latent_t + q_rope·k_rope_t) · scale) latent_t`` with
 ``q' = W_UK^hᵀ q_nope``; ``kv_b`` (``[H*(nope+v), R]``, fmt 1-5 QTensor or float) is read
-directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, ``mla_attn`` (split-K
-online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the tiles +
-W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
+directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, the attention
+(split-K online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the
+tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
+
+The attention has two variants with the same partials (``variant=`` or env
+``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
+by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
+(``mla_attn``, scalar FMAs). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
+(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile,
+``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -29,6 +37,21 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
+VARIANTS = ("mma", "simt")
+# Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
+# position)). More heads: fewer re-reads of each chunk (once per head block) and more SIMD
+# groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on CUDA by
+# registers (ptxas, sm_90a): HT 16 ~150 a thread = 3 blocks of 4 warps an SM, so one block's
+# loads overlap another's matrix work; HT 32 ~200 = one block of 8 warps an SM, nothing to
+# overlap; HT 64 (512 threads may use at most 128) ~196: would not launch. Not yet measured:
+# env COLIBRI_MLA_HEADS overrides.
+MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 16}
+MMA_HEAD_CHOICES = (16, 32, 64)
+MMA_MIN_TILE = 64
+# (head block, tile) threadgroups per query row to aim for: one wave on the H200 at 3 blocks
+# an SM (132 SMs); each block stages its chunks one after another (latency-bound), so blocks
+# must run side by side, while every tile adds a partial of R floats per head to write and merge.
+MMA_TARGET_BLOCKS = 384
 
 
 def _ceil_div(a, b):
@@ -86,15 +109,42 @@ def default_tile(P: int) -> int:
     return _ceil_div(tt, CHUNK) * CHUNK
 
 
-def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel) -> mx.array:
+def mma_tile(P: int, head_blocks: int) -> int:
+    """mla_attn_mma's positions per tile: about MMA_TARGET_BLOCKS threadgroups, at least
+    MMA_MIN_TILE positions (a tile pays one partial of R floats per head), a multiple of CHUNK."""
+    tt = max(MMA_MIN_TILE, _ceil_div(P * head_blocks, MMA_TARGET_BLOCKS))
+    return _ceil_div(tt, CHUNK) * CHUNK
+
+
+def mma_heads(backend: str, heads: Optional[int] = None) -> int:
+    """HT of mla_attn_mma: ``heads``, env COLIBRI_MLA_HEADS, or the backend's default."""
+    ht = heads or int(os.environ.get("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
+    if ht not in MMA_HEAD_CHOICES:
+        raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
+    return ht
+
+
+def choose_variant(R: int, rope: int, variant: Optional[str] = None) -> str:
+    """``variant`` or env COLIBRI_MLA_VARIANT (default ``mma``); ``simt`` where mma cannot run."""
+    want = variant or os.environ.get("COLIBRI_MLA_VARIANT", "mma")
+    if want not in VARIANTS:
+        raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
+    if want == "mma" and (R % 8 or rope % 8):
+        return "simt"                             # 8x8 matrix tiles of the latent / rope columns
+    return want
+
+
+def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp) -> mx.array:
     n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
-    return mx.array([H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, 0],
+    return mx.array([H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp],
                     dtype=mx.int32)
 
 
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
-                 backend: str = dispatch.METAL, tile: Optional[int] = None):
-    """The three launches; returns a function running them with a given ``launch``."""
+                 backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
+                 heads: Optional[int] = None):
+    """The three launches; returns a function running them with a given ``launch``
+    (``run.variant``: the attention variant chosen)."""
     B, H, L, _ = q_nope.shape
     T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
@@ -103,13 +153,20 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if (p.O, p.I) != (H * (nope + v), R):
         raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
     P = T if selected is None else selected.shape[-1]
-    TT = tile or default_tile(P)
+    variant = choose_variant(R, rope, variant)
+    mma = variant == "mma"
+    HT = mma_heads(backend, heads)
+    Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
+    tile = tile or int(os.environ.get("COLIBRI_MLA_TILE", "0"))
+    TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
-    params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel)
+    params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
     fparams = mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32)
     qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope).astype(mx.float32)
     qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope).astype(mx.float32)
+    if Hp > H:
+        qr = mx.pad(qr, [(0, 0), (0, Hp - H), (0, 0)])
     if mask is not None:
         mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
     else:
@@ -129,8 +186,18 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         name="mla_qabs", input_names=("qn", "w", "scales", "e8grid", "params"), output_names=("qabs",),
         source=bodies["mla_qabs"], header=header,
         inputs=[_pad8(qn), p.packed, p.scales, e8grid(), params],
-        output_shapes=[(BL, H, R)], output_dtypes=[mx.float32],
-        grid=(SIMD * NSG, H, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
+        output_shapes=[(BL, Hp, R)], output_dtypes=[mx.float32],
+        grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
+
+    def mma_spec(qabs):
+        return dispatch.LaunchSpec(
+            name="mla_attn_mma", input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
+            output_names=("pacc", "pml"), source=bodies["mla_attn_mma"], header=header,
+            inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
+            output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
+            grid=(SIMD * (HT // 4) * (Hp // HT), NT, BL), threadgroup=(SIMD * (HT // 4), 1, 1),
+            template=[("TC", latent.dtype), ("NSG", HT // 4), ("HT", HT),
+                      ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)])
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
@@ -152,17 +219,19 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
-        pacc, pml = launch(attn_spec(qabs))
+        pacc, pml = launch(mma_spec(qabs) if mma else attn_spec(qabs))
         (out,) = launch(out_spec(pacc, pml))
         return out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
 
+    run.variant = variant
     return run
 
 
 def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-               selected: Optional[mx.array] = None) -> mx.array:
+               selected: Optional[mx.array] = None, variant: Optional[str] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
-    ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA)."""
+    ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
+    the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``)."""
     impl = dispatch.backend()
     if impl == dispatch.REFERENCE:
         dispatch.record_call("mla_decode", dispatch.REFERENCE)
@@ -175,7 +244,8 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-                       selected, backend=impl)
+                       selected, backend=impl, variant=variant)
+    dispatch.record_call(f"mla_attn/{run.variant}", impl)
     return run(lambda spec: dispatch.launch(impl, spec))
 
 

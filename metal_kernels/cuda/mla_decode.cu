@@ -6,6 +6,13 @@
 // Template values arrive as constexpr lines; MLX launches grid / block of 32 * NSG threads.
 // Generated from the .metal file by a mechanical port (Metal -> CUDA spellings); keep the two
 // in step.
+// mla_attn_mma (the default variant) is the .metal kernel of that name with one
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 per Metal pair of 8x8 simdgroup products
+// (a 16-head tile is one m16 fragment instead of two 8-row matrices); the staged chunk
+// is rounded to TF32 once (bf16 / f16 caches: exact), q' and P when their fragments are read
+// (cvt.rna: relative error <= 2^-11). The rescale of the accumulator by alpha is per fragment
+// row (Metal: a product with diag(alpha)). Fragment layouts: PTX ISA, "Matrix fragments for
+// mma.m16n8k8" (.tf32), in the frag_* helpers below.
 
 namespace colibri_mla {
 
@@ -43,6 +50,67 @@ __device__ __forceinline__ float mla_reduce_scatter(float* v, int lane) {
   return v[0];
 }
 
+// ---- shared index arithmetic (the same functions as in mla_decode.metal) ----
+
+// Floats of padding after each staged position (R + rope floats), so the row stride is 8 mod
+// 32 banks: the combine's fragment reads of the chunk (rows t = lane % 4, columns g = lane / 4)
+// hit 32 distinct banks, the scores' (rows g, columns t) two lanes a bank (unpadded: 8).
+__device__ constexpr int mla_stage_pad() {
+  return 8;
+}
+
+// Cache position of entry `pos` of query row q's list: the DSA list or the identity.
+__device__ __forceinline__ int mla_position(const int32_t* sel, int has_sel, int q, int P, int pos) {
+  return has_sel ? sel[size_t(q) * P + pos] : pos;
+}
+
+// Partial (tile) `tile` of head h of query row q in pacc [BL, H, NT, R] / pml [BL, H, NT, 2].
+__device__ __forceinline__ size_t mla_part(int q, int H, int h, int NT, int tile) {
+  return (size_t(q) * H + h) * size_t(NT) + tile;
+}
+
+// ---- mma.m16n8k8 .tf32 fragments (PTX ISA), g = lane / 4, t = lane % 4 ----
+// A (16 x 8, row-major): a[i] holds (row g + 8 * (i & 1), column t + 4 * (i >> 1)).
+__device__ __forceinline__ int frag_a_row(int lane, int i) {
+  return (lane >> 2) + 8 * (i & 1);
+}
+__device__ __forceinline__ int frag_a_col(int lane, int i) {
+  return (lane & 3) + 4 * (i >> 1);
+}
+// B (8 x 8, "col"): b[i] holds (k = t + 4 * i, n = g).
+__device__ __forceinline__ int frag_b_k(int lane, int i) {
+  return (lane & 3) + 4 * i;
+}
+__device__ __forceinline__ int frag_b_n(int lane) {
+  return lane >> 2;
+}
+// C / D (16 x 8, f32): c[i] holds (row g + 8 * (i >> 1), column 2 * t + (i & 1)).
+__device__ __forceinline__ int frag_c_row(int lane, int i) {
+  return (lane >> 2) + 8 * (i >> 1);
+}
+__device__ __forceinline__ int frag_c_col(int lane, int i) {
+  return 2 * (lane & 3) + (i & 1);
+}
+
+// x rounded to TF32 (round to nearest, ties away: cvt.rna), as the mma operand register.
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float tf32_round(float x) {
+  return __uint_as_float(tf32_bits(x));
+}
+
+// d[4] += A[16 x 8] . B[8 x 8] (fragments as above), float accumulation.
+__device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 }  // namespace colibri_mla
 
 // ==== kernel body: mla_qabs ====
@@ -61,6 +129,13 @@ __device__ __forceinline__ float mla_reduce_scatter(float* v, int lane) {
   const int sg = int(threadIdx.x >> 5);
   const int lane = int(threadIdx.x & 31);
   const int tid = int(threadIdx.x);
+  const int Hp = params[15];
+  if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
+    for (int c = tid; c < R; c += NSG * 32) {
+      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;
+    }
+    return;
+  }
   float acc[NU * WPU];
   #pragma unroll
   for (int k = 0; k < NU * WPU; ++k) {
@@ -108,7 +183,7 @@ __device__ __forceinline__ float mla_reduce_scatter(float* v, int lane) {
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * WPU * 32 + c];
     }
-    qabs[(size_t(q) * H + h) * R + c] = s;
+    qabs[(size_t(q) * Hp + h) * R + c] = s;
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = colibri_mla::mla_chunk();
@@ -274,6 +349,179 @@ __device__ __forceinline__ float mla_reduce_scatter(float* v, int lane) {
         pml[2 * part + 1] = l[i];
       }
     }
+  }
+// ==== kernel body: mla_attn_mma ====
+  constexpr int C = colibri_mla::mla_chunk();  // positions per chunk: the mma's N (scores), K (combine)
+  constexpr int RWS = RW + colibri_mla::mla_stage_pad();  // staged position: R + rope columns, pad
+  constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
+  constexpr int KP = NSG / HTL;                // scores: warps (k-parts) per head tile
+  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
+  static_assert(C == 8, "the chunk is one n8 / k8 fragment");
+  static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
+  static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
+  __shared__ float lat_s[C * RWS];             // TF32-rounded
+  __shared__ float sc_s[KP * HT * C];          // partial scores of each k-part
+  __shared__ float p_s[HT * C];                // the chunk's softmax weights P[head][position]
+  __shared__ float alpha_s[HT];                // the chunk's rescale per head
+  const int H = params[0];
+  const int R = params[3];
+  const int rope = params[4];
+  const int T = params[5];
+  const int P = params[6];
+  const int TT = params[7];
+  const int NT = params[8];
+  const int L = params[9];
+  const int has_mask = params[13];
+  const int has_sel = params[14];
+  const int Hp = params[15];
+  const float scale = fparams[0];
+  const int tid = int(threadIdx.x);
+  const int lane = int(threadIdx.x & 31);
+  const int sg = int(threadIdx.x >> 5);
+  const int hb = int(blockIdx.x);
+  const int tile = int(blockIdx.y);
+  const int q = int(blockIdx.z);
+  const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;                     // scores: this warp's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
+  const int hs = tid / C;                      // softmax thread: head hs of the block,
+  const int cs = tid % C;                      // position cs of the chunk
+  const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
+  const float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
+  float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
+  float l = 0.0f;
+  float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[t16][ct][i] = 0.0f;
+      }
+    }
+  }
+  for (int c0 = p0; c0 < p1; c0 += C) {
+    __syncthreads();   // the previous chunk is consumed
+    #pragma unroll
+    for (int j = 0; j < NLD; ++j) {
+      const int k = tid + j * NSG * 32;
+      if (k < C * RW) {
+        const int c = k / RW;
+        const int col = k - c * RW;
+        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
+        if (c0 + c < p1) {
+          const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + c);
+          val = col < R ? static_cast<float>(latent[(size_t(b) * T + t) * R + col])
+                        : static_cast<float>(krope[(size_t(b) * T + t) * rope + col - R]);
+        }
+        lat_s[c * RWS + col] = colibri_mla::tf32_round(val);
+      }
+    }
+    __syncthreads();
+    // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
+      uint32_t kf[2];                          // B = chunk^T: (k, n = position)
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        kf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_n(lane) * RWS + k0 + colibri_mla::frag_b_k(lane, i)]);
+      }
+      const float* qk = (k0 < R ? qa0 + size_t(ht * 16) * R + k0 : qr0 + size_t(ht * 16) * rope + (k0 - R));
+      const int qstride = k0 < R ? R : rope;
+      uint32_t qf[4];                          // A = Q': (head, k)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        qf[i] = colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, i)) * qstride + colibri_mla::frag_a_col(lane, i)]);
+      }
+      colibri_mla::mma_tf32(s, qf, kf);
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[i];
+    }
+    __syncthreads();
+    {
+      float dot = 0.0f;
+      #pragma unroll
+      for (int g = 0; g < KP; ++g) {
+        dot += sc_s[(g * HT + hs) * C + cs];
+      }
+      int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
+      if (c0 + cs < p1) {
+        const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs);
+        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+      }
+      const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : colibri_mla::neg_inf());
+      float cmax = max(sv, __shfl_xor_sync(0xffffffffu, sv, 1));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
+      const float m_new = max(m, cmax);
+      const float alpha = expf(m - m_new);
+      const float pw = keep >= 0 ? expf(sv - m_new) : 0.0f;
+      float psum = pw + __shfl_xor_sync(0xffffffffu, pw, 1);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+      m = m_new;
+      l = l * alpha + psum;
+      p_s[hs * C + cs] = pw;
+      if (cs == 0) {
+        alpha_s[hs] = alpha;
+      }
+    }
+    __syncthreads();
+    // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads
+    #pragma unroll
+    for (int t16 = 0; t16 < HTL; ++t16) {
+      uint32_t pf[4];                          // A = P: (head, position)
+      float al[4];                             // alpha of each C fragment element's row
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pf[i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
+        al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
+      }
+      #pragma unroll
+      for (int ct = 0; ct < NCT; ++ct) {
+        const int col0 = (sg * NCT + ct) * 8;
+        if (col0 < R) {
+          uint32_t lf[2];                      // B = chunk: (k = position, n = column)
+          #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
+          }
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[t16][ct][i] *= al[i];
+          }
+          colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
+        }
+      }
+    }
+  }
+  // Rows past H (padding heads) are not written.
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (col0 < R) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
+          if (h < H) {
+            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
+          }
+        }
+      }
+    }
+  }
+  if (cs == 0 && hb * HT + hs < H) {
+    const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
+    pml[2 * part] = m;
+    pml[2 * part + 1] = l;
   }
 // ==== kernel body: mla_out ====
   constexpr int WPU = colibri_qd::wpu(FMT);

@@ -45,6 +45,7 @@ struct msl_dispatch_info {
 extern msl_dispatch_info msl_dispatch;
 const msl_thread_info* msl_current_info(void);
 void msl_threadgroup_barrier(int site);
+void msl_fatal(const char* message) __attribute__((noreturn));
 const void* msl_simd_exchange(const void* value, int size, int kind, int site, uint32_t* active);
 }
 
@@ -393,7 +394,7 @@ enum msl_simd_kind {
   MSL_SIMD_PREFIX_EXCL, MSL_SIMD_SHUFFLE, MSL_SIMD_SHUFFLE_DOWN, MSL_SIMD_SHUFFLE_UP,
   MSL_SIMD_SHUFFLE_XOR, MSL_SIMD_BROADCAST, MSL_SIMD_BROADCAST_FIRST, MSL_SIMD_PRODUCT,
   MSL_SIMD_AND, MSL_SIMD_OR, MSL_SIMD_XOR, MSL_SIMD_ALL, MSL_SIMD_ANY, MSL_SIMD_BALLOT,
-  MSL_SIMD_IS_FIRST
+  MSL_SIMD_IS_FIRST, MSL_SIMD_MATRIX_LOAD, MSL_SIMD_MATRIX_STORE, MSL_SIMD_MATRIX_MULTIPLY
 };
 #define MSL_SITE int msl_line = __builtin_LINE(), int msl_col = __builtin_COLUMN()
 #define MSL_SITE_ID ((msl_line << 12) | (msl_col & 0xfff))
@@ -532,6 +533,162 @@ inline simd_vote simd_ballot(bool x, MSL_SITE) {
   for (uint i = 0; i < 32; i++)
     if (L.on(i) && L.at(i)) v |= uint64_t(1) << i;
   return simd_vote{v};
+}
+
+// ---- SIMD-group matrices: simdgroup_matrix<T, 8, 8> (T float, half, bfloat) ------------------
+// As on the GPU, each lane holds 2 of the 64 elements (thread_elements), in the layout MLX's
+// steel/gemm/mma.h relies on: lane l holds row (l / 4 & 4) + (l / 2 % 4), columns
+// (l / 4 & 2) * 2 + (l % 2) * 2 + {0, 1}. Every function except the constructors is a SIMD-group
+// collective at one call site, in lockstep like simd_shuffle: all 32 lanes must be active
+// (Metal requires uniform control flow; an inactive lane is an error here). simdgroup_load reads
+// once every lane arrived; simdgroup_store writes each lane's own two elements when that lane
+// resumes, so another lane's elements are only visible after simdgroup_barrier (a missing one
+// makes the forward and reverse schedules differ). Products are float fma chains in k order
+// (half / bfloat: computed in float, rounded once). Only 8x8 matrices exist in Metal; loads and
+// stores take threadgroup or device pointers of the matrix's element type (not thread or
+// constant memory): anything else fails to compile, as with Metal's overloads.
+inline void msl_mat_coord(uint lane, int& row, int& col) {
+  const uint qid = lane / 4;
+  row = int((qid & 4) + (lane / 2) % 4);
+  col = int((qid & 2) * 2 + (lane % 2) * 2);
+}
+template <class T>
+struct msl_mat_elem {
+  static constexpr bool ok = std::is_same<T, float>::value || std::is_same<T, half>::value ||
+                             std::is_same<T, bfloat>::value;
+};
+template <class T>
+inline T msl_mat_poison() {
+  T v;
+  std::memset(&v, 0xFF, sizeof(T));  // NaN for float, half and bfloat
+  return v;
+}
+
+template <typename T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "simdgroup_matrix: Metal has 8x8 matrices only");
+  static_assert(msl_mat_elem<T>::ok, "simdgroup_matrix: element type must be float, half or bfloat");
+  T e[2];
+  simdgroup_matrix() : e{msl_mat_poison<T>(), msl_mat_poison<T>()} {}  // Metal: undefined
+  // Metal: simdgroup_matrix<T, C, R>(T dval) is the diagonal matrix dval * I.
+  explicit simdgroup_matrix(T dval) {
+    int r, c;
+    msl_mat_coord(msl_lane(), r, c);
+    e[0] = r == c ? dval : T(0.0f);
+    e[1] = r == c + 1 ? dval : T(0.0f);
+  }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <typename T, int Cols, int Rows>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.e[0] = value;
+  m.e[1] = value;
+  return m;
+}
+
+// Arrives at the collective and checks that all 32 lanes are there.
+template <class X>
+inline msl_lanes<X> msl_mat_collective(const X& x, int kind, int site, const char* what) {
+  msl_lanes<X> L = msl_exchange(x, kind, site);
+  if (L.mask != 0xffffffffu) {
+    msl_fatal(what);
+  }
+  return L;
+}
+// Offset of element (r, c) of a matrix at `origin` (x = column, y = row) of the memory
+// matrix with `stride` elements per row; transposed: the memory holds the matrix by columns.
+inline ulong msl_mat_offset(int r, int c, ulong stride, ulong2 origin, bool transpose) {
+  const ulong base = origin.y * stride + origin.x;
+  return transpose ? base + ulong(c) * stride + ulong(r) : base + ulong(r) * stride + ulong(c);
+}
+template <class T, class P>
+inline void msl_mat_load(simdgroup_matrix<T, 8, 8>& d, P src, ulong stride, ulong2 origin, bool tr, int site) {
+  msl_mat_collective<int>(0, MSL_SIMD_MATRIX_LOAD, site,
+                          "simdgroup_load with inactive lanes (all 32 lanes must call it)");
+  int r, c;
+  msl_mat_coord(msl_lane(), r, c);
+  d.e[0] = src[msl_mat_offset(r, c, stride, origin, tr)];
+  d.e[1] = src[msl_mat_offset(r, c + 1, stride, origin, tr)];
+}
+template <class T, class P>
+inline void msl_mat_store(const simdgroup_matrix<T, 8, 8>& a, P dst, ulong stride, ulong2 origin, bool tr, int site) {
+  msl_mat_collective<int>(0, MSL_SIMD_MATRIX_STORE, site,
+                          "simdgroup_store with inactive lanes (all 32 lanes must call it)");
+  int r, c;
+  msl_mat_coord(msl_lane(), r, c);
+  dst[msl_mat_offset(r, c, stride, origin, tr)] = a.e[0];
+  dst[msl_mat_offset(r, c + 1, stride, origin, tr)] = a.e[1];
+}
+
+#define MSL_MAT_LOADSTORE(SPACE)                                                                  \
+  template <typename T, int C, int R>                                                             \
+  inline void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const SPACE T* src,             \
+                             ulong elements_per_row = C, ulong2 matrix_origin = ulong2{0, 0},     \
+                             bool transpose_matrix = false, MSL_SITE) {                           \
+    msl_mat_load(d, src, elements_per_row, matrix_origin, transpose_matrix, MSL_SITE_ID);         \
+  }                                                                                               \
+  template <typename T, int C, int R>                                                             \
+  inline void simdgroup_store(const thread simdgroup_matrix<T, C, R>& a, SPACE T* dst,            \
+                              ulong elements_per_row = C, ulong2 matrix_origin = ulong2{0, 0},    \
+                              bool transpose_matrix = false, MSL_SITE) {                          \
+    msl_mat_store(a, dst, elements_per_row, matrix_origin, transpose_matrix, MSL_SITE_ID);        \
+  }
+MSL_MAT_LOADSTORE(device)
+MSL_MAT_LOADSTORE(threadgroup)
+#undef MSL_MAT_LOADSTORE
+
+template <class T>
+struct msl_mat_operands {
+  T a[2], b[2], c[2];
+};
+// d = a * b + c for the whole SIMD group; `accumulate` false: c = 0.
+template <class T>
+inline void msl_mat_mad(simdgroup_matrix<T, 8, 8>& d, const simdgroup_matrix<T, 8, 8>& a,
+                        const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>* c, int site) {
+  msl_mat_operands<T> mine;
+  for (int i = 0; i < 2; i++) {
+    mine.a[i] = a.e[i];
+    mine.b[i] = b.e[i];
+    mine.c[i] = c ? c->e[i] : T(0.0f);
+  }
+  auto L = msl_mat_collective(mine, MSL_SIMD_MATRIX_MULTIPLY, site,
+                              "simdgroup_multiply(_accumulate) with inactive lanes (all 32 lanes must call it)");
+  float A[8][8], B[8][8], Cm[8][8];
+  for (uint l = 0; l < 32; l++) {
+    const msl_mat_operands<T> o = L.at(l);
+    int r, col;
+    msl_mat_coord(l, r, col);
+    for (int i = 0; i < 2; i++) {
+      A[r][col + i] = float(o.a[i]);
+      B[r][col + i] = float(o.b[i]);
+      Cm[r][col + i] = float(o.c[i]);
+    }
+  }
+  int r, col;
+  msl_mat_coord(msl_lane(), r, col);
+  for (int i = 0; i < 2; i++) {
+    float acc = Cm[r][col + i];
+    for (int k = 0; k < 8; k++) {
+      acc = __builtin_fmaf(A[r][k], B[k][col + i], acc);
+    }
+    d.e[i] = T(acc);
+  }
+}
+template <typename T, int C, int R>
+inline void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, C, R>& d, const thread simdgroup_matrix<T, C, R>& a,
+                                          const thread simdgroup_matrix<T, C, R>& b,
+                                          const thread simdgroup_matrix<T, C, R>& c, MSL_SITE) {
+  const simdgroup_matrix<T, C, R> cc = c;  // d may alias an operand
+  msl_mat_mad(d, simdgroup_matrix<T, C, R>(a), simdgroup_matrix<T, C, R>(b), &cc, MSL_SITE_ID);
+}
+template <typename T, int C, int R>
+inline void simdgroup_multiply(thread simdgroup_matrix<T, C, R>& d, const thread simdgroup_matrix<T, C, R>& a,
+                               const thread simdgroup_matrix<T, C, R>& b, MSL_SITE) {
+  msl_mat_mad<T>(d, simdgroup_matrix<T, C, R>(a), simdgroup_matrix<T, C, R>(b), nullptr, MSL_SITE_ID);
 }
 #undef MSL_SITE
 #undef MSL_SITE_ID

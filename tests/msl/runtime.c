@@ -179,6 +179,16 @@ void msl_threadgroup_barrier(int site) {
   to_scheduler();
 }
 
+/* A misuse the shim detects (e.g. a SIMD-group matrix op with inactive lanes): report and stop. */
+void msl_fatal(const char *message) {
+  const msl_thread_info *w = &current->info;
+  error_out->code = 1;
+  snprintf(error_out->message, sizeof(error_out->message),
+           "%s: lane %u of simdgroup %u in threadgroup (%u,%u,%u)", message, w->simd_lane,
+           w->simd_group, w->tgpig[0], w->tgpig[1], w->tgpig[2]);
+  _exit(71);
+}
+
 /* Deposit `size` bytes for this lane, wait until the SIMD group exchanges, return the slot buffer
  * (MSL_SIMD_WIDTH slots of MSL_SLOT_BYTES) and the mask of lanes that took part. */
 const void *msl_simd_exchange(const void *value, int size, int kind, int site, uint32_t *active) {
@@ -202,7 +212,8 @@ static const char *kind_name(int kind) {
                                 "simd_shuffle", "simd_shuffle_down", "simd_shuffle_up",
                                 "simd_shuffle_xor", "simd_broadcast", "simd_broadcast_first",
                                 "simd_product", "simd_and", "simd_or", "simd_xor", "simd_all",
-                                "simd_any", "simd_ballot", "simd_is_first"};
+                                "simd_any", "simd_ballot", "simd_is_first", "simdgroup_load",
+                                "simdgroup_store", "simdgroup_multiply"};
   if (kind >= 0 && kind < (int)(sizeof(names) / sizeof(names[0]))) return names[kind];
   return "simd op";
 }
@@ -214,55 +225,50 @@ static int fail(const char *fmt_tg, const msl_thread_info *where, const char *de
   return -1;
 }
 
-/* Releases SIMD groups whose live lanes all wait at one SIMD op. Returns how many threads were
- * released, or -1 on a divergence. */
-static int release_simdgroups(int n) {
-  int released = 0;
-  for (int base = 0; base < n; base += MSL_SIMD_WIDTH) {
-    int end = base + MSL_SIMD_WIDTH < n ? base + MSL_SIMD_WIDTH : n;
-    int at_simd = 0, live = 0, first = -1;
-    for (int i = base; i < end; i++) {
-      if (threads[i].state == ST_DONE) continue;
-      live++;
-      if (threads[i].state == ST_SIMD) {
-        at_simd++;
-        if (first < 0) first = i;
-      }
+/* Releases the SIMD group of threads [base, end) if its live lanes all wait at one SIMD op.
+ * Returns how many threads were released (0: none waits at a SIMD op), or -1 on a divergence. */
+static int release_group(int base, int end) {
+  int at_simd = 0, live = 0, first = -1;
+  for (int i = base; i < end; i++) {
+    if (threads[i].state == ST_DONE) continue;
+    live++;
+    if (threads[i].state == ST_SIMD) {
+      at_simd++;
+      if (first < 0) first = i;
     }
-    if (at_simd == 0) continue;
-    char detail[512];
-    for (int i = base; i < end; i++) {
-      msl_thread *t = &threads[i];
-      if (t->state == ST_DONE) continue;
-      if (t->state != ST_SIMD || t->simd_kind != threads[first].simd_kind ||
-          t->simd_site != threads[first].simd_site) {
-        if (t->state == ST_SIMD)
-          snprintf(detail, sizeof detail,
-                   "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
-                   "waits at %s (line %d)",
-                   base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
-                   threads[first].simd_site >> 12, i - base, kind_name(t->simd_kind),
-                   t->simd_site >> 12);
-        else
-          snprintf(detail, sizeof detail,
-                   "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
-                   "waits at threadgroup_barrier",
-                   base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
-                   threads[first].simd_site >> 12, i - base);
-        return fail("deadlock", &threads[i].info, detail);
-      }
-    }
-    msl_simdgroup *g = &simdgroups[base / MSL_SIMD_WIDTH];
-    g->active_mask = 0;
-    for (int i = base; i < end; i++)
-      if (threads[i].state == ST_SIMD) {
-        g->active_mask |= 1u << (i - base);
-        threads[i].state = ST_RUNNABLE;
-      }
-    g->generation++;
-    released += live;
   }
-  return released;
+  if (at_simd == 0) return 0;
+  char detail[512];
+  for (int i = base; i < end; i++) {
+    msl_thread *t = &threads[i];
+    if (t->state == ST_DONE) continue;
+    if (t->state != ST_SIMD || t->simd_kind != threads[first].simd_kind ||
+        t->simd_site != threads[first].simd_site) {
+      if (t->state == ST_SIMD)
+        snprintf(detail, sizeof detail,
+                 "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
+                 "waits at %s (line %d)",
+                 base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
+                 threads[first].simd_site >> 12, i - base, kind_name(t->simd_kind),
+                 t->simd_site >> 12);
+      else
+        snprintf(detail, sizeof detail,
+                 "SIMD divergence in simdgroup %d: lane %d waits at %s (line %d) while lane %d "
+                 "waits at threadgroup_barrier",
+                 base / MSL_SIMD_WIDTH, first - base, kind_name(threads[first].simd_kind),
+                 threads[first].simd_site >> 12, i - base);
+      return fail("deadlock", &threads[i].info, detail);
+    }
+  }
+  msl_simdgroup *g = &simdgroups[base / MSL_SIMD_WIDTH];
+  g->active_mask = 0;
+  for (int i = base; i < end; i++)
+    if (threads[i].state == ST_SIMD) {
+      g->active_mask |= 1u << (i - base);
+      threads[i].state = ST_RUNNABLE;
+    }
+  g->generation++;
+  return live;
 }
 
 static int run_threadgroup(const uint32_t tgid[3], int reverse) {
@@ -293,14 +299,25 @@ static int run_threadgroup(const uint32_t tgid[3], int reverse) {
     start_thread(t);
   }
   for (int g = 0; g < (n + MSL_SIMD_WIDTH - 1) / MSL_SIMD_WIDTH; g++) simdgroups[g].generation = 0;
+  /* One SIMD group at a time runs as far as it can (its SIMD ops released as soon as all its
+   * lanes arrive) before the next starts: a SIMD group reaches the code after a missing
+   * threadgroup_barrier before the others have done their part (their writes are missing in one
+   * schedule and present in the other). */
+  const int ngroups = (n + MSL_SIMD_WIDTH - 1) / MSL_SIMD_WIDTH;
   for (;;) {
-    for (int j = 0; j < n; j++) {
-      msl_thread *t = &threads[reverse ? n - 1 - j : j];
-      if (t->state == ST_RUNNABLE) resume(t);
+    for (int gi = 0; gi < ngroups; gi++) {
+      const int base = (reverse ? ngroups - 1 - gi : gi) * MSL_SIMD_WIDTH;
+      const int end = base + MSL_SIMD_WIDTH < n ? base + MSL_SIMD_WIDTH : n;
+      for (;;) {
+        for (int j = 0; j < end - base; j++) {
+          msl_thread *t = &threads[reverse ? end - 1 - j : base + j];
+          if (t->state == ST_RUNNABLE) resume(t);
+        }
+        int released = release_group(base, end);
+        if (released < 0) return -1;
+        if (released == 0) break;
+      }
     }
-    int released = release_simdgroups(n);
-    if (released < 0) return -1;
-    if (released > 0) continue;
     int done = 0, at_barrier = 0, first_done = -1, first_barrier = -1;
     for (int i = 0; i < n; i++) {
       if (threads[i].state == ST_DONE) {

@@ -400,3 +400,148 @@ def test_barriers_at_different_calls_are_reported():
     with pytest.raises(SimulatorError, match="different threadgroup_barrier calls"):
         run_metal_kernel("div2", ["x"], ["y"], src, inputs=[x], output_shapes=[(64,)],
                          output_dtypes=[np.float32], grid=(64, 1, 1), threadgroup=(64, 1, 1))
+
+
+# ---- SIMD-group matrices ---------------------------------------------------------------------
+
+# Two SIMD groups, each on its own 8x8 problem: A from device memory (row stride 11, origin
+# (2, 1)), B loaded transposed from threadgroup memory, C from device; D = A B + C, E = A B,
+# F = (2 I) A (diagonal constructor), G = filled(0.5) + A B; stored to device with a stride.
+MATRIX_SRC = """
+  const uint sg = simdgroup_index_in_threadgroup;
+  const uint lane = thread_index_in_simdgroup;
+  threadgroup float bt[2 * 64];
+  for (uint k = lane; k < 64; k += 32) {
+    bt[sg * 64 + k] = b[sg * 64 + k];          // b holds B^T row by row
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 A, B, C, D, E, F, G;
+  simdgroup_load(A, a + sg * 9 * 11, 11, ulong2(2, 1));
+  simdgroup_load(B, bt + sg * 64, 8, ulong2(0, 0), true);
+  simdgroup_load(C, c + sg * 64);
+  simdgroup_multiply_accumulate(D, A, B, C);
+  simdgroup_multiply(E, A, B);
+  simdgroup_multiply(F, simdgroup_float8x8(2.0f), A);
+  G = make_filled_simdgroup_matrix<float, 8, 8>(0.5f);
+  simdgroup_multiply_accumulate(G, A, B, G);
+  simdgroup_store(D, out + sg * 4 * 80, 10);
+  simdgroup_store(E, out + sg * 4 * 80 + 80, 10);
+  simdgroup_store(F, out + sg * 4 * 80 + 160, 10);
+  simdgroup_store(G, out + sg * 4 * 80 + 240, 10, ulong2(0, 0), true);
+"""
+
+
+def _matrix_case():
+    a = RNG.standard_normal((2, 9, 11)).astype(np.float32)
+    b = RNG.standard_normal((2, 8, 8)).astype(np.float32)      # B^T per SIMD group
+    c = RNG.standard_normal((2, 8, 8)).astype(np.float32)
+    return a, b, c
+
+
+def test_simdgroup_matrix_ops_match_numpy():
+    a, b, c = _matrix_case()
+    (out,) = run_metal_kernel("mat", ["a", "b", "c"], ["out"], MATRIX_SRC, inputs=[a, b, c],
+                              output_shapes=[(2, 4, 8, 10)], output_dtypes=[np.float32],
+                              grid=(64, 1, 1), threadgroup=(64, 1, 1), init_value=-7.0)
+    for g in range(2):
+        A = a[g, 1:9, 2:10].astype(np.float64)
+        B = b[g].T.astype(np.float64)
+        AB = A @ B
+        # float32 fma chains of 8 terms of size ~1: error below 1e-5
+        np.testing.assert_allclose(out[g, 0, :, :8], AB + c[g], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out[g, 1, :, :8], AB, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(out[g, 2, :, :8], (2 * A).astype(np.float32))
+        np.testing.assert_allclose(out[g, 3, :, :8], (AB + 0.5).T, rtol=0, atol=1e-5)  # stored transposed
+        assert (out[g, :, :, 8:] == -7.0).all()      # the stride's gap columns are untouched
+
+
+def test_simdgroup_matrix_half():
+    src = """
+      simdgroup_half8x8 A, B, D;
+      simdgroup_load(A, a);
+      simdgroup_load(B, a, 8, ulong2(0, 0), true);
+      simdgroup_multiply(D, A, B);
+      simdgroup_store(D, out);
+    """
+    a = RNG.integers(-3, 4, size=(8, 8)).astype(np.float16)   # small integers: exact in half
+    (out,) = run_metal_kernel("math", ["a"], ["out"], src, inputs=[a], output_shapes=[(8, 8)],
+                              output_dtypes=[np.float16], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    A = a.astype(np.float64)
+    np.testing.assert_array_equal(out.astype(np.float64), A @ A.T)
+
+
+def test_simdgroup_matrix_thread_element_layout():
+    # Each lane holds 2 elements in Apple's layout (MLX steel mma.h get_coord): a store from
+    # the matrix loaded from x, read back by one lane per element after simdgroup_barrier.
+    src = """
+      const uint lane = thread_index_in_simdgroup;
+      threadgroup float t[64];
+      simdgroup_float8x8 M;
+      simdgroup_load(M, x);
+      simdgroup_store(M, t);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      out[lane] = t[lane];
+      out[lane + 32] = t[lane + 32];
+    """
+    x = np.arange(64, dtype=np.float32)
+    (out,) = run_metal_kernel("lay", ["x"], ["out"], src, inputs=[x], output_shapes=[(64,)],
+                              output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    np.testing.assert_array_equal(out, x)
+    # without the simdgroup_barrier a lane reads elements other lanes have not stored yet
+    bad = src.replace("simdgroup_barrier(mem_flags::mem_threadgroup);", "")
+    with pytest.raises(SimulatorError, match="depends on the thread schedule"):
+        run_metal_kernel("lay", ["x"], ["out"], bad, inputs=[x], output_shapes=[(64,)],
+                         output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+
+
+def test_simdgroup_matrix_with_inactive_lanes_is_an_error():
+    src = """
+      if (thread_index_in_simdgroup < 16) {
+        simdgroup_float8x8 M;
+        simdgroup_load(M, x);
+        simdgroup_store(M, out);
+      }
+    """
+    x = np.arange(64, dtype=np.float32)
+    with pytest.raises(SimulatorError, match="simdgroup_load with inactive lanes"):
+        run_metal_kernel("inact", ["x"], ["out"], src, inputs=[x], output_shapes=[(64,)],
+                         output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+
+
+@pytest.mark.parametrize("body,why", [
+    ("simdgroup_matrix<float, 8, 4> M;", "8x8 matrices only"),
+    ("simdgroup_matrix<int, 8, 8> M;", "element type must be float, half or bfloat"),
+    ("float t[64]; simdgroup_float8x8 M; simdgroup_load(M, t); simdgroup_store(M, out);", "no matching function"),
+    ("simdgroup_float8x8 M; simdgroup_load(M, h); simdgroup_store(M, out);", "no matching function"),
+    ("simdgroup_float8x8 M; simdgroup_load(M, c); simdgroup_store(M, out);", "no matching function"),
+])
+def test_simdgroup_matrix_misuse_fails_to_compile(body, why):
+    # Metal: 8x8 only; float/half/bfloat; loads from threadgroup or device memory of the
+    # matrix's element type (a thread array, a half buffer, a constant buffer do not match).
+    h = np.zeros(64, np.float16)
+    c = np.zeros(4, np.float32)      # < 8 elements: the constant address space
+    with pytest.raises(SimulatorError, match=f"(?s)failed to compile.*{why}"):
+        run_metal_kernel("misuse", ["h", "c"], ["out"], body, inputs=[h, c], output_shapes=[(64,)],
+                         output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+
+
+def test_missing_barrier_before_a_simd_op_is_caught():
+    # SIMD groups run one at a time up to the next threadgroup barrier: a SIMD op right after
+    # the write phase does not hide a missing barrier (SIMD group 0 reads SIMD group 1's slots
+    # before they are written in the forward schedule, and the other way round in reverse).
+    src = """
+      uint lid = thread_index_in_threadgroup;
+      threadgroup float buf[64];
+      buf[lid] = x[lid];
+      {BARRIER}
+      const float n = simd_sum(1.0f);
+      out[lid] = simd_sum(buf[(lid + 32) % 64]) / n;
+    """
+    x = RNG.standard_normal(64).astype(np.float32)
+    kw = dict(inputs=[x], output_shapes=[(64,)], output_dtypes=[np.float32], grid=(64, 1, 1),
+              threadgroup=(64, 1, 1))
+    good = src.replace("{BARRIER}", "threadgroup_barrier(mem_flags::mem_threadgroup);")
+    (out,) = run_metal_kernel("bsimd", ["x"], ["out"], good, **kw)
+    np.testing.assert_allclose(out, np.repeat([x[32:].sum(), x[:32].sum()], 32) / 32, rtol=1e-5)
+    with pytest.raises(SimulatorError, match="depends on the thread schedule"):
+        run_metal_kernel("bsimd", ["x"], ["out"], src.replace("{BARRIER}", ""), **kw)
