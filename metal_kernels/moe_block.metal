@@ -32,7 +32,7 @@
 
 // Slots (N * K) per call; moe.py MAX_SLOTS.
 constexpr int moe_max_slots() {
-  return 64;
+  return 96;
 }
 
 // Group-local expert of slot a, or -1 (id out of range, dropped by router top-p, other group).

@@ -31,7 +31,7 @@ from . import dispatch, qgemv, reference
 from .reference import e8_grid_words, row_bytes, scales_per_row
 
 MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
-MAX_SLOTS = 64          # N * K: the kernels keep per-token masks in 32 bits, slots in a loop
+MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
 TARGET_SIMDGROUPS = qgemv.TARGET_SIMDGROUPS
@@ -233,6 +233,24 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
             down=Projection(fmt_d, gs_d, Od, Id, mx.concatenate(d_bytes), _pad8(mx.concatenate(d_scales))),
             lut=_pad8(mx.array(lut)), n_layer_experts=E))
     return bank
+
+
+def shared_slot_reason(experts: Sequence, shared: tuple) -> Optional[str]:
+    """None when the shared expert ``(gate, up, down)`` can run as routed expert ``E`` of a
+    resident layer (an always-selected slot of weight 1: the same two launches as the routed
+    experts, in the same stacked group), else why it stays a separate MLP."""
+    if getattr(experts, "prepare", None) is not None:
+        return "streamed layer (the shared expert stays resident, outside the per-call bank)"
+    if not len(experts):
+        return "no routed experts"
+    routed = experts[0]
+    if tuple(_shape(w) for w in shared) != tuple(_shape(w) for w in routed):
+        return (f"shape {[_shape(w) for w in shared]} differs from the routed experts' "
+                f"{[_shape(w) for w in routed]} (n_shared_experts > 1 widens its intermediate)")
+    if tuple(weight_format(w) for w in shared) != tuple(weight_format(w) for w in routed):
+        return (f"(fmt, gs) {[weight_format(w) for w in shared]} differs from the routed experts' "
+                f"{[weight_format(w) for w in routed]}")
+    return None
 
 
 _banks: dict = {}

@@ -419,7 +419,16 @@ class Router:
         self.bias = _as_float32(w.take(prefix + "e_score_correction_bias", (E,), dtype=f32), prefix + "bias")
         self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
 
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    def __call__(self, x: mx.array, shared_id: int | None = None) -> tuple[mx.array, mx.array]:
+        """``(ids [..., K], weights [..., K])``; with ``shared_id`` one more slot ``(shared_id, 1.0)``."""
+        ids, weights = self._route(x)
+        if shared_id is None:
+            return ids, weights
+        lead = ids.shape[:-1] + (1,)
+        return (mx.concatenate([ids.astype(mx.int32), mx.full(lead, shared_id, mx.int32)], axis=-1),
+                mx.concatenate([weights, mx.ones(lead, weights.dtype)], axis=-1))
+
+    def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.args
         scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.T)
         choice = scores + self.bias
@@ -471,15 +480,29 @@ class MoE:
                 for e in range(args.n_routed_experts)
             ]
         self.shared = None
+        # What kernels.moe_block reads: the routed experts, plus the shared expert as expert E
+        # when it has their shape and format (DeepSeek-V3: n_shared_experts = 1). Every token
+        # then gets an extra slot (E, 1.0) and routed + shared are the same two launches.
+        self.bank = self.experts
+        self.shared_slot: int | None = None
+        self.shared_mlp_reason: str | None = None
         if args.n_shared_experts:
             self.shared = MLP(w, prefix + "shared_experts.", D, inter * args.n_shared_experts)
+            triple = (self.shared.gate, self.shared.up, self.shared.down)
+            self.shared_mlp_reason = kernels.moe.shared_slot_reason(self.experts, triple)
+            if self.shared_mlp_reason is None:
+                self.bank = list(self.experts) + [triple]
+                self.shared_slot = args.n_routed_experts
 
     def __call__(self, x):
-        ids, weights = self.router(x)
+        ids, weights = self.router(x, self.shared_slot)
         flat = x.reshape(-1, x.shape[-1])
-        y = routed_experts(flat, self.experts, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
+        y = routed_experts(flat, self.bank, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
         y = y.reshape(x.shape)
-        return y if self.shared is None else y + self.shared(x)
+        if self.shared is None or self.shared_slot is not None:
+            return y
+        kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
+        return y + self.shared(x)
 
 
 # ---------------------------------------------------------------------------------- layers

@@ -13,7 +13,7 @@ namespace colibri_moe {
 namespace qd = colibri_qd;
 
 __device__ constexpr int max_slots() {
-  return 64;
+  return 96;
 }
 
 __device__ __forceinline__ int local(const int32_t* ids, const int32_t* lut, int a, int E) {
