@@ -26,6 +26,7 @@ import pytest
 
 from helpers_models import CONFIGS, build_config_model, random_tokens, save_checkpoint, torch_logits
 
+from colibri_mlx import kernels
 from colibri_mlx.models import load, load_model, resolve_dtype
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -98,15 +99,16 @@ def _forced_router(router, ids_all):
     a = router.args
     position = [0]
 
-    def call(x):
+    def call(x, shared_id=None):
         L = x.shape[1]
-        ids = ids_all[:, position[0]:position[0] + L]
+        # Routed slots only: the recorded run appended the shared expert's slot (last) itself.
+        ids = ids_all[:, position[0]:position[0] + L, :a.num_experts_per_tok]
         position[0] += L
         scores = mx.sigmoid(x.astype(mx.float32) @ router.weight.T)
         weights = mx.take_along_axis(scores, ids, axis=-1)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
+        return kernels.router.with_shared_slot(ids, weights * a.routed_scaling_factor, shared_id)
     return call
 
 

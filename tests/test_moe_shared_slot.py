@@ -137,8 +137,8 @@ def test_shared_slot_in_simulator(metal, S):
     mx.eval(ids, w)
     metal.clear()
     y = layer(x)
-    assert metal == ["moe_gate_up", "moe_down"], metal
-    assert metal.count("moe_gate_up") == 1 and metal.count("moe_down") == 1 and "qgemv" not in metal
+    # Router (2 launches) + routed and shared experts (2 launches), no qgemv for the shared MLP.
+    assert metal == ["router_scores", "router_topk", "moe_gate_up", "moe_down"], metal
     assert not kernels.counters()["fallbacks"]
     # The kernel output against the float64 oracle over routed + shared slots.
     assert_moe_close(y[0], x[0], layer.bank, np.asarray(ids)[0], w[0], f"shared slot S={S}")

@@ -406,51 +406,41 @@ class MLP:
 
 
 class Router:
-    """noaux_tc routing exactly as transformers' ``DeepseekV3TopkRouter``: sigmoid scores; the
-    correction bias only steers selection; group-limited top-k; weights are the unbiased scores,
-    normalized (``norm_topk_prob``, ``+1e-20``) and scaled by ``routed_scaling_factor``."""
+    """noaux_tc routing exactly as transformers' ``DeepseekV3TopkRouter`` (kernels.router: the
+    fused ``router_topk`` launches on GPUs for decode, the pure-MLX reference otherwise)."""
 
     def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
         E = args.n_routed_experts
-        self.args = args
         f32 = mx.float32
+        self.args = args
         self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size), dtype=f32), prefix + "weight")
         # noaux_tc routing selects with this bias; routing without it would silently differ.
         self.bias = _as_float32(w.take(prefix + "e_score_correction_bias", (E,), dtype=f32), prefix + "bias")
+        self._config = (None, None)
         self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
+
+    @property
+    def config(self):
+        """kernels.router.RouterConfig of the current args (rebuilt only when they change)."""
+        a = self.args
+        key = (a.num_experts_per_tok, a.n_group, a.topk_group, bool(a.norm_topk_prob),
+               float(a.routed_scaling_factor))
+        if self._config[0] != key:
+            self._config = (key, kernels.router.RouterConfig(*key))
+        return self._config[1]
 
     def __call__(self, x: mx.array, shared_id: int | None = None) -> tuple[mx.array, mx.array]:
         """``(ids [..., K], weights [..., K])``; with ``shared_id`` one more slot ``(shared_id, 1.0)``."""
-        ids, weights = self._route(x)
-        if shared_id is None:
-            return ids, weights
-        lead = ids.shape[:-1] + (1,)
-        return (mx.concatenate([ids.astype(mx.int32), mx.full(lead, shared_id, mx.int32)], axis=-1),
-                mx.concatenate([weights, mx.ones(lead, weights.dtype)], axis=-1))
+        if self.top_p is None:
+            return kernels.router.router_topk(x, self.weight, self.bias, self.config, shared_id)
+        from ..experts.router_topp import expert_top_p
 
-    def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        a = self.args
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.T)
-        choice = scores + self.bias
-        if a.n_group > 1:
-            choice = self._keep_top_groups(choice)
-        ids = mx.argpartition(-choice, kth=a.num_experts_per_tok - 1, axis=-1)[..., : a.num_experts_per_tok]
-        weights = mx.take_along_axis(scores, ids, axis=-1)
-        if self.top_p is not None:
-            from ..experts.router_topp import expert_top_p
-
-            return expert_top_p(ids, weights, self.top_p, a.norm_topk_prob, a.routed_scaling_factor)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
-
-    def _keep_top_groups(self, choice):
-        a = self.args
-        grouped = choice.reshape(*choice.shape[:-1], a.n_group, -1)
-        group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
-        top_groups = mx.argpartition(-group_scores, kth=a.topk_group - 1, axis=-1)[..., : a.topk_group]
-        keep = mx.put_along_axis(mx.zeros(group_scores.shape, mx.bool_), top_groups, mx.array(True), axis=-1)
-        return mx.where(keep[..., None], grouped, -mx.inf).reshape(choice.shape)
+        r = kernels.router
+        kernels.dispatch.record_call("router", "top-p")
+        ids, weights = r.reference_select(r.reference_scores(x, self.weight), self.bias, self.config)
+        ids, weights = expert_top_p(ids, weights, self.top_p, self.config.norm_topk_prob,
+                                    self.config.routed_scaling_factor)
+        return r.with_shared_slot(ids, weights, shared_id)
 
 
 def _as_float32(value, name):
