@@ -67,7 +67,7 @@ def pin_decisions(model, reference, tokens) -> None:
         setattr(obj, attr, value)
     for i, layer in enumerate(model.layers):
         if hasattr(layer.mlp, "router"):
-            layer.mlp.router = _forced_router(layer.mlp.router, mx.concatenate(recorded[("router", i)], axis=1))
+            layer.mlp.router = _forced_router(layer.mlp.router, mx.concatenate(recorded[("router", i)], axis=0))
         indexer = layer.self_attn.indexer
         if indexer is not None:
             indexer.select = _forced_selection(indexer, recorded[("indexer", i)][0])
@@ -100,9 +100,10 @@ def _forced_router(router, ids_all):
     position = [0]
 
     def call(x, shared_id=None):
-        L = x.shape[1]
+        # The MoE layer routes flattened tokens [B * L, D] (B = 1 here: rows are positions).
+        L = x.shape[0]
         # Routed slots only: the recorded run appended the shared expert's slot (last) itself.
-        ids = ids_all[:, position[0]:position[0] + L, :a.num_experts_per_tok]
+        ids = ids_all[position[0]:position[0] + L, :a.num_experts_per_tok]
         position[0] += L
         scores = mx.sigmoid(x.astype(mx.float32) @ router.weight.T)
         weights = mx.take_along_axis(scores, ids, axis=-1)

@@ -151,3 +151,41 @@ def test_deepseek_slot_count_fits_the_kernel():
     # 8 tokens x (8 routed + 1 shared) slots must not fall back to the reference.
     x = mx.zeros((8, 16))
     assert moe.decline_reason(x, 9) is None
+
+
+# ---------------------------------------------------------------------------------------
+# Cached launch parts (resident layers)
+
+
+def test_resident_launch_parts_are_cached_per_shape(monkeypatch):
+    specs = []
+
+    def launch(backend, spec):
+        specs.append(spec)
+        return [mx.zeros(s, d) for s, d in zip(spec.output_shapes, spec.output_dtypes)]
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.CUDA)
+    layer = make_moe(make_args())
+    for S in (1, 1, 3):
+        layer(x_of(S))
+    by_call = [specs[i:i + 4] for i in range(0, 12, 4)]
+    assert [s.name for s in by_call[0]] == ["router_scores", "router_topk", "moe_gate_up", "moe_down"]
+    for a, b in zip(*by_call[:2]):          # same S: the same header/params/template objects
+        assert a.header is b.header and a.template is b.template and a.inputs[-1] is b.inputs[-1]
+    for a, c in zip(by_call[0], by_call[2]):  # another S: its own launch geometry
+        assert a.header is c.header and dict(c.template).get("S", 3) == 3
+    gu1, gu3 = by_call[0][2], by_call[2][2]
+    assert gu1.grid[1] == 1 * (K + 1) and gu3.grid[1] == 3 * (K + 1)
+    assert np.asarray(gu3.inputs[-1]).tolist()[5:7] == [K + 1, 3 * (K + 1)]
+
+
+def test_one_layer_several_token_counts_in_simulator(metal):
+    # The cached launch parts of one resident layer serve S = 1, 3, 1 correctly.
+    layer = make_moe(make_args(), seed=5)
+    for S in (1, 3, 1):
+        x = x_of(S, seed=S)
+        y = layer(x)
+        ids, w = (np.asarray(a) for a in kernels.router.router_reference(
+            x[0], layer.router.weight, layer.router.bias, layer.router.config, layer.shared_slot))
+        assert_moe_close(y[0], x[0], layer.bank, ids, mx.array(w), f"S={S}")

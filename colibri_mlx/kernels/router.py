@@ -25,7 +25,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import dispatch
-from .moe import read_kernel_sections
+from .moe import _Static, read_kernel_sections
 
 MAX_TOKENS = 8            # decode; more tokens (prefill) use the reference
 MAX_EXPERTS = 1024        # router_topk: one thread per expert in one threadgroup
@@ -107,35 +107,56 @@ def _fparams(*values: float) -> mx.array:
     return mx.array(list(values) + [0.0] * (8 - len(values)), dtype=mx.float32)
 
 
+_statics: dict = {}
+
+
+def _static(key, build):
+    """A launch's static parts (moe._Static), built once per key."""
+    st = _statics.get(key)
+    if st is None:
+        st = _statics[key] = build()
+    return st
+
+
 def scores_spec(x: mx.array, weight: mx.array, backend: str = dispatch.METAL, rows: int = SCORE_ROWS,
                 simdgroups: int = SCORE_SIMDGROUPS) -> dispatch.LaunchSpec:
     """``scores [S, E]`` float32 = sigmoid(x . W^T) for ``x [S, D]``, ``weight [E, D]`` float32."""
     S, D = x.shape
     E = weight.shape[0]
-    header, bodies = read_kernel_sections("router", backend)
-    return dispatch.LaunchSpec(
-        name="router_scores", input_names=("x", "w", "params"), output_names=("scores",),
-        source=bodies["router_scores"], header=header, inputs=[x, weight, _params(D, E)],
-        output_shapes=[(S, E)], output_dtypes=[mx.float32],
-        grid=(32 * simdgroups * -(-E // rows), 1, 1), threadgroup=(32 * simdgroups, 1, 1),
-        template=[("T", x.dtype), ("S", S), ("ROWS", rows), ("NW", simdgroups), ("V4", int(D % 4 == 0))])
+
+    def build():
+        header, bodies = read_kernel_sections("router", backend)
+        return _Static(
+            name="router_scores", input_names=("x", "w", "params"), output_names=("scores",),
+            source=bodies["router_scores"], header=header, output_shapes=[(S, E)], output_dtypes=[mx.float32],
+            grid=(32 * simdgroups * -(-E // rows), 1, 1), threadgroup=(32 * simdgroups, 1, 1),
+            template=[("T", x.dtype), ("S", S), ("ROWS", rows), ("NW", simdgroups), ("V4", int(D % 4 == 0))],
+            params=_params(D, E))
+
+    st = _static(("scores", S, D, E, x.dtype, backend, rows, simdgroups), build)
+    return st.spec([x, weight, st.params])
 
 
 def topk_spec(scores: mx.array, bias: mx.array, cfg: RouterConfig, shared_id: Optional[int] = None,
               backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
     """``ids [S, K(+1)]`` int32 and ``weights [S, K(+1)]`` float32 from ``scores [S, E]``."""
     S, E = scores.shape
-    KO = cfg.top_k + (shared_id is not None)
-    tg = 32 * -(-E // 32)
-    header, bodies = read_kernel_sections("router", backend)
-    params = _params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
-                     -1 if shared_id is None else int(shared_id))
-    return dispatch.LaunchSpec(
-        name="router_topk", input_names=("scores", "bias", "params", "fparams"),
-        output_names=("ids", "weights"), source=bodies["router_topk"], header=header,
-        inputs=[scores, bias, params, _fparams(float(cfg.routed_scaling_factor))],
-        output_shapes=[(S, KO), (S, KO)], output_dtypes=[mx.int32, mx.float32],
-        grid=(tg, S, 1), threadgroup=(tg, 1, 1), template=[("TG", tg)])
+
+    def build():
+        KO = cfg.top_k + (shared_id is not None)
+        tg = 32 * -(-E // 32)
+        header, bodies = read_kernel_sections("router", backend)
+        params = _params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
+                         -1 if shared_id is None else int(shared_id))
+        return _Static(
+            name="router_topk", input_names=("scores", "bias", "params", "fparams"),
+            output_names=("ids", "weights"), source=bodies["router_topk"], header=header,
+            output_shapes=[(S, KO), (S, KO)], output_dtypes=[mx.int32, mx.float32],
+            grid=(tg, S, 1), threadgroup=(tg, 1, 1), template=[("TG", tg)],
+            params=(params, _fparams(float(cfg.routed_scaling_factor))))
+
+    st = _static(("topk", S, E, cfg, shared_id, backend), build)
+    return st.spec([scores, bias, *st.params])
 
 
 def decline_reason(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterConfig) -> Optional[str]:
@@ -153,22 +174,33 @@ def decline_reason(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterCon
     return None
 
 
+_declined: dict = {}
+
+
+def _decline_cached(x, weight, bias, cfg) -> Optional[str]:
+    key = (x.dtype, weight.dtype, bias.dtype, weight.shape[0], cfg)
+    if key not in _declined:
+        _declined[key] = decline_reason(x, weight, bias, cfg)
+    return _declined[key]
+
+
 def router_topk(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterConfig,
                 shared_id: Optional[int] = None) -> tuple[mx.array, mx.array]:
-    """``(ids [..., K(+1)] int32, weights [..., K(+1)] float32)`` for ``x [..., D]``."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    S = x2.shape[0]
+    """``(ids [..., K(+1)] int32, weights [..., K(+1)] float32)`` for ``x [..., D]`` (the model
+    passes ``[S, D]``: no reshapes on the decode path)."""
+    if x.ndim != 2:
+        lead = x.shape[:-1]
+        ids, weights = router_topk(x.reshape(-1, x.shape[-1]), weight, bias, cfg, shared_id)
+        return ids.reshape(*lead, ids.shape[-1]), weights.reshape(*lead, ids.shape[-1])
     impl = dispatch.backend()
-    if impl == dispatch.REFERENCE or S > MAX_TOKENS:
+    if impl == dispatch.REFERENCE or x.shape[0] > MAX_TOKENS:
         dispatch.record_call("router", dispatch.REFERENCE if impl == dispatch.REFERENCE else "prefill")
         return router_reference(x, weight, bias, cfg, shared_id)
-    reason = decline_reason(x2, weight, bias, cfg)
+    reason = _decline_cached(x, weight, bias, cfg)
     if reason is not None:
         dispatch.record_fallback("router", reason)
         return router_reference(x, weight, bias, cfg, shared_id)
     dispatch.record_call("router", impl)
-    scores = dispatch.launch(impl, scores_spec(x2, weight, impl))[0]
+    scores = dispatch.launch(impl, scores_spec(x, weight, impl))[0]
     ids, weights = dispatch.launch(impl, topk_spec(scores, bias, cfg, shared_id, impl))
-    KO = ids.shape[-1]
-    return ids.reshape(*lead, KO), weights.reshape(*lead, KO)
+    return ids, weights

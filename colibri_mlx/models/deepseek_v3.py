@@ -485,10 +485,9 @@ class MoE:
                 self.shared_slot = args.n_routed_experts
 
     def __call__(self, x):
-        ids, weights = self.router(x, self.shared_slot)
         flat = x.reshape(-1, x.shape[-1])
-        y = routed_experts(flat, self.bank, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
-        y = y.reshape(x.shape)
+        ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
+        y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
         if self.shared is None or self.shared_slot is not None:
             return y
         kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
