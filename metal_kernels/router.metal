@@ -55,7 +55,10 @@ inline void router_better(thread float& v, thread int& i, float ov, int oi) {
   for (int u = tid; u < n4; u += 32 * NW) {
     float4 wv[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      wv[r] = ((const device float4*)(w + size_t(rows[r]) * size_t(D)))[u];
+      // Four scalar loads: a weight that is a slice of a larger buffer may start only 4-byte
+      // aligned (the CUDA twin checks the address and uses one 16-byte load when it can).
+      const device float* p = w + size_t(rows[r]) * size_t(D) + 4 * u;
+      wv[r] = float4(p[0], p[1], p[2], p[3]);
     }
     for (int s = 0; s < S; ++s) {
       const int o = s * D + 4 * u;

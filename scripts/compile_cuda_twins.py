@@ -145,6 +145,7 @@ def moe_specs(full: bool):
             for nw in ((None, 2, 4) if full else (None, 2)):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
+            yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 

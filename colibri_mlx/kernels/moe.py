@@ -355,8 +355,8 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     return st
 
 
-def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups) -> _Static:
-    key = ("down", S, K, backend, rows, simdgroups)
+def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype) -> _Static:
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -368,8 +368,8 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
-        output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32),
+        output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32) + [("OT", out_dtype)],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 
@@ -385,9 +385,10 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
-              simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
-    """``y[N, D]`` (float32): this group's weighted down projections summed per token."""
-    st = _down_static(group, S, K, backend, rows, simdgroups)
+              simdgroups: Optional[int] = None, out_dtype=mx.float32) -> dispatch.LaunchSpec:
+    """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
+    summed per token."""
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype)
     p = group.down
     return st.spec([_pad8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
                     _as_input(weights, mx.float32), st.params])
@@ -489,6 +490,8 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
         bank = resident_bank(experts)
     dispatch.record_call("moe_block", impl)
     ids_in, w_in = _as_input(ids, mx.int32), _as_input(weights, mx.float32)   # once for every group
+    # One group (a layer of one format, the usual case): moe_down writes x's dtype itself.
+    out_dtype = x.dtype if len(bank.groups) == 1 and not bank.declined else mx.float32
     y = None
     x_rot = None
     for g in bank.groups:
@@ -500,7 +503,7 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
         h = dispatch.launch(impl, gate_up_spec(xin, g, ids_in, K, impl))[0]
         if g.down.fmt == E8_FMT:
             h = rotate(h, impl)
-        part = dispatch.launch(impl, down_spec(h, g, ids_in, w_in, N, K, impl))[0]
+        part = dispatch.launch(impl, down_spec(h, g, ids_in, w_in, N, K, impl, out_dtype=out_dtype))[0]
         y = part if y is None else y + part
     if bank.declined:
         y_ref = _declined_part(x, experts, ids, weights, bank)
@@ -508,7 +511,7 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
             y = y_ref if y is None else y + y_ref
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
-    return y.astype(x.dtype)
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
 def _declined_part(x, experts, ids, weights, bank):

@@ -316,6 +316,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       v += red[(k * ROWS + r) * S + s];
     }
     if (row0 + r < O) {
-      y[size_t(s) * O + row0 + r] = v;
+      y[size_t(s) * O + row0 + r] = static_cast<OT>(v);
     }
   }

@@ -47,10 +47,14 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     }
   }
   const int n4 = V4 ? D / 4 : 0;
+  // A weight that is a slice of a larger buffer may start only 4-byte aligned: one 16-byte
+  // load when the address allows it, else four scalar loads (the Metal kernel's).
+  const bool w16 = (reinterpret_cast<uintptr_t>(w) & 15) == 0;
   for (int u = tid; u < n4; u += 32 * NW) {
     float4 wv[ROWS];
     for (int r = 0; r < ROWS; ++r) {
-      wv[r] = reinterpret_cast<const float4*>(w + size_t(rows[r]) * size_t(D))[u];
+      const float* p = w + size_t(rows[r]) * size_t(D) + 4 * u;
+      wv[r] = w16 ? *reinterpret_cast<const float4*>(p) : make_float4(p[0], p[1], p[2], p[3]);
     }
     for (int s = 0; s < S; ++s) {
       const int o = s * D + 4 * u;
