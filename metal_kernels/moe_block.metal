@@ -28,11 +28,12 @@
 //
 // params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
 // K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
-// Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype).
+// Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype);
+// moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it).
 
 // Slots (N * K) per call; moe.py MAX_SLOTS.
 constexpr int moe_max_slots() {
-  return 64;
+  return 96;
 }
 
 // Group-local expert of slot a, or -1 (id out of range, dropped by router top-p, other group).
@@ -281,6 +282,6 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       v += red[(k * ROWS + r) * S + s];
     }
     if (row0 + r < O) {
-      y[size_t(s) * O + row0 + r] = v;
+      y[size_t(s) * O + row0 + r] = static_cast<OT>(v);
     }
   }

@@ -148,8 +148,28 @@ def moe_specs(full: bool):
             for nw in ((None, 2, 4) if full else (None, 2)):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
+            yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
+
+
+def router_specs(full: bool):
+    """router_scores / router_topk (kernels/router.py) for the DeepSeek-V3 and Kimi-K2 shapes,
+    every x dtype, S = 1 and 8, with and without the shared slot."""
+    from colibri_mlx.kernels import router
+
+    cases = [(256, 7168, router.RouterConfig(8, 8, 4, True, 2.5)),
+             (384, 7168, router.RouterConfig(8, 1, 1, True, 2.827))]
+    if full:
+        cases.append((20, 70, router.RouterConfig(3, 1, 1, False, 1.0)))
+    for E, D, cfg in cases:
+        w = mx.zeros((E, D), mx.float32)
+        bias = mx.zeros((E,), mx.float32)
+        for S, dtype in ((1, mx.bfloat16), (8, mx.float32), (3, mx.float16)):
+            yield f"scores_E{E}_D{D}_S{S}_{dtype}", router.scores_spec(random_x(S, D, dtype=dtype), w, dispatch.CUDA)
+        for shared in (None, E):
+            yield (f"topk_E{E}_g{cfg.n_group}_shared{shared}",
+                   router.topk_spec(mx.zeros((8, E), mx.float32), bias, cfg, shared, dispatch.CUDA))
 
 
 def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
@@ -169,8 +189,8 @@ def main():
     ap.add_argument("--all", action="store_true", help="also odd shapes and tuning variants")
     ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
     ap.add_argument("--keep", type=Path, help="keep the generated sources here")
-    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla"),
-                    help="kernel families to compile (qgemv moe mla)")
+    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla", "router"),
+                    help="kernel families to compile (qgemv moe mla router)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("compile_cuda_twins: nvcc not found")
@@ -179,7 +199,7 @@ def main():
     (work / "include/mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
     (work / "include/mlx/backend/cuda/device/utils.cuh").write_text(UTILS_STUB)
     n_fail = 0
-    families = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs}
+    families = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs, "router": router_specs}
     specs = ((f"{fam} {label}", spec) for fam in args.only for label, spec in families[fam](args.all))
     for label, spec in specs:
         ok, err = compile_one(label, spec, work, args.ptxas)

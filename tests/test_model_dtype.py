@@ -26,6 +26,7 @@ import pytest
 
 from helpers_models import CONFIGS, build_config_model, random_tokens, save_checkpoint, torch_logits
 
+from colibri_mlx import kernels
 from colibri_mlx.models import load, load_model, resolve_dtype
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -66,7 +67,7 @@ def pin_decisions(model, reference, tokens) -> None:
         setattr(obj, attr, value)
     for i, layer in enumerate(model.layers):
         if hasattr(layer.mlp, "router"):
-            layer.mlp.router = _forced_router(layer.mlp.router, mx.concatenate(recorded[("router", i)], axis=1))
+            layer.mlp.router = _forced_router(layer.mlp.router, mx.concatenate(recorded[("router", i)], axis=0))
         indexer = layer.self_attn.indexer
         if indexer is not None:
             indexer.select = _forced_selection(indexer, recorded[("indexer", i)][0])
@@ -98,15 +99,17 @@ def _forced_router(router, ids_all):
     a = router.args
     position = [0]
 
-    def call(x):
-        L = x.shape[1]
-        ids = ids_all[:, position[0]:position[0] + L]
+    def call(x, shared_id=None):
+        # The MoE layer routes flattened tokens [B * L, D] (B = 1 here: rows are positions).
+        L = x.shape[0]
+        # Routed slots only: the recorded run appended the shared expert's slot (last) itself.
+        ids = ids_all[position[0]:position[0] + L, :a.num_experts_per_tok]
         position[0] += L
         scores = mx.sigmoid(x.astype(mx.float32) @ router.weight.T)
         weights = mx.take_along_axis(scores, ids, axis=-1)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
+        return kernels.router.with_shared_slot(ids, weights * a.routed_scaling_factor, shared_id)
     return call
 
 

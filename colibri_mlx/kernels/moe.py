@@ -31,7 +31,7 @@ from . import dispatch, qgemv, reference
 from .reference import e8_grid_words, row_bytes, scales_per_row
 
 MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
-MAX_SLOTS = 64          # N * K: the kernels keep per-token masks in 32 bits, slots in a loop
+MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
 TARGET_SIMDGROUPS = qgemv.TARGET_SIMDGROUPS
@@ -61,16 +61,25 @@ def read_kernel_sections(name: str, backend_name: str) -> tuple[str, dict]:
     return text[:marks[0].start()], bodies
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_header(name: str, backend_name: str) -> str:
-    """A kernel file's header with the shared fmt 0-6 decoders (qdecode) in front."""
+    """A kernel file's header with the shared fmt 0-6 decoders (qdecode) in front. Cached: one
+    string object per kernel, so the kernel-object lookup (dispatch._kernel_object) hashes and
+    compares it by identity instead of re-hashing ~12 KB per call."""
     return dispatch.decode_header(backend_name) + read_kernel_sections(name, backend_name)[0]
 
 
 def _pad8(a: mx.array) -> mx.array:
-    a = a.reshape(-1)
+    """``a`` as a kernel input of >= 8 elements (the kernels index it flat; MLX hands them
+    row-contiguous buffers, so no reshape is needed unless it must be padded)."""
     if a.size >= PARAMS_LEN:
         return a
+    a = a.reshape(-1)
     return mx.concatenate([a, mx.zeros((PARAMS_LEN - a.size,), a.dtype)])
+
+
+def _as_input(a: mx.array, dtype) -> mx.array:
+    return _pad8(a if a.dtype == dtype else a.astype(dtype))
 
 
 def _as_mx(a, dtype) -> mx.array:
@@ -152,6 +161,9 @@ class ExpertGroup:
     down: Projection              # D rows
     lut: mx.array                 # int32 [>= E]: group index of each layer expert, or -1
     n_layer_experts: int          # E: ids outside 0..E-1 are treated as dropped
+    # The parts of this group's launches that do not change between calls, per (kernel, S, K,
+    # x dtype, backend, tuning): built on the first call of a resident layer, then reused.
+    statics: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rotated(self) -> bool:
@@ -235,6 +247,24 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
     return bank
 
 
+def shared_slot_reason(experts: Sequence, shared: tuple) -> Optional[str]:
+    """None when the shared expert ``(gate, up, down)`` can run as routed expert ``E`` of a
+    resident layer (an always-selected slot of weight 1: the same two launches as the routed
+    experts, in the same stacked group), else why it stays a separate MLP."""
+    if getattr(experts, "prepare", None) is not None:
+        return "streamed layer (the shared expert stays resident, outside the per-call bank)"
+    if not len(experts):
+        return "no routed experts"
+    routed = experts[0]
+    if tuple(_shape(w) for w in shared) != tuple(_shape(w) for w in routed):
+        return (f"shape {[_shape(w) for w in shared]} differs from the routed experts' "
+                f"{[_shape(w) for w in routed]} (n_shared_experts > 1 widens its intermediate)")
+    if tuple(weight_format(w) for w in shared) != tuple(weight_format(w) for w in routed):
+        return (f"(fmt, gs) {[weight_format(w) for w in shared]} differs from the routed experts' "
+                f"{[weight_format(w) for w in routed]}")
+    return None
+
+
 _banks: dict = {}
 
 
@@ -283,43 +313,85 @@ def gate_up_rows(S: int) -> int:
     return 2 if S <= 4 else 1
 
 
-def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
-                 backend: str = dispatch.METAL, rows: Optional[int] = None,
-                 simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
-    """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
-    S = x.shape[0]
+@dataclass(frozen=True)
+class _Static:
+    """A launch without its per-call inputs (dispatch.LaunchSpec's other fields)."""
+
+    name: str
+    input_names: tuple
+    output_names: tuple
+    source: str
+    header: str
+    output_shapes: list
+    output_dtypes: list
+    grid: tuple
+    threadgroup: tuple
+    template: list
+    params: mx.array
+
+    def spec(self, inputs: list) -> dispatch.LaunchSpec:
+        return dispatch.LaunchSpec(self.name, self.input_names, self.output_names, self.source, self.header,
+                                   inputs, self.output_shapes, self.output_dtypes, self.grid,
+                                   self.threadgroup, self.template)
+
+
+def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups) -> _Static:
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups)
+    hit = group.statics.get(key)
+    if hit is not None:
+        return hit
     n_slots = S * K
     p = group.gate_up
     rows = rows or gate_up_rows(S)
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
     _, bodies = read_kernel_sections("moe_block", backend)
-    return dispatch.LaunchSpec(
+    st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
         output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
-        inputs=[_pad8(x), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
-                group.lut, _params(p, K, n_slots, group.n_layer_experts)],
-        output_shapes=[(n_slots, p.O)],
-        output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, x.dtype))
+        output_shapes=[(n_slots, p.O)], output_dtypes=[mx.float32],
+        grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
+        template=_template(p, S, rows, nw, x_dtype), params=_params(p, K, n_slots, group.n_layer_experts))
+    return st
 
 
-def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
-              backend: str = dispatch.METAL, rows: Optional[int] = None,
-              simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
-    """``y[N, D]`` (float32): this group's weighted down projections summed per token."""
+def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype) -> _Static:
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype)
+    hit = group.statics.get(key)
+    if hit is not None:
+        return hit
     p = group.down
     rows = rows or qgemv.default_rows(S)
     busy = min(S * K, len(group.experts))
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
     _, bodies = read_kernel_sections("moe_block", backend)
-    return dispatch.LaunchSpec(
+    st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
-        inputs=[_pad8(h), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
-                group.lut, _pad8(weights.reshape(-1).astype(mx.float32)), _params(p, K, S * K, group.n_layer_experts)],
-        output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32))
+        output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32) + [("OT", out_dtype)],
+        params=_params(p, K, S * K, group.n_layer_experts))
+    return st
+
+
+def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
+                 backend: str = dispatch.METAL, rows: Optional[int] = None,
+                 simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
+    """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
+    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups)
+    p = group.gate_up
+    return st.spec([_pad8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
+
+
+def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
+              backend: str = dispatch.METAL, rows: Optional[int] = None,
+              simdgroups: Optional[int] = None, out_dtype=mx.float32) -> dispatch.LaunchSpec:
+    """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
+    summed per token."""
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype)
+    p = group.down
+    return st.spec([_pad8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
+                    _as_input(weights, mx.float32), st.params])
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,6 +412,14 @@ def _rotation_tables(n: int) -> tuple[np.ndarray, np.ndarray, int]:
     return blk, sg, max(block_tiling(n))
 
 
+@functools.lru_cache(maxsize=None)
+def _rotation_inputs(n: int) -> tuple:
+    """(blocks, signs, params) as device arrays, built once per row length."""
+    blocks, signs, _ = _rotation_tables(n)
+    return (mx.array(blocks), mx.array(signs),
+            mx.array([n, len(_tiling(n)), 0, 0, 0, 0, 0, 0], dtype=mx.int32))
+
+
 def hadamard_spec(x: mx.array, backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
     """fmt 6 rotation of the rows of ``x [N, n]`` (float32 out), FORMAT.md §3.6."""
     N, n = x.shape
@@ -349,8 +429,7 @@ def hadamard_spec(x: mx.array, backend: str = dispatch.METAL) -> dispatch.Launch
     return dispatch.LaunchSpec(
         name="moe_hadamard", input_names=("x", "blocks", "signs", "params"), output_names=("y",),
         source=bodies["hadamard"], header=header,
-        inputs=[_pad8(x), mx.array(blocks), mx.array(signs),
-                mx.array([n, n_blocks, 0, 0, 0, 0, 0, 0], dtype=mx.int32)],
+        inputs=[_pad8(x), *_rotation_inputs(n)],
         output_shapes=[(N, n)], output_dtypes=[mx.float32],
         grid=(HADAMARD_TG * n_blocks, N, 1), threadgroup=(HADAMARD_TG, 1, 1),
         template=[("T", x.dtype), ("TG", HADAMARD_TG), ("MAXB", max(maxb, 2))])
@@ -410,6 +489,9 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
     else:
         bank = resident_bank(experts)
     dispatch.record_call("moe_block", impl)
+    ids_in, w_in = _as_input(ids, mx.int32), _as_input(weights, mx.float32)   # once for every group
+    # One group (a layer of one format, the usual case): moe_down writes x's dtype itself.
+    out_dtype = x.dtype if len(bank.groups) == 1 and not bank.declined else mx.float32
     y = None
     x_rot = None
     for g in bank.groups:
@@ -418,10 +500,10 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
             if x_rot is None:
                 x_rot = rotate(x, impl)      # once per layer call for every fmt 6 group
             xin = x_rot
-        h = dispatch.launch(impl, gate_up_spec(xin, g, ids, K, impl))[0]
+        h = dispatch.launch(impl, gate_up_spec(xin, g, ids_in, K, impl))[0]
         if g.down.fmt == E8_FMT:
             h = rotate(h, impl)
-        part = dispatch.launch(impl, down_spec(h, g, ids, weights, N, K, impl))[0]
+        part = dispatch.launch(impl, down_spec(h, g, ids_in, w_in, N, K, impl, out_dtype=out_dtype))[0]
         y = part if y is None else y + part
     if bank.declined:
         y_ref = _declined_part(x, experts, ids, weights, bank)
@@ -429,7 +511,7 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
             y = y_ref if y is None else y + y_ref
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
-    return y.astype(x.dtype)
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
 def _declined_part(x, experts, ids, weights, bank):

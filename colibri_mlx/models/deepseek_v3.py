@@ -497,42 +497,41 @@ class MLP:
 
 
 class Router:
-    """noaux_tc routing exactly as transformers' ``DeepseekV3TopkRouter``: sigmoid scores; the
-    correction bias only steers selection; group-limited top-k; weights are the unbiased scores,
-    normalized (``norm_topk_prob``, ``+1e-20``) and scaled by ``routed_scaling_factor``."""
+    """noaux_tc routing exactly as transformers' ``DeepseekV3TopkRouter`` (kernels.router: the
+    fused ``router_topk`` launches on GPUs for decode, the pure-MLX reference otherwise)."""
 
     def __init__(self, args: ModelArgs, w: WeightTable, prefix: str):
         E = args.n_routed_experts
-        self.args = args
         f32 = mx.float32
+        self.args = args
         self.weight = _as_float32(w.take(prefix + "weight", (E, args.hidden_size), dtype=f32), prefix + "weight")
         # noaux_tc routing selects with this bias; routing without it would silently differ.
         self.bias = _as_float32(w.take(prefix + "e_score_correction_bias", (E,), dtype=f32), prefix + "bias")
+        self._config = (None, None)
         self.top_p = None  # router top-p over the selected experts (experts.router_topp); changes results
 
-    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+    @property
+    def config(self):
+        """kernels.router.RouterConfig of the current args (rebuilt only when they change)."""
         a = self.args
-        scores = mx.sigmoid(x.astype(mx.float32) @ self.weight.T)
-        choice = scores + self.bias
-        if a.n_group > 1:
-            choice = self._keep_top_groups(choice)
-        ids = mx.argpartition(-choice, kth=a.num_experts_per_tok - 1, axis=-1)[..., : a.num_experts_per_tok]
-        weights = mx.take_along_axis(scores, ids, axis=-1)
-        if self.top_p is not None:
-            from ..experts.router_topp import expert_top_p
+        key = (a.num_experts_per_tok, a.n_group, a.topk_group, bool(a.norm_topk_prob),
+               float(a.routed_scaling_factor))
+        if self._config[0] != key:
+            self._config = (key, kernels.router.RouterConfig(*key))
+        return self._config[1]
 
-            return expert_top_p(ids, weights, self.top_p, a.norm_topk_prob, a.routed_scaling_factor)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
+    def __call__(self, x: mx.array, shared_id: int | None = None) -> tuple[mx.array, mx.array]:
+        """``(ids [..., K], weights [..., K])``; with ``shared_id`` one more slot ``(shared_id, 1.0)``."""
+        if self.top_p is None:
+            return kernels.router.router_topk(x, self.weight, self.bias, self.config, shared_id)
+        from ..experts.router_topp import expert_top_p
 
-    def _keep_top_groups(self, choice):
-        a = self.args
-        grouped = choice.reshape(*choice.shape[:-1], a.n_group, -1)
-        group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
-        top_groups = mx.argpartition(-group_scores, kth=a.topk_group - 1, axis=-1)[..., : a.topk_group]
-        keep = mx.put_along_axis(mx.zeros(group_scores.shape, mx.bool_), top_groups, mx.array(True), axis=-1)
-        return mx.where(keep[..., None], grouped, -mx.inf).reshape(choice.shape)
+        r = kernels.router
+        kernels.dispatch.record_call("router", "top-p")
+        ids, weights = r.reference_select(r.reference_scores(x, self.weight), self.bias, self.config)
+        ids, weights = expert_top_p(ids, weights, self.top_p, self.config.norm_topk_prob,
+                                    self.config.routed_scaling_factor)
+        return r.with_shared_slot(ids, weights, shared_id)
 
 
 def _as_float32(value, name):
@@ -562,15 +561,28 @@ class MoE:
                 for e in range(args.n_routed_experts)
             ]
         self.shared = None
+        # What kernels.moe_block reads: the routed experts, plus the shared expert as expert E
+        # when it has their shape and format (DeepSeek-V3: n_shared_experts = 1). Every token
+        # then gets an extra slot (E, 1.0) and routed + shared are the same two launches.
+        self.bank = self.experts
+        self.shared_slot: int | None = None
+        self.shared_mlp_reason: str | None = None
         if args.n_shared_experts:
             self.shared = MLP(w, prefix + "shared_experts.", D, inter * args.n_shared_experts)
+            triple = (self.shared.gate, self.shared.up, self.shared.down)
+            self.shared_mlp_reason = kernels.moe.shared_slot_reason(self.experts, triple)
+            if self.shared_mlp_reason is None:
+                self.bank = list(self.experts) + [triple]
+                self.shared_slot = args.n_routed_experts
 
     def __call__(self, x):
-        ids, weights = self.router(x)
         flat = x.reshape(-1, x.shape[-1])
-        y = routed_experts(flat, self.experts, ids.reshape(flat.shape[0], -1), weights.reshape(flat.shape[0], -1))
-        y = y.reshape(x.shape)
-        return y if self.shared is None else y + self.shared(x)
+        ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
+        y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
+        if self.shared is None or self.shared_slot is not None:
+            return y
+        kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
+        return y + self.shared(x)
 
 
 # ---------------------------------------------------------------------------------- layers

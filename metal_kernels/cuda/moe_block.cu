@@ -13,7 +13,7 @@ namespace colibri_moe {
 namespace qd = colibri_qd;
 
 __device__ constexpr int max_slots() {
-  return 64;
+  return 96;
 }
 
 __device__ __forceinline__ int local(const int32_t* ids, const int32_t* lut, int a, int E) {
@@ -316,6 +316,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       v += red[(k * ROWS + r) * S + s];
     }
     if (row0 + r < O) {
-      y[size_t(s) * O + row0 + r] = v;
+      y[size_t(s) * O + row0 + r] = static_cast<OT>(v);
     }
   }
