@@ -151,10 +151,10 @@ def bench_moe(args, results):
     gw = [mx.array(rng.uniform(0.1, 1, (1, 8)).astype(np.float32)) for _ in range(CHAIN)]
     xs = [mx.random.normal((1, D)).astype(ACT) for _ in range(CHAIN)]  # as the model runs
     for m in ours:   # stack the banks before timing
-        kernels.moe_block(xs[0], m.experts, ids[0], gw[0])
+        kernels.moe_block(xs[0], m.bank, ids[0], gw[0])  # the bank the block itself uses
     mx.eval([x for x in xs])
 
-    t_ours_routed = timeit(lambda: [kernels.moe_block(xs[i], ours[i].experts, ids[i], gw[i]) for i in range(CHAIN)],
+    t_ours_routed = timeit(lambda: [kernels.moe_block(xs[i], ours[i].bank, ids[i], gw[i]) for i in range(CHAIN)],
                            args.iters, "ours moe_routed") / CHAIN
     t_ours_block = timeit(lambda: [ours[i](xs[i][None]) for i in range(CHAIN)], args.iters, "ours moe_block") / CHAIN
 

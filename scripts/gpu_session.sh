@@ -37,6 +37,7 @@ for s in "${steps[@]}"; do
     checks)        # the three correctness steps at once: JIT compiles are CPU-bound, 16 cores
                    (step check_twins 280 python3 scripts/check_kernels_gpu.py) &
                    (step kernel_tests 280 python3 -m pytest -q tests/test_moe_block.py tests/test_mla_decode.py \
+                      tests/test_moe_shared_slot.py tests/test_attention_glue.py \
                       $(ls tests/test_router*.py 2>/dev/null)) &
                    (step parity 280 python3 -m pytest -q tests/test_model_parity.py \
                       tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference) &
