@@ -55,14 +55,19 @@ def simulate(spec, source=None) -> mx.array:
     return mx.array(np.asarray(y))
 
 
-def run_case(fmt, O, I, S, gs=None, dtype=mx.float32, seed=0):
+def run_case(fmt, O, I, S, gs=None, dtype=mx.float32, seed=0, nib=None):
     if dtype == mx.bfloat16:
         pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
     qt = random_qtensor(fmt, O, I, gs=gs, seed=seed)
     x = random_x(S, I, dtype=dtype, seed=seed + 1)
-    y = simulate(qgemv.launch_spec(x, qt))
+    y = simulate(qgemv.launch_spec(x, qt, nib=nib))
     assert y.dtype == dtype and y.shape == (S, O)
-    return assert_close(y, x, qt, f"fmt {fmt} {O}x{I} S={S} gs={gs} {dtype}")
+    return assert_close(y, x, qt, f"fmt {fmt} {O}x{I} S={S} gs={gs} {dtype} nib={nib}")
+
+
+# The fmt 2/4 decode variants (template NIB): 0 magic-number codes, 1 fp16-subnormal codes with
+# one -8 * sum(x) per segment. Both are launched by some backend's default (qgemv.DEFAULT_NIB).
+NIBS = [0, 1]
 
 
 # Odd I (odd nibble count: byte-load path), aligned I, partial fmt 5 groups / fmt 6 blocks,
@@ -76,22 +81,32 @@ def test_every_fmt_and_shape(fmt, O, I):
     run_case(fmt, O, I, S=1 + (O * I) % 8, gs=32, seed=fmt + I)
 
 
+@pytest.mark.parametrize("fmt", [2, 4])
+@pytest.mark.parametrize("O,I", SHAPES + [(3, 64), (4, 96)])
+def test_nib_decode_every_shape(fmt, O, I):
+    # (3, 64) / (4, 96): rows of whole units only (every unit takes the unguarded x path).
+    for nib in NIBS:
+        run_case(fmt, O, I, S=1 + (O * I + nib) % 8, gs=32, seed=fmt + I + nib, nib=nib)
+
+
+@pytest.mark.parametrize("nib", NIBS)
 @pytest.mark.parametrize("S", range(1, 9))
-def test_every_S(S):
-    run_case(4 if S % 2 else 2, 7, 200, S=S, gs=64, seed=S)
+def test_every_S(S, nib):
+    run_case(4 if S % 2 else 2, 7, 200, S=S, gs=64, seed=S, nib=nib)
 
 
+@pytest.mark.parametrize("nib", NIBS)
 @pytest.mark.parametrize("gs", GS_CANDIDATES)
-def test_fmt4_every_group_size(gs):
-    run_case(4, 4, 520, S=2, gs=gs, seed=gs)      # 520 = partial last group for most gs
-    run_case(4, 3, 2 * gs + 1, S=1, gs=gs, seed=gs + 1)  # odd I: unaligned rows
+def test_fmt4_every_group_size(gs, nib):
+    run_case(4, 4, 520, S=2, gs=gs, seed=gs, nib=nib)      # 520 = partial last group for most gs
+    run_case(4, 3, 2 * gs + 1, S=1, gs=gs, seed=gs + 1, nib=nib)  # odd I: unaligned rows
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("fmt", [4, 6])
-def test_low_precision_x(fmt, dtype):
-    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt)  # 600-byte rows of x: scalar loads
-    run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt)  # 16-byte aligned: vector loads
+@pytest.mark.parametrize("fmt,nib", [(4, 0), (4, 1), (2, 1), (6, None)])
+def test_low_precision_x(fmt, nib, dtype):
+    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt, nib=nib)  # 600-byte rows of x: scalar loads
+    run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt, nib=nib)  # 16-byte aligned: vector loads
 
 
 # Rows per threadgroup (O not a multiple: clamped rows), split-K SIMD groups, unroll depth, and
@@ -107,8 +122,9 @@ def test_launch_variants(fmt, I, launch):
     S = 32 // launch["rows"] if launch["rows"] > 4 else 3
     qt = random_qtensor(fmt, 7, I, gs=48, seed=fmt + I)
     x = random_x(min(S, 4), I, seed=fmt)
-    y = simulate(qgemv.launch_spec(x, qt, **launch))
-    assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch}")
+    for nib in (NIBS if fmt in (2, 4) else [None]):
+        y = simulate(qgemv.launch_spec(x, qt, nib=nib, **launch))
+        assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch} nib={nib}")
 
 
 def test_tiny_inputs_are_padded_into_device_space():
@@ -122,9 +138,17 @@ def test_tiny_inputs_are_padded_into_device_space():
 # (fmt, good, bad[, launch tuning]); the default launch for 4x300 is one SIMD group per
 # threadgroup, so the split-K defects ask for several.
 SPLIT_K = {"simdgroups": 4, "rows": 2}
+NIB0 = {"nib": 0}
+NIB1 = {"nib": 1}
 DEFECTS = {
-    "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;"),
-    "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))"),
+    "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;", NIB0),
+    "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))", NIB0),
+    "nib: swapped nibbles": (2, "q[0] = f04.x; q[1] = f15.x;", "q[0] = f15.x; q[1] = f04.x;", NIB1),
+    "nib: odd weights not divided by 16": (4, "fma(hi[r][s], 1048576.0f,", "fma(hi[r][s], 16777216.0f,", NIB1),
+    "nib: code bias off by one": (4, "fma(-8.0f, sx[s],", "fma(-7.0f, sx[s],", NIB1),
+    "nib: one x of eight left out of sum x": (2, "((xf[4] + xf[5]) + (xf[6] + xf[7]))", "((xf[4] + xf[5]) + xf[6])", NIB1),
+    "unguarded x path for a partial unit": (4, "if (XV && qd_wpu(FMT) * (u + 1) <= I) {", "if (XV && qd_wpu(FMT) * u < I) {", NIB1),
+    "hoisted scale of the wrong row": (4, "? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])", "? qd_seg_scale<FMT, GS>(scales, rows[0], ng, u, g, raw[j][r])", NIB1),
     "group index off by one": (4, "(32 * u + qd_seg(FMT, GS) * g) / GS", "(32 * u + qd_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),

@@ -27,6 +27,12 @@ MAX_SIMDGROUPS = 4              # split-K: SIMD groups sharing one threadgroup's
 # each row across more SIMD groups of a threadgroup.
 TARGET_SIMDGROUPS = 4096
 
+# fmt 2/4 decode (template NIB): 1 = nibble codes as exact fp16 subnormals, one -8 * sum(x) per
+# segment (fewer instructions per weight: the CUDA default); 0 = magic-number codes with a bias
+# op per nibble pair. Metal keeps 0 until fp16 subnormal conversion is confirmed on Apple GPUs
+# (the MSL simulator runs on the CPU, where it is exact).
+DEFAULT_NIB = {dispatch.METAL: 0, dispatch.CUDA: 1}
+
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
 OUTPUT_NAMES = ("y",)
 
@@ -114,7 +120,7 @@ def default_simdgroups(O: int, rows: int, n_units: int) -> int:
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
-                simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
+                simdgroups: Optional[int] = None, nib: Optional[int] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
     S = x.shape[0]
     rows = rows or default_rows(S)
@@ -131,7 +137,8 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     x_vec = int((qt.I * x.dtype.size) % 16 == 0)
     template = [("T", x.dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
-                ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups))]
+                ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
+                ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib))]
     return dispatch.LaunchSpec(
         name=NAME,
         input_names=INPUT_NAMES,

@@ -4,7 +4,8 @@
 // threads. Thread t of the block takes units t, t + 32 * NW, ... of each of its rows (see the
 // .metal file for the unit of each fmt): the NW warps split the row (split-K), the x values of
 // a unit are widened once for all ROWS rows, each decoded weight is applied to all S rows of x.
-// UNROLL units x ROWS rows of loads are issued before any arithmetic. fmt 2/4 decode nibble
+// UNROLL units x ROWS rows of loads (and fmt 4/5 scales) are issued before any arithmetic; a
+// unit wholly inside x's row reads x without bounds tests. fmt 2/4 decode nibble
 // pairs as half2 (exact), products and sums are float32; __shfl_xor_sync reduces a warp,
 // shared memory the NW warps. Rows past O (the last block) re-read row O - 1 and are not
 // written; MLX launches exactly ceil(O / ROWS) blocks of 32 * NW threads.
@@ -16,10 +17,13 @@ namespace colibri_qgemv {
 
 namespace qd = colibri_qd;
 
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
-__device__ __forceinline__ void unit(const uint32_t (*raw)[W], const T* x, const float* scales,
-                                     const uint32_t* e8grid, const int* rows, int ng, int I, int u,
-                                     float (*acc)[S]) {
+// acc[r][s] += sum over unit u of row r of w * x[s]. sc: the unit's segment scales when
+// they live in memory (loaded with the weights), else decoded here. XV 2: the unit lies
+// wholly inside x's row (aligned): x is read without per-8 bounds tests.
+template <int FMT, int GS, int S, int ROWS, int XV, int W, int NIB, typename T>
+__device__ __forceinline__ void unit(const uint32_t (*raw)[W], const T* x,
+                                     const float (*sc)[qd::wpu(FMT) / qd::seg(FMT, GS)],
+                                     const uint32_t* e8grid, int I, int u, float (*acc)[S]) {
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   int xoff[S];
 #pragma unroll
@@ -29,26 +33,30 @@ __device__ __forceinline__ void unit(const uint32_t (*raw)[W], const T* x, const
 #pragma unroll
   for (int g = 0; g < NSEG; ++g) {
     float d[ROWS][S];
-    qd::seg_dots<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, 0xFFFFFFFFu, I, u, g, e8grid, d);
+    qd::seg_dots<FMT, GS, S, ROWS, XV, W, T, NIB>(raw, x, xoff, 0xFFFFFFFFu, I, u, g, e8grid, d);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const float sc = qd::seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[r]);
+      const float f = qd::scales_in_memory(FMT) ? sc[r][g]
+                                                : qd::seg_scale<FMT, GS>(nullptr, 0, 0, u, g, raw[r]);
 #pragma unroll
       for (int s = 0; s < S; ++s) {
-        acc[r][s] += d[r][s] * sc;
+        acc[r][s] += d[r][s] * f;
       }
     }
   }
 }
 
 template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV,
-          typename T>
+          int NIB, typename T>
 __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const float* scales,
                                              const uint32_t* e8grid, const int* rows, int rb,
                                              int ng, int I, int n_units, int tid,
                                              float (*acc)[S]) {
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
+    // Load phase: the weights and (fmt 4/5) scales of UNROLL units x ROWS rows.
     uint32_t raw[UNROLL][ROWS][qd::words(FMT)];
+    float sc[UNROLL][ROWS][NSEG];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
@@ -56,14 +64,22 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           qd::load<FMT, VEC, W16>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+#pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            sc[j][r][g] = qd::scales_in_memory(FMT)
+                              ? qd::seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])
+                              : 1.0f;
+          }
         }
       }
     }
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
-      if (u < n_units) {
-        unit<FMT, GS, S, ROWS, XV, qd::words(FMT), T>(raw[j], x, scales, e8grid, rows, ng, I, u, acc);
+      if (XV && qd::wpu(FMT) * (u + 1) <= I) {
+        unit<FMT, GS, S, ROWS, 2, qd::words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
+      } else if (u < n_units) {
+        unit<FMT, GS, S, ROWS, XV, qd::words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
       }
     }
   }
@@ -100,10 +116,10 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
   const bool w16 = (reinterpret_cast<uintptr_t>(w) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   if (w16 && x16) {
-    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, T>(
+    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, T>(
         x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
   } else {
-    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, T>(
+    colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, T>(
         x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
   }
   colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
