@@ -20,7 +20,8 @@
 // whole 16-weight halves of a unit), VEC (2: rows a multiple of 16 bytes, 1: of 8 bytes,
 // vector loads; 0: byte loads that stop at the row end), XV (rows of x are 16-byte aligned:
 // x read 8 values per load), UNROLL, ROWS, NW, NIB (fmt 2/4 decode: 1 = fp16-subnormal codes
-// with one -8 sum x per segment, qd_seg_dots_nib; 0 = magic-number codes, qd_decode8).
+// with one -8 sum x per segment, qd_seg_dots_nib; 0 = magic-number codes, qd_decode8), PF
+// (1: the next step's loads are issued before this step's arithmetic, two register buffers).
 // params (int32[8], >= 8 elements so MLX puts it in device space):
 // O, I, row bytes, scales (fmt 4/5) or super-blocks (fmt 6) per row, units per row, 0, 0, 0.
 // The caller pads every input to >= 8 elements for the same reason, so helpers can take
@@ -55,6 +56,44 @@ inline void qg_unit(thread const uint (*raw)[W], const device T* x,
   }
 }
 
+// The weights and (fmt 4/5) scales of units base, base + 32 * NW, ... (UNROLL of them) of
+// the ROWS rows; units past the row are not read (and not computed).
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC>
+inline void qg_load_units(const device uint8_t* w, const device float* scales,
+                          thread const int* rows, int rb, int ng, int n_units, int base,
+                          thread uint (*raw)[ROWS][qd_words(FMT)],
+                          thread float (*sc)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)]) {
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (u < n_units) {
+      for (int r = 0; r < ROWS; ++r) {
+        qd_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        for (int g = 0; g < NSEG; ++g) {
+          sc[j][r][g] = qd_scales_in_memory(FMT)
+                            ? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])
+                            : 1.0f;
+        }
+      }
+    }
+  }
+}
+
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, typename T>
+inline void qg_compute_units(const device T* x, const device uint* e8grid, int I, int n_units,
+                             int base, thread const uint (*raw)[ROWS][qd_words(FMT)],
+                             thread const float (*sc)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)],
+                             thread float (*acc)[S]) {
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (XV && qd_wpu(FMT) * (u + 1) <= I) {
+      qg_unit<FMT, GS, S, ROWS, 2, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
+    } else if (u < n_units) {
+      qg_unit<FMT, GS, S, ROWS, XV, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
+    }
+  }
+}
+
 // ==== kernel body ====
   const int O = params[0];
   const int I = params[1];
@@ -78,31 +117,36 @@ inline void qg_unit(thread const uint (*raw)[W], const device T* x,
       acc[r][s] = 0.0f;
     }
   }
+  // PF 0: load UNROLL units x ROWS rows (weights and fmt 4/5 scales), then compute them.
+  // PF 1: two register buffers, the next step's loads issued before this step's arithmetic.
+  constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
-  for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
-    // Load phase: the weights and (fmt 4/5) scales of UNROLL units x ROWS rows.
-    uint raw[UNROLL][ROWS][qd_words(FMT)];
-    float sc[UNROLL][ROWS][NSEG];
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (u < n_units) {
-        for (int r = 0; r < ROWS; ++r) {
-          qd_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
-          for (int g = 0; g < NSEG; ++g) {
-            sc[j][r][g] = qd_scales_in_memory(FMT)
-                              ? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])
-                              : 1.0f;
-          }
-        }
+  constexpr int STEP = 32 * NW * UNROLL;
+  uint raw_a[UNROLL][ROWS][W];
+  float sc_a[UNROLL][ROWS][NSEG];
+  if (PF) {
+    uint raw_b[UNROLL][ROWS][W];
+    float sc_b[UNROLL][ROWS][NSEG];
+    qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, tid, raw_a, sc_a);
+    for (int base = tid; base < n_units; base += 2 * STEP) {
+      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base + STEP,
+                                                    raw_b, sc_b);
+      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
+                                                                 sc_a, acc);
+      if (base + STEP >= n_units) {
+        break;
       }
+      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units,
+                                                    base + 2 * STEP, raw_a, sc_a);
+      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units,
+                                                                 base + STEP, raw_b, sc_b, acc);
     }
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (XV && qd_wpu(FMT) * (u + 1) <= I) {
-        qg_unit<FMT, GS, S, ROWS, 2, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
-      } else if (u < n_units) {
-        qg_unit<FMT, GS, S, ROWS, XV, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
-      }
+  } else {
+    for (int base = tid; base < n_units; base += STEP) {
+      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base, raw_a,
+                                                    sc_a);
+      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
+                                                                 sc_a, acc);
     }
   }
   qd_simd_partials<ROWS, S>(acc, red, warp, lane);

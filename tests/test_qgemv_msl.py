@@ -111,12 +111,15 @@ def test_low_precision_x(fmt, nib, dtype):
 
 # Rows per threadgroup (O not a multiple: clamped rows), split-K SIMD groups, unroll depth, and
 # rows a multiple of 8 but not 16 bytes (VEC=1: the last unit's second half lies past the row).
+# PF 1: prefetching launches (odd and even step counts per lane, a step past the row's end).
 LAUNCHES = [dict(rows=1, simdgroups=1, unroll=1), dict(rows=2, simdgroups=2, unroll=3),
             dict(rows=4, simdgroups=4, unroll=2), dict(rows=8, simdgroups=1, unroll=1),
-            dict(rows=3, simdgroups=2, unroll=1)]
+            dict(rows=3, simdgroups=2, unroll=1), dict(rows=4, simdgroups=1, unroll=1, prefetch=1),
+            dict(rows=2, simdgroups=2, unroll=2, prefetch=1)]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d))
+@pytest.mark.parametrize("launch", LAUNCHES,
+                         ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d) + f"PF{d.get('prefetch', 0)}")
 @pytest.mark.parametrize("fmt,I", [(1, 264), (2, 272), (3, 352), (4, 2080), (5, 300), (6, 520)])
 def test_launch_variants(fmt, I, launch):
     S = 32 // launch["rows"] if launch["rows"] > 4 else 3
@@ -139,6 +142,8 @@ def test_tiny_inputs_are_padded_into_device_space():
 # threadgroup, so the split-K defects ask for several.
 SPLIT_K = {"simdgroups": 4, "rows": 2}
 NIB0 = {"nib": 0}
+# Rows of 2080 weights: 65 fmt 4 units, so each lane runs 2-3 prefetch steps.
+PREFETCH = {"prefetch": 1, "rows": 2, "simdgroups": 1, "unroll": 1, "I": 2080}
 NIB1 = {"nib": 1}
 DEFECTS = {
     "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;", NIB0),
@@ -152,21 +157,26 @@ DEFECTS = {
     "group index off by one": (4, "(32 * u + qd_seg(FMT, GS) * g) / GS", "(32 * u + qd_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
-    "last unit of a row skipped": (1, "if (u < n_units) {\n        qg_unit", "if (u + 1 < n_units) {\n        qg_unit"),
+    "last unit of a row skipped": (1, "} else if (u < n_units) {\n      qg_unit", "} else if (u + 1 < n_units) {\n      qg_unit"),
     "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
     "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
     "rows of a threadgroup shifted": (3, "rows[r] = min(row0 + r, O - 1);", "rows[r] = min(row0 + r + 1, O - 1);"),
     "split-K partial sums overwritten": (2, "v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];", SPLIT_K),
     "split-K barrier missing": (4, "threadgroup_barrier(mem_flags::mem_threadgroup);", "", SPLIT_K),
+    "prefetch: second buffer's step skipped": (2, "base + STEP, raw_b, sc_b, acc);", "base + 2 * STEP, raw_b, sc_b, acc);", PREFETCH),
+    "prefetch: loop stops after the first buffer": (4, "if (base + STEP >= n_units) {", "if (base + STEP >= 0) {", PREFETCH),
+    "prefetch: next step loaded into the live buffer": (4, "base + 2 * STEP, raw_a, sc_a);", "base + 2 * STEP, raw_b, sc_b);", PREFETCH),
 }
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_caught(defect):
     fmt, good, bad, *tuning = DEFECTS[defect]
-    qt = random_qtensor(fmt, 4, 300, gs=16, seed=7)
-    x = random_x(2, 300, seed=8)
-    spec = qgemv.launch_spec(x, qt, **(tuning[0] if tuning else {}))
+    tuning = dict(tuning[0]) if tuning else {}
+    I = tuning.pop("I", 300)
+    qt = random_qtensor(fmt, 4, I, gs=16, seed=7)
+    x = random_x(2, I, seed=8)
+    spec = qgemv.launch_spec(x, qt, **tuning)
     text = spec.header + spec.source
     assert text.count(good) == 1, f"defect '{defect}' no longer plants: {good!r} not found once"
     if good in spec.source:

@@ -33,6 +33,10 @@ TARGET_SIMDGROUPS = 4096
 # (the MSL simulator runs on the CPU, where it is exact).
 DEFAULT_NIB = {dispatch.METAL: 0, dispatch.CUDA: 1}
 
+# Template PF: 1 = the next step's weight loads are issued before this step's arithmetic (a
+# second register buffer); 0 = load, then compute.
+DEFAULT_PREFETCH = 0
+
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
 OUTPUT_NAMES = ("y",)
 
@@ -120,7 +124,8 @@ def default_simdgroups(O: int, rows: int, n_units: int) -> int:
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
-                simdgroups: Optional[int] = None, nib: Optional[int] = None) -> dispatch.LaunchSpec:
+                simdgroups: Optional[int] = None, nib: Optional[int] = None,
+                prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
     S = x.shape[0]
     rows = rows or default_rows(S)
@@ -138,7 +143,8 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     template = [("T", x.dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
-                ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib))]
+                ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
+                ("PF", int(DEFAULT_PREFETCH if prefetch is None else prefetch))]
     return dispatch.LaunchSpec(
         name=NAME,
         input_names=INPUT_NAMES,
