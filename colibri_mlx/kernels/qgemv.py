@@ -33,9 +33,13 @@ TARGET_SIMDGROUPS = 4096
 # (the MSL simulator runs on the CPU, where it is exact).
 DEFAULT_NIB = {dispatch.METAL: 0, dispatch.CUDA: 1}
 
-# Template PF: 1 = the next step's weight loads are issued before this step's arithmetic (a
-# second register buffer); 0 = load, then compute.
-DEFAULT_PREFETCH = 0
+
+
+def default_prefetch(fmt: int, S: int, backend: str) -> int:
+    """Template PF: 1 = the next step's weight loads are issued before this step's arithmetic
+    (a second register buffer, UNROLL 1 by default: bytes stay in flight while a warp decodes);
+    0 = load UNROLL units, then compute. CUDA fmt 2/4 (decode-heavy) with few rows of x."""
+    return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
 
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
 OUTPUT_NAMES = ("y",)
@@ -131,7 +135,8 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
-    unroll = unroll or default_unroll(qt.fmt, S)
+    prefetch = default_prefetch(qt.fmt, S, backend) if prefetch is None else int(prefetch)
+    unroll = unroll or (1 if prefetch else default_unroll(qt.fmt, S))
     n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     rb = row_bytes(qt.fmt, qt.I)
@@ -144,7 +149,7 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", int(DEFAULT_PREFETCH if prefetch is None else prefetch))]
+                ("PF", prefetch)]
     return dispatch.LaunchSpec(
         name=NAME,
         input_names=INPUT_NAMES,
