@@ -270,11 +270,11 @@ def _simdgroups(row_blocks: int, units: int) -> int:
     return nw
 
 
-def _template(p: Projection, S: int, rows: int, nw: int, x_dtype) -> list:
+def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str) -> list:
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
     return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
             ("VEC", p.vec), ("XV", x_vec), ("UNROLL", qgemv.default_unroll(max(p.fmt, 1), S)),
-            ("ROWS", int(rows)), ("NW", int(nw))]
+            ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
 
 def gate_up_rows(S: int) -> int:
@@ -301,7 +301,7 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                 group.lut, _params(p, K, n_slots, group.n_layer_experts)],
         output_shapes=[(n_slots, p.O)],
         output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, x.dtype))
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, x.dtype, backend))
 
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
@@ -319,7 +319,7 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
         inputs=[_pad8(h), p.packed, p.scales, e8grid(), _pad8(ids.reshape(-1).astype(mx.int32)),
                 group.lut, _pad8(weights.reshape(-1).astype(mx.float32)), _params(p, K, S * K, group.n_layer_experts)],
         output_shapes=[(S, p.O)], output_dtypes=[mx.float32], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32))
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32, backend))
 
 
 @functools.lru_cache(maxsize=None)
