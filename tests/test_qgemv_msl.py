@@ -189,3 +189,32 @@ def test_planted_defect_is_caught(defect):
         y = simulate(spec)
         assert_close(y, x, qt, defect)
     assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# The launch CUDA gets by default (qgemv.DEFAULT_NIB, default_prefetch for dispatch.CUDA), run
+# through the Metal source: the twin is the same algorithm, so this proves the GPU defaults on
+# odd I, partial groups, every gs and S = 1..8 before the one GPU run.
+
+
+@pytest.fixture
+def cuda_defaults(monkeypatch):
+    from colibri_mlx.kernels import dispatch
+
+    real = qgemv.default_prefetch
+    monkeypatch.setattr(qgemv, "DEFAULT_NIB", {k: qgemv.DEFAULT_NIB[dispatch.CUDA] for k in qgemv.DEFAULT_NIB})
+    monkeypatch.setattr(qgemv, "default_prefetch", lambda fmt, S, backend: real(fmt, S, dispatch.CUDA))
+
+
+@pytest.mark.parametrize("S", range(1, 9))
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_cuda_default_launch_every_S(cuda_defaults, fmt, S):
+    for O, I in SHAPES + [(9, 2080)]:
+        run_case(fmt, O, I, S=S, gs=48, seed=S + I, dtype=mx.bfloat16 if S % 3 == 0 else mx.float32)
+
+
+@pytest.mark.parametrize("gs", GS_CANDIDATES)
+def test_cuda_default_launch_every_group_size(cuda_defaults, gs):
+    run_case(4, 4, 520, S=1, gs=gs, seed=gs)
+    run_case(4, 3, 2 * gs + 1, S=2, gs=gs, seed=gs + 1)
+    run_case(4, 5, 40 * gs + 8, S=4, gs=gs, seed=gs + 2, dtype=mx.bfloat16)  # several PF steps
