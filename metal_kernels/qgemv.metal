@@ -84,9 +84,12 @@ inline void qg_compute_units(const device T* x, const device uint* e8grid, int I
                              int base, thread const uint (*raw)[ROWS][qd_words(FMT)],
                              thread const float (*sc)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)],
                              thread float (*acc)[S]) {
+  // The unguarded copy of the unit body only for S <= 4: with 8 rows of x the second copy
+  // costs registers (CUDA fmt 3 S = 8 spilled) for a small share of its instructions.
+  constexpr bool FULL_UNITS = S <= 4;
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (XV && qd_wpu(FMT) * (u + 1) <= I) {
+    if (XV && FULL_UNITS && qd_wpu(FMT) * (u + 1) <= I) {
       qg_unit<FMT, GS, S, ROWS, 2, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
     } else if (u < n_units) {
       qg_unit<FMT, GS, S, ROWS, XV, qd_words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);

@@ -79,10 +79,13 @@ __device__ __forceinline__ void compute_units(const T* x, const uint32_t* e8grid
                                               const uint32_t (*raw)[ROWS][qd::words(FMT)],
                                               const float (*sc)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)],
                                               float (*acc)[S]) {
+  // The unguarded copy of the unit body only for S <= 4: with 8 rows of x the second copy
+  // costs registers (fmt 3 S = 8 spilled) for a small share of its instructions.
+  constexpr bool FULL_UNITS = S <= 4;
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (XV && qd::wpu(FMT) * (u + 1) <= I) {
+    if (XV && FULL_UNITS && qd::wpu(FMT) * (u + 1) <= I) {
       unit<FMT, GS, S, ROWS, 2, qd::words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
     } else if (u < n_units) {
       unit<FMT, GS, S, ROWS, XV, qd::words(FMT), NIB, T>(raw[j], x, sc[j], e8grid, I, u, acc);
