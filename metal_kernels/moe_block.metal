@@ -12,7 +12,7 @@
 // Both kernels have qgemv's structure (metal_kernels/qgemv.metal, docs/kernels.md): a
 // threadgroup of NW SIMD groups owns ROWS consecutive output rows, thread t takes units
 // t, t + 32 * NW, ... (split-K across the SIMD groups, partial sums meet in threadgroup
-// memory), UNROLL units x rows of loads are issued before any arithmetic, x is widened once
+// memory), UNROLL units x rows of loads (and fmt 4/5 scales) are issued before any arithmetic, x is widened once
 // per 8 weights for all rows, decoding is qdecode.h's (prepended to this header).
 //
 // moe_gate_up: grid.y = slot. The slot that sees an expert first (its "leader") computes
@@ -28,7 +28,8 @@
 //
 // params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
 // K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
-// Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype);
+// Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype),
+// NIB (fmt 2/4 decode, qgemv's: 1 fp16-subnormal codes + one -8 sum x per segment, 0 magic);
 // moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it).
 
 // Slots (N * K) per call; moe.py MAX_SLOTS.
@@ -107,11 +108,15 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
   }
   for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
     uint raw[UNROLL][R2][W];
+    float scl[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
       if (u < n_units) {
         for (int r = 0; r < R2; ++r) {
           qd_load<FMT, VEC>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
         }
       }
     }
@@ -120,9 +125,9 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       if (u < n_units) {
         for (int g = 0; g < NSEG; ++g) {
           float d[R2][S];
-          qd_seg_dots<FMT, GS, S, R2, XV, W, T>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
+          qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
           for (int r = 0; r < R2; ++r) {
-            const float sc = qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
+            const float sc = qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
             for (int s = 0; s < S; ++s) {
               acc[r][s] += d[r][s] * sc;
             }
@@ -228,6 +233,7 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
   // Work item i = (distinct expert i / n_units, unit i % n_units).
   for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
     uint raw[UNROLL][ROWS][W];
+    float scl[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
     for (int j = 0; j < UNROLL; ++j) {
       const int item = base + 32 * NW * j;
       if (item < n_items) {
@@ -236,6 +242,9 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
         const size_t erow = size_t(sl[elead[je]]) * size_t(O);
         for (int r = 0; r < ROWS; ++r) {
           qd_load<FMT, VEC>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
         }
       }
     }
@@ -260,9 +269,9 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
         }
         for (int g = 0; g < NSEG; ++g) {
           float d[ROWS][S];
-          qd_seg_dots<FMT, GS, S, ROWS, XV, W, float>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+          qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
           for (int r = 0; r < ROWS; ++r) {
-            const float sc = qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r]) * rs[r];
+            const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
             for (int s = 0; s < S; ++s) {
               acc[r][s] += d[r][s] * (sc * wt[s]);
             }

@@ -99,6 +99,12 @@ inline float qd_seg_scale(const device float* scales, int row, int ng, int u, in
   return 1.0f;
 }
 
+// fmt 4/5 read their segment scales from memory: the kernels load them in the same phase as
+// the weights (so the latency overlaps); fmt 6 decodes its scale from the unit's own bytes.
+constexpr bool qd_scales_in_memory(int fmt) {
+  return fmt == 4 || fmt == 5;
+}
+
 // fmt 1-3: the row's one scale, applied after the row's reduction; 1 otherwise.
 template <int FMT>
 inline float qd_row_scale(const device float* scales, int row) {
@@ -198,10 +204,11 @@ inline void qd_load_x8(const device bfloat16_t* p, thread float* o) {
 }
 
 // x[i .. i + 7] of one row of x as float, zero past I (so padding codes contribute nothing).
-// XV: the row starts 16-byte aligned (vector loads).
+// XV 1: the row starts 16-byte aligned (vector loads); XV 2: also i + 8 <= I is known (the
+// caller checked its whole unit), no per-8 test.
 template <int XV, typename T>
 inline void qd_x8(const device T* xs, int I, int i, thread float* o) {
-  if (XV && i + 8 <= I) {
+  if (XV == 2 || (XV && i + 8 <= I)) {
     qd_load_x8(xs + i, o);
   } else {
     for (int k = 0; k < 8; ++k) {
@@ -210,15 +217,81 @@ inline void qd_x8(const device T* xs, int I, int i, thread float* o) {
   }
 }
 
+// fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
+// is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
+// 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); qd_seg_dots_nib applies 2^24, 1/16 and -8.
+inline void qd_nib8_sub(uint b, thread float* q) {
+  const uint b8 = b >> 8;
+  const float2 f04 = float2(as_type<half2>(b & 0x000F000Fu));
+  const float2 f15 = float2(as_type<half2>(b & 0x00F000F0u));
+  const float2 f26 = float2(as_type<half2>(b8 & 0x000F000Fu));
+  const float2 f37 = float2(as_type<half2>(b8 & 0x00F000F0u));
+  q[0] = f04.x; q[1] = f15.x; q[2] = f26.x; q[3] = f37.x;
+  q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
+}
+
+// qd_seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
+// the even / odd weights of q * x (two independent FMA chains), sum x once per segment for
+// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
+// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
+                            uint xmask, int I, int u, int g, thread float (*d)[S]) {
+  constexpr int WPU = qd_wpu(FMT);
+  constexpr int SEG = qd_seg(FMT, GS);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+    for (int r = 0; r < ROWS; ++r) {
+      qd_nib8_sub(raw[r][k0 >> 3], q[r]);
+    }
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        qd_x8<XV, T>(x + xoff[s], I, WPU * u + k0, xf);
+        sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+        for (int r = 0; r < ROWS; ++r) {
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = fma(-8.0f, sx[s], fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
+    }
+  }
+}
+
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+// NIB 1: fmt 2/4 via qd_seg_dots_nib (fp16 subnormal codes, one bias per segment); NIB 0:
+// qd_decode8's magic-number codes.
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0>
 inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                         uint xmask, int I, int u, int g, const device uint* e8grid,
                         thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
+  if (NIB && (FMT == 2 || FMT == 4)) {
+    qd_seg_dots_nib<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, xmask, I, u, g, d);
+    return;
+  }
   for (int r = 0; r < ROWS; ++r) {
     for (int s = 0; s < S; ++s) {
       d[r][s] = 0.0f;

@@ -117,9 +117,21 @@ def bench_kernel_only(fmt, O, I, x, gs, stack=16):
     return time_evals(outs) * (GEMVS_PER_EVAL // stack) / GEMVS_PER_EVAL, nbytes
 
 
-# The default launch (qgemv.launch_spec) first, then rows per threadgroup, split-K and unroll
-# variants around it.
-TUNINGS = [{}, {"rows": 8}, {"rows": 2}, {"unroll": 4}, {"simdgroups": 1}, {"simdgroups": 4}]
+# The default launch (qgemv.launch_spec) first, then variants around it: N = fmt 2/4 decode
+# (1 fp16-subnormal codes + one -8 sum x per segment, 0 magic-number codes + a bias op per
+# nibble pair), PF = register double buffer (next step's loads before this step's math),
+# R = rows per threadgroup, NW = SIMD groups per threadgroup (split-K), U = unroll.
+# PREVIOUS: the best launch of the first GPU run (R4 NW1 U2, magic decode, no prefetch) on
+# today's kernel (which also hoists the fmt 4 scale loads and skips per-8 x bounds tests).
+PREVIOUS = {"rows": 4, "simdgroups": 1, "unroll": 2, "nib": 0, "prefetch": 0}
+TUNINGS = [{}, PREVIOUS, {"rows": 4, "simdgroups": 1, "unroll": 2, "nib": 1, "prefetch": 0},
+           {"prefetch": 1, "unroll": 1, "nib": 0}, {"prefetch": 1, "unroll": 2},
+           {"rows": 8, "simdgroups": 1, "unroll": 1, "prefetch": 1},
+           {"rows": 8, "unroll": 1, "prefetch": 1}, {"rows": 2, "unroll": 2, "prefetch": 1},
+           {"simdgroups": 2}, {"simdgroups": 4}]
+# Small shapes are launch-overhead bound: fewer variants.
+SMALL_TUNINGS = [{}, PREVIOUS, {"rows": 8, "unroll": 1, "prefetch": 1}, {"simdgroups": 2},
+                 {"simdgroups": 4}]
 
 
 def launch_label(fmt, O, I, gs, x, tuning) -> str:
@@ -127,7 +139,8 @@ def launch_label(fmt, O, I, gs, x, tuning) -> str:
     qt = QTensor(mx.zeros((weight_nbytes(fmt, O, I, gs),), mx.uint8),
                  mx.zeros((scale_nbytes(fmt, O, I, gs) // 4,)), fmt, O, I, gs, "label")
     t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, **tuning).template)
-    return f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']}" + ("" if tuning else " (default)")
+    label = f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']} N{t['NIB']} PF{t['PF']}"
+    return label + (" (default)" if not tuning else " (previous)" if tuning == PREVIOUS else "")
 
 
 def row(label, O, I, t, nbytes, t_base=None):
@@ -135,40 +148,49 @@ def row(label, O, I, t, nbytes, t_base=None):
     r = {"kernel": label, "shape": f"{O}x{I}", "us": t * 1e6, "GB/s": bw / 1e9, "pct_peak": 100 * bw / PEAK}
     if t_base:
         r["x_vs_qmm"] = t_base / t
+    print("  " + format_row(r), flush=True)  # as it comes: a run cut short still reports
     return r
+
+
+def format_row(r) -> str:
+    return (f"{r['kernel']:48s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
+            f"{r.get('x_vs_qmm', 1.0):6.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--shapes", nargs="*", default=[f"{O}x{I}" for O, I in SHAPES],
+                    help="OxI shapes to time (default: all of SHAPES)")
+    ap.add_argument("--fmts", nargs="*", type=int, default=[1, 2, 3, 4, 5, 6])
     args = ap.parse_args()
     if dispatch.gpu_backend() != dispatch.CUDA:
         print("bench_qgemv: needs MLX's CUDA backend")
         return 2
     mx.random.seed(0)
     rows = []
-    for O, I in SHAPES:
+    for O, I in (tuple(int(v) for v in s.split("x")) for s in args.shapes):
         x = mx.random.normal((1, I)).astype(mx.bfloat16)
         t_qmm, b_qmm = bench_mlx_qmm(O, I, x)
         rows.append(row("mx.quantized_matmul 4b g64", O, I, t_qmm, b_qmm))
-        for fmt, gs in ((2, None), (4, 64)):
-            for tuning in TUNINGS:
+        tunings = TUNINGS if O * I >= 2**26 else SMALL_TUNINGS
+        for fmt, gs in ((f, 64 if f == 4 else None) for f in (2, 4) if f in args.fmts):
+            for tuning in tunings:
                 label = f"fmt {fmt} {O}x{I}" if not tuning else None
                 t, b = bench_ours(fmt, O, I, x, gs, label=label, **tuning)
                 rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, gs, x, tuning)}", O, I, t, b, t_qmm))
-            if O * I < 18432 * 7168:
+            if O * I < 2**26:
                 t, b = bench_kernel_only(fmt, O, I, x, gs)
                 rows.append(row(f"qgemv fmt {fmt} kernel only (16 stacked)", O, I, t, b, t_qmm))
-        for fmt in (1, 3, 5, 6):
+        for fmt in (f for f in (1, 3, 5, 6) if f in args.fmts):
             t, b = bench_ours(fmt, O, I, x)
             rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, None, x, {})}", O, I, t, b, t_qmm))
         print(f"done {O}x{I}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'kernel':40s} {'shape':>11s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s}")
+    print(f"\n{'kernel':48s} {'shape':>11s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s}")
     for r in rows:
-        print(f"{r['kernel']:40s} {r['shape']:>11s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} "
-              f"{r.get('x_vs_qmm', 1.0):6.2f}")
+        print(format_row(r))
     print("\nCPU time per GEMV until mx.async_eval returned (all launches encoded and submitted) vs the total:")
     for label, t in SUBMIT.items():
         print(f"  {label:24s} submit {t * 1e6:6.2f} us")

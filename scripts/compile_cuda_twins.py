@@ -172,6 +172,84 @@ def router_specs(full: bool):
                    router.topk_spec(mx.zeros((8, E), mx.float32), bias, cfg, shared, dispatch.CUDA))
 
 
+def cuobjdump() -> str | None:
+    """cuobjdump from PATH or the pip wheel nvidia-cuda-cuobjdump (no GPU needed)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # type: ignore  # the wheel's namespace package
+        for base in nvidia.cu13.__path__:
+            cand = Path(base) / "bin" / "cuobjdump"
+            if cand.exists():
+                return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+def sass_counts(sass: str) -> dict:
+    """Opcode histogram of a SASS listing (the mnemonic without modifiers)."""
+    counts: dict = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def sass_loops(sass: str, min_len: int = 40) -> list:
+    """(start, end, opcode histogram) of each backward-branch loop body of >= min_len
+    instructions: the hot loops whose instruction mix per weight byte we budget."""
+    ins = [(int(a, 16), op, line) for a, op, line in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    loops = []
+    for addr, op, rest in ins:
+        m = re.search(r"BRA\b", op) and re.search(r"`?\(?\.L_x_\d+\)?|0x([0-9a-f]+)", rest)
+        tgt = re.search(r"0x([0-9a-f]+)", rest) if m else None
+        if tgt and int(tgt.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(tgt.group(1), 16) <= a <= addr]
+            if len(body) >= min_len:
+                hist: dict = {}
+                for o in body:
+                    k = o.split()[-1].split(".")[0]
+                    hist[k] = hist.get(k, 0) + 1
+                loops.append((int(tgt.group(1), 16), addr, hist))
+    return loops
+
+
+def sass_hot_path(sass: str, start: int, end: int) -> dict:
+    """Opcode histogram of one trip through the loop [start, end] on its hot path: unconditional
+    branches are followed, a conditional forward branch is taken only when the code it skips
+    reads x element by element (LDG.E.U16 / U8: the bounds-tested tail of a row) and does no
+    FFMA (so it is only that tail's x load, not a whole unit), otherwise it
+    falls through (the "u < n_units" and "unit inside the row" tests hold in the bulk)."""
+    ins = [(int(a, 16), op, rest) for a, op, rest in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_.]*)([^;]*);", sass)]
+    index = {a: i for i, (a, _, _) in enumerate(ins)}
+    hist: dict = {}
+    i = index[start]
+    steps = 0
+    while i < len(ins) and steps < 100000:
+        addr, op, rest = ins[i]
+        steps += 1
+        name = op.split()[-1]
+        key = name.split(".")[0]
+        hist[key] = hist.get(key, 0) + 1
+        if addr == end:
+            break
+        if key == "BRA":
+            tgt = int(re.search(r"0x([0-9a-f]+)", rest).group(1), 16)
+            if tgt > addr and tgt in index:
+                skipped = [o for a, o, _ in ins[i + 1:index[tgt]]]
+                taken = not op.startswith("@") or (
+                    any(re.search(r"LDG\.E\.(U16|U8)", o) for o in skipped)
+                    and not any(o.split()[-1].startswith("FFMA") for o in skipped))
+                if taken:
+                    i = index[tgt]
+                    continue
+        i += 1
+    return hist
+
+
 def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
     name = "custom_kernel_" + re.sub(r"\W", "_", label)
     src = work / f"{name}.cu"
@@ -191,6 +269,14 @@ def main():
     ap.add_argument("--keep", type=Path, help="keep the generated sources here")
     ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla", "router"),
                     help="kernel families to compile (qgemv moe mla router)")
+
+
+    ap.add_argument("--sass", action="store_true",
+                    help="write <label>.sass next to each object (cuobjdump -sass) and print "
+                         "its opcode histogram; implies --keep into a temp dir if none given")
+    ap.add_argument("--match", default="", help="only labels containing this substring")
+    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla"),
+                    help="kernel families to compile (qgemv moe mla)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("compile_cuda_twins: nvcc not found")
@@ -201,7 +287,13 @@ def main():
     n_fail = 0
     families = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs, "router": router_specs}
     specs = ((f"{fam} {label}", spec) for fam in args.only for label, spec in families[fam](args.all))
+    dump = cuobjdump() if args.sass else None
+    if args.sass and dump is None:
+        print("compile_cuda_twins: --sass needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
+        return 2
     for label, spec in specs:
+        if args.match not in label:
+            continue
         ok, err = compile_one(label, spec, work, args.ptxas)
         n_fail += not ok
         info = ""
@@ -210,10 +302,21 @@ def main():
             spill = re.findall(r"(\d+) bytes spill stores", err)
             info = f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
         print(f"{'OK  ' if ok else 'FAIL'} {label}{info}", flush=True)
+        if ok and dump:
+            obj = work / ("custom_kernel_" + re.sub(r"\W", "_", label) + ".o")
+            sass = subprocess.run([dump, "-sass", str(obj)], capture_output=True, text=True).stdout
+            obj.with_suffix(".sass").write_text(sass)
+            hist = sorted(sass_counts(sass).items(), key=lambda kv: -kv[1])
+            print("     SASS " + " ".join(f"{k}:{v}" for k, v in hist[:24]) + f"  -> {obj.with_suffix('.sass')}")
+            for start, end, h in sass_loops(sass):
+                h = sass_hot_path(sass, start, end)
+                tot = sum(h.values())
+                top = " ".join(f"{k}:{v}" for k, v in sorted(h.items(), key=lambda kv: -kv[1])[:16])
+                print(f"     loop {start:#x}-{end:#x} hot path: {tot} instr  {top}")
         if not ok:
             print(err)
     print(f"compile_cuda_twins: {n_fail} failed (sources in {work})")
-    if not args.keep and not n_fail:
+    if not args.keep and not n_fail and not args.sass:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if n_fail else 0
 

@@ -142,6 +142,20 @@ def test_moe_launch_variants(metal, monkeypatch, fmt, nw, rows_gu, rows_d):
     run_moe(experts, N=2, K=3, ids=[[0, 2, 5], [5, 1, 2]], seed=30 + fmt)
 
 
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_moe_nib_decode(metal, monkeypatch, fmt):
+    # The fmt 2/4 decode CUDA launches by default (qgemv.DEFAULT_NIB: fp16-subnormal codes, one
+    # -8 * sum(x) per segment over only the tokens routed to the expert), here on Metal.
+    monkeypatch.setattr(moe.qgemv, "DEFAULT_NIB", {dispatch.METAL: 1, dispatch.CUDA: 1})
+    experts = make_experts([fmt] * 5, D=96, inter=40, gs=32, seed=40 + fmt)
+    run_moe(experts, N=2, K=3, seed=40 + fmt)
+    run_moe(experts, N=3, K=2, dtype=mx.bfloat16, seed=41)
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
+    monkeypatch.setattr(moe.qgemv, "default_rows", lambda S: 3)
+    experts = make_experts([fmt] * 6, D=136, inter=72, gs=48, seed=50 + fmt)
+    run_moe(experts, N=2, K=3, ids=[[0, 2, 5], [5, 1, 2]], seed=50 + fmt)
+
+
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)
@@ -162,6 +176,9 @@ def test_hadamard_matches_float64(n):
 # Planted defects
 
 
+# Scale defects of fmt 4 need fmt 4 experts alone: next to the fmt 6 experts of the default
+# mix their error stays inside the (fmt 6 dominated) budget.
+FMT4_ONLY = [4, 4, 4, 4, 4]
 MOE_DEFECTS = {
     "leader writes only its own slot": ("if (sl[b] == e) {\n          h[size_t(b) * O + row] = hv;",
                                         "if (b == a) {\n          h[size_t(b) * O + row] = hv;"),
@@ -176,6 +193,10 @@ MOE_DEFECTS = {
                                           "  // Thread r * S + s writes h"),
     "down expert table barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  const int n_items",
                                           "  const int n_items"),
+    "gate_up hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;",
+                                               "qd_seg_scale<FMT, GS>(sgu, rows[0], ng, u, g, raw[j][r]) : 1.0f;", FMT4_ONLY),
+    "down hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r]",
+                                            "qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[0]", FMT4_ONLY),
     "hadamard missing barrier": ("buf[i + hs] = u - v;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                  "buf[i + hs] = u - v;\n    }"),
 }
@@ -183,7 +204,7 @@ MOE_DEFECTS = {
 
 @pytest.mark.parametrize("defect", sorted(MOE_DEFECTS))
 def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
-    good, bad = MOE_DEFECTS[defect]
+    good, bad, *fmts = MOE_DEFECTS[defect]
     real = simulate
 
     def planted(spec, sim):
@@ -198,7 +219,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
     assert files.count(good) == 1, f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)   # split-K defects need NW > 1
-    experts = make_experts([6, 6, 4, 4, 6], D=300, inter=40, gs=32, seed=21)
+    experts = make_experts(fmts[0] if fmts else [6, 6, 4, 4, 6], D=300, inter=40, gs=32, seed=21)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         run_moe(experts, N=3, K=3, ids=[[0, 2, 1], [4, 4, 3], [0, 1, 2]], seed=21)
     assert "failed to compile" not in str(caught.value)

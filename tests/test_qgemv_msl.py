@@ -55,14 +55,19 @@ def simulate(spec, source=None) -> mx.array:
     return mx.array(np.asarray(y))
 
 
-def run_case(fmt, O, I, S, gs=None, dtype=mx.float32, seed=0):
+def run_case(fmt, O, I, S, gs=None, dtype=mx.float32, seed=0, nib=None):
     if dtype == mx.bfloat16:
         pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
     qt = random_qtensor(fmt, O, I, gs=gs, seed=seed)
     x = random_x(S, I, dtype=dtype, seed=seed + 1)
-    y = simulate(qgemv.launch_spec(x, qt))
+    y = simulate(qgemv.launch_spec(x, qt, nib=nib))
     assert y.dtype == dtype and y.shape == (S, O)
-    return assert_close(y, x, qt, f"fmt {fmt} {O}x{I} S={S} gs={gs} {dtype}")
+    return assert_close(y, x, qt, f"fmt {fmt} {O}x{I} S={S} gs={gs} {dtype} nib={nib}")
+
+
+# The fmt 2/4 decode variants (template NIB): 0 magic-number codes, 1 fp16-subnormal codes with
+# one -8 * sum(x) per segment. Both are launched by some backend's default (qgemv.DEFAULT_NIB).
+NIBS = [0, 1]
 
 
 # Odd I (odd nibble count: byte-load path), aligned I, partial fmt 5 groups / fmt 6 blocks,
@@ -76,39 +81,53 @@ def test_every_fmt_and_shape(fmt, O, I):
     run_case(fmt, O, I, S=1 + (O * I) % 8, gs=32, seed=fmt + I)
 
 
+@pytest.mark.parametrize("fmt", [2, 4])
+@pytest.mark.parametrize("O,I", SHAPES + [(3, 64), (4, 96)])
+def test_nib_decode_every_shape(fmt, O, I):
+    # (3, 64) / (4, 96): rows of whole units only (every unit takes the unguarded x path).
+    for nib in NIBS:
+        run_case(fmt, O, I, S=1 + (O * I + nib) % 8, gs=32, seed=fmt + I + nib, nib=nib)
+
+
+@pytest.mark.parametrize("nib", NIBS)
 @pytest.mark.parametrize("S", range(1, 9))
-def test_every_S(S):
-    run_case(4 if S % 2 else 2, 7, 200, S=S, gs=64, seed=S)
+def test_every_S(S, nib):
+    run_case(4 if S % 2 else 2, 7, 200, S=S, gs=64, seed=S, nib=nib)
 
 
+@pytest.mark.parametrize("nib", NIBS)
 @pytest.mark.parametrize("gs", GS_CANDIDATES)
-def test_fmt4_every_group_size(gs):
-    run_case(4, 4, 520, S=2, gs=gs, seed=gs)      # 520 = partial last group for most gs
-    run_case(4, 3, 2 * gs + 1, S=1, gs=gs, seed=gs + 1)  # odd I: unaligned rows
+def test_fmt4_every_group_size(gs, nib):
+    run_case(4, 4, 520, S=2, gs=gs, seed=gs, nib=nib)      # 520 = partial last group for most gs
+    run_case(4, 3, 2 * gs + 1, S=1, gs=gs, seed=gs + 1, nib=nib)  # odd I: unaligned rows
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("fmt", [4, 6])
-def test_low_precision_x(fmt, dtype):
-    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt)  # 600-byte rows of x: scalar loads
-    run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt)  # 16-byte aligned: vector loads
+@pytest.mark.parametrize("fmt,nib", [(4, 0), (4, 1), (2, 1), (6, None)])
+def test_low_precision_x(fmt, nib, dtype):
+    run_case(fmt, 5, 300, S=3, gs=48, dtype=dtype, seed=fmt, nib=nib)  # 600-byte rows of x: scalar loads
+    run_case(fmt, 5, 512, S=2, gs=32, dtype=dtype, seed=fmt, nib=nib)  # 16-byte aligned: vector loads
 
 
 # Rows per threadgroup (O not a multiple: clamped rows), split-K SIMD groups, unroll depth, and
 # rows a multiple of 8 but not 16 bytes (VEC=1: the last unit's second half lies past the row).
+# PF 1: prefetching launches (odd and even step counts per lane, a step past the row's end).
 LAUNCHES = [dict(rows=1, simdgroups=1, unroll=1), dict(rows=2, simdgroups=2, unroll=3),
             dict(rows=4, simdgroups=4, unroll=2), dict(rows=8, simdgroups=1, unroll=1),
-            dict(rows=3, simdgroups=2, unroll=1)]
+            dict(rows=3, simdgroups=2, unroll=1), dict(rows=4, simdgroups=1, unroll=1, prefetch=1),
+            dict(rows=2, simdgroups=2, unroll=2, prefetch=1)]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d))
+@pytest.mark.parametrize("launch", LAUNCHES,
+                         ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d) + f"PF{d.get('prefetch', 0)}")
 @pytest.mark.parametrize("fmt,I", [(1, 264), (2, 272), (3, 352), (4, 2080), (5, 300), (6, 520)])
 def test_launch_variants(fmt, I, launch):
     S = 32 // launch["rows"] if launch["rows"] > 4 else 3
     qt = random_qtensor(fmt, 7, I, gs=48, seed=fmt + I)
     x = random_x(min(S, 4), I, seed=fmt)
-    y = simulate(qgemv.launch_spec(x, qt, **launch))
-    assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch}")
+    for nib in (NIBS if fmt in (2, 4) else [None]):
+        y = simulate(qgemv.launch_spec(x, qt, nib=nib, **launch))
+        assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch} nib={nib}")
 
 
 def test_tiny_inputs_are_padded_into_device_space():
@@ -122,27 +141,42 @@ def test_tiny_inputs_are_padded_into_device_space():
 # (fmt, good, bad[, launch tuning]); the default launch for 4x300 is one SIMD group per
 # threadgroup, so the split-K defects ask for several.
 SPLIT_K = {"simdgroups": 4, "rows": 2}
+NIB0 = {"nib": 0}
+# Rows of 2080 weights: 65 fmt 4 units, so each lane runs 2-3 prefetch steps.
+PREFETCH = {"prefetch": 1, "rows": 2, "simdgroups": 1, "unroll": 1, "I": 2080}
+NIB1 = {"nib": 1}
 DEFECTS = {
-    "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;"),
-    "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))"),
+    "swapped nibbles": (2, "q[0] = n04.x; q[1] = n15.x;", "q[0] = n15.x; q[1] = n04.x;", NIB0),
+    "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))", NIB0),
+    "nib: swapped nibbles": (2, "q[0] = f04.x; q[1] = f15.x;", "q[0] = f15.x; q[1] = f04.x;", NIB1),
+    "nib: odd weights not divided by 16": (4, "fma(hi[r][s], 1048576.0f,", "fma(hi[r][s], 16777216.0f,", NIB1),
+    "nib: code bias off by one": (4, "fma(-8.0f, sx[s],", "fma(-7.0f, sx[s],", NIB1),
+    "nib: one x of eight left out of sum x": (2, "((xf[4] + xf[5]) + (xf[6] + xf[7]))", "((xf[4] + xf[5]) + xf[6])", NIB1),
+    "unguarded x path for a partial unit": (4, "if (XV && FULL_UNITS && qd_wpu(FMT) * (u + 1) <= I) {", "if (XV && FULL_UNITS && qd_wpu(FMT) * u < I) {", NIB1),
+    "hoisted scale of the wrong row": (4, "? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])", "? qd_seg_scale<FMT, GS>(scales, rows[0], ng, u, g, raw[j][r])", NIB1),
     "group index off by one": (4, "(32 * u + qd_seg(FMT, GS) * g) / GS", "(32 * u + qd_seg(FMT, GS) * g + 16) / GS"),
     "fmt 6 parity sign dropped": (6, "((popcount(seven) & 1u) << 7)", "0u"),
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
-    "last unit of a row skipped": (1, "if (u < n_units) {\nqg_unit", "if (u + 1 < n_units) {\nqg_unit"),
+    "last unit of a row skipped": (1, "} else if (u < n_units) {\nqg_unit", "} else if (u + 1 < n_units) {\nqg_unit"),
     "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
     "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
     "rows of a threadgroup shifted": (3, "rows[r] = min(row0 + r, O - 1);", "rows[r] = min(row0 + r + 1, O - 1);"),
     "split-K partial sums overwritten": (2, "v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];", SPLIT_K),
     "split-K barrier missing": (4, "threadgroup_barrier(mem_flags::mem_threadgroup);", "", SPLIT_K),
+    "prefetch: second buffer's step skipped": (2, "base + STEP, raw_b, sc_b, acc);", "base + 2 * STEP, raw_b, sc_b, acc);", PREFETCH),
+    "prefetch: loop stops after the first buffer": (4, "if (base + STEP >= n_units) {", "if (base + STEP >= 0) {", PREFETCH),
+    "prefetch: next step loaded into the live buffer": (4, "base + 2 * STEP, raw_a, sc_a);", "base + 2 * STEP, raw_b, sc_b);", PREFETCH),
 }
 
 
 @pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_planted_defect_is_caught(defect):
     fmt, good, bad, *tuning = DEFECTS[defect]
-    qt = random_qtensor(fmt, 4, 300, gs=16, seed=7)
-    x = random_x(2, 300, seed=8)
-    spec = qgemv.launch_spec(x, qt, **(tuning[0] if tuning else {}))
+    tuning = dict(tuning[0]) if tuning else {}
+    I = tuning.pop("I", 300)
+    qt = random_qtensor(fmt, 4, I, gs=16, seed=7)
+    x = random_x(2, I, seed=8)
+    spec = qgemv.launch_spec(x, qt, **tuning)
     text = spec.header + spec.source
     assert text.count(good) == 1, f"defect '{defect}' no longer plants: {good!r} not found once"
     if good in spec.source:
@@ -169,3 +203,32 @@ def test_stacked_rows_give_the_separate_launches_bits():
     np.testing.assert_array_equal(y[:, :24], np.asarray(simulate(qgemv.launch_spec(x, a, simdgroups=2))))
     np.testing.assert_array_equal(y[:, 24:], np.asarray(simulate(qgemv.launch_spec(x, b, simdgroups=2))))
     assert_close(mx.array(y), x, fused, "stacked")
+
+
+# ---------------------------------------------------------------------------------------
+# The launch CUDA gets by default (qgemv.DEFAULT_NIB, default_prefetch for dispatch.CUDA), run
+# through the Metal source: the twin is the same algorithm, so this proves the GPU defaults on
+# odd I, partial groups, every gs and S = 1..8 before the one GPU run.
+
+
+@pytest.fixture
+def cuda_defaults(monkeypatch):
+    from colibri_mlx.kernels import dispatch
+
+    real = qgemv.default_prefetch
+    monkeypatch.setattr(qgemv, "DEFAULT_NIB", {k: qgemv.DEFAULT_NIB[dispatch.CUDA] for k in qgemv.DEFAULT_NIB})
+    monkeypatch.setattr(qgemv, "default_prefetch", lambda fmt, S, backend: real(fmt, S, dispatch.CUDA))
+
+
+@pytest.mark.parametrize("S", range(1, 9))
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_cuda_default_launch_every_S(cuda_defaults, fmt, S):
+    for O, I in SHAPES + [(9, 2080)]:
+        run_case(fmt, O, I, S=S, gs=48, seed=S + I, dtype=mx.bfloat16 if S % 3 == 0 else mx.float32)
+
+
+@pytest.mark.parametrize("gs", GS_CANDIDATES)
+def test_cuda_default_launch_every_group_size(cuda_defaults, gs):
+    run_case(4, 4, 520, S=1, gs=gs, seed=gs)
+    run_case(4, 3, 2 * gs + 1, S=2, gs=gs, seed=gs + 1)
+    run_case(4, 5, 40 * gs + 8, S=4, gs=gs, seed=gs + 2, dtype=mx.bfloat16)  # several PF steps

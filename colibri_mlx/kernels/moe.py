@@ -300,11 +300,11 @@ def _simdgroups(row_blocks: int, units: int) -> int:
     return nw
 
 
-def _template(p: Projection, S: int, rows: int, nw: int, x_dtype) -> list:
+def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str) -> list:
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
     return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
             ("VEC", p.vec), ("XV", x_vec), ("UNROLL", qgemv.default_unroll(max(p.fmt, 1), S)),
-            ("ROWS", int(rows)), ("NW", int(nw))]
+            ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
 
 def gate_up_rows(S: int) -> int:
@@ -351,7 +351,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
         output_shapes=[(n_slots, p.O)], output_dtypes=[mx.float32],
         grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, S, rows, nw, x_dtype), params=_params(p, K, n_slots, group.n_layer_experts))
+        template=_template(p, S, rows, nw, x_dtype, backend), params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
 
@@ -369,7 +369,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32) + [("OT", out_dtype)],
+        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32, backend) + [("OT", out_dtype)],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 

@@ -29,6 +29,20 @@ MAX_SIMDGROUPS = 4              # split-K: SIMD groups sharing one threadgroup's
 # each row across more SIMD groups of a threadgroup.
 TARGET_SIMDGROUPS = 4096
 
+# fmt 2/4 decode (template NIB): 1 = nibble codes as exact fp16 subnormals, one -8 * sum(x) per
+# segment (fewer instructions per weight: the CUDA default); 0 = magic-number codes with a bias
+# op per nibble pair. Metal keeps 0 until fp16 subnormal conversion is confirmed on Apple GPUs
+# (the MSL simulator runs on the CPU, where it is exact).
+DEFAULT_NIB = {dispatch.METAL: 0, dispatch.CUDA: 1}
+
+
+
+def default_prefetch(fmt: int, S: int, backend: str) -> int:
+    """Template PF: 1 = the next step's weight loads are issued before this step's arithmetic
+    (a second register buffer, UNROLL 1 by default: bytes stay in flight while a warp decodes);
+    0 = load UNROLL units, then compute. CUDA fmt 2/4 (decode-heavy) with few rows of x."""
+    return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
+
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
 OUTPUT_NAMES = ("y",)
 
@@ -156,21 +170,22 @@ class _Static:
     header: str
 
 
-def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups) -> _Static:
+def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch) -> _Static:
     """Built on the first call and kept on the weight (:func:`_per_weight`)."""
-    key = (S, dtype, backend, unroll, rows, simdgroups)
+    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch)
     cache = _per_weight(qt, "_qgemv_static")
     hit = cache.get(key)
     if hit is None:
-        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups)
+        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch)
     return hit
 
 
-def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups) -> _Static:
+def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch) -> _Static:
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
-    unroll = unroll or default_unroll(qt.fmt, S)
+    prefetch = default_prefetch(qt.fmt, S, backend) if prefetch is None else int(prefetch)
+    unroll = unroll or (1 if prefetch else default_unroll(qt.fmt, S))
     n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     rb = row_bytes(qt.fmt, qt.I)
@@ -180,7 +195,9 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups) -> _Static:
     x_vec = int((qt.I * dtype.size) % 16 == 0)
     template = [("T", dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
-                ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups))]
+                ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
+                ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
+                ("PF", prefetch)]
     weight_inputs = (_at_least_8(packed), _at_least_8(scales), _e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[dtype],
@@ -191,9 +208,10 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups) -> _Static:
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
-                simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
+                simdgroups: Optional[int] = None, nib: Optional[int] = None,
+                prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
-    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups)
+    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
         inputs=[_at_least_8(x), *st.weight_inputs], output_shapes=st.output_shapes,

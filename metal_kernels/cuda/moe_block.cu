@@ -5,7 +5,8 @@
 // silu(g) * u is written to all of that expert's slots. moe_down: one block per ROWS output
 // rows; the work items (distinct expert, unit) are split across all threads, each applied to
 // every token that chose the expert with its gate weight; the sum over experts is one fixed
-// reduction (no atomics, deterministic). Decoding is qdecode.cuh's (prepended to this header).
+// reduction (no atomics, deterministic). Decoding is qdecode.cuh's (prepended to this header);
+// fmt 4/5 scales are loaded with the weights; NIB picks the fmt 2/4 decode (qgemv's).
 // Template values arrive as constexpr lines; MLX launches grid / block of 32 * NW threads.
 
 namespace colibri_moe {
@@ -31,7 +32,8 @@ __device__ __forceinline__ void slot_table(const int32_t* ids, const int32_t* lu
 }
 
 // acc[r][s] += the rows' units tid, tid + 32 * NW, ... against the tokens in `tokens`.
-template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, typename T>
+template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB,
+          typename T>
 __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, const float* sgu,
                                                 const uint32_t* e8grid, const int* rows,
                                                 const int* xoff, uint32_t tokens, int rb, int ng,
@@ -40,6 +42,7 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
     uint32_t raw[UNROLL][R2][W];
+    float scl[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const int u = base + 32 * NW * j;
@@ -47,6 +50,10 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
 #pragma unroll
         for (int r = 0; r < R2; ++r) {
           qd::load<FMT, VEC, W16>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+#pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
         }
       }
     }
@@ -57,10 +64,10 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           float d[R2][S];
-          qd::seg_dots<FMT, GS, S, R2, XV, W, T>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
+          qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
 #pragma unroll
           for (int r = 0; r < R2; ++r) {
-            const float sc = qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
+            const float sc = qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
 #pragma unroll
             for (int s = 0; s < S; ++s) {
               acc[r][s] += d[r][s] * sc;
@@ -73,7 +80,7 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
 }
 
 // acc[r][s] += work items (distinct expert i / n_units, unit i % n_units) tid, tid + 32 * NW, ...
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV>
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
                                              const uint32_t* e8grid, const int* sl,
                                              const int* elead, const int* eslot, const float* ewt,
@@ -83,6 +90,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
     uint32_t raw[UNROLL][ROWS][W];
+    float scl[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const int item = base + 32 * NW * j;
@@ -93,6 +101,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           qd::load<FMT, VEC, W16>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+#pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
         }
       }
     }
@@ -121,10 +133,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           float d[ROWS][S];
-          qd::seg_dots<FMT, GS, S, ROWS, XV, W, float>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+          qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
-            const float sc = qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r]) * rs[r];
+            const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
 #pragma unroll
             for (int s = 0; s < S; ++s) {
               acc[r][s] += d[r][s] * (sc * wt[s]);
@@ -196,10 +208,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool w16 = (reinterpret_cast<uintptr_t>(wgu) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   if (w16 && x16) {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, T>(
+    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, T>(
         x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   } else {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, T>(
+    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, T>(
         x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   }
   colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
@@ -299,10 +311,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool w16 = (reinterpret_cast<uintptr_t>(wd) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   if (w16 && x16) {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV>(
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB>(
         h, wd, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
   } else {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0>(
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB>(
         h, wd, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
   }
   colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);

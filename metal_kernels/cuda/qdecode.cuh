@@ -83,6 +83,12 @@ __device__ __forceinline__ float seg_scale(const float* scales, int row, int ng,
   return 1.0f;
 }
 
+// fmt 4/5 read their segment scales from memory: the kernels load them in the same phase as
+// the weights (so the latency overlaps); fmt 6 decodes its scale from the unit's own bytes.
+__device__ constexpr bool scales_in_memory(int fmt) {
+  return fmt == 4 || fmt == 5;
+}
+
 template <int FMT>
 __device__ __forceinline__ float row_scale(const float* scales, int row) {
   return (FMT >= 1 && FMT <= 3) ? scales[row] : 1.0f;
@@ -99,14 +105,23 @@ __device__ __forceinline__ __half2 as_half2(uint32_t v) {
   return h;
 }
 
+// (b & MASK) | MAGIC as one LOP3: written in C, nvcc emits an AND and an OR (a SASS LOP3 takes
+// one immediate), a quarter more instructions in the fmt 2/4 inner loop.
+template <uint32_t MASK, uint32_t MAGIC>
+__device__ __forceinline__ uint32_t and_or(uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(b), "n"(MASK), "n"(MAGIC));
+  return r;
+}
+
 // Nibbles n at bits 0 and 16 of b (lo) or 4 and 20 (hi), as the floats n - 8 (exact: half
 // 1024 + n minus 1032; half 1024 + 16n times 1/16 minus 72).
 __device__ __forceinline__ float2 nib_lo(uint32_t b) {
-  return __half22float2(__hsub2(as_half2((b & 0x000F000Fu) | 0x64006400u),
+  return __half22float2(__hsub2(as_half2(and_or<0x000F000Fu, 0x64006400u>(b)),
                                 __float2half2_rn(1032.0f)));
 }
 __device__ __forceinline__ float2 nib_hi(uint32_t b) {
-  return __half22float2(__hfma2(as_half2((b & 0x00F000F0u) | 0x64006400u),
+  return __half22float2(__hfma2(as_half2(and_or<0x00F000F0u, 0x64006400u>(b)),
                                 __float2half2_rn(0.0625f), __float2half2_rn(-72.0f)));
 }
 
@@ -188,10 +203,11 @@ __device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float* o) {
   }
 }
 
-// x[i .. i + 7] of one row of x as float, zero past I. XV: the row starts 16-byte aligned.
+// x[i .. i + 7] of one row of x as float, zero past I. XV 1: the row starts 16-byte aligned;
+// XV 2: also i + 8 <= I is known (the caller checked its whole unit), no per-8 test.
 template <int XV, typename T>
 __device__ __forceinline__ void x8(const T* xs, int I, int i, float* o) {
-  if (XV && i + 8 <= I) {
+  if (XV == 2 || (XV && i + 8 <= I)) {
     load_x8(xs + i, o);
   } else {
 #pragma unroll
@@ -201,14 +217,89 @@ __device__ __forceinline__ void x8(const T* xs, int I, int i, float* o) {
   }
 }
 
-// d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
-// rows of x whose bit is set in xmask (the others stay 0).
+// fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
+// is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
+// 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); seg_dots_nib applies 2^24, 1/16 and -8.
+__device__ __forceinline__ void nib8_sub(uint32_t b, float* q) {
+  const uint32_t b8 = b >> 8;
+  const float2 f04 = __half22float2(as_half2(b & 0x000F000Fu));
+  const float2 f15 = __half22float2(as_half2(b & 0x00F000F0u));
+  const float2 f26 = __half22float2(as_half2(b8 & 0x000F000Fu));
+  const float2 f37 = __half22float2(as_half2(b8 & 0x00F000F0u));
+  q[0] = f04.x; q[1] = f15.x; q[2] = f26.x; q[3] = f37.x;
+  q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
+}
+
+// seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
+// the even / odd weights of q * x (two independent FFMA chains), sum x once per segment for
+// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
+// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
 template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+__device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* x,
+                                             const int* xoff, uint32_t xmask, int I, int u,
+                                             int g, float (*d)[S]) {
+  constexpr int WPU = wpu(FMT);
+  constexpr int SEG = seg(FMT, GS);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      nib8_sub(raw[r][k0 >> 3], q[r]);
+    }
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        x8<XV, T>(x + xoff[s], I, WPU * u + k0, xf);
+        sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = fmaf(-8.0f, sx[s], fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
+    }
+  }
+}
+
+// d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
+// rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_nib
+// (fp16 subnormal codes, one bias per segment); NIB 0: decode8's magic-number codes.
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0>
 __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, const int* xoff,
                                          uint32_t xmask, int I, int u, int g,
                                          const uint32_t* e8grid, float (*d)[S]) {
   constexpr int WPU = wpu(FMT);
   constexpr int SEG = seg(FMT, GS);
+  if (NIB && (FMT == 2 || FMT == 4)) {
+    seg_dots_nib<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, xmask, I, u, g, d);
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
