@@ -269,14 +269,10 @@ def main():
     ap.add_argument("--keep", type=Path, help="keep the generated sources here")
     ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla", "router"),
                     help="kernel families to compile (qgemv moe mla router)")
-
-
     ap.add_argument("--sass", action="store_true",
                     help="write <label>.sass next to each object (cuobjdump -sass) and print "
                          "its opcode histogram; implies --keep into a temp dir if none given")
     ap.add_argument("--match", default="", help="only labels containing this substring")
-    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla"),
-                    help="kernel families to compile (qgemv moe mla)")
     args = ap.parse_args()
     if shutil.which("nvcc") is None:
         print("compile_cuda_twins: nvcc not found")

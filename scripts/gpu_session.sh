@@ -35,20 +35,20 @@ steps=("$@")
 for s in "${steps[@]}"; do
   case $s in
     checks)        # the three correctness steps at once: JIT compiles are CPU-bound, 16 cores
-                   (step check_twins 280 python3 scripts/check_kernels_gpu.py) &
-                   (step kernel_tests 280 python3 -m pytest -q tests/test_moe_block.py tests/test_mla_decode.py \
+                   (step check_twins 250 python3 scripts/check_kernels_gpu.py) &
+                   (step kernel_tests 250 python3 -m pytest -q tests/test_moe_block.py tests/test_mla_decode.py \
                       tests/test_moe_shared_slot.py tests/test_attention_glue.py \
                       $(ls tests/test_router*.py 2>/dev/null)) &
-                   (step parity 280 python3 -m pytest -q tests/test_model_parity.py \
+                   (step parity 250 python3 -m pytest -q tests/test_model_parity.py \
                       tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference) &
                    wait ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py ;;
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference ;;
-    bench_qgemv)   step bench_qgemv 150 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
-    bench_moe_mla) step bench_moe_mla 300 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
-    bench_e2e)     step bench_e2e 280 python3 scripts/bench_e2e.py --steps 16 ;;
+    bench_qgemv)   step bench_qgemv 130 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
+    bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
+    bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
     *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
   esac
 done
