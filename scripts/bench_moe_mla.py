@@ -78,6 +78,14 @@ def attention_weights(prefix):
             prefix + "o_proj.weight": rand_q4(D, H * V)}
 
 
+def as_activation_dtype(module):
+    """Float parameters (norm weights) in the activation dtype, as Model's loader casts them."""
+    for name, value in vars(module).items():
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            setattr(module, name, value.astype(ACT))
+    return module
+
+
 def table(weights):
     from colibri_mlx.models.loading import table_from_dict
 
@@ -193,7 +201,7 @@ def bench_mla(args, results):
 
     margs = ModelArgs.from_config(config())
     rope = make_rope(margs.rope, ROPE, margs.max_position_embeddings, True)
-    ours = [Attention(margs, table(attention_weights("a.")), "a.", 0) for _ in range(CHAIN)]
+    ours = [as_activation_dtype(Attention(margs, table(attention_weights("a.")), "a.", 0)) for _ in range(CHAIN)]
     lm_args = lm.ModelArgs(**{k: v for k, v in config().items() if k in lm.ModelArgs.__dataclass_fields__})
     theirs = [mlxlm_quantize(lm.DeepseekV3Attention(lm_args)) for _ in range(CHAIN)]
     xb = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(CHAIN)]

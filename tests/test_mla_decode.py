@@ -49,8 +49,9 @@ def check(**kw):
     assert not c["fallbacks"], c
     assert out.dtype == args[0].dtype
     R, rope = args[2].shape[-1], args[3].shape[-1]
-    tf32 = kernels.backend() == "cuda" and mla.choose_variant(R, rope) == "mma"
-    assert c["calls"].get(f"mla_attn/{mla.choose_variant(R, rope)}/{kernels.backend()}", 0) == int(GPU), c
+    variant = mla.choose_variant(R, rope, backend=kernels.backend(), dtype=args[0].dtype)
+    tf32 = kernels.backend() == "cuda" and variant == "mma"
+    assert c["calls"].get(f"mla_attn/{variant}/{kernels.backend()}", 0) == int(GPU), c
     return assert_mla_close(out, *args, selected=sel, label=str(kw), rel_attn=REL_TF32 if tf32 else REL)
 
 
@@ -78,3 +79,17 @@ def test_deepseek_heads(T):
 @gpu_only
 def test_deepseek_heads_dsa_2048_of_40000():
     check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
+
+
+@pytest.mark.parametrize("variant", ["mma", "simt"])
+def test_both_variants_at_every_edge(monkeypatch, variant):
+    """Float32 queries pick simt on CUDA by default (TF32 is not float32-exact): both variants are
+    forced here so each is checked on the GPU, at the edge cache lengths, DSA lists and batches."""
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
+    for T in (1, 4095, 4097):
+        check(T=T, seed=T, masked=T > 1)
+    check(B=2, L=3, T=300, cache=mx.bfloat16, masked=True, seed=1)
+    check(B=1, L=2, T=500, n_sel=64, seed=2)
+    if GPU:
+        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, cache=mx.bfloat16, seed=3)
+        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)

@@ -9,7 +9,7 @@ tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache po
 The attention has two variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
-(``mla_attn``, scalar FMAs). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
+(``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
 (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile,
 ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
 
@@ -124,9 +124,14 @@ def mma_heads(backend: str, heads: Optional[int] = None) -> int:
     return ht
 
 
-def choose_variant(R: int, rope: int, variant: Optional[str] = None) -> str:
-    """``variant`` or env COLIBRI_MLA_VARIANT (default ``mma``); ``simt`` where mma cannot run."""
-    want = variant or os.environ.get("COLIBRI_MLA_VARIANT", "mma")
+def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: str = dispatch.METAL,
+                   dtype=None) -> str:
+    """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` except for float32 queries on CUDA,
+    whose mma rounds q' and P to TF32 (2^-11): below the bfloat16 rounding of a bf16 model's own
+    activations, but not within float32 parity (1e-4 of scale), so a float32 model gets ``simt``.
+    Metal's simdgroup_matrix<float> is float32 throughout. ``simt`` where mma cannot run."""
+    default = "simt" if backend == dispatch.CUDA and dtype == mx.float32 else "mma"
+    want = variant or os.environ.get("COLIBRI_MLA_VARIANT", default)
     if want not in VARIANTS:
         raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
     if want == "mma" and (R % 8 or rope % 8):
@@ -153,7 +158,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if (p.O, p.I) != (H * (nope + v), R):
         raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
     P = T if selected is None else selected.shape[-1]
-    variant = choose_variant(R, rope, variant)
+    variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     mma = variant == "mma"
     HT = mma_heads(backend, heads)
     Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
