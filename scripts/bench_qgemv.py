@@ -114,7 +114,9 @@ def bench_kernel_only(fmt, O, I, x, gs, stack=16):
     def outs():
         return [qgemv.qgemv(x, qts[k % n], dispatch.CUDA) for k in range(GEMVS_PER_EVAL // stack)]
 
-    return time_evals(outs) * (GEMVS_PER_EVAL // stack) / GEMVS_PER_EVAL, nbytes
+    # time_evals divides one evaluation by GEMVS_PER_EVAL: here GEMVS_PER_EVAL // stack launches
+    # of `stack` GEMVs each, i.e. GEMVS_PER_EVAL GEMVs' worth: already the per-GEMV share.
+    return time_evals(outs), nbytes
 
 
 # The default launch (qgemv.launch_spec) first, then variants around it: N = fmt 2/4 decode
