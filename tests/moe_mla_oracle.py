@@ -187,3 +187,23 @@ def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
     ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
     assert ratio.max() <= 1.0, f"{label}: error {np.abs(got - want).max():.3g} over budget (ratio {ratio.max():.3g})"
     return float(ratio.max())
+
+
+def route_launches_to_simulator(monkeypatch, simulator) -> list:
+    """Send every hot-path kernel launch to the MSL simulator, as on a Mac (the GPU backend is
+    Metal; force_reference / COLIBRI_KERNELS=reference still win). Returns the launched kernels'
+    names, in order; expert banks are rebuilt for the Metal path."""
+    from colibri_mlx.kernels import dispatch, moe
+
+    launched = []
+
+    def launch(backend, spec):
+        assert backend == dispatch.METAL
+        launched.append(spec.name)
+        return simulate(spec, simulator)
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.METAL)
+    moe.clear_banks()
+    dispatch.reset_counters()
+    return launched

@@ -16,7 +16,7 @@ import pytest
 from colibri_mlx import kernels
 from colibri_mlx.kernels import dispatch, moe
 from kernel_oracle import random_qtensor
-from moe_mla_oracle import assert_moe_close, hadamard_f64, simulate
+from moe_mla_oracle import assert_moe_close, hadamard_f64, route_launches_to_simulator, simulate
 
 simulator = pytest.importorskip("msl.simulator")
 if not simulator.clang_available():
@@ -26,18 +26,7 @@ if not simulator.clang_available():
 @pytest.fixture
 def metal(monkeypatch):
     """Route every kernel launch of the hot paths to the simulator, as if on a Mac."""
-    launched = []
-
-    def launch(backend, spec):
-        assert backend == dispatch.METAL
-        launched.append(spec.name)
-        return simulate(spec, simulator)
-
-    monkeypatch.setattr(dispatch, "launch", launch)
-    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.METAL)
-    moe.clear_banks()
-    dispatch.reset_counters()
-    yield launched
+    yield route_launches_to_simulator(monkeypatch, simulator)
     moe.clear_banks()
 
 

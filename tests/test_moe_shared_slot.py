@@ -18,7 +18,7 @@ from colibri_mlx.kernels import dispatch, moe
 from colibri_mlx.models.deepseek_v3 import MoE, ModelArgs
 from colibri_mlx.models.loading import table_from_dict
 from kernel_oracle import random_qtensor
-from moe_mla_oracle import assert_moe_close, simulate
+from moe_mla_oracle import assert_moe_close, route_launches_to_simulator
 
 D, INTER, E, K = 64, 32, 16, 4
 
@@ -118,17 +118,7 @@ def metal(monkeypatch):
     simulator = pytest.importorskip("msl.simulator")
     if not simulator.clang_available():
         pytest.skip("clang not available for the MSL simulator")
-    launched = []
-
-    def launch(backend, spec):
-        launched.append(spec.name)
-        return simulate(spec, simulator)
-
-    monkeypatch.setattr(dispatch, "launch", launch)
-    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.METAL)
-    moe.clear_banks()
-    dispatch.reset_counters()
-    yield launched
+    yield route_launches_to_simulator(monkeypatch, simulator)
     moe.clear_banks()
 
 

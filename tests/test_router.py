@@ -19,7 +19,7 @@ import pytest
 
 from colibri_mlx.kernels import dispatch, router
 from colibri_mlx.kernels.router import RouterConfig
-from moe_mla_oracle import simulate
+from moe_mla_oracle import route_launches_to_simulator
 
 REL = 1e-4
 
@@ -105,17 +105,7 @@ def metal(monkeypatch):
     simulator = pytest.importorskip("msl.simulator")
     if not simulator.clang_available():
         pytest.skip("clang not available for the MSL simulator")
-    launched = []
-
-    def launch(backend, spec):
-        launched.append(spec.name)
-        return simulate(spec, simulator)
-
-    monkeypatch.setattr(dispatch, "launch", launch)
-    # The GPU backend is Metal; force_reference / COLIBRI_KERNELS=reference still win.
-    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.METAL)
-    dispatch.reset_counters()
-    return launched
+    return route_launches_to_simulator(monkeypatch, simulator)
 
 
 # ---------------------------------------------------------------------------------------
