@@ -194,24 +194,22 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         output_shapes=[(BL, Hp, R)], output_dtypes=[mx.float32],
         grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
 
-    def mma_spec(qabs):
-        return dispatch.LaunchSpec(
-            name="mla_attn_mma", input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
-            output_names=("pacc", "pml"), source=bodies["mla_attn_mma"], header=header,
-            inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
-            output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
-            grid=(SIMD * (HT // 4) * (Hp // HT), NT, BL), threadgroup=(SIMD * (HT // 4), 1, 1),
-            template=[("TC", latent.dtype), ("NSG", HT // 4), ("HT", HT),
-                      ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)])
+    if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
+        attn_name, attn_sg_count, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
+        attn_template = [("TC", latent.dtype), ("NSG", HT // 4), ("HT", HT),
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
+    else:
+        attn_name, attn_sg_count, attn_blocks = "mla_attn", attn_sg, head_groups
+        attn_template = [("TC", latent.dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", CJ), ("RJ", RJ)]
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
-            name="mla_attn", input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
-            output_names=("pacc", "pml"), source=bodies["mla_attn"], header=header,
+            name=attn_name, input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
+            output_names=("pacc", "pml"), source=bodies[attn_name], header=header,
             inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
-            grid=(SIMD * attn_sg * head_groups, NT, BL), threadgroup=(SIMD * attn_sg, 1, 1),
-            template=[("TC", latent.dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", CJ), ("RJ", RJ)])
+            grid=(SIMD * attn_sg_count * attn_blocks, NT, BL), threadgroup=(SIMD * attn_sg_count, 1, 1),
+            template=attn_template)
 
     def out_spec(pacc, pml):
         return dispatch.LaunchSpec(
@@ -224,7 +222,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
-        pacc, pml = launch(mma_spec(qabs) if mma else attn_spec(qabs))
+        pacc, pml = launch(attn_spec(qabs))
         (out,) = launch(out_spec(pacc, pml))
         return out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
 
