@@ -38,6 +38,22 @@ def test_budget_evicts_least_recently_used():
     assert DequantCache(budget_bytes=100).get(a) is None   # larger than the whole budget
 
 
+def test_a_weight_evicted_and_cached_again_keeps_one_finalizer():
+    a, b = (random_qtensor(4, 64, 256, gs=64, seed=s).to_mlx() for s in range(2))
+    cache = DequantCache(budget_bytes=4 * 64 * 256)   # room for one: a and b evict each other
+    for _ in range(5):
+        cache.get(a)
+        cache.get(b)
+    assert cache.misses == 10 and cache._watched == {id(a), id(b)}
+    assert sum(f.alive for f in weakref_finalizers_of(a)) == 1
+
+
+def weakref_finalizers_of(obj):
+    import weakref
+
+    return [f for f in weakref.finalize._registry if f.peek() and f.peek()[0] is obj]
+
+
 def test_entry_dies_with_its_qtensor():
     cache = DequantCache(budget_bytes=1 << 30)
     qt = random_qtensor(2, 16, 64, seed=1).to_mlx()
@@ -45,7 +61,7 @@ def test_entry_dies_with_its_qtensor():
     assert cache.used > 0
     del qt
     gc.collect()
-    assert cache.used == 0 and not cache._entries
+    assert cache.used == 0 and not cache._entries and not cache._watched
 
 
 def test_streamed_experts_are_not_cached():

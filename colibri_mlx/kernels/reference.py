@@ -190,6 +190,7 @@ class DequantCache:
         self.used = 0
         self.hits = self.misses = 0
         self._entries: OrderedDict = OrderedDict()   # id(qt) -> float32 [O, I]
+        self._watched: set = set()   # ids with a finalizer: one per QTensor, however often re-cached
 
     def get(self, qt) -> mx.array | None:
         nbytes = 4 * qt.O * qt.I
@@ -208,8 +209,14 @@ class DequantCache:
             self._drop(next(iter(self._entries)))
         self._entries[key] = w
         self.used += nbytes
-        weakref.finalize(qt, self._drop, key)
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(qt, self._forget, key)
         return w
+
+    def _forget(self, key) -> None:
+        self._watched.discard(key)
+        self._drop(key)
 
     def _drop(self, key) -> None:
         w = self._entries.pop(key, None)
