@@ -26,7 +26,8 @@ import numpy as np
 
 from ..formats.qtensor import QTensor
 from . import dispatch
-from .moe import UNIT_WEIGHTS, Projection, _pad8, e8grid, kernel_header, read_kernel_sections, weight_format
+from .moe import UNIT_WEIGHTS, Projection, kernel_header, read_kernel_sections, weight_format
+from .qgemv import at_least_8, e8grid
 
 MAX_QUERY_ROWS = 4
 SIMD = 32
@@ -70,7 +71,7 @@ def kv_b_projection(kv_b) -> Projection:
         packed = kv_b.packed if isinstance(kv_b.packed, mx.array) else mx.array(np.ascontiguousarray(kv_b.packed))
         scales = kv_b.scales if isinstance(kv_b.scales, mx.array) else mx.array(np.ascontiguousarray(kv_b.scales, np.float32))
         proj = Projection(fmt, gs, O, I, packed.reshape(-1).view(mx.uint8) if packed.dtype != mx.uint8 else packed.reshape(-1),
-                          _pad8(scales.astype(mx.float32)))
+                          at_least_8(scales.astype(mx.float32)))
     else:
         O, I = kv_b.shape
         proj = Projection(0, None, O, I, kv_b.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((8,), mx.float32))
@@ -190,7 +191,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     qabs_spec = dispatch.LaunchSpec(
         name="mla_qabs", input_names=("qn", "w", "scales", "e8grid", "params"), output_names=("qabs",),
         source=bodies["mla_qabs"], header=header,
-        inputs=[_pad8(qn), p.packed, p.scales, e8grid(), params],
+        inputs=[at_least_8(qn), p.packed, p.scales, e8grid(), params],
         output_shapes=[(BL, Hp, R)], output_dtypes=[mx.float32],
         grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
 
@@ -206,7 +207,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         return dispatch.LaunchSpec(
             name=attn_name, input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
             output_names=("pacc", "pml"), source=bodies[attn_name], header=header,
-            inputs=[qabs, _pad8(qr), latent, k_rope, mask_u8, sel, params, fparams],
+            inputs=[qabs, at_least_8(qr), latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
             grid=(SIMD * attn_sg_count * attn_blocks, NT, BL), threadgroup=(SIMD * attn_sg_count, 1, 1),
             template=attn_template)

@@ -28,7 +28,8 @@ import numpy as np
 
 from ..formats.qtensor import QTensor
 from . import dispatch, qgemv, reference
-from .reference import e8_grid_words, row_bytes, scales_per_row
+from .qgemv import at_least_8, e8grid
+from .reference import row_bytes, scales_per_row
 
 MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
 MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
@@ -69,17 +70,8 @@ def kernel_header(name: str, backend_name: str) -> str:
     return dispatch.decode_header(backend_name) + read_kernel_sections(name, backend_name)[0]
 
 
-def _pad8(a: mx.array) -> mx.array:
-    """``a`` as a kernel input of >= 8 elements (the kernels index it flat; MLX hands them
-    row-contiguous buffers, so no reshape is needed unless it must be padded)."""
-    if a.size >= PARAMS_LEN:
-        return a
-    a = a.reshape(-1)
-    return mx.concatenate([a, mx.zeros((PARAMS_LEN - a.size,), a.dtype)])
-
-
 def _as_input(a: mx.array, dtype) -> mx.array:
-    return _pad8(a if a.dtype == dtype else a.astype(dtype))
+    return at_least_8(a if a.dtype == dtype else a.astype(dtype))
 
 
 def _as_mx(a, dtype) -> mx.array:
@@ -88,15 +80,6 @@ def _as_mx(a, dtype) -> mx.array:
     if a.dtype == dtype:
         return a
     return a.view(dtype) if a.dtype.size == dtype.size and dtype == mx.uint8 else a.astype(dtype)
-
-
-_grid: dict = {}
-
-
-def e8grid() -> mx.array:
-    if "g" not in _grid:
-        _grid["g"] = mx.array(e8_grid_words())
-    return _grid["g"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,9 +224,9 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
         lut[[e for e, *_ in group]] = np.arange(len(group), dtype=np.int32)
         bank.groups.append(ExpertGroup(
             experts=[e for e, *_ in group],
-            gate_up=Projection(fmt, gs, O, I, mx.concatenate(gu_bytes), _pad8(mx.concatenate(gu_scales))),
-            down=Projection(fmt_d, gs_d, Od, Id, mx.concatenate(d_bytes), _pad8(mx.concatenate(d_scales))),
-            lut=_pad8(mx.array(lut)), n_layer_experts=E))
+            gate_up=Projection(fmt, gs, O, I, mx.concatenate(gu_bytes), at_least_8(mx.concatenate(gu_scales))),
+            down=Projection(fmt_d, gs_d, Od, Id, mx.concatenate(d_bytes), at_least_8(mx.concatenate(d_scales))),
+            lut=at_least_8(mx.array(lut)), n_layer_experts=E))
     return bank
 
 
@@ -380,7 +363,7 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
     """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
     st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups)
     p = group.gate_up
-    return st.spec([_pad8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
+    return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
@@ -390,7 +373,7 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     summed per token."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype)
     p = group.down
-    return st.spec([_pad8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
+    return st.spec([at_least_8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
                     _as_input(weights, mx.float32), st.params])
 
 
@@ -429,7 +412,7 @@ def hadamard_spec(x: mx.array, backend: str = dispatch.METAL) -> dispatch.Launch
     return dispatch.LaunchSpec(
         name="moe_hadamard", input_names=("x", "blocks", "signs", "params"), output_names=("y",),
         source=bodies["hadamard"], header=header,
-        inputs=[_pad8(x), *_rotation_inputs(n)],
+        inputs=[at_least_8(x), *_rotation_inputs(n)],
         output_shapes=[(N, n)], output_dtypes=[mx.float32],
         grid=(HADAMARD_TG * n_blocks, N, 1), threadgroup=(HADAMARD_TG, 1, 1),
         template=[("T", x.dtype), ("TG", HADAMARD_TG), ("MAXB", max(maxb, 2))])

@@ -84,7 +84,7 @@ def _per_weight(qt, name: str) -> dict:
     return cache
 
 
-def _at_least_8(a: mx.array) -> mx.array:
+def at_least_8(a: mx.array) -> mx.array:
     """Pad a tiny input to 8 elements so MLX gives it device (not constant) address space.
     Inputs of 8 or more elements go through untouched: no reshape node per call."""
     if a.size >= PARAMS_LEN:
@@ -97,7 +97,8 @@ _grid_mx: dict = {}
 _params_mx: dict = {}
 
 
-def _e8grid() -> mx.array:
+def e8grid() -> mx.array:
+    """The fmt 6 grid words as a kernel input, one device array for every kernel that decodes fmt 6."""
     g = _grid_mx.get("g")
     if g is None:
         g = _grid_mx["g"] = mx.array(e8_grid_words())
@@ -198,7 +199,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
                 ("PF", prefetch)]
-    weight_inputs = (_at_least_8(packed), _at_least_8(scales), _e8grid(), params(qt))
+    weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[dtype],
                    grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
@@ -214,7 +215,7 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
-        inputs=[_at_least_8(x), *st.weight_inputs], output_shapes=st.output_shapes,
+        inputs=[at_least_8(x), *st.weight_inputs], output_shapes=st.output_shapes,
         output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup, template=st.template)
 
 
