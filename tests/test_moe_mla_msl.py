@@ -415,3 +415,23 @@ def test_moe_bank_split_into_groups_below_32_bit_shapes(metal, monkeypatch):
     monkeypatch.setattr(moe, "MAX_BANK_BYTES", 2 * 2 * 1280 + 100)   # 1280 B a projection: two experts a group
     run_moe(experts, N=2, K=3, ids=[[0, 2, 4], [1, 2, 3]], seed=17)
     assert metal.count("moe_gate_up") == 3
+
+
+def test_repeated_launches_pass_the_same_source_objects():
+    """Every decode step must hand MLX the cached kernel text: dispatch finds kernels by the
+    identity of these strings, and a fresh copy per call would re-read the file and add an entry
+    to its identity table on every step."""
+    args, sel = mla_inputs()
+    names = []
+
+    def capture(spec):
+        names.append((spec.name, spec.source, spec.header))
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(spec.output_shapes, spec.output_dtypes)]
+
+    for variant in ("simt", "mma"):
+        names.clear()
+        for _ in range(2):
+            mla.launch_specs(*args, selected=sel, backend=dispatch.METAL, variant=variant)(capture)
+        first, second = names[:3], names[3:]
+        assert [n for n, *_ in first] == [n for n, *_ in second]
+        assert all(a[1] is b[1] and a[2] is b[2] for a, b in zip(first, second)), variant
