@@ -73,6 +73,42 @@ constexpr int mla_stage_pad() {
   return 8;
 }
 
+// ---- the staged chunk: 8 cache values per 16-byte load, raw until stored ----
+// A chunk's loads are issued before the previous chunk's arithmetic and widened only when the
+// next chunk is stored, so their latency hides behind that arithmetic (a widening right after
+// the load would wait for it). 8 values = one uint4 (2-byte types) or two (float).
+inline void mla_load8(const device float* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
+  w[1] = *((const device uint4*)(p + 4));
+}
+inline void mla_load8(const device half* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
+}
+inline void mla_load8(const device bfloat16_t* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
+}
+inline void mla_widen8(const thread uint4* w, thread float* o, const device float*) {
+  const uint v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+  for (int k = 0; k < 8; ++k) {
+    o[k] = as_type<float>(v[k]);
+  }
+}
+inline void mla_widen8(const thread uint4* w, thread float* o, const device half*) {
+  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+  for (int m = 0; m < 4; ++m) {
+    const float2 f = float2(as_type<half2>(v[m]));
+    o[2 * m] = f.x;
+    o[2 * m + 1] = f.y;
+  }
+}
+inline void mla_widen8(const thread uint4* w, thread float* o, const device bfloat16_t*) {
+  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32
+    o[2 * m] = as_type<float>(v[m] << 16);
+    o[2 * m + 1] = as_type<float>(v[m] & 0xFFFF0000u);
+  }
+}
+
 // Cache position of entry `pos` of query row q's list: the DSA list or the identity.
 inline int mla_position(const device int32_t* sel, int has_sel, int q, int P, int pos) {
   return has_sel ? sel[size_t(q) * P + pos] : pos;
@@ -300,7 +336,9 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   constexpr int RWS = RW + mla_stage_pad();    // staged position: R latent + rope columns, pad
   constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
   constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile
-  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
+  constexpr int UPP = RW / 8;                  // 8-value units per staged position
+  constexpr int NLU = (C * UPP + NSG * 32 - 1) / (NSG * 32);  // staged units per thread
+  constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
   static_assert(RW % 8 == 0, "8x8 matrix tiles");
@@ -344,21 +382,56 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       acc[rt][ct] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
   }
-  for (int c0 = p0; c0 < p1; c0 += C) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
-    for (int j = 0; j < NLD; ++j) {
-      const int k = tid + j * NSG * 32;
-      if (k < C * RW) {
-        const int c = k / RW;
-        const int col = k - c * RW;
-        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
-        if (c0 + c < p1) {
-          const int t = mla_position(sel, has_sel, q, P, c0 + c);
-          val = col < R ? float(latent[(size_t(b) * T + t) * R + col])
-                        : float(krope[(size_t(b) * T + t) * rope + col - R]);
-        }
-        lat_s[c * RWS + col] = val;
+  // The chunk's units in flight: raw cache words, or zero past the tile (weight 0, no NaN).
+  uint4 raw[NLU][2];
+  // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
+  simdgroup_float8x8 qt[NK][2];
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    for (int r = 0; r < 2; ++r) {
+      const int row0 = ht * 16 + r * 8;
+      if (k0 < R) {
+        simdgroup_load(qt[i][r], qa0 + size_t(row0) * R + k0, R);
+      } else if (k0 < RW) {
+        simdgroup_load(qt[i][r], qr0 + size_t(row0) * rope + (k0 - R), rope);
+      } else {
+        qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       }
+    }
+  }
+  for (int c0 = p0 - C; c0 < p1; c0 += C) {
+    // Iteration c0 multiplies chunk c0 while chunk c0 + C is in flight (c0 = p0 - C: only loads).
+    if (c0 >= p0) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
+      for (int j = 0; j < NLU; ++j) {
+        const int u = tid + j * NSG * 32;
+        if (u < C * UPP) {
+          const int c = u / UPP;
+          float f[8];
+          mla_widen8(raw[j], f, latent);
+          for (int k = 0; k < 8; ++k) {
+            lat_s[c * RWS + (u - c * UPP) * 8 + k] = f[k];
+          }
+        }
+      }
+    }
+    const int cn = c0 + C;                     // the chunk to load next
+    for (int j = 0; j < NLU && cn < p1; ++j) {
+      const int u = tid + j * NSG * 32;
+      raw[j][0] = raw[j][1] = uint4(0u);
+      const int c = u / UPP;
+      const int col = (u - c * UPP) * 8;
+      if (u < C * UPP && cn + c < p1) {
+        const int t = mla_position(sel, has_sel, q, P, cn + c);
+        if (col < R) {
+          mla_load8(latent + (size_t(b) * T + t) * R + col, raw[j]);
+        } else {
+          mla_load8(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
+        }
+      }
+    }
+    if (c0 < p0) {
+      continue;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
@@ -366,18 +439,14 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     for (int r = 0; r < 2; ++r) {
       s[r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
-    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
-      simdgroup_float8x8 kt;
-      simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);     // [k][position]
-      for (int r = 0; r < 2; ++r) {
-        const int row0 = ht * 16 + r * 8;
-        simdgroup_float8x8 qt;
-        if (k0 < R) {
-          simdgroup_load(qt, qa0 + size_t(row0) * R + k0, R);
-        } else {
-          simdgroup_load(qt, qr0 + size_t(row0) * rope + (k0 - R), rope);
+    for (int i = 0; i < NK; ++i) {
+      const int k0 = (kp + i * KP) * 8;
+      if (k0 < RW) {
+        simdgroup_float8x8 kt;
+        simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);     // [k][position]
+        for (int r = 0; r < 2; ++r) {
+          simdgroup_multiply_accumulate(s[r], qt[i][r], kt, s[r]);
         }
-        simdgroup_multiply_accumulate(s[r], qt, kt, s[r]);
       }
     }
     for (int r = 0; r < 2; ++r) {

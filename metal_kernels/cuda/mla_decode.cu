@@ -111,6 +111,47 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- the staged chunk: 8 cache values per 16-byte load, raw until stored ----
+// A chunk's loads are issued before the previous chunk's arithmetic and widened only when the
+// next chunk is stored, so their latency hides behind that arithmetic (a widening right after
+// the load would wait for it). 8 values = one uint4 (2-byte types) or two (float).
+__device__ __forceinline__ void mla_load8(const float* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
+  w[1] = *reinterpret_cast<const uint4*>(p + 4);
+}
+__device__ __forceinline__ void mla_load8(const __half* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void mla_load8(const __nv_bfloat16* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const float*) {
+  const uint32_t v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    o[k] = __uint_as_float(v[k]);
+  }
+}
+__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __half*) {
+  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    __half2 h;
+    memcpy(&h, &v[m], 4);
+    const float2 f = __half22float2(h);
+    o[2 * m] = f.x;
+    o[2 * m + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_bfloat16*) {
+  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32
+    o[2 * m] = __uint_as_float(v[m] << 16);
+    o[2 * m + 1] = __uint_as_float(v[m] & 0xFFFF0000u);
+  }
+}
+
 }  // namespace colibri_mla
 
 // ==== kernel body: mla_qabs ====
@@ -355,12 +396,14 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   constexpr int RWS = RW + colibri_mla::mla_stage_pad();  // staged position: R + rope columns, pad
   constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
   constexpr int KP = NSG / HTL;                // scores: warps (k-parts) per head tile
-  constexpr int NLD = (C * RW + NSG * 32 - 1) / (NSG * 32);   // staged elements per thread
+  constexpr int UPP = RW / 8;                  // 8-value units per staged position
+  constexpr int NLU = (C * UPP + NSG * 32 - 1) / (NSG * 32);  // staged units per thread
+  constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   static_assert(C == 8, "the chunk is one n8 / k8 fragment");
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
-  __shared__ float lat_s[C * RWS];             // TF32-rounded
+  __shared__ __align__(16) float lat_s[C * RWS];   // TF32-rounded
   __shared__ float sc_s[KP * HT * C];          // partial scores of each k-part
   __shared__ float p_s[HT * C];                // the chunk's softmax weights P[head][position]
   __shared__ float alpha_s[HT];                // the chunk's rescale per head
@@ -404,40 +447,74 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
   }
-  for (int c0 = p0; c0 < p1; c0 += C) {
-    __syncthreads();   // the previous chunk is consumed
+  // The chunk's units in flight: raw cache words, or zero past the tile (weight 0, no NaN).
+  uint4 raw[NLU][2];
+  // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
+  uint32_t qf[NK][4];                          // A = Q': (head, k), TF32
+  #pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    const float* qk = (k0 < R ? qa0 + size_t(ht * 16) * R + k0 : qr0 + size_t(ht * 16) * rope + (k0 - R));
+    const int qstride = k0 < R ? R : rope;
     #pragma unroll
-    for (int j = 0; j < NLD; ++j) {
-      const int k = tid + j * NSG * 32;
-      if (k < C * RW) {
-        const int c = k / RW;
-        const int col = k - c * RW;
-        float val = 0.0f;                      // past the tile: 0 (weight 0, no NaN)
-        if (c0 + c < p1) {
-          const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + c);
-          val = col < R ? static_cast<float>(latent[(size_t(b) * T + t) * R + col])
-                        : static_cast<float>(krope[(size_t(b) * T + t) * rope + col - R]);
+    for (int e = 0; e < 4; ++e) {
+      qf[i][e] = k0 < RW ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_a_col(lane, e)]) : 0u;
+    }
+  }
+  for (int c0 = p0 - C; c0 < p1; c0 += C) {
+    // Iteration c0 multiplies chunk c0 while chunk c0 + C is in flight (c0 = p0 - C: only loads).
+    if (c0 >= p0) {
+      __syncthreads();   // the previous chunk is consumed
+      #pragma unroll
+      for (int j = 0; j < NLU; ++j) {
+        const int u = tid + j * NSG * 32;
+        if (u < C * UPP) {
+          const int c = u / UPP;
+          float f[8];
+          colibri_mla::mla_widen8(raw[j], f, latent);
+          float4* dst = reinterpret_cast<float4*>(lat_s + c * RWS + (u - c * UPP) * 8);
+          dst[0] = make_float4(colibri_mla::tf32_round(f[0]), colibri_mla::tf32_round(f[1]),
+                               colibri_mla::tf32_round(f[2]), colibri_mla::tf32_round(f[3]));
+          dst[1] = make_float4(colibri_mla::tf32_round(f[4]), colibri_mla::tf32_round(f[5]),
+                               colibri_mla::tf32_round(f[6]), colibri_mla::tf32_round(f[7]));
         }
-        lat_s[c * RWS + col] = colibri_mla::tf32_round(val);
       }
+    }
+    const int cn = c0 + C;                     // the chunk to load next
+    if (cn < p1) {
+      #pragma unroll
+      for (int j = 0; j < NLU; ++j) {
+        const int u = tid + j * NSG * 32;
+        raw[j][0] = raw[j][1] = make_uint4(0u, 0u, 0u, 0u);
+        const int c = u / UPP;
+        const int col = (u - c * UPP) * 8;
+        if (u < C * UPP && cn + c < p1) {
+          const int t = colibri_mla::mla_position(sel, has_sel, q, P, cn + c);
+          if (col < R) {
+            colibri_mla::mla_load8(latent + (size_t(b) * T + t) * R + col, raw[j]);
+          } else {
+            colibri_mla::mla_load8(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
+          }
+        }
+      }
+    }
+    if (c0 < p0) {
+      continue;
     }
     __syncthreads();
     // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k0 = kp * 8; k0 < RW; k0 += KP * 8) {
-      uint32_t kf[2];                          // B = chunk^T: (k, n = position)
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        kf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_n(lane) * RWS + k0 + colibri_mla::frag_b_k(lane, i)]);
+    #pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      const int k0 = (kp + i * KP) * 8;
+      if (k0 < RW) {
+        uint32_t kf[2];                        // B = chunk^T: (k, n = position)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          kf[e] = __float_as_uint(lat_s[colibri_mla::frag_b_n(lane) * RWS + k0 + colibri_mla::frag_b_k(lane, e)]);
+        }
+        colibri_mla::mma_tf32(s, qf[i], kf);
       }
-      const float* qk = (k0 < R ? qa0 + size_t(ht * 16) * R + k0 : qr0 + size_t(ht * 16) * rope + (k0 - R));
-      const int qstride = k0 < R ? R : rope;
-      uint32_t qf[4];                          // A = Q': (head, k)
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        qf[i] = colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, i)) * qstride + colibri_mla::frag_a_col(lane, i)]);
-      }
-      colibri_mla::mma_tf32(s, qf, kf);
     }
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
