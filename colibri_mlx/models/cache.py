@@ -15,6 +15,7 @@ to, and do not count as positions (a sequence's first real token has position 0)
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 GROW_STEP = 256
 
@@ -58,6 +59,7 @@ class LatentCache:
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.offset = 0  # slots filled (padding included)
         self.left_padding: mx.array | None = None  # int32 [B]; None = no padding
+        self.padded = False  # some sequence has left padding (decode rows then need a mask)
         self.max_length = max_length
 
     def __getitem__(self, i: int) -> LayerCache:
@@ -77,6 +79,7 @@ class LatentCache:
         if pad.shape != (batch_size,):
             raise ValueError(f"left_padding has shape {pad.shape}, expected ({batch_size},)")
         self.left_padding = pad
+        self.padded = left_padding is not None and bool(np.any(np.asarray(left_padding) != 0))
 
     def advance(self, n: int) -> None:
         self.offset += n

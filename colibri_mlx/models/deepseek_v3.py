@@ -312,7 +312,8 @@ class Indexer:
                             0)  # [B, nh, L, T]
         head_weights = linear(x.astype(f32), self.weights_proj) * self.n_heads**-0.5  # [B, L, nh]
         index_scores = (head_weights[:, :, None, :] @ scores.transpose(0, 2, 1, 3))[:, :, 0]  # [B, L, T]
-        index_scores = mx.where(mask[:, 0], index_scores, -mx.inf)
+        if mask is not None:
+            index_scores = mx.where(mask[:, 0], index_scores, -mx.inf)
         return top_k_mask(index_scores, self.topk)[:, None]
 
 
@@ -468,7 +469,7 @@ class Attention:
         if self.indexer is not None:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
-            mask = mask & selection
+            mask = selection if mask is None else mask & selection
         out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
                                self.nope, self.v_dim)
         out = out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
@@ -673,7 +674,7 @@ class Model:
         start = cache.offset
         if start + L > self.max_length:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
-        cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L)
+        cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         selection = None
         for layer, layer_cache in zip(self.layers, cache.layers):
@@ -681,17 +682,20 @@ class Model:
         cache.advance(L)
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
 
-    def _positions_and_mask(self, left_padding: mx.array, start: int, L: int):
+    def _positions_and_mask(self, left_padding: mx.array, start: int, L: int, padded: bool = True):
         slots = mx.arange(start, start + L)
         pad = left_padding[:, None]
         positions = mx.maximum(slots[None, :] - pad, 0)  # [B, L]
         cos, sin = self.rope.cos_sin(positions)
-        keys = mx.arange(start + L)
-        mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None])
+        if L == 1 and not padded:
+            mask = None  # one row per sequence, no padding: it sees every key (mask ops and reads saved)
+        else:
+            keys = mx.arange(start + L)
+            mask = ((keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None]))[:, None]
         # One decode row of one sequence: attention rotates with mx.fast.rope at this position
         # (a scalar offset: every MLX backend takes it; batches keep cos/sin).
         rope_offset = positions.reshape(()) if positions.size == 1 else None
-        return cos, sin, mask[:, None], rope_offset  # mask [B, 1, L, T]
+        return cos, sin, mask, rope_offset  # mask [B, 1, L, T] or None
 
 
 # --------------------------------------------------------------------------------- sanitize
