@@ -80,6 +80,17 @@ def kv_b_projection(kv_b) -> Projection:
 
 
 _kvb: dict = {}
+_constants: dict = {}
+
+
+def _constant(key, make) -> mx.array:
+    """A small input that is the same on every call (placeholders, the scale), made and evaluated
+    once: built per call it would cost a fill launch or a host-to-device copy per layer and step."""
+    hit = _constants.get(key)
+    if hit is None:
+        hit = _constants[key] = make()
+        mx.eval(hit)
+    return hit
 
 
 def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
@@ -168,7 +179,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
-    fparams = mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32)
+    fparams = _constant(("scale", float(scale)), lambda: mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32))
     qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope).astype(mx.float32)
     qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope).astype(mx.float32)
     if Hp > H:
@@ -176,8 +187,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if mask is not None:
         mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
     else:
-        mask_u8 = mx.zeros((8,), mx.uint8)
-    sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else mx.zeros((8,), mx.int32)
+        mask_u8 = _constant("no mask", lambda: mx.zeros((8,), mx.uint8))
+    sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else _constant(
+        "no list", lambda: mx.zeros((8,), mx.int32))
     header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
     wpu = UNIT_WEIGHTS[p.fmt]
