@@ -2,7 +2,9 @@
 // latent cache, three launches (colibri_mlx/kernels/mla.py):
 //
 //   mla_qabs  q'[q, h, :] = W_UK^h^T q_nope[q, h]      one threadgroup per (head, query row);
-//             SIMD groups split the nope rows of W_UK^h, lanes own units of the R columns, so
+//             SIMD groups split the nope rows of W_UK^h, LW lanes a row own its units of the R
+//             columns (32 / LW rows side by side when a row has <= 16 units), RU rows a lane
+//             per step with all their loads issued first (latency, not bytes, bounds it), so
 //             every kv_b byte of W_UK is read once per query row; threadgroup reduction.
 //   mla_attn  split-K flash decoding: one threadgroup per (head group, tile of cache positions,
 //             query row), head group fastest in the grid so the head groups of one tile run
@@ -14,11 +16,13 @@
 //             online softmax runs once per chunk: one max / sum over 8 lanes, one rescale of the
 //             accumulator per chunk (not per position), then acc += p * latent for the 8
 //             positions. One partial (acc[R], m, l) per tile and head.
-//   mla_out   one threadgroup per (head, query row): merges the tiles' partials into the
-//             normalized latent context in threadgroup memory, then out = W_UV^h context
-//             (SIMD groups take rows, lanes units, simd_sum).
+//   mla_out   one threadgroup per (head, query row): the tile weights exp(m_t - max) once
+//             into threadgroup memory (threads split the tiles), the normalized latent context
+//             sum_t w_t pacc[t] with 8 tiles of loads in flight, then out = W_UV^h context (rows
+//             and lanes as mla_qabs, RU rows a step, loads first).
 //
-// Cache length has no cap: tiles are as many as needed, the merge loops over them. With an
+// Cache length has no cap: tiles are as many as needed up to NTMAX (mla.MAX_TILES, the merge's
+// weights in threadgroup memory), longer tiles beyond. With an
 // index list (DSA) the tiles run over the listed positions instead of 0..T-1. kv_b decoding
 // is qdecode.h's (prepended to this header). Math is float32 for any cache dtype.
 // The CUDA twin metal_kernels/cuda/mla_decode.cu implements the same algorithm.

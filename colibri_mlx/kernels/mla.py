@@ -10,7 +10,8 @@ The attention has two variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
 (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
-(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile,
+(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
+where it would make more than ``MAX_TILES`` tiles),
 ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.

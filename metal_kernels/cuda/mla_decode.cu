@@ -2,7 +2,8 @@
 // same algorithm; see the .metal file): mla_qabs (q' = W_UK^T q_nope), mla_attn (one block per
 // head group x cache tile x query row; C = 8 positions staged in shared memory as float, HB
 // heads per warp, reduce-scatter of the 32 partial scores, online softmax rescaled once per
-// chunk), mla_out (merge of the tiles, then W_UV). kv_b decoding is qdecode.cuh's (prepended).
+// chunk), mla_out (merge of the tiles, then W_UV; qabs and out read kv_b RU rows at a time, all
+// loads first). kv_b decoding is qdecode.cuh's (prepended).
 // Template values arrive as constexpr lines; MLX launches grid / block of 32 * NSG threads.
 // Generated from the .metal file by a mechanical port (Metal -> CUDA spellings); keep the two
 // in step.
