@@ -2,7 +2,9 @@
 // latent cache, three launches (colibri_mlx/kernels/mla.py):
 //
 //   mla_qabs  q'[q, h, :] = W_UK^h^T q_nope[q, h]      one threadgroup per (head, query row);
-//             SIMD groups split the nope rows of W_UK^h, lanes own units of the R columns, so
+//             SIMD groups split the nope rows of W_UK^h, LW lanes a row own its units of the R
+//             columns (32 / LW rows side by side when a row has <= 16 units), RU rows a lane
+//             per step with all their loads issued first (latency, not bytes, bounds it), so
 //             every kv_b byte of W_UK is read once per query row; threadgroup reduction.
 //   mla_attn  split-K flash decoding: one threadgroup per (head group, tile of cache positions,
 //             query row), head group fastest in the grid so the head groups of one tile run
@@ -14,11 +16,13 @@
 //             online softmax runs once per chunk: one max / sum over 8 lanes, one rescale of the
 //             accumulator per chunk (not per position), then acc += p * latent for the 8
 //             positions. One partial (acc[R], m, l) per tile and head.
-//   mla_out   one threadgroup per (head, query row): merges the tiles' partials into the
-//             normalized latent context in threadgroup memory, then out = W_UV^h context
-//             (SIMD groups take rows, lanes units, simd_sum).
+//   mla_out   one threadgroup per (head, query row): the tile weights exp(m_t - max) once
+//             into threadgroup memory (threads split the tiles), the normalized latent context
+//             sum_t w_t pacc[t] with 8 tiles of loads in flight, then out = W_UV^h context (rows
+//             and lanes as mla_qabs, RU rows a step, loads first).
 //
-// Cache length has no cap: tiles are as many as needed, the merge loops over them. With an
+// Cache length has no cap: tiles are as many as needed up to NTMAX (mla.MAX_TILES, the merge's
+// weights in threadgroup memory), longer tiles beyond. With an
 // index list (DSA) the tiles run over the listed positions instead of 0..T-1. kv_b decoding
 // is qdecode.h's (prepended to this header). Math is float32 for any cache dtype.
 // The CUDA twin metal_kernels/cuda/mla_decode.cu implements the same algorithm.
@@ -122,7 +126,9 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
 // ==== kernel body: mla_qabs ====
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
-  threadgroup float red[NSG * NU * WPU * 32];
+  constexpr int NSEG = WPU / SEG;
+  constexpr int RPS = 32 / LW;                 // rows side by side in a SIMD group
+  threadgroup float red[NSG * NU * LW * WPU];
   const int H = params[0];
   const int nope = params[1];
   const int v = params[2];
@@ -135,6 +141,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int sg = int(simdgroup_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
   const int tid = int(thread_index_in_threadgroup);
+  const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
+  const int ul = lane % LW;
   const int Hp = params[15];
   if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
     for (int c = tid; c < R; c += NSG * 32) {
@@ -142,37 +150,63 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     }
     return;
   }
+  const device float* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
   }
-  for (int n = sg; n < nope; n += NSG) {
-    const int row = h * (nope + v) + n;
-    const float xq = qn[(size_t(q) * H + h) * nope + n] * qd_row_scale<FMT>(scales, row);
-    const device uint8_t* wrow = w + size_t(row) * size_t(rb);
-    for (int j = 0; j < NU; ++j) {
-      const int u = lane + 32 * j;
-      if (u < n_units) {
-        uint r[qd_words(FMT)];
-        qd_load<FMT, VEC>(wrow, rb, u, r);
-        for (int g = 0; g < WPU / SEG; ++g) {
-          const float us = qd_seg_scale<FMT, GS>(scales, row, ng, u, g, r) * xq;
-          for (int c = 0; c < SEG; c += 8) {
-            float wq[8];
-            qd_decode8<FMT>(r, SEG * g + c, e8grid, wq);
-            for (int k = 0; k < 8; ++k) {
-              acc[j * WPU + SEG * g + c + k] += us * wq[k];
+  // RU rows a lane per step, all their loads (units, scales, q) issued before any math: one
+  // row at a time is a chain of dependent global-load latencies, the bytes themselves are few.
+  for (int n0 = 0; n0 < nope; n0 += NSG * RPS * RU) {
+    uint raw[RU][NU][qd_words(FMT)];
+    float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
+    float xq[RU];
+    for (int i = 0; i < RU; ++i) {
+      const int n = n0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + min(n, nope - 1);
+      xq[i] = n < nope ? qh[n] * qd_row_scale<FMT>(scales, row) : 0.0f;
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (n < nope && u < n_units) {
+          qd_load<FMT, VEC>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[i][j][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
+          }
+        }
+      }
+    }
+    for (int i = 0; i < RU; ++i) {
+      const int n = n0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + min(n, nope - 1);
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (n < nope && u < n_units) {
+          for (int g = 0; g < NSEG; ++g) {
+            const float sc = qd_scales_in_memory(FMT) ? scl[i][j][g] : qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]);
+            const float us = sc * xq[i];
+            for (int c = 0; c < SEG; c += 8) {
+              float wq[8];
+              qd_decode8<FMT>(raw[i][j], SEG * g + c, e8grid, wq);
+              for (int k = 0; k < 8; ++k) {
+                acc[j * WPU + SEG * g + c + k] += us * wq[k];
+              }
             }
           }
         }
       }
     }
   }
+  // Lanes ul, ul + LW, ... hold the same columns (of different rows): fold them into lane ul.
+  for (int s = 16; s >= LW; s >>= 1) {
+    for (int k = 0; k < NU * WPU; ++k) {
+      acc[k] += simd_shuffle_xor(acc[k], ushort(s));
+    }
+  }
   for (int j = 0; j < NU; ++j) {
-    const int u = lane + 32 * j;
-    if (u < n_units) {
+    const int u = ul + LW * j;
+    if (sub == 0 && u < n_units) {
       for (int k = 0; k < WPU; ++k) {
-        red[sg * NU * WPU * 32 + u * WPU + k] = acc[j * WPU + k];
+        red[(sg * NU * LW + u) * WPU + k] = acc[j * WPU + k];
       }
     }
   }
@@ -180,7 +214,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   for (int c = tid; c < R; c += NSG * 32) {
     float s = 0.0f;
     for (int g = 0; g < NSG; ++g) {
-      s += red[g * NU * WPU * 32 + c];
+      s += red[g * NU * LW * WPU + c];
     }
     qabs[(size_t(q) * Hp + h) * R + c] = s;
   }
@@ -520,7 +554,17 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   }
 // ==== kernel body: mla_out ====
   constexpr int WPU = qd_wpu(FMT);
+  constexpr int SEG = qd_seg(FMT, GS);
+  constexpr int NSEG = WPU / SEG;
+  constexpr int RPS = 32 / LW;                 // W_UV rows side by side in a SIMD group
+  constexpr int TPT = NTMAX / (NSG * 32);      // tiles per thread in the weight pass
+  constexpr int CPT = (RMAX + NSG * 32 - 1) / (NSG * 32);   // context columns per thread
+  constexpr int TU = 8;                        // tiles per batch of context loads
+  static_assert(NTMAX % (NSG * 32) == 0 && NTMAX % TU == 0, "whole weight passes and batches");
   threadgroup float ctx[RMAX];
+  threadgroup float wt[NTMAX];                 // exp(m_t - max) of tile t; 0 past NT
+  threadgroup float mx_s[NSG];
+  threadgroup float den_s[NSG];
   const int H = params[0];
   const int nope = params[1];
   const int v = params[2];
@@ -534,45 +578,125 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int sg = int(simdgroup_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
   const int tid = int(thread_index_in_threadgroup);
+  const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
+  const int ul = lane % LW;
   const size_t part0 = (size_t(q) * H + h) * NT;
-  float mx_ = -INFINITY;
-  for (int t = 0; t < NT; ++t) {
-    mx_ = max(mx_, pml[2 * (part0 + t)]);
+  // Tile weights once per threadgroup (NT <= NTMAX, mla.py caps it): threads split the tiles,
+  // every (m, l) load issued at once, max and denominator reduced across the threadgroup.
+  float mt[TPT];
+  float lt[TPT];
+  for (int k = 0; k < TPT; ++k) {
+    const int t = tid + k * NSG * 32;
+    mt[k] = t < NT ? pml[2 * (part0 + t)] : -INFINITY;
+    lt[k] = t < NT ? pml[2 * (part0 + t) + 1] : 0.0f;
   }
-  float den = 0.0f;
-  for (int t = 0; t < NT; ++t) {
-    den += exp(pml[2 * (part0 + t)] - mx_) * pml[2 * (part0 + t) + 1];
+  float mloc = mt[0];
+  for (int k = 1; k < TPT; ++k) {
+    mloc = max(mloc, mt[k]);
   }
-  for (int c = tid; c < RMAX; c += NSG * 32) {
-    float s = 0.0f;
-    for (int t = 0; t < NT && c < R; ++t) {
-      s += exp(pml[2 * (part0 + t)] - mx_) * pacc[(part0 + t) * R + c];
-    }
-    ctx[c] = s / den;                          // 0 past R: the last unit's padding weights
+  mloc = simd_max(mloc);
+  if (lane == 0) {
+    mx_s[sg] = mloc;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int vi = sg; vi < v; vi += NSG) {
-    const int row = h * (nope + v) + nope + vi;
-    const device uint8_t* wrow = w + size_t(row) * size_t(rb);
-    float a = 0.0f;
-    for (int u = lane; u < n_units; u += 32) {
-      uint r[qd_words(FMT)];
-      qd_load<FMT, VEC>(wrow, rb, u, r);
-      for (int g = 0; g < WPU / qd_seg(FMT, GS); ++g) {
-        float d = 0.0f;
-        for (int c = 0; c < qd_seg(FMT, GS); c += 8) {
-          const int k0 = qd_seg(FMT, GS) * g + c;
-          float wq[8];
-          qd_decode8<FMT>(r, k0, e8grid, wq);
-          for (int k = 0; k < 8; ++k) {
-            d += wq[k] * ctx[u * WPU + k0 + k];
-          }
-        }
-        a += d * qd_seg_scale<FMT, GS>(scales, row, ng, u, g, r);
+  float mx_ = mx_s[0];
+  for (int g = 1; g < NSG; ++g) {
+    mx_ = max(mx_, mx_s[g]);
+  }
+  float dloc = 0.0f;
+  for (int k = 0; k < TPT; ++k) {
+    const int t = tid + k * NSG * 32;
+    const float e = t < NT ? exp(mt[k] - mx_) : 0.0f;
+    wt[t] = e;
+    dloc += e * lt[k];
+  }
+  dloc = simd_sum(dloc);
+  if (lane == 0) {
+    den_s[sg] = dloc;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float den = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    den += den_s[g];
+  }
+  // ctx[c] = sum_t w_t pacc[t][c] / den: CPT columns x TU tiles of loads in flight per batch.
+  float s[CPT];
+  for (int j = 0; j < CPT; ++j) {
+    s[j] = 0.0f;
+  }
+  for (int t0 = 0; t0 < NT; t0 += TU) {
+    float pv[CPT][TU];
+    for (int j = 0; j < CPT; ++j) {
+      const int c = tid + j * NSG * 32;
+      for (int k = 0; k < TU; ++k) {
+        pv[j][k] = (c < R && t0 + k < NT) ? pacc[(part0 + t0 + k) * R + c] : 0.0f;
       }
     }
-    a = simd_sum(a);
-    if (lane == 0) {
-      out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a * qd_row_scale<FMT>(scales, row));
+    for (int j = 0; j < CPT; ++j) {
+      for (int k = 0; k < TU; ++k) {
+        s[j] += wt[t0 + k] * pv[j][k];
+      }
+    }
+  }
+  for (int j = 0; j < CPT; ++j) {
+    const int c = tid + j * NSG * 32;
+    if (c < RMAX) {
+      ctx[c] = s[j] / den;                     // 0 past R: the last unit's padding weights
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // W_UV rows RU a lane per step, all loads (units, scales) before the dot products.
+  for (int v0 = 0; v0 < v; v0 += NSG * RPS * RU) {
+    uint raw[RU][NU][qd_words(FMT)];
+    float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
+    float rs[RU];                              // fmt 1-3 row scales
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + nope + min(vi, v - 1);
+      rs[i] = qd_row_scale<FMT>(scales, row);
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (vi < v && u < n_units) {
+          qd_load<FMT, VEC>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[i][j][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
+          }
+        }
+      }
+    }
+    float a[RU];
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + nope + min(vi, v - 1);
+      a[i] = 0.0f;
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (vi < v && u < n_units) {
+          for (int g = 0; g < NSEG; ++g) {
+            float d = 0.0f;
+            for (int c = 0; c < SEG; c += 8) {
+              const int k0 = SEG * g + c;
+              float wq[8];
+              qd_decode8<FMT>(raw[i][j], k0, e8grid, wq);
+              for (int k = 0; k < 8; ++k) {
+                d += wq[k] * ctx[u * WPU + k0 + k];
+              }
+            }
+            a[i] += d * (qd_scales_in_memory(FMT) ? scl[i][j][g] : qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]));
+          }
+        }
+      }
+    }
+    // Sum over the LW lanes of each row (lane groups of LW are xor-closed).
+    for (int m = LW / 2; m >= 1; m >>= 1) {
+      for (int i = 0; i < RU; ++i) {
+        a[i] += simd_shuffle_xor(a[i], ushort(m));
+      }
+    }
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      if (ul == 0 && vi < v) {
+        out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a[i] * rs[i]);
+      }
     }
   }

@@ -285,6 +285,32 @@ def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, heads, H, R, rope, t
     run_mla(metal, H=H, R=R, rope=rope, T=61, tile=tile, masked=True, seed=40 + H, variant="mma", heads=heads)
 
 
+@pytest.mark.parametrize("fmt,R,nope,v", [(4, 512, 40, 24), (0, 520, 21, 9), (5, 128, 19, 8), (2, 96, 16, 8)])
+def test_mla_kv_b_rows_split_over_lanes(metal, fmt, R, nope, v):
+    # mla_qabs / mla_out take LW lanes a kv_b row (32 / LW rows side by side), RU rows a lane per
+    # step: 16 units (DeepSeek's R 512 fmt 4: two rows a SIMD group, 64 a step of 40 rows),
+    # 65 (fmt 0: 32 lanes, 3 units a lane, 2 rows a step), 2, 6 units: steps past nope and v.
+    assert mla.unit_lanes(16) == (16, 1, 8) and mla.unit_lanes(65) == (32, 3, 2)
+    run_mla(metal, fmt=fmt, R=R, nope=nope, v=v, T=20, tile=8, seed=fmt + R, variant="simt")
+
+
+@VARIANTS
+def test_mla_tiles_capped_for_the_merge(metal, variant):
+    # mla_out keeps one weight per tile in threadgroup memory (MAX_TILES of them): a forced
+    # 1-position tile over 1100 positions becomes 3 positions, 367 tiles (3 a thread of the
+    # weight pass, the last pass partial).
+    args, _ = mla_inputs(T=1100, masked=True, seed=8)
+    shapes = []
+
+    def launch(spec):
+        shapes.append(spec.output_shapes)
+        return simulate(spec, simulator)
+
+    out = mla.launch_specs(*args, tile=1, variant=variant)(launch)
+    assert mla.MAX_TILES == 512 and shapes[1][1] == (1, 4, 367, 2)
+    assert_mla_close(out, *args)
+
+
 def test_mla_mma_heads_choice(monkeypatch):
     monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
     assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 16
@@ -335,7 +361,11 @@ def test_mla_dispatch_counts(metal, monkeypatch, env, want):
 
 MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
     "online softmax without rescale": ("acc[i][j] *= al;", ""),
-    "tile merge ignores max": ("s += exp(pml[2 * (part0 + t)] - mx_) * pacc", "s += pacc"),
+    "tile merge ignores the tile weights": ("s[j] += wt[t0 + k] * pv[j][k];", "s[j] += pv[j][k];"),
+    "tile weights read without a barrier": ("    den_s[sg] = dloc;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                            "    den_s[sg] = dloc;\n  }"),
+    "qabs rows of a SIMD group not folded": ("acc[k] += simd_shuffle_xor(acc[k], ushort(s));", ""),
+    "W_UV row summed over half its lanes": ("for (int m = LW / 2; m >= 1; m >>= 1) {", "for (int m = LW / 4; m >= 1; m >>= 1) {"),
     "rope part dropped": ("d[i * C + c] += qr[i][j] * kv;", "d[i * C + c] += 0.0f;"),
     "qabs reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g",
                                        "  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g"),

@@ -10,7 +10,8 @@ The attention has two variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
 (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
-(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile,
+(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
+where it would make more than ``MAX_TILES`` tiles),
 ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
@@ -53,6 +54,12 @@ MMA_MIN_TILE = 64
 # an SM (132 SMs); each block stages its chunks one after another (latency-bound), so blocks
 # must run side by side, while every tile adds a partial of R floats per head to write and merge.
 MMA_TARGET_BLOCKS = 384
+# mla_out keeps one weight per tile in threadgroup memory (NTMAX floats): longer caches get
+# longer tiles instead of more. A multiple of 32 * NSG (whole passes of the weight loop).
+MAX_TILES = 512
+# kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
+# all loaded before any decoding): they are latency-bound, the bytes per row are few.
+UNITS_IN_FLIGHT = 8
 
 
 def _ceil_div(a, b):
@@ -108,6 +115,15 @@ def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
 
 def _heads_per_block(H: int) -> int:
     return next(hb for hb in (4, 2, 1) if H % hb == 0)
+
+
+def unit_lanes(n_units: int) -> tuple:
+    """(LW, NU, RU) of mla_qabs / mla_out: LW lanes per kv_b row (the smallest power of two
+    holding the row's units, so 32 / LW rows share a SIMD group instead of idling lanes), NU
+    units a lane, RU rows a lane per step."""
+    lw = min(SIMD, 1 << max(0, n_units - 1).bit_length())
+    nu = _ceil_div(n_units, lw)
+    return lw, nu, max(1, UNITS_IN_FLIGHT // nu)
 
 
 def _template(p: Projection, **extra) -> list:
@@ -176,6 +192,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
     tile = tile or int(os.environ.get("COLIBRI_MLA_TILE", "0"))
     TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
+    TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
@@ -192,8 +209,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         "no list", lambda: mx.zeros((8,), mx.int32))
     header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
-    wpu = UNIT_WEIGHTS[p.fmt]
-    NU = _ceil_div(_ceil_div(R, wpu), SIMD)
+    LW, NU, RU = unit_lanes(_ceil_div(R, UNIT_WEIGHTS[p.fmt]))
     HB = _heads_per_block(H)
     attn_sg = min(NSG, _ceil_div(H, HB))          # SIMD groups sharing each staged chunk
     head_groups = _ceil_div(H, HB * attn_sg)
@@ -205,7 +221,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         source=bodies["mla_qabs"], header=header,
         inputs=[at_least_8(qn), p.packed, p.scales, e8grid(), params],
         output_shapes=[(BL, Hp, R)], output_dtypes=[mx.float32],
-        grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, NU=NU))
+        grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU))
 
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
         attn_name, attn_sg_count, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
@@ -231,7 +247,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
             output_shapes=[(BL, H, v)], output_dtypes=[q_nope.dtype],
             grid=(SIMD * NSG, H, BL), threadgroup=tg,
-            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64))
+            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
+                               NTMAX=MAX_TILES))
 
     def run(launch):
         (qabs,) = launch(qabs_spec)

@@ -2,7 +2,8 @@
 // same algorithm; see the .metal file): mla_qabs (q' = W_UK^T q_nope), mla_attn (one block per
 // head group x cache tile x query row; C = 8 positions staged in shared memory as float, HB
 // heads per warp, reduce-scatter of the 32 partial scores, online softmax rescaled once per
-// chunk), mla_out (merge of the tiles, then W_UV). kv_b decoding is qdecode.cuh's (prepended).
+// chunk), mla_out (merge of the tiles, then W_UV; qabs and out read kv_b RU rows at a time, all
+// loads first). kv_b decoding is qdecode.cuh's (prepended).
 // Template values arrive as constexpr lines; MLX launches grid / block of 32 * NSG threads.
 // Generated from the .metal file by a mechanical port (Metal -> CUDA spellings); keep the two
 // in step.
@@ -24,6 +25,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     v += __shfl_xor_sync(0xffffffffu, v, off);
+  }
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
   }
   return v;
 }
@@ -157,7 +166,9 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
 // ==== kernel body: mla_qabs ====
   constexpr int WPU = colibri_qd::wpu(FMT);
   constexpr int SEG = colibri_qd::seg(FMT, GS);
-  __shared__ float red[NSG * NU * WPU * 32];
+  constexpr int NSEG = WPU / SEG;
+  constexpr int RPS = 32 / LW;                 // rows side by side in a warp
+  __shared__ float red[NSG * NU * LW * WPU];
   const int H = params[0];
   const int nope = params[1];
   const int v = params[2];
@@ -170,6 +181,8 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   const int sg = int(threadIdx.x >> 5);
   const int lane = int(threadIdx.x & 31);
   const int tid = int(threadIdx.x);
+  const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
+  const int ul = lane % LW;
   const int Hp = params[15];
   if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
     for (int c = tid; c < R; c += NSG * 32) {
@@ -177,43 +190,76 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
     }
     return;
   }
+  const float* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   #pragma unroll
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
   }
-  for (int n = sg; n < nope; n += NSG) {
-    const int row = h * (nope + v) + n;
-    const float xq = qn[(size_t(q) * H + h) * nope + n] * colibri_qd::row_scale<FMT>(scales, row);
-    const uint8_t* wrow = w + size_t(row) * size_t(rb);
+  // RU rows a lane per step, all their loads (units, scales, q) issued before any math: one
+  // row at a time is a chain of dependent global-load latencies, the bytes themselves are few.
+  for (int n0 = 0; n0 < nope; n0 += NSG * RPS * RU) {
+    uint32_t raw[RU][NU][colibri_qd::words(FMT)];
+    float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
+    float xq[RU];
     #pragma unroll
-    for (int j = 0; j < NU; ++j) {
-      const int u = lane + 32 * j;
-      if (u < n_units) {
-        uint32_t r[colibri_qd::words(FMT)];
-        colibri_qd::load<FMT, VEC, false>(wrow, rb, u, r);
-        for (int g = 0; g < WPU / SEG; ++g) {
-          const float us = colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, r) * xq;
+    for (int i = 0; i < RU; ++i) {
+      const int n = n0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + min(n, nope - 1);
+      xq[i] = n < nope ? qh[n] * colibri_qd::row_scale<FMT>(scales, row) : 0.0f;
+      #pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (n < nope && u < n_units) {
+          colibri_qd::load<FMT, VEC, false>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
           #pragma unroll
-          for (int c = 0; c < SEG; c += 8) {
-            float wq[8];
-            colibri_qd::decode8<FMT>(r, SEG * g + c, e8grid, wq);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[i][j][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
+          }
+        }
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < RU; ++i) {
+      const int n = n0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + min(n, nope - 1);
+      #pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (n < nope && u < n_units) {
+          #pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            const float sc = colibri_qd::scales_in_memory(FMT) ? scl[i][j][g] : colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]);
+            const float us = sc * xq[i];
             #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              acc[j * WPU + SEG * g + c + k] += us * wq[k];
+            for (int c = 0; c < SEG; c += 8) {
+              float wq[8];
+              colibri_qd::decode8<FMT>(raw[i][j], SEG * g + c, e8grid, wq);
+              #pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                acc[j * WPU + SEG * g + c + k] += us * wq[k];
+              }
             }
           }
         }
       }
     }
   }
+  // Lanes ul, ul + LW, ... hold the same columns (of different rows): fold them into lane ul.
+  #pragma unroll
+  for (int s = 16; s >= LW; s >>= 1) {
+    #pragma unroll
+    for (int k = 0; k < NU * WPU; ++k) {
+      acc[k] += __shfl_xor_sync(0xffffffffu, acc[k], s);
+    }
+  }
   #pragma unroll
   for (int j = 0; j < NU; ++j) {
-    const int u = lane + 32 * j;
-    if (u < n_units) {
+    const int u = ul + LW * j;
+    if (sub == 0 && u < n_units) {
       #pragma unroll
       for (int k = 0; k < WPU; ++k) {
-        red[sg * NU * WPU * 32 + u * WPU + k] = acc[j * WPU + k];
+        red[(sg * NU * LW + u) * WPU + k] = acc[j * WPU + k];
       }
     }
   }
@@ -222,7 +268,7 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
     float s = 0.0f;
     #pragma unroll
     for (int g = 0; g < NSG; ++g) {
-      s += red[g * NU * WPU * 32 + c];
+      s += red[g * NU * LW * WPU + c];
     }
     qabs[(size_t(q) * Hp + h) * R + c] = s;
   }
@@ -602,7 +648,17 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   }
 // ==== kernel body: mla_out ====
   constexpr int WPU = colibri_qd::wpu(FMT);
+  constexpr int SEG = colibri_qd::seg(FMT, GS);
+  constexpr int NSEG = WPU / SEG;
+  constexpr int RPS = 32 / LW;                 // W_UV rows side by side in a warp
+  constexpr int TPT = NTMAX / (NSG * 32);      // tiles per thread in the weight pass
+  constexpr int CPT = (RMAX + NSG * 32 - 1) / (NSG * 32);   // context columns per thread
+  constexpr int TU = 8;                        // tiles per batch of context loads
+  static_assert(NTMAX % (NSG * 32) == 0 && NTMAX % TU == 0, "whole weight passes and batches");
   __shared__ float ctx[RMAX];
+  __shared__ float wt[NTMAX];                  // exp(m_t - max) of tile t; 0 past NT
+  __shared__ float mx_s[NSG];
+  __shared__ float den_s[NSG];
   const int H = params[0];
   const int nope = params[1];
   const int v = params[2];
@@ -616,48 +672,147 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   const int sg = int(threadIdx.x >> 5);
   const int lane = int(threadIdx.x & 31);
   const int tid = int(threadIdx.x);
+  const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
+  const int ul = lane % LW;
   const size_t part0 = (size_t(q) * H + h) * NT;
-  float mx_ = colibri_mla::neg_inf();
-  for (int t = 0; t < NT; ++t) {
-    mx_ = max(mx_, pml[2 * (part0 + t)]);
+  // Tile weights once per block (NT <= NTMAX, mla.py caps it): threads split the tiles, every
+  // (m, l) load issued at once, max and denominator reduced across the block.
+  float mt[TPT];
+  float lt[TPT];
+  #pragma unroll
+  for (int k = 0; k < TPT; ++k) {
+    const int t = tid + k * NSG * 32;
+    mt[k] = t < NT ? pml[2 * (part0 + t)] : colibri_mla::neg_inf();
+    lt[k] = t < NT ? pml[2 * (part0 + t) + 1] : 0.0f;
   }
-  float den = 0.0f;
-  for (int t = 0; t < NT; ++t) {
-    den += expf(pml[2 * (part0 + t)] - mx_) * pml[2 * (part0 + t) + 1];
+  float mloc = mt[0];
+  #pragma unroll
+  for (int k = 1; k < TPT; ++k) {
+    mloc = max(mloc, mt[k]);
   }
-  for (int c = tid; c < RMAX; c += NSG * 32) {
-    float s = 0.0f;
-    for (int t = 0; t < NT && c < R; ++t) {
-      s += expf(pml[2 * (part0 + t)] - mx_) * pacc[(part0 + t) * R + c];
-    }
-    ctx[c] = s / den;                          // 0 past R: the last unit's padding weights
+  mloc = colibri_mla::warp_max(mloc);
+  if (lane == 0) {
+    mx_s[sg] = mloc;
   }
   __syncthreads();
-  for (int vi = sg; vi < v; vi += NSG) {
-    const int row = h * (nope + v) + nope + vi;
-    const uint8_t* wrow = w + size_t(row) * size_t(rb);
-    float a = 0.0f;
-    for (int u = lane; u < n_units; u += 32) {
-      uint32_t r[colibri_qd::words(FMT)];
-      colibri_qd::load<FMT, VEC, false>(wrow, rb, u, r);
+  float mx_ = mx_s[0];
+  #pragma unroll
+  for (int g = 1; g < NSG; ++g) {
+    mx_ = max(mx_, mx_s[g]);
+  }
+  float dloc = 0.0f;
+  #pragma unroll
+  for (int k = 0; k < TPT; ++k) {
+    const int t = tid + k * NSG * 32;
+    const float e = t < NT ? expf(mt[k] - mx_) : 0.0f;
+    wt[t] = e;
+    dloc += e * lt[k];
+  }
+  dloc = colibri_mla::warp_sum(dloc);
+  if (lane == 0) {
+    den_s[sg] = dloc;
+  }
+  __syncthreads();
+  float den = 0.0f;
+  #pragma unroll
+  for (int g = 0; g < NSG; ++g) {
+    den += den_s[g];
+  }
+  // ctx[c] = sum_t w_t pacc[t][c] / den: CPT columns x TU tiles of loads in flight per batch.
+  float s[CPT];
+  #pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    s[j] = 0.0f;
+  }
+  for (int t0 = 0; t0 < NT; t0 += TU) {
+    float pv[CPT][TU];
+    #pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      const int c = tid + j * NSG * 32;
       #pragma unroll
-      for (int g = 0; g < WPU / colibri_qd::seg(FMT, GS); ++g) {
-        float d = 0.0f;
-        #pragma unroll
-        for (int c = 0; c < colibri_qd::seg(FMT, GS); c += 8) {
-          const int k0 = colibri_qd::seg(FMT, GS) * g + c;
-          float wq[8];
-          colibri_qd::decode8<FMT>(r, k0, e8grid, wq);
-          #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            d += wq[k] * ctx[u * WPU + k0 + k];
-          }
-        }
-        a += d * colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, r);
+      for (int k = 0; k < TU; ++k) {
+        pv[j][k] = (c < R && t0 + k < NT) ? pacc[(part0 + t0 + k) * R + c] : 0.0f;
       }
     }
-    a = colibri_mla::warp_sum(a);
-    if (lane == 0) {
-      out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a * colibri_qd::row_scale<FMT>(scales, row));
+    #pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      #pragma unroll
+      for (int k = 0; k < TU; ++k) {
+        s[j] += wt[t0 + k] * pv[j][k];
+      }
+    }
+  }
+  #pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    const int c = tid + j * NSG * 32;
+    if (c < RMAX) {
+      ctx[c] = s[j] / den;                     // 0 past R: the last unit's padding weights
+    }
+  }
+  __syncthreads();
+  // W_UV rows RU a lane per step, all loads (units, scales) before the dot products.
+  for (int v0 = 0; v0 < v; v0 += NSG * RPS * RU) {
+    uint32_t raw[RU][NU][colibri_qd::words(FMT)];
+    float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
+    float rs[RU];                              // fmt 1-3 row scales
+    #pragma unroll
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + nope + min(vi, v - 1);
+      rs[i] = colibri_qd::row_scale<FMT>(scales, row);
+      #pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (vi < v && u < n_units) {
+          colibri_qd::load<FMT, VEC, false>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          #pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            scl[i][j][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
+          }
+        }
+      }
+    }
+    float a[RU];
+    #pragma unroll
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      const int row = h * (nope + v) + nope + min(vi, v - 1);
+      a[i] = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < NU; ++j) {
+        const int u = ul + LW * j;
+        if (vi < v && u < n_units) {
+          #pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            float d = 0.0f;
+            #pragma unroll
+            for (int c = 0; c < SEG; c += 8) {
+              const int k0 = SEG * g + c;
+              float wq[8];
+              colibri_qd::decode8<FMT>(raw[i][j], k0, e8grid, wq);
+              #pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                d += wq[k] * ctx[u * WPU + k0 + k];
+              }
+            }
+            a[i] += d * (colibri_qd::scales_in_memory(FMT) ? scl[i][j][g] : colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]));
+          }
+        }
+      }
+    }
+    // Sum over the LW lanes of each row (lane groups of LW are xor-closed).
+    #pragma unroll
+    for (int m = LW / 2; m >= 1; m >>= 1) {
+      #pragma unroll
+      for (int i = 0; i < RU; ++i) {
+        a[i] += __shfl_xor_sync(0xffffffffu, a[i], m);
+      }
+    }
+    #pragma unroll
+    for (int i = 0; i < RU; ++i) {
+      const int vi = v0 + (i * NSG + sg) * RPS + sub;
+      if (ul == 0 && vi < v) {
+        out[(size_t(q) * H + h) * v + vi] = static_cast<T>(a[i] * rs[i]);
+      }
     }
   }
