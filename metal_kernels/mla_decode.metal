@@ -144,13 +144,14 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
   const int ul = lane % LW;
   const int Hp = params[15];
-  if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
-    for (int c = tid; c < R; c += NSG * 32) {
-      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;
+  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; c < QW; c += NSG * 32) {
+      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
     }
     return;
   }
-  const device float* qh = qn + (size_t(q) * H + h) * nope;
+  const device auto* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
@@ -164,7 +165,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     for (int i = 0; i < RU; ++i) {
       const int n = n0 + (i * NSG + sg) * RPS + sub;
       const int row = h * (nope + v) + min(n, nope - 1);
-      xq[i] = n < nope ? qh[n] * qd_row_scale<FMT>(scales, row) : 0.0f;
+      xq[i] = n < nope ? float(qh[n]) * qd_row_scale<FMT>(scales, row) : 0.0f;
       for (int j = 0; j < NU; ++j) {
         const int u = ul + LW * j;
         if (n < nope && u < n_units) {
@@ -216,7 +217,10 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * LW * WPU + c];
     }
-    qabs[(size_t(q) * Hp + h) * R + c] = s;
+    qabs[(size_t(q) * Hp + h) * QW + c] = s;
+  }
+  for (int c = tid; c < QW - R; c += NSG * 32) {   // q_rope as float beside q' (no cast launch)
+    qabs[(size_t(q) * Hp + h) * QW + R + c] = float(qrope[(size_t(q) * H + h) * (QW - R) + c]);
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = mla_chunk();
@@ -250,8 +254,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   float l[HB];
   for (int i = 0; i < HB; ++i) {
     const int hh = min(h0 + i, H - 1);
-    const device float* qa_h = qabs + (size_t(q) * H + hh) * R;
-    const device float* qr_h = qrope + (size_t(q) * H + hh) * rope;
+    const device float* qa_h = qabs + (size_t(q) * H + hh) * (R + rope);
+    const device float* qr_h = qa_h + R;
     for (int j = 0; j < CJ; ++j) {
       const int c = lane + 32 * j;
       qa[i][j] = c < R ? qa_h[c] : 0.0f;
@@ -406,8 +410,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
   const int hs = tid / C;                      // softmax thread: head hs of the block,
   const int cs = tid % C;                      // position cs of the chunk
-  const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
-  const device float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
+  const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   float m = -INFINITY;                         // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
   simdgroup_float8x8 acc[2 * HTL][NCT];        // O[rt * 8.., (sg * NCT + ct) * 8..]
@@ -424,10 +427,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     const int k0 = (kp + i * KP) * 8;
     for (int r = 0; r < 2; ++r) {
       const int row0 = ht * 16 + r * 8;
-      if (k0 < R) {
-        simdgroup_load(qt[i][r], qa0 + size_t(row0) * R + k0, R);
-      } else if (k0 < RW) {
-        simdgroup_load(qt[i][r], qr0 + size_t(row0) * rope + (k0 - R), rope);
+      if (k0 < RW) {
+        simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
       } else {
         qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       }

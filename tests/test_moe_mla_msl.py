@@ -379,10 +379,10 @@ MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
 MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "scores: chunk loaded untransposed": ("simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);",
                                           "simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), false);"),
-    "scores: q' rows with the wrong stride": ("simdgroup_load(qt[i][r], qa0 + size_t(row0) * R + k0, R);",
-                                              "simdgroup_load(qt[i][r], qa0 + size_t(row0) * R + k0, 8);"),
-    "scores: rope k-steps read the latent q'": ("simdgroup_load(qt[i][r], qr0 + size_t(row0) * rope + (k0 - R), rope);",
-                                                "simdgroup_load(qt[i][r], qa0 + size_t(row0) * R + k0 - 8, R);"),
+    "scores: q' rows with the wrong stride": ("simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);",
+                                              "simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, R);"),
+    "q_rope not copied beside q'": ("    qabs[(size_t(q) * Hp + h) * QW + R + c] = float(qrope[(size_t(q) * H + h) * (QW - R) + c]);",
+                                    "    qabs[(size_t(q) * Hp + h) * QW + R + c] = 0.0f;"),
     "scores: every SIMD group on head tile 0": ("const int ht = sg % HTL;", "const int ht = 0;"),
     "scores: a k-part's partial dropped": ("for (int g = 0; g < KP; ++g) {\n        dot += sc_s",
                                            "for (int g = 1; g < KP; ++g) {\n        dot += sc_s"),
@@ -413,7 +413,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);"),
     "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < Hp) {\n            pacc"),
-    "padding heads of q' left unwritten": ("      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;", ""),
+    "padding heads of q' left unwritten": ("      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;", ""),
 }
 
 

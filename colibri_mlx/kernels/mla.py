@@ -197,10 +197,10 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
     fparams = _constant(("scale", float(scale)), lambda: mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32))
-    qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope).astype(mx.float32)
-    qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope).astype(mx.float32)
-    if Hp > H:
-        qr = mx.pad(qr, [(0, 0), (0, Hp - H), (0, 0)])
+    # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
+    # row per head (padding heads zero), so no cast or pad launch runs per layer.
+    qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope)
+    qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope)
     if mask is not None:
         mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
     else:
@@ -217,10 +217,10 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     tg = (SIMD * NSG, 1, 1)
 
     qabs_spec = dispatch.LaunchSpec(
-        name="mla_qabs", input_names=("qn", "w", "scales", "e8grid", "params"), output_names=("qabs",),
+        name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params"), output_names=("qabs",),
         source=bodies["mla_qabs"], header=header,
-        inputs=[at_least_8(qn), p.packed, p.scales, e8grid(), params],
-        output_shapes=[(BL, Hp, R)], output_dtypes=[mx.float32],
+        inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params],
+        output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
         grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU))
 
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
@@ -233,9 +233,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
-            name=attn_name, input_names=("qabs", "qrope", "latent", "krope", "mask", "sel", "params", "fparams"),
+            name=attn_name, input_names=("qabs", "latent", "krope", "mask", "sel", "params", "fparams"),
             output_names=("pacc", "pml"), source=bodies[attn_name], header=header,
-            inputs=[qabs, at_least_8(qr), latent, k_rope, mask_u8, sel, params, fparams],
+            inputs=[qabs, latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
             grid=(SIMD * attn_sg_count * attn_blocks, NT, BL), threadgroup=(SIMD * attn_sg_count, 1, 1),
             template=attn_template)

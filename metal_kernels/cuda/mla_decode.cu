@@ -184,13 +184,14 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
   const int ul = lane % LW;
   const int Hp = params[15];
-  if (h >= H) {                                // mla_attn_mma's padding heads: q' = 0
-    for (int c = tid; c < R; c += NSG * 32) {
-      qabs[(size_t(q) * Hp + h) * R + c] = 0.0f;
+  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; c < QW; c += NSG * 32) {
+      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
     }
     return;
   }
-  const float* qh = qn + (size_t(q) * H + h) * nope;
+  const auto* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   #pragma unroll
   for (int k = 0; k < NU * WPU; ++k) {
@@ -206,7 +207,7 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
     for (int i = 0; i < RU; ++i) {
       const int n = n0 + (i * NSG + sg) * RPS + sub;
       const int row = h * (nope + v) + min(n, nope - 1);
-      xq[i] = n < nope ? qh[n] * colibri_qd::row_scale<FMT>(scales, row) : 0.0f;
+      xq[i] = n < nope ? static_cast<float>(qh[n]) * colibri_qd::row_scale<FMT>(scales, row) : 0.0f;
       #pragma unroll
       for (int j = 0; j < NU; ++j) {
         const int u = ul + LW * j;
@@ -270,7 +271,10 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * LW * WPU + c];
     }
-    qabs[(size_t(q) * Hp + h) * R + c] = s;
+    qabs[(size_t(q) * Hp + h) * QW + c] = s;
+  }
+  for (int c = tid; c < QW - R; c += NSG * 32) {   // q_rope as float beside q' (no cast launch)
+    qabs[(size_t(q) * Hp + h) * QW + R + c] = static_cast<float>(qrope[(size_t(q) * H + h) * (QW - R) + c]);
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = colibri_mla::mla_chunk();
@@ -305,8 +309,8 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   #pragma unroll
   for (int i = 0; i < HB; ++i) {
     const int hh = min(h0 + i, H - 1);
-    const float* qa_h = qabs + (size_t(q) * H + hh) * R;
-    const float* qr_h = qrope + (size_t(q) * H + hh) * rope;
+    const float* qa_h = qabs + (size_t(q) * H + hh) * (R + rope);
+    const float* qr_h = qa_h + R;
     #pragma unroll
     for (int j = 0; j < CJ; ++j) {
       const int c = lane + 32 * j;
@@ -478,8 +482,7 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
   const int hs = tid / C;                      // softmax thread: head hs of the block,
   const int cs = tid % C;                      // position cs of the chunk
-  const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * R;
-  const float* qr0 = qrope + (size_t(q) * Hp + hb * HT) * rope;
+  const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
   float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
@@ -500,8 +503,8 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
   #pragma unroll
   for (int i = 0; i < NK; ++i) {
     const int k0 = (kp + i * KP) * 8;
-    const float* qk = (k0 < R ? qa0 + size_t(ht * 16) * R + k0 : qr0 + size_t(ht * 16) * rope + (k0 - R));
-    const int qstride = k0 < R ? R : rope;
+    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
+    const int qstride = RW;
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
       qf[i][e] = k0 < RW ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_a_col(lane, e)]) : 0u;
