@@ -4,7 +4,8 @@
 # Here, before the call:
 #   bash ../shared/device/prepare-mlx-cuda.sh            # prints the back-to-back staging runs
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2 \
+#       pytest-xdist execnet
 # Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl"]:
 #   bash .devwhl/pN/install.sh && bash scripts/gpu_session.sh
 # Logs land in $OUT (or ./gpu-out when run elsewhere). Correctness runs before any timing, and a
@@ -19,6 +20,10 @@ export PYTHONPATH=/root/site:/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
 
+xdist_args() {  # 12 workers when pytest-xdist imports (the JIT of each kernel specialization is
+  python3 -c 'import xdist' 2>/dev/null && echo "-n 12"   # single-threaded)
+}
+
 step() {  # step NAME LIMIT COMMAND...: run under a time limit, log, record pass/fail
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -29,18 +34,17 @@ step() {  # step NAME LIMIT COMMAND...: run under a time limit, log, record pass
 
 # Steps to run: the arguments (default: all). One device call may last 600 s, so a session is
 # usually two calls, e.g. `gpu_session.sh checks bench_qgemv bench_moe_mla` and `gpu_session.sh bench_e2e`.
-# `checks` runs check_twins, kernel_tests and parity concurrently (before any timing).
+# `checks` runs check_twins and the GPU tests concurrently (before any timing).
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(checks bench_qgemv bench_moe_mla bench_e2e)
 for s in "${steps[@]}"; do
   case $s in
-    checks)        # the three correctness steps at once: JIT compiles are CPU-bound, 16 cores
-                   (step check_twins 250 python3 scripts/check_kernels_gpu.py) &
-                   (step kernel_tests 250 python3 -m pytest -q tests/test_moe_block.py tests/test_mla_decode.py \
-                      tests/test_moe_shared_slot.py tests/test_attention_glue.py \
-                      $(ls tests/test_router*.py 2>/dev/null)) &
-                   (step parity 250 python3 -m pytest -q tests/test_model_parity.py \
-                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference) &
+    checks)        # the correctness steps at once: JIT compiles are CPU-bound (16 cores), so the GPU
+                   # tests run under pytest-xdist when it is there (carried in .whl), one process otherwise
+                   (step check_twins 280 python3 scripts/check_kernels_gpu.py) &
+                   (step gpu_tests 280 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
+                      tests/test_mla_decode.py tests/test_moe_shared_slot.py tests/test_attention_glue.py \
+                      $(ls tests/test_router*.py 2>/dev/null) tests/test_model_parity.py) &
                    wait ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py ;;
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py ;;
@@ -48,6 +52,8 @@ for s in "${steps[@]}"; do
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
+    bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
+    bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
     *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
   esac
