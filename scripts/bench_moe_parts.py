@@ -13,8 +13,9 @@ launch timed alone is that kernel plus its launch cost. "read" is what the launc
 (weights and scales of the distinct experts, the router weight); "%bw" is read / time against
 4.3 TB/s. "build" is the Python graph-building share of the whole calls (the GPU waits on it).
 
-Settings are ROWS:NW:UNROLL:NIB ("-" keeps the default moe.py picks); router_scores takes
-ROWS:NW. A setting that does not build or launch prints its error and the sweep goes on. The
+Settings are ROWS:NW:UNROLL:NIB ("-" keeps the default moe.py picks), moe_gate_up's also :PF
+(1: the next step's loads in flight during this step's decode, UNROLL 1 unless given);
+router_scores takes ROWS:NW. A setting that does not build or launch prints its error and the sweep goes on. The
 last lines name the fastest setting of each launch.
 """
 
@@ -42,8 +43,8 @@ CHAIN = 8
 GS = 64
 CFG = router.RouterConfig(top_k=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
 
-GATE_UP_CONFIGS = ["-:-:-:-", "1:-:-:-", "4:-:-:-", "-:2:-:-", "-:4:-:-", "-:-:1:-", "-:-:4:-",
-                   "1:2:-:-", "1:4:-:-", "-:2:1:-", "-:-:-:0", "4:2:1:-"]
+GATE_UP_CONFIGS = ["-:-:-:-:-", "-:-:-:-:0", "-:-:-:-:1", "-:-:1:-:0", "-:-:2:-:1", "1:-:-:-:-", "4:-:-:-:-",
+                   "-:2:-:-:-", "-:4:-:-:-", "1:2:-:-:-", "-:2:-:-:0", "-:-:-:0:-", "4:2:-:-:-", "1:-:-:-:0"]
 DOWN_CONFIGS = ["-:-:-:-", "2:-:-:-", "8:-:-:-", "-:1:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-", "-:-:4:-",
                 "2:8:-:-", "8:2:-:-", "-:8:1:-", "-:-:-:0"]
 SCORES_CONFIGS = ["-:-", "1:-", "4:-", "1:4", "1:16", "2:4", "2:16", "4:16", "8:8"]
@@ -115,7 +116,7 @@ def proj_bytes(p: moe.Projection) -> int:
 
 def row(part, S, cfg, detail, us, nbytes):
     pct = nbytes / (us * 1e-6) / COPY_BW * 100 if us > 0 else float("nan")
-    print(f"{part:<13} {S:>2} {cfg:<10} {detail:<28} {us:>9.1f} {nbytes / 1e6:>9.2f} {pct:>6.1f}", flush=True)
+    print(f"{part:<13} {S:>2} {cfg:<10} {detail:<33} {us:>9.1f} {nbytes / 1e6:>9.2f} {pct:>6.1f}", flush=True)
 
 
 def sweep(part, S, configs, build, nbytes, iters, impl, best):
@@ -128,7 +129,7 @@ def sweep(part, S, configs, build, nbytes, iters, impl, best):
         except Exception as e:   # too many registers, threadgroup too large, ...
             print(f"{part:<13} {S:>2} {cfg:<10} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        detail = template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB") + f" tg={specs[0].threadgroup[0]}"
+        detail = template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB", "PF") + f" tg={specs[0].threadgroup[0]}"
         row(part, S, cfg, detail, us, nbytes)
         if (part, S) not in best or us < best[(part, S)][1]:
             best[(part, S)] = (cfg, us, detail)
@@ -150,12 +151,12 @@ def bench_tokens(S, layers, args, impl, best):
     out_dtype = args.act           # one group: moe_down writes x's dtype (moe.moe_block)
 
     def gate_up_specs(cfg):
-        rows, nw, unroll, nib = parse(cfg, 4)
-        return [with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw),
+        rows, nw, unroll, nib, pf = parse(cfg, 5)
+        return [with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw, prefetch=pf),
                               UNROLL=unroll, NIB=nib) for x, L, i in zip(xs, layers, ids)]
 
     # h for moe_down: gate_up's default launch, evaluated now (not part of the down timing).
-    hs = [dispatch.launch(impl, s)[0] for s in gate_up_specs("-:-:-:-")]
+    hs = [dispatch.launch(impl, s)[0] for s in gate_up_specs("-")]
     mx.eval(hs)
 
     def down_specs(cfg):
@@ -199,7 +200,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--inter", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--gate-up", nargs="+", default=GATE_UP_CONFIGS, help="ROWS:NW:UNROLL:NIB")
+    ap.add_argument("--gate-up", nargs="+", default=GATE_UP_CONFIGS, help="ROWS:NW:UNROLL:NIB:PF")
     ap.add_argument("--down", nargs="+", default=DOWN_CONFIGS, help="ROWS:NW:UNROLL:NIB")
     ap.add_argument("--scores", nargs="+", default=SCORES_CONFIGS, help="ROWS:NW")
     args = ap.parse_args(argv)
@@ -211,7 +212,7 @@ def main(argv=None):
     print(f"backend {impl}, {mx.default_device()}, x {args.act}, {args.experts} experts/layer, top {args.k}, "
           f"D {args.hidden}, inter {args.inter}, fmt 4 g{GS}, router E {args.router_experts}")
     layers = [make_layer(args.experts, args.hidden, args.inter, args.router_experts) for _ in range(CHAIN)]
-    print(f"{'launch':<13} {'S':>2} {'setting':<10} {'template':<28} {'us':>9} {'read MB':>9} {'%bw':>6}")
+    print(f"{'launch':<13} {'S':>2} {'setting':<10} {'template':<33} {'us':>9} {'read MB':>9} {'%bw':>6}")
     best: dict = {}
     for S in args.tokens:
         bench_tokens(S, layers, args, impl, best)
