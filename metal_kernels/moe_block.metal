@@ -52,6 +52,54 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
+// The weights and (fmt 4/5) scales of units base, base + 32 * NW, ... (UNROLL of them) of the
+// R2 gate/up rows; units past the row are not read.
+template <int FMT, int GS, int R2, int NW, int UNROLL, int VEC>
+inline void moe_gate_up_load(const device uint8_t* wgu, const device float* sgu,
+                             thread const int* rows, int rb, int ng, int n_units, int base,
+                             thread uint (*raw)[R2][qd_words(FMT)],
+                             thread float (*scl)[R2][qd_wpu(FMT) / qd_seg(FMT, GS)]) {
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (u < n_units) {
+      for (int r = 0; r < R2; ++r) {
+        qd_load<FMT, VEC>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        for (int g = 0; g < NSEG; ++g) {
+          scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
+inline void moe_gate_up_compute(const device T* x, const device float* sgu,
+                                const device uint* e8grid, thread const int* rows,
+                                thread const int* xoff, uint tokens, int ng, int I, int n_units,
+                                int base, thread const uint (*raw)[R2][qd_words(FMT)],
+                                thread const float (*scl)[R2][qd_wpu(FMT) / qd_seg(FMT, GS)],
+                                thread float (*acc)[S]) {
+  constexpr int W = qd_words(FMT);
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (u < n_units) {
+      for (int g = 0; g < NSEG; ++g) {
+        float d[R2][S];
+        qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
+        for (int r = 0; r < R2; ++r) {
+          const float sc = qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
+          for (int s = 0; s < S; ++s) {
+            acc[r][s] += d[r][s] * sc;
+          }
+        }
+      }
+    }
+  }
+}
+
 // ==== kernel body: moe_gate_up ====
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
@@ -106,34 +154,34 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       acc[r][s] = 0.0f;
     }
   }
-  for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
-    uint raw[UNROLL][R2][W];
-    float scl[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (u < n_units) {
-        for (int r = 0; r < R2; ++r) {
-          qd_load<FMT, VEC>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
-          for (int g = 0; g < NSEG; ++g) {
-            scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
-          }
-        }
+  // PF 0: load UNROLL units x R2 rows, then compute them. PF 1 (qgemv's): two register
+  // buffers, the next step's loads issued before this step's arithmetic, so a SIMD group keeps
+  // bytes in flight while it decodes (one load latency per threadgroup, not one per step).
+  constexpr int STEP = 32 * NW * UNROLL;
+  uint raw_a[UNROLL][R2][W];
+  float scl_a[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
+  if (PF) {
+    uint raw_b[UNROLL][R2][W];
+    float scl_b[UNROLL][R2][NSEG];
+    moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
+    for (int base = tid; base < n_units; base += 2 * STEP) {
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base + STEP,
+                                                     raw_b, scl_b);
+      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                  I, n_units, base, raw_a, scl_a, acc);
+      if (base + STEP >= n_units) {
+        break;
       }
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base + 2 * STEP,
+                                                     raw_a, scl_a);
+      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                  I, n_units, base + STEP, raw_b, scl_b, acc);
     }
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (u < n_units) {
-        for (int g = 0; g < NSEG; ++g) {
-          float d[R2][S];
-          qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
-          for (int r = 0; r < R2; ++r) {
-            const float sc = qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
-            for (int s = 0; s < S; ++s) {
-              acc[r][s] += d[r][s] * sc;
-            }
-          }
-        }
-      }
+  } else {
+    for (int base = tid; base < n_units; base += STEP) {
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
+      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                  I, n_units, base, raw_a, scl_a, acc);
     }
   }
   qd_simd_partials<R2, S>(acc, red, warp, lane);
@@ -180,8 +228,14 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
   threadgroup int elead[moe_max_slots()];        // distinct experts in slot order: leader slot
   threadgroup int eslot[moe_max_slots() * S];    // per distinct expert and token: h row or -1
   threadgroup float ewt[moe_max_slots() * S];    // ... and the summed gate weight
+  threadgroup float swt[moe_max_slots()];        // gate weight of every slot
   threadgroup int n_distinct[1];
   threadgroup float red[NW * ROWS * S];
+  // The gate weights are read with the ids (the slot table's barrier covers both): they do not
+  // wait for the lut, so the table costs two dependent global loads, not three.
+  for (int b = tid; b < n_slots; b += 32 * NW) {
+    swt[b] = weights[b];
+  }
   moe_slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
   for (int b = tid; b < n_slots; b += 32 * NW) {
     int first = sl[b] >= 0 ? 1 : 0;
@@ -206,7 +260,7 @@ inline void moe_slot_table(const device int* ids, const device int* lut, int n_s
       for (int c = b; c < n_slots; ++c) {
         if (sl[c] == sl[b]) {
           eslot[j * S + c / K] = c;
-          ewt[j * S + c / K] += weights[c];
+          ewt[j * S + c / K] += swt[c];
         }
       }
     }

@@ -145,6 +145,19 @@ def test_moe_nib_decode(metal, monkeypatch, fmt):
     run_moe(experts, N=2, K=3, ids=[[0, 2, 5], [5, 1, 2]], seed=50 + fmt)
 
 
+@pytest.mark.parametrize("fmt", [1, 4, 5, 6])
+def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
+    # gate_up's PF 1 loop (CUDA's default for fmt 2/4, S <= 4), here on Metal: rows of 65 or
+    # more units give lane 0 three steps and the others two (odd and even step counts, a step
+    # past the row's end), with and without split-K.
+    monkeypatch.setattr(moe.qgemv, "default_prefetch", lambda fmt, S, backend: 1)
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
+    experts = make_experts([fmt] * 4, D=2080 if fmt != 6 else 2304, inter=24, gs=32, seed=60 + fmt)
+    run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=60 + fmt)
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
+    run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=61 + fmt)
+
+
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)
@@ -173,7 +186,7 @@ MOE_DEFECTS = {
                                         "if (b == a) {\n          h[size_t(b) * O + row] = hv;"),
     "up row read from gate": ("rows[ROWS + r] = rows[r] + O;", "rows[ROWS + r] = rows[r];"),
     "gate weight ignored": ("acc[r][s] += d[r][s] * (sc * wt[s]);", "acc[r][s] += d[r][s] * sc;"),
-    "repeated expert counted once per token only": ("ewt[j * S + c / K] += weights[c];", "ewt[j * S + c / K] = weights[c];"),
+    "repeated expert counted once per token only": ("ewt[j * S + c / K] += swt[c];", "ewt[j * S + c / K] = swt[c];"),
     "down skips the last distinct expert": ("const int n_items = n_distinct[0] * n_units;",
                                             "const int n_items = (n_distinct[0] - 1) * n_units;"),
     "down split-K partial sums overwritten": ("v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];"),
@@ -189,6 +202,37 @@ MOE_DEFECTS = {
     "hadamard missing barrier": ("buf[i + hs] = u - v;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                  "buf[i + hs] = u - v;\n    }"),
 }
+
+
+# gate_up's PF 1 loop (run with default_prefetch 1): each defect must fail the oracle.
+MOE_PF_DEFECTS = {
+    "prefetch: second buffer's step skipped": ("I, n_units, base + STEP, raw_b, scl_b, acc);",
+                                               "I, n_units, base + 2 * STEP, raw_b, scl_b, acc);"),
+    "prefetch: loop stops after the first buffer": ("if (base + STEP >= n_units) {", "if (base + STEP >= 0) {"),
+    "prefetch: next step loaded into the live buffer": ("base + 2 * STEP,\n                                                     raw_a, scl_a);",
+                                                        "base + 2 * STEP,\n                                                     raw_b, scl_b);"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MOE_PF_DEFECTS))
+def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
+    good, bad = MOE_PF_DEFECTS[defect]
+    real = simulate
+
+    def planted(spec, sim):
+        if good in spec.source:
+            spec.source = spec.source.replace(good, bad)
+        return real(spec, sim)
+
+    assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
+        f"defect '{defect}' no longer plants"
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
+    monkeypatch.setattr(moe.qgemv, "default_prefetch", lambda fmt, S, backend: 1)
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)   # lane 0 runs 3 steps
+    experts = make_experts([4] * 4, D=2080, inter=24, gs=32, seed=70)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=70)
+    assert "failed to compile" not in str(caught.value)
 
 
 @pytest.mark.parametrize("defect", sorted(MOE_DEFECTS))

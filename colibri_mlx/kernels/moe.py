@@ -283,10 +283,11 @@ def _simdgroups(row_blocks: int, units: int) -> int:
     return nw
 
 
-def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str) -> list:
+def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, prefetch: int = 0) -> list:
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
+    unroll = 1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), S)
     return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
-            ("VEC", p.vec), ("XV", x_vec), ("UNROLL", qgemv.default_unroll(max(p.fmt, 1), S)),
+            ("VEC", p.vec), ("XV", x_vec), ("UNROLL", unroll),
             ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
 
@@ -318,8 +319,9 @@ class _Static:
                                    self.threadgroup, self.template)
 
 
-def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups) -> _Static:
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups)
+def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
+                    prefetch=None) -> _Static:
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, prefetch)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -328,13 +330,17 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     rows = rows or gate_up_rows(S)
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
+    # qgemv's loop (PF 1: next step's loads in flight during this step's decode, UNROLL 1)
+    # where qgemv uses it: CUDA, fmt 2/4, S <= 4.
+    pf = qgemv.default_prefetch(p.fmt, S, backend) if prefetch is None else int(prefetch)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
         output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
         output_shapes=[(n_slots, p.O)], output_dtypes=[mx.float32],
         grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, S, rows, nw, x_dtype, backend), params=_params(p, K, n_slots, group.n_layer_experts))
+        template=_template(p, S, rows, nw, x_dtype, backend, pf) + [("PF", pf)],
+        params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
 
@@ -359,9 +365,9 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
 
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
-                 simdgroups: Optional[int] = None) -> dispatch.LaunchSpec:
+                 simdgroups: Optional[int] = None, prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
-    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups)
+    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 

@@ -31,50 +31,98 @@ __device__ __forceinline__ void slot_table(const int32_t* ids, const int32_t* lu
   __syncthreads();
 }
 
-// acc[r][s] += the rows' units tid, tid + 32 * NW, ... against the tokens in `tokens`.
+// The weights and (fmt 4/5) scales of units base, base + 32 * NW, ... (UNROLL of them) of the
+// R2 rows; units past the row are not read.
+template <int FMT, int GS, int R2, int NW, int UNROLL, int VEC, bool W16>
+__device__ __forceinline__ void gate_up_load(const uint8_t* wgu, const float* sgu, const int* rows,
+                                             int rb, int ng, int n_units, int base,
+                                             uint32_t (*raw)[R2][qd::words(FMT)],
+                                             float (*scl)[R2][qd::wpu(FMT) / qd::seg(FMT, GS)]) {
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+#pragma unroll
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (u < n_units) {
+#pragma unroll
+      for (int r = 0; r < R2; ++r) {
+        qd::load<FMT, VEC, W16>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+#pragma unroll
+        for (int g = 0; g < NSEG; ++g) {
+          scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
+__device__ __forceinline__ void gate_up_compute(const T* x, const float* sgu, const uint32_t* e8grid,
+                                                const int* rows, const int* xoff, uint32_t tokens,
+                                                int ng, int I, int n_units, int base,
+                                                const uint32_t (*raw)[R2][qd::words(FMT)],
+                                                const float (*scl)[R2][qd::wpu(FMT) / qd::seg(FMT, GS)],
+                                                float (*acc)[S]) {
+  constexpr int W = qd::words(FMT);
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+#pragma unroll
+  for (int j = 0; j < UNROLL; ++j) {
+    const int u = base + 32 * NW * j;
+    if (u < n_units) {
+#pragma unroll
+      for (int g = 0; g < NSEG; ++g) {
+        float d[R2][S];
+        qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
+#pragma unroll
+        for (int r = 0; r < R2; ++r) {
+          const float sc = qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            acc[r][s] += d[r][s] * sc;
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += the rows' units tid, tid + 32 * NW, ... against the tokens in `tokens`. PF 0:
+// load UNROLL units x R2 rows, then compute them; PF 1 (qgemv's): two register buffers, the
+// next step's loads issued before this step's arithmetic, so a warp keeps bytes in flight
+// while it decodes (one load latency per block instead of one per step).
 template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB,
-          typename T>
+          int PF, typename T>
 __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, const float* sgu,
                                                 const uint32_t* e8grid, const int* rows,
                                                 const int* xoff, uint32_t tokens, int rb, int ng,
                                                 int I, int n_units, int tid, float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
-  for (int base = tid; base < n_units; base += 32 * NW * UNROLL) {
-    uint32_t raw[UNROLL][R2][W];
-    float scl[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (u < n_units) {
-#pragma unroll
-        for (int r = 0; r < R2; ++r) {
-          qd::load<FMT, VEC, W16>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
-#pragma unroll
-          for (int g = 0; g < NSEG; ++g) {
-            scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
-          }
-        }
+  constexpr int STEP = 32 * NW * UNROLL;
+  uint32_t raw_a[UNROLL][R2][W];
+  float scl_a[UNROLL][R2][NSEG];               // fmt 4/5 scales, loaded with the weights
+  if (PF) {
+    uint32_t raw_b[UNROLL][R2][W];
+    float scl_b[UNROLL][R2][NSEG];
+    gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
+    for (int base = tid; base < n_units; base += 2 * STEP) {
+      gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units, base + STEP,
+                                                      raw_b, scl_b);
+      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
+                                                              n_units, base, raw_a, scl_a, acc);
+      if (base + STEP >= n_units) {
+        break;
       }
+      gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units,
+                                                      base + 2 * STEP, raw_a, scl_a);
+      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
+                                                              n_units, base + STEP, raw_b, scl_b, acc);
     }
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int u = base + 32 * NW * j;
-      if (u < n_units) {
-#pragma unroll
-        for (int g = 0; g < NSEG; ++g) {
-          float d[R2][S];
-          qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
-#pragma unroll
-          for (int r = 0; r < R2; ++r) {
-            const float sc = qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
-#pragma unroll
-            for (int s = 0; s < S; ++s) {
-              acc[r][s] += d[r][s] * sc;
-            }
-          }
-        }
-      }
+  } else {
+    for (int base = tid; base < n_units; base += STEP) {
+      gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
+      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
+                                                              n_units, base, raw_a, scl_a, acc);
     }
   }
 }
@@ -208,10 +256,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool w16 = (reinterpret_cast<uintptr_t>(wgu) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   if (w16 && x16) {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, T>(
+    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
         x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   } else {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, T>(
+    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
         x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   }
   colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
@@ -256,8 +304,14 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   __shared__ int elead[colibri_moe::max_slots()];
   __shared__ int eslot[colibri_moe::max_slots() * S];
   __shared__ float ewt[colibri_moe::max_slots() * S];
+  __shared__ float swt[colibri_moe::max_slots()];        // gate weight of every slot
   __shared__ int n_distinct[1];
   __shared__ float red[NW * ROWS * S];
+  // The gate weights are read with the ids (the slot table's barrier covers both): they do not
+  // wait for the lut, so the table costs two dependent global loads, not three.
+  for (int b = tid; b < n_slots; b += 32 * NW) {
+    swt[b] = weights[b];
+  }
   colibri_moe::slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
   for (int b = tid; b < n_slots; b += 32 * NW) {
     int first = sl[b] >= 0 ? 1 : 0;
@@ -281,7 +335,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       for (int c = b; c < n_slots; ++c) {
         if (sl[c] == sl[b]) {
           eslot[j * S + c / K] = c;
-          ewt[j * S + c / K] += weights[c];
+          ewt[j * S + c / K] += swt[c];
         }
       }
     }
