@@ -520,12 +520,16 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       simdgroup_float8x8 dt;
       simdgroup_load(pt, p_s + rt * 8 * C, C);
       simdgroup_load(dt, diag_s + rt * 64, 8);
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
+      const bool rescale = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;
         if (col0 < R) {
           simdgroup_float8x8 lt;
           simdgroup_load(lt, lat_s + col0, RWS);           // [position][column]
-          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);
+          if (rescale) {
+            simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);
+          }
           simdgroup_multiply_accumulate(acc[rt][ct], pt, lt, acc[rt][ct]);
         }
       }

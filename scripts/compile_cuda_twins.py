@@ -300,7 +300,9 @@ def main():
         if args.ptxas:
             regs = re.findall(r"Used (\d+) registers", err)
             spill = re.findall(r"(\d+) bytes spill stores", err)
-            info = f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
+            stack = re.findall(r"(\d+) bytes stack frame", err)
+            info = (f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
+                    f" stack {stack[-1] if stack else '?'}")
         print(f"{'OK  ' if ok else 'FAIL'} {label}{info}", flush=True)
         if ok and dump:
             obj = work / ("custom_kernel_" + re.sub(r"\W", "_", label) + ".o")

@@ -357,7 +357,7 @@ def test_mla_tiles_capped_for_the_merge(metal, variant):
 
 def test_mla_mma_heads_choice(monkeypatch):
     monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
-    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 16
+    assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 32
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
     assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.CUDA, 64) == 64
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")
@@ -444,7 +444,9 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
                                         "          mla_load8(latent + (size_t(b) * T + t) * R + col - R, raw[j]);"),
     "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                        "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
-    "combine without rescale": ("          simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);\n", ""),
+    "combine without rescale": ("            simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);\n", ""),
+    "rescale decided by one head of the tile": ("simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f)",
+                                                "simd_any(diag_s[rt * 64] != 1.0f)"),
     "alpha off the diagonal": ("cs == hs % 8 ? alpha : 0.0f;", "cs == 0 ? alpha : 0.0f;"),
     "P loaded transposed": ("simdgroup_load(pt, p_s + rt * 8 * C, C);", "simdgroup_load(pt, p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
     "combine: column tile of the wrong SIMD group": ("simdgroup_load(lt, lat_s + col0, RWS);",

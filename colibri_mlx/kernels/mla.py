@@ -41,19 +41,21 @@ KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
 VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
-# position)). More heads: fewer re-reads of each chunk (once per head block) and more SIMD
-# groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on CUDA by
-# registers (ptxas, sm_90a): HT 16 ~150 a thread = 3 blocks of 4 warps an SM, so one block's
-# loads overlap another's matrix work; HT 32 ~200 = one block of 8 warps an SM, nothing to
-# overlap; HT 64 (512 threads may use at most 128) ~196: would not launch. Not yet measured:
+# position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
+# more SIMD groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on
+# CUDA by registers (ptxas, sm_90a: ~225-250 a thread with q' held in registers, so HT 16 = 2
+# blocks of 4 warps an SM, HT 32 = 1 block of 8 warps; HT 64 would not launch). Measured on the
+# H200 (scripts/bench_mla_parts.py, bf16, 128 heads): HT 32 with 128-512-position tiles is the
+# fastest at caches 4096 and 32768 (attention 98 / 408 us vs HT 16 117 / 542 us).
 # env COLIBRI_MLA_HEADS overrides.
-MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 16}
+MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)
-MMA_MIN_TILE = 64
-# (head block, tile) threadgroups per query row to aim for: one wave on the H200 at 3 blocks
-# an SM (132 SMs); each block stages its chunks one after another (latency-bound), so blocks
-# must run side by side, while every tile adds a partial of R floats per head to write and merge.
-MMA_TARGET_BLOCKS = 384
+MMA_MIN_TILE = 128
+# (head block, tile) threadgroups per query row to aim for. Each block pays a fixed start (q'
+# fragments into registers) and end (a partial of R floats per head to write and merge), so
+# long tiles win once the GPU has a block per SM or two: on the H200 256 blocks (tiles of 512
+# at a 32768 cache with HT 32) beat 384 and 1024.
+MMA_TARGET_BLOCKS = 256
 # mla_out keeps one weight per tile in threadgroup memory (NTMAX floats): longer caches get
 # longer tiles instead of more. A multiple of 32 * NSG (whole passes of the weight loop).
 MAX_TILES = 512

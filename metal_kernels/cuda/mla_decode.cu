@@ -521,11 +521,15 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
           const int c = u / UPP;
           float f[8];
           colibri_mla::mla_widen8(raw[j], f, latent);
+          if (sizeof(TC) == 4) {               // bf16 / f16 values are TF32 values already
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              f[k] = colibri_mla::tf32_round(f[k]);
+            }
+          }
           float4* dst = reinterpret_cast<float4*>(lat_s + c * RWS + (u - c * UPP) * 8);
-          dst[0] = make_float4(colibri_mla::tf32_round(f[0]), colibri_mla::tf32_round(f[1]),
-                               colibri_mla::tf32_round(f[2]), colibri_mla::tf32_round(f[3]));
-          dst[1] = make_float4(colibri_mla::tf32_round(f[4]), colibri_mla::tf32_round(f[5]),
-                               colibri_mla::tf32_round(f[6]), colibri_mla::tf32_round(f[7]));
+          dst[0] = make_float4(f[0], f[1], f[2], f[3]);
+          dst[1] = make_float4(f[4], f[5], f[6], f[7]);
         }
       }
     }
@@ -609,6 +613,8 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
         pf[i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
         al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
       }
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
+      const bool rescale = __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f);
       #pragma unroll
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;
@@ -618,9 +624,11 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
           for (int i = 0; i < 2; ++i) {
             lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
           }
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[t16][ct][i] *= al[i];
+          if (rescale) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc[t16][ct][i] *= al[i];
+            }
           }
           colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
         }
