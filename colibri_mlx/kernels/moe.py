@@ -19,6 +19,7 @@ MLX gets; the MSL simulator tests run the same objects.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -331,7 +332,9 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
     # qgemv's loop (PF 1: next step's loads in flight during this step's decode, UNROLL 1)
-    # where qgemv uses it: CUDA, fmt 2/4, S <= 4.
+    # where qgemv uses it: CUDA, fmt 2/4, S <= 4; env COLIBRI_MOE_PF (0 / 1) overrides.
+    if prefetch is None and os.environ.get("COLIBRI_MOE_PF"):
+        prefetch = int(os.environ["COLIBRI_MOE_PF"])
     pf = qgemv.default_prefetch(p.fmt, S, backend) if prefetch is None else int(prefetch)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
