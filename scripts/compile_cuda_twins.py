@@ -149,10 +149,9 @@ def moe_specs(full: bool):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
             yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
-            for pf in (0, 1):    # gate_up's loop other than the default one of this fmt and S
-                if pf != moe.qgemv.default_prefetch(fmt, S, dispatch.CUDA):
-                    yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf{pf}",
-                           moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=pf))
+            # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
+            yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
+                   moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 

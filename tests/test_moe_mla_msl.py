@@ -147,10 +147,10 @@ def test_moe_nib_decode(metal, monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt", [1, 4, 5, 6])
 def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
-    # gate_up's PF 1 loop (CUDA's default for fmt 2/4, S <= 4), here on Metal: rows of 65 or
-    # more units give lane 0 three steps and the others two (odd and even step counts, a step
-    # past the row's end), with and without split-K.
-    monkeypatch.setattr(moe.qgemv, "default_prefetch", lambda fmt, S, backend: 1)
+    # gate_up's PF 1 loop (env COLIBRI_MOE_PF=1), here on Metal: rows of 65 or more units give
+    # lane 0 three steps and the others two (odd and even step counts, a step past the row's
+    # end), with and without split-K.
+    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
     experts = make_experts([fmt] * 4, D=2080 if fmt != 6 else 2304, inter=24, gs=32, seed=60 + fmt)
     run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=60 + fmt)
@@ -204,7 +204,7 @@ MOE_DEFECTS = {
 }
 
 
-# gate_up's PF 1 loop (run with default_prefetch 1): each defect must fail the oracle.
+# gate_up's PF 1 loop (run with COLIBRI_MOE_PF=1): each defect must fail the oracle.
 MOE_PF_DEFECTS = {
     "prefetch: second buffer's step skipped": ("I, n_units, base + STEP, raw_b, scl_b, acc);",
                                                "I, n_units, base + 2 * STEP, raw_b, scl_b, acc);"),
@@ -227,7 +227,7 @@ def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
     assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
         f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setattr(moe.qgemv, "default_prefetch", lambda fmt, S, backend: 1)
+    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)   # lane 0 runs 3 steps
     experts = make_experts([4] * 4, D=2080, inter=24, gs=32, seed=70)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:

@@ -112,14 +112,20 @@ def metal(monkeypatch):
 # Reference (CPU)
 
 
+@pytest.mark.parametrize("path", ["reference", "gpu"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("S", [1, 5, 12])
-def test_reference_matches_oracle(case, S):
+def test_router_matches_oracle(case, S, path):
+    """The reference everywhere; on a GPU machine also the backend's kernels (the CUDA twin on
+    the H200), against the same float64 oracle."""
+    if path == "gpu" and dispatch.gpu_backend() is None:
+        pytest.skip("no GPU backend")
     E, D, cfg = CASES[case]
     x, w, bias = inputs(E, D, S, seed=S, cfg=cfg)
-    ids, weights = router.router_topk(x, w, bias, cfg, shared_id=E)
-    assert dispatch.backend() == dispatch.REFERENCE
-    check(ids, weights, x, w, bias, cfg, shared_id=E, label=f"reference {case} S={S}")
+    with dispatch.force_reference(path == "reference"):
+        assert dispatch.backend() == (dispatch.REFERENCE if path == "reference" else dispatch.gpu_backend())
+        ids, weights = router.router_topk(x, w, bias, cfg, shared_id=E)
+    check(ids, weights, x, w, bias, cfg, shared_id=E, label=f"{path} {case} S={S}")
 
 
 # ---------------------------------------------------------------------------------------
