@@ -14,9 +14,7 @@ The floor column is the bytes the launch must read / 4.3 TB/s.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
 from colibri_mlx.kernels import dispatch, mla  # noqa: E402
+from bench_timing import median_times  # noqa: E402
 
 H, NOPE, ROPE, V, R = 128, 128, 64, 128, 512
 COPY_BW = 4.3e12
@@ -34,16 +33,8 @@ CHAIN = 8
 
 
 def timeit(fn, iters):
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / CHAIN
+    """Seconds per instance of the chain."""
+    return median_times(fn, iters)[0] / CHAIN
 
 
 def instance(T, act):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
+from bench_timing import median_times  # noqa: E402
 
 D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V = 7168, 2048, 128, 1536, 512, 128, 64, 128
 COPY_BW = 4.3e12
@@ -96,21 +96,10 @@ def table(weights):
 
 
 def timeit(fn, iters, label=None):
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    ts, builds = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        builds.append(time.perf_counter() - t0)   # Python graph building: the GPU waits
-        mx.eval(out)
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    BUILD[label or fn.__qualname__] = statistics.median(builds)
+    total, BUILD[label or fn.__qualname__] = median_times(fn, iters)
     if label:
         count_nodes(fn, label)
-    return statistics.median(ts)
+    return total
 
 
 BUILD: dict = {}

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
 from colibri_mlx.kernels import dispatch, moe, router  # noqa: E402
+from bench_timing import median_times  # noqa: E402
 
 COPY_BW = 4.3e12
 CHAIN = 8
@@ -51,18 +50,9 @@ SCORES_CONFIGS = ["-:-", "1:-", "4:-", "1:4", "1:16", "2:4", "2:16", "4:16", "8:
 
 
 def timeit(fn, iters):
-    for _ in range(3):
-        mx.eval(fn())
-    mx.synchronize()
-    ts, builds = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        builds.append(time.perf_counter() - t0)
-        mx.eval(out)
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / CHAIN, statistics.median(builds) / CHAIN
+    """Per instance of the chain: (evaluation, Python build) seconds."""
+    total, build = median_times(fn, iters)
+    return total / CHAIN, build / CHAIN
 
 
 def rand_q4(O, I, name):
