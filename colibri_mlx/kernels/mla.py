@@ -20,6 +20,7 @@ The ``*_spec`` functions build the exact launches; the MSL simulator tests run t
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -175,6 +176,63 @@ def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_s
                     dtype=mx.int32)
 
 
+@dataclass
+class _Static:
+    """What a layer's three launches keep from step to step (everything but the cache length)."""
+
+    p: Projection
+    header: str
+    bodies: dict
+    Hp: int
+    HT: int
+    qabs: dict            # LaunchSpec fields of mla_qabs but inputs
+    attn_name: str
+    attn_threads: int     # threads a threadgroup
+    attn_blocks: int      # threadgroups along x
+    attn_template: list
+    out_template: list
+
+
+def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
+    hit = _statics.get(key)
+    if hit is not None and hit[0] is kv_b:
+        return hit[1]
+    p = kv_b_projection(kv_b)
+    if (p.O, p.I) != (H * (nope + v), R):
+        raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
+    mma = variant == "mma"
+    Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
+    BL = B * L
+    header = kernel_header("mla_decode", backend)
+    bodies = read_kernel_sections("mla_decode", backend)[1]
+    LW, NU, RU = unit_lanes(_ceil_div(R, UNIT_WEIGHTS[p.fmt]))
+    tg = (SIMD * NSG, 1, 1)
+    qabs = dict(name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params"),
+                output_names=("qabs",), source=bodies["mla_qabs"], header=header,
+                output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
+                grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU))
+    if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
+        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
+        attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
+    else:
+        HB = _heads_per_block(H)
+        attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
+        attn_name, attn_blocks = "mla_attn", _ceil_div(H, HB * attn_sg)
+        attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", _ceil_div(R, SIMD)),
+                         ("RJ", max(1, _ceil_div(rope, SIMD)))]
+    out_template = _template(p, T=q_dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
+                             NTMAX=MAX_TILES)
+    st = _Static(p, header, bodies, Hp, HT, qabs, attn_name, SIMD * attn_sg, attn_blocks, attn_template,
+                 out_template)
+    _statics[key] = (kv_b, st)
+    return st
+
+
+_statics: dict = {}
+
+
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None):
@@ -184,14 +242,12 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
     BL = B * L
-    p = kv_b_projection(kv_b)
-    if (p.O, p.I) != (H * (nope + v), R):
-        raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
-    P = T if selected is None else selected.shape[-1]
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     mma = variant == "mma"
-    HT = mma_heads(backend, heads)
-    Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
+    st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
+                 mma_heads(backend, heads))
+    p, Hp, HT = st.p, st.Hp, st.HT
+    P = T if selected is None else selected.shape[-1]
     tile = tile or int(os.environ.get("COLIBRI_MLA_TILE", "0"))
     TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
     TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
@@ -209,48 +265,25 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         mask_u8 = _constant("no mask", lambda: mx.zeros((8,), mx.uint8))
     sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else _constant(
         "no list", lambda: mx.zeros((8,), mx.int32))
-    header = kernel_header("mla_decode", backend)
-    bodies = read_kernel_sections("mla_decode", backend)[1]
-    LW, NU, RU = unit_lanes(_ceil_div(R, UNIT_WEIGHTS[p.fmt]))
-    HB = _heads_per_block(H)
-    attn_sg = min(NSG, _ceil_div(H, HB))          # SIMD groups sharing each staged chunk
-    head_groups = _ceil_div(H, HB * attn_sg)
-    CJ, RJ = _ceil_div(R, SIMD), max(1, _ceil_div(rope, SIMD))
-    tg = (SIMD * NSG, 1, 1)
-
-    qabs_spec = dispatch.LaunchSpec(
-        name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params"), output_names=("qabs",),
-        source=bodies["mla_qabs"], header=header,
-        inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params],
-        output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
-        grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU))
-
-    if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg_count, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
-        attn_template = [("TC", latent.dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
-    else:
-        attn_name, attn_sg_count, attn_blocks = "mla_attn", attn_sg, head_groups
-        attn_template = [("TC", latent.dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", CJ), ("RJ", RJ)]
+    qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params],
+                                    **st.qabs)
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
-            name=attn_name, input_names=("qabs", "latent", "krope", "mask", "sel", "params", "fparams"),
-            output_names=("pacc", "pml"), source=bodies[attn_name], header=header,
+            name=st.attn_name, input_names=("qabs", "latent", "krope", "mask", "sel", "params", "fparams"),
+            output_names=("pacc", "pml"), source=st.bodies[st.attn_name], header=st.header,
             inputs=[qabs, latent, k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
-            grid=(SIMD * attn_sg_count * attn_blocks, NT, BL), threadgroup=(SIMD * attn_sg_count, 1, 1),
-            template=attn_template)
+            grid=(st.attn_threads * st.attn_blocks, NT, BL), threadgroup=(st.attn_threads, 1, 1),
+            template=st.attn_template)
 
     def out_spec(pacc, pml):
         return dispatch.LaunchSpec(
             name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
-            source=bodies["mla_out"], header=header,
+            source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
             output_shapes=[(BL, H, v)], output_dtypes=[q_nope.dtype],
-            grid=(SIMD * NSG, H, BL), threadgroup=tg,
-            template=_template(p, T=q_nope.dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
-                               NTMAX=MAX_TILES))
+            grid=(SIMD * NSG, H, BL), threadgroup=(SIMD * NSG, 1, 1), template=st.out_template)
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
