@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Python graph-building cost of one decode step on the GPU path, measured on any machine.
+
+    python3 scripts/bench_build.py [--steps 300]
+
+End-to-end decode on the H200 is host-bound (bench_e2e.py: the pipelined loop, which overlaps
+building step n+1 with the GPU running step n, is barely faster than the synchronized one), so
+the Python that builds each step's graph is paid per token. This script builds decode steps of
+the bench_e2e model shape (4 layers: 1 dense + 3 MoE, DeepSeek-V3 widths; 16 experts and a 4096
+vocabulary to fit any machine: the build cost does not depend on either) with the GPU path
+selected and every custom-kernel launch stubbed (a preallocated output of the right shape), and
+prints the median build time per step and per block kind. MLX's own op construction is included;
+the custom-kernel calls themselves (MLX builds and hashes the kernel source) are not, and
+``mx.fast`` ops on the CPU build their fallback graphs, so figures are for comparing versions
+of our code on one machine, not absolute GPU-host costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_e2e as E  # noqa: E402
+import bench_moe_mla as B  # noqa: E402
+from colibri_mlx.kernels import dispatch  # noqa: E402
+
+
+def stub_launches():
+    """Route every custom-kernel launch to a cached output of its shape, and report a GPU backend."""
+    outputs = {}
+
+    def launch(backend, spec):
+        result = []
+        for shape, dtype in zip(spec.output_shapes, spec.output_dtypes):
+            key = (tuple(shape), dtype)
+            if key not in outputs:
+                outputs[key] = mx.zeros(shape, dtype)
+                mx.eval(outputs[key])
+            result.append(outputs[key])
+        return result
+
+    dispatch.launch = launch
+    dispatch.backend = lambda: dispatch.CUDA
+    dispatch.gpu_backend = lambda: dispatch.CUDA
+
+
+class Timed:
+    """Wraps a block's ``__call__`` and adds its wall time to ``totals[name]``."""
+
+    def __init__(self, block, name, totals):
+        self.block, self.name, self.totals = block, name, totals
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.block(*args, **kwargs)
+        self.totals[self.name] = self.totals.get(self.name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    stub_launches()
+    cfg = B.config(n_layers=4, experts=16, first_dense=1, vocab=4096)
+    model = E.our_model(cfg)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache))
+    token = mx.array([[5]])
+
+    def step():
+        out = model(token, cache)
+        cache.offset -= 1          # every step at the same position: the same shapes
+        return out
+
+    for _ in range(20):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    print(f"decode step build (launches stubbed): {statistics.median(times) * 1e6:.1f} us median of {args.steps}")
+    totals = {}
+    for i, layer in enumerate(model.layers):
+        layer.self_attn = Timed(layer.self_attn, "attention", totals)
+        layer.mlp = Timed(layer.mlp, "dense MLP" if i < cfg["first_k_dense_replace"] else "MoE", totals)
+    for _ in range(args.steps):
+        step()
+    counts = {"attention": cfg["num_hidden_layers"], "dense MLP": cfg["first_k_dense_replace"],
+              "MoE": cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]}
+    for name, total in totals.items():
+        print(f"  {name:10s} {total / args.steps / counts[name] * 1e6:7.1f} us per block (mean)")
+
+
+if __name__ == "__main__":
+    main()
