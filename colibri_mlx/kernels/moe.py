@@ -322,7 +322,12 @@ class _Static:
 
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
                     prefetch=None) -> _Static:
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, prefetch)
+    # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
+    # Off by default: on the H200 (scripts/bench_moe_parts.py, 8 experts of 7168x2048 fmt 4,
+    # S=1) PF 0 took 76.9-80.9 us against PF 1's 82.5-87.7 (each block runs only a few steps).
+    # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
+    pf = int(os.environ.get("COLIBRI_MOE_PF", "0")) if prefetch is None else int(prefetch)
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -331,13 +336,6 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     rows = rows or gate_up_rows(S)
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
-    # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
-    # Off by default: on the H200 (scripts/bench_moe_parts.py, 8 experts of 7168x2048 fmt 4,
-    # S=1) PF 0 took 76.9-80.9 us against PF 1's 82.5-87.7 (each block runs only a few steps).
-    # env COLIBRI_MOE_PF (0 / 1) overrides.
-    if prefetch is None:
-        prefetch = int(os.environ.get("COLIBRI_MOE_PF", "0"))
-    pf = int(prefetch)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
