@@ -41,6 +41,10 @@
 //             accumulator O[HT x R] for all heads: O = diag(alpha) O + P . chunk. Partials
 //             (pacc, pml) as mla_attn's, merged by mla_out. Needs R and rope multiples of 8;
 //             q' comes padded to Hp = a multiple of HT heads (mla_qabs writes zeros there).
+//             Latency: the next chunk's cache rows are loaded as raw 16-byte words before the
+//             current chunk is multiplied and widened only when stored (mla_load8 /
+//             mla_widen8), each SIMD group's q' tiles are loaded once per tile, and the
+//             rescale by diag(alpha) is skipped while every alpha of a row tile is 1.
 //             The CUDA twin is the same with mma.sync m16n8k8 TF32 fragments (a 16-head tile
 //             is one m16 fragment instead of two 8x8 matrices).
 //

@@ -8,11 +8,13 @@ tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache po
 
 The attention has two variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
-by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32) and ``simt``
-(``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
+by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32; the next
+chunk's loads in flight while the current one is multiplied, q' held in registers) and
+``simt`` (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see
+:func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
 (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
-where it would make more than ``MAX_TILES`` tiles),
-``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the heads per threadgroup of ``mma``.
+where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the
+heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """

@@ -9,11 +9,13 @@
 // in step.
 // mla_attn_mma (the default variant) is the .metal kernel of that name with one
 // mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 per Metal pair of 8x8 simdgroup products
-// (a 16-head tile is one m16 fragment instead of two 8-row matrices); the staged chunk
-// is rounded to TF32 once (bf16 / f16 caches: exact), q' and P when their fragments are read
-// (cvt.rna: relative error <= 2^-11). The rescale of the accumulator by alpha is per fragment
-// row (Metal: a product with diag(alpha)). Fragment layouts: PTX ISA, "Matrix fragments for
-// mma.m16n8k8" (.tf32), in the frag_* helpers below.
+// (a 16-head tile is one m16 fragment instead of two 8-row matrices); a float32 chunk is
+// rounded to TF32 when staged (bf16 / f16 values are TF32 values already), q' when its
+// fragments are loaded (once per tile, held in registers) and P when read (cvt.rna: relative
+// error <= 2^-11). The rescale of the accumulator by alpha is per fragment row (Metal: a product
+// with diag(alpha)), skipped while every alpha of the warp's rows is 1. The next chunk's 16-byte
+// loads are issued before the current chunk is multiplied (as in the .metal kernel). Fragment
+// layouts: PTX ISA, "Matrix fragments for mma.m16n8k8" (.tf32), in the frag_* helpers below.
 
 namespace colibri_mla {
 
