@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run every CUDA twin on the GPU against the pure-MLX reference and a float64 numpy oracle.
 
-    PYTHONPATH=/root/site:$PWD python3 scripts/check_kernels_gpu.py [--quick]
+    PYTHONPATH=/root/site:$PWD python3 scripts/check_kernels_gpu.py [--quick] [--jobs 8]
 
 Prints PASS/FAIL per kernel, fmt, shape, S and dtype, then a summary; exits 1 on any failure.
 Outputs are NaN-poisoned (init_value) before every launch, so an unwritten element fails.
@@ -12,6 +12,7 @@ rounding of a float16/bfloat16 output).
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,30 +64,62 @@ def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True):
     return ok
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="skip the large shapes")
-    args = ap.parse_args()
-    if dispatch.gpu_backend() != dispatch.CUDA:
-        print("check_kernels_gpu: MLX has no CUDA backend here (mx.cuda.is_available() is False)")
-        return 2
-    t0 = time.time()
-    results = []
+def cases(quick: bool) -> list[dict]:
+    """Every check, as keyword arguments of :func:`check`."""
+    out = []
     for fmt in (1, 2, 3, 4, 5, 6):
         # One S and dtype per shape: every kernel specialization is a JIT compile on the GPU
         # machine, so the sample covers S = 1..8 and the three dtypes without the full product.
         for i, (O, I) in enumerate(SMALL):
             S, dtype = SMALL_CASES[i]
-            results.append(check(fmt, O, I, S, dtype, gs=64 if fmt == 4 else None, seed=fmt * 100 + i))
+            out.append(dict(fmt=fmt, O=O, I=I, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=fmt * 100 + i))
     for gs in GS:
         for I in (520, 2 * gs + 1, 7168):
-            results.append(check(4, 9, I, 3, mx.bfloat16, gs=gs, seed=gs + I))
-    if not args.quick:
+            out.append(dict(fmt=4, O=9, I=I, S=3, dtype=mx.bfloat16, gs=gs, seed=gs + I))
+    if not quick:
         for fmt in (1, 2, 3, 4, 5, 6):
             for O, I in LARGE:
                 for S in ((1, 8) if fmt in (4, 6) else (1,)):
-                    results.append(check(fmt, O, I, S, mx.bfloat16, gs=64 if fmt == 4 else None,
-                                         seed=fmt + O, oracle_f64=False))
+                    out.append(dict(fmt=fmt, O=O, I=I, S=S, dtype=mx.bfloat16, gs=64 if fmt == 4 else None,
+                                    seed=fmt + O, oracle_f64=False))
+    return out
+
+
+def run_shards(argv: list[str], jobs: int) -> int:
+    """Run ``jobs`` copies of this script on disjoint shards of the cases at once: each
+    specialization is a single-threaded NVRTC compile, so the JIT, not the GPU, sets the time."""
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--shard", f"{k}/{jobs}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in range(jobs)]
+    n_pass = n_fail = 0
+    worst = 0
+    for proc in procs:
+        out, _ = proc.communicate()
+        lines = out.splitlines()
+        print("\n".join(line for line in lines if not line.startswith("check_kernels_gpu:")), flush=True)
+        n_pass += sum(line.startswith("PASS") for line in lines)
+        n_fail += sum(line.startswith("FAIL") for line in lines)
+        if proc.returncode not in (0, 1):   # a shard that crashed: its cases did not all run
+            print(f"check_kernels_gpu: shard exited with {proc.returncode}:\n" + "\n".join(lines[-5:]))
+            worst = 1
+    print(f"check_kernels_gpu: {n_pass}/{n_pass + n_fail} PASS, {n_fail} FAIL ({jobs} shards)")
+    return 1 if n_fail or worst else 0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="skip the large shapes")
+    ap.add_argument("--jobs", type=int, default=1, help="processes checking disjoint shards at once")
+    ap.add_argument("--shard", default="0/1", help="k/n: run every n-th case from the k-th (used by --jobs)")
+    args = ap.parse_args()
+    if dispatch.gpu_backend() != dispatch.CUDA:
+        print("check_kernels_gpu: MLX has no CUDA backend here (mx.cuda.is_available() is False)")
+        return 2
+    if args.jobs > 1:
+        return run_shards(["--quick"] if args.quick else [], args.jobs)
+    k, n = (int(v) for v in args.shard.split("/"))
+    t0 = time.time()
+    results = [check(**case) for case in cases(args.quick)[k::n]]
     n_fail = results.count(False)
     print(f"check_kernels_gpu: {len(results) - n_fail}/{len(results)} PASS, {n_fail} FAIL "
           f"({time.time() - t0:.0f} s)")

@@ -24,6 +24,12 @@ xdist_args() {  # 12 workers when pytest-xdist imports (the JIT of each kernel s
   python3 -c 'import xdist' 2>/dev/null && echo "-n 12"   # single-threaded)
 }
 
+reap() {  # test workers a timeout left behind (xdist) would compile and run beside the timings
+  pkill -f "python3 -m pytest" 2>/dev/null
+  pkill -f "execnet" 2>/dev/null
+  sleep 1
+}
+
 step() {  # step NAME LIMIT COMMAND...: run under a time limit, log, record pass/fail
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -41,15 +47,15 @@ for s in "${steps[@]}"; do
   case $s in
     checks)        # the correctness steps at once: JIT compiles are CPU-bound (16 cores), so the GPU
                    # tests run under pytest-xdist when it is there (carried in .whl), one process otherwise
-                   (step check_twins 280 python3 scripts/check_kernels_gpu.py) &
+                   (step check_twins 280 python3 scripts/check_kernels_gpu.py --jobs 6) &
                    (step gpu_tests 280 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                       tests/test_mla_decode.py tests/test_moe_shared_slot.py tests/test_attention_glue.py \
                       $(ls tests/test_router*.py 2>/dev/null) tests/test_model_parity.py) &
-                   wait ;;
-    check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py ;;
-    kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py ;;
+                   wait; reap ;;
+    check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py --jobs 12 ;;
+    kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py; reap ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
-                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference ;;
+                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
