@@ -293,6 +293,20 @@ VARIANTS = pytest.mark.parametrize("variant", mla.VARIANTS)
 
 
 @VARIANTS
+def test_mla_one_layer_across_decode_steps(metal, variant):
+    """A layer's launch statics are kept per kv_b: the same weight at growing cache lengths (as
+    decode steps call it) and then with a mask must each launch with their own tile counts and
+    flags, not a previous step's."""
+    args, _ = mla_inputs(T=150, seed=31)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    for T, masked in ((40, False), (150, False), (97, True)):
+        mask = mx.array(np.random.default_rng(T).random((1, 1, 1, T)) < 0.7) if masked else None
+        step = (q_nope, q_rope, latent[:, :T], k_rope[:, :T], kv_b, scale, mask, nope, v)
+        out = mla.launch_specs(*step, variant=variant, tile=16)(lambda spec: simulate(spec, simulator))
+        assert_mla_close(out, *step, label=f"T={T} masked={masked}")
+
+
+@VARIANTS
 @pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
 def test_mla_every_kv_b_fmt(metal, fmt, variant):
     run_mla(metal, fmt=fmt, seed=fmt, tile=16, variant=variant)
