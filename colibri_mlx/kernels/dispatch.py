@@ -175,6 +175,19 @@ def compact_source(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+@functools.lru_cache(maxsize=None)
+def int_params(*values: int) -> mx.array:
+    """An int32[8] input (device address space) for values that repeat from call to call,
+    built once per distinct tuple: a per-call array is a host-to-device copy per launch."""
+    return mx.array(list(values) + [0] * (8 - len(values)), dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def float_params(*values: float) -> mx.array:
+    """The float32[8] counterpart of :func:`int_params`."""
+    return mx.array(list(values) + [0.0] * (8 - len(values)), dtype=mx.float32)
+
+
 @dataclass
 class LaunchSpec:
     """Everything one custom-kernel launch needs, identical for MLX and the MSL simulator."""

@@ -21,6 +21,7 @@ The ``*_spec`` functions build the exact launches; the MSL simulator tests run t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -92,17 +93,12 @@ def kv_b_projection(kv_b) -> Projection:
 
 
 _kvb: dict = {}
-_constants: dict = {}
 
 
-def _constant(key, make) -> mx.array:
-    """A small input that is the same on every call (placeholders, the scale), made and evaluated
-    once: built per call it would cost a fill launch or a host-to-device copy per layer and step."""
-    hit = _constants.get(key)
-    if hit is None:
-        hit = _constants[key] = make()
-        mx.eval(hit)
-    return hit
+@functools.lru_cache(maxsize=None)
+def _no_mask() -> mx.array:
+    """The mask input when there is none (never read): made once, not a fill launch per call."""
+    return mx.zeros((8,), mx.uint8)
 
 
 def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
@@ -256,7 +252,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     NT = max(1, _ceil_div(P, TT))
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
-    fparams = _constant(("scale", float(scale)), lambda: mx.array([scale, 0, 0, 0, 0, 0, 0, 0], dtype=mx.float32))
+    fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
     # row per head (padding heads zero), so no cast or pad launch runs per layer.
     qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope)
@@ -264,9 +260,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if mask is not None:
         mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
     else:
-        mask_u8 = _constant("no mask", lambda: mx.zeros((8,), mx.uint8))
-    sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else _constant(
-        "no list", lambda: mx.zeros((8,), mx.int32))
+        mask_u8 = _no_mask()
+    sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else dispatch.int_params()
     qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params],
                                     **st.qabs)
 

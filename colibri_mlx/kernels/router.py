@@ -18,7 +18,6 @@ argpartition order: consumers (moe_block) do not depend on slot order.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,17 +95,6 @@ def router_reference(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterC
 # Launches
 
 
-@functools.lru_cache(maxsize=None)
-def _params(*values: int) -> mx.array:
-    """An int32[8] params array, built once per distinct value tuple (no per-call upload)."""
-    return mx.array(list(values) + [0] * (8 - len(values)), dtype=mx.int32)
-
-
-@functools.lru_cache(maxsize=None)
-def _fparams(*values: float) -> mx.array:
-    return mx.array(list(values) + [0.0] * (8 - len(values)), dtype=mx.float32)
-
-
 _statics: dict = {}
 
 
@@ -131,7 +119,7 @@ def scores_spec(x: mx.array, weight: mx.array, backend: str = dispatch.METAL, ro
             source=bodies["router_scores"], header=header, output_shapes=[(S, E)], output_dtypes=[mx.float32],
             grid=(32 * simdgroups * -(-E // rows), 1, 1), threadgroup=(32 * simdgroups, 1, 1),
             template=[("T", x.dtype), ("S", S), ("ROWS", rows), ("NW", simdgroups), ("V4", int(D % 4 == 0))],
-            params=_params(D, E))
+            params=dispatch.int_params(D, E))
 
     st = _static(("scores", S, D, E, x.dtype, backend, rows, simdgroups), build)
     return st.spec([x, weight, st.params])
@@ -146,14 +134,14 @@ def topk_spec(scores: mx.array, bias: mx.array, cfg: RouterConfig, shared_id: Op
         KO = cfg.top_k + (shared_id is not None)
         tg = 32 * -(-E // 32)
         header, bodies = read_kernel_sections("router", backend)
-        params = _params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
+        params = dispatch.int_params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
                          -1 if shared_id is None else int(shared_id))
         return _Static(
             name="router_topk", input_names=("scores", "bias", "params", "fparams"),
             output_names=("ids", "weights"), source=bodies["router_topk"], header=header,
             output_shapes=[(S, KO), (S, KO)], output_dtypes=[mx.int32, mx.float32],
             grid=(tg, S, 1), threadgroup=(tg, 1, 1), template=[("TG", tg)],
-            params=(params, _fparams(float(cfg.routed_scaling_factor))))
+            params=(params, dispatch.float_params(float(cfg.routed_scaling_factor))))
 
     st = _static(("topk", S, E, cfg, shared_id, backend), build)
     return st.spec([scores, bias, *st.params])
