@@ -42,8 +42,8 @@
 //             (pacc, pml) as mla_attn's, merged by mla_out. Needs R and rope multiples of 8;
 //             q' comes padded to Hp = a multiple of HT heads (mla_qabs writes zeros there).
 //             Latency: the next chunk's cache rows are loaded as raw 16-byte words before the
-//             current chunk is multiplied and widened only when stored (mla_load8 /
-//             mla_widen8), each SIMD group's q' tiles are loaded once per tile, and the
+//             current chunk is multiplied and widened only when stored (qd_load8_raw /
+//             qd_widen8), each SIMD group's q' tiles are loaded once per tile, and the
 //             rescale by diag(alpha) is skipped while every alpha of a row tile is 1.
 //             The CUDA twin is the same with mma.sync m16n8k8 TF32 fragments (a 16-head tile
 //             is one m16 fragment instead of two 8x8 matrices).
@@ -79,42 +79,6 @@ inline float mla_reduce_scatter(thread float* v, int lane) {
 // fragment reads of the chunk (row stride 8 mod 32 banks; see there).
 constexpr int mla_stage_pad() {
   return 8;
-}
-
-// ---- the staged chunk: 8 cache values per 16-byte load, raw until stored ----
-// A chunk's loads are issued before the previous chunk's arithmetic and widened only when the
-// next chunk is stored, so their latency hides behind that arithmetic (a widening right after
-// the load would wait for it). 8 values = one uint4 (2-byte types) or two (float).
-inline void mla_load8(const device float* p, thread uint4* w) {
-  w[0] = *((const device uint4*)p);
-  w[1] = *((const device uint4*)(p + 4));
-}
-inline void mla_load8(const device half* p, thread uint4* w) {
-  w[0] = *((const device uint4*)p);
-}
-inline void mla_load8(const device bfloat16_t* p, thread uint4* w) {
-  w[0] = *((const device uint4*)p);
-}
-inline void mla_widen8(const thread uint4* w, thread float* o, const device float*) {
-  const uint v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
-  for (int k = 0; k < 8; ++k) {
-    o[k] = as_type<float>(v[k]);
-  }
-}
-inline void mla_widen8(const thread uint4* w, thread float* o, const device half*) {
-  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
-  for (int m = 0; m < 4; ++m) {
-    const float2 f = float2(as_type<half2>(v[m]));
-    o[2 * m] = f.x;
-    o[2 * m + 1] = f.y;
-  }
-}
-inline void mla_widen8(const thread uint4* w, thread float* o, const device bfloat16_t*) {
-  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
-  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32
-    o[2 * m] = as_type<float>(v[m] << 16);
-    o[2 * m + 1] = as_type<float>(v[m] & 0xFFFF0000u);
-  }
 }
 
 // Cache position of entry `pos` of query row q's list: the DSA list or the identity.
@@ -447,7 +411,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
         if (u < C * UPP) {
           const int c = u / UPP;
           float f[8];
-          mla_widen8(raw[j], f, latent);
+          qd_widen8(raw[j], f, latent);
           for (int k = 0; k < 8; ++k) {
             lat_s[c * RWS + (u - c * UPP) * 8 + k] = f[k];
           }
@@ -463,9 +427,9 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       if (u < C * UPP && cn + c < p1) {
         const int t = mla_position(sel, has_sel, q, P, cn + c);
         if (col < R) {
-          mla_load8(latent + (size_t(b) * T + t) * R + col, raw[j]);
+          qd_load8_raw(latent + (size_t(b) * T + t) * R + col, raw[j]);
         } else {
-          mla_load8(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
+          qd_load8_raw(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
         }
       }
     }

@@ -175,32 +175,49 @@ inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, 
   }
 }
 
-// Eight consecutive x values as float from one or two 16-byte loads.
-inline void qd_load_x8(const device float* p, thread float* o) {
-  const float4 a = *((const device float4*)p);
-  const float4 b = *((const device float4*)(p + 4));
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+// Eight consecutive values as raw 16-byte words (one uint4 for 2-byte types, two for float),
+// widened to float separately: a caller that wants the loads in flight across other work
+// (mla_attn_mma's next chunk) keeps the words and widens them later.
+inline void qd_load8_raw(const device float* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
+  w[1] = *((const device uint4*)(p + 4));
+}
+inline void qd_load8_raw(const device half* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
+}
+inline void qd_load8_raw(const device bfloat16_t* p, thread uint4* w) {
+  w[0] = *((const device uint4*)p);
 }
 
-inline void qd_load_x8(const device half* p, thread float* o) {
-  const uint4 v = *((const device uint4*)p);
-  const uint w[4] = {v.x, v.y, v.z, v.w};
+// The words of qd_load8_raw as float; the pointer argument only selects the type.
+inline void qd_widen8(const thread uint4* w, thread float* o, const device float*) {
+  const uint v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+  for (int k = 0; k < 8; ++k) {
+    o[k] = as_type<float>(v[k]);
+  }
+}
+inline void qd_widen8(const thread uint4* w, thread float* o, const device half*) {
+  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
   for (int m = 0; m < 4; ++m) {
-    const float2 f = float2(as_type<half2>(w[m]));
+    const float2 f = float2(as_type<half2>(v[m]));
     o[2 * m] = f.x;
     o[2 * m + 1] = f.y;
   }
 }
-
-inline void qd_load_x8(const device bfloat16_t* p, thread float* o) {
-  // bfloat16 is the top half of a float32: widening is a shift or a mask.
-  const uint4 v = *((const device uint4*)p);
-  const uint w[4] = {v.x, v.y, v.z, v.w};
-  for (int m = 0; m < 4; ++m) {
-    o[2 * m] = as_type<float>(w[m] << 16);
-    o[2 * m + 1] = as_type<float>(w[m] & 0xFFFF0000u);
+inline void qd_widen8(const thread uint4* w, thread float* o, const device bfloat16_t*) {
+  const uint v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
+  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32: a shift or a mask
+    o[2 * m] = as_type<float>(v[m] << 16);
+    o[2 * m + 1] = as_type<float>(v[m] & 0xFFFF0000u);
   }
+}
+
+// Eight consecutive x values as float from one or two 16-byte loads.
+template <typename T>
+inline void qd_load_x8(const device T* p, thread float* o) {
+  uint4 w[2];
+  qd_load8_raw(p, w);
+  qd_widen8(w, o, p);
 }
 
 // x[i .. i + 7] of one row of x as float, zero past I (so padding codes contribute nothing).

@@ -159,7 +159,7 @@ DEFECTS = {
     "fmt 5 high plane offset": (5, "r[4 + (i >> 5)]", "r[3 + (i >> 5)]"),
     "last unit of a row skipped": (1, "} else if (u < n_units) {\nqg_unit", "} else if (u + 1 < n_units) {\nqg_unit"),
     "int8 read unsigned": (1, "& 0xFFu) ^ 0x80u, 8388736.0f)", "& 0xFFu), 8388608.0f)"),
-    "vector x loads out of order": (4, "o[0] = a.x; o[1] = a.y;", "o[0] = a.y; o[1] = a.x;"),
+    "vector x loads out of order": (4, "const uint v[8] = {w[0].x, w[0].y,", "const uint v[8] = {w[0].y, w[0].x,"),
     "rows of a threadgroup shifted": (3, "rows[r] = min(row0 + r, O - 1);", "rows[r] = min(row0 + r + 1, O - 1);"),
     "split-K partial sums overwritten": (2, "v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];", SPLIT_K),
     "split-K barrier missing": (4, "threadgroup_barrier(mem_flags::mem_threadgroup);", "", SPLIT_K),

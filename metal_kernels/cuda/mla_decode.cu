@@ -122,47 +122,6 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// ---- the staged chunk: 8 cache values per 16-byte load, raw until stored ----
-// A chunk's loads are issued before the previous chunk's arithmetic and widened only when the
-// next chunk is stored, so their latency hides behind that arithmetic (a widening right after
-// the load would wait for it). 8 values = one uint4 (2-byte types) or two (float).
-__device__ __forceinline__ void mla_load8(const float* p, uint4* w) {
-  w[0] = *reinterpret_cast<const uint4*>(p);
-  w[1] = *reinterpret_cast<const uint4*>(p + 4);
-}
-__device__ __forceinline__ void mla_load8(const __half* p, uint4* w) {
-  w[0] = *reinterpret_cast<const uint4*>(p);
-}
-__device__ __forceinline__ void mla_load8(const __nv_bfloat16* p, uint4* w) {
-  w[0] = *reinterpret_cast<const uint4*>(p);
-}
-__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const float*) {
-  const uint32_t v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    o[k] = __uint_as_float(v[k]);
-  }
-}
-__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __half*) {
-  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    __half2 h;
-    memcpy(&h, &v[m], 4);
-    const float2 f = __half22float2(h);
-    o[2 * m] = f.x;
-    o[2 * m + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_bfloat16*) {
-  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32
-    o[2 * m] = __uint_as_float(v[m] << 16);
-    o[2 * m + 1] = __uint_as_float(v[m] & 0xFFFF0000u);
-  }
-}
-
 }  // namespace colibri_mla
 
 // ==== kernel body: mla_qabs ====
@@ -522,7 +481,7 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
         if (u < C * UPP) {
           const int c = u / UPP;
           float f[8];
-          colibri_mla::mla_widen8(raw[j], f, latent);
+          colibri_qd::widen8(raw[j], f, latent);
           if (sizeof(TC) == 4) {               // bf16 / f16 values are TF32 values already
             #pragma unroll
             for (int k = 0; k < 8; ++k) {
@@ -546,9 +505,9 @@ __device__ __forceinline__ void mla_widen8(const uint4* w, float* o, const __nv_
         if (u < C * UPP && cn + c < p1) {
           const int t = colibri_mla::mla_position(sel, has_sel, q, P, cn + c);
           if (col < R) {
-            colibri_mla::mla_load8(latent + (size_t(b) * T + t) * R + col, raw[j]);
+            colibri_qd::load8_raw(latent + (size_t(b) * T + t) * R + col, raw[j]);
           } else {
-            colibri_mla::mla_load8(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
+            colibri_qd::load8_raw(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
           }
         }
       }

@@ -175,32 +175,52 @@ __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_
   }
 }
 
-__device__ __forceinline__ void load_x8(const float* p, float* o) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-  o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+// Eight consecutive values as raw 16-byte words (one uint4 for 2-byte types, two for float),
+// widened to float separately: a caller that wants the loads in flight across other work
+// (mla_attn_mma's next chunk) keeps the words and widens them later.
+__device__ __forceinline__ void load8_raw(const float* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
+  w[1] = *reinterpret_cast<const uint4*>(p + 4);
+}
+__device__ __forceinline__ void load8_raw(const __half* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void load8_raw(const __nv_bfloat16* p, uint4* w) {
+  w[0] = *reinterpret_cast<const uint4*>(p);
 }
 
-__device__ __forceinline__ void load_x8(const __half* p, float* o) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+// The words of load8_raw as float; the pointer argument only selects the type.
+__device__ __forceinline__ void widen8(const uint4* w, float* o, const float*) {
+  const uint32_t v[8] = {w[0].x, w[0].y, w[0].z, w[0].w, w[1].x, w[1].y, w[1].z, w[1].w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    o[k] = __uint_as_float(v[k]);
+  }
+}
+__device__ __forceinline__ void widen8(const uint4* w, float* o, const __half*) {
+  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    const float2 f = __half22float2(as_half2(w[m]));
+    const float2 f = __half22float2(as_half2(v[m]));
     o[2 * m] = f.x;
     o[2 * m + 1] = f.y;
   }
 }
-
-__device__ __forceinline__ void load_x8(const __nv_bfloat16* p, float* o) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+__device__ __forceinline__ void widen8(const uint4* w, float* o, const __nv_bfloat16*) {
+  const uint32_t v[4] = {w[0].x, w[0].y, w[0].z, w[0].w};
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    o[2 * m] = __uint_as_float(w[m] << 16);
-    o[2 * m + 1] = __uint_as_float(w[m] & 0xFFFF0000u);
+  for (int m = 0; m < 4; ++m) {       // bfloat16 is the top half of a float32: a shift or a mask
+    o[2 * m] = __uint_as_float(v[m] << 16);
+    o[2 * m + 1] = __uint_as_float(v[m] & 0xFFFF0000u);
   }
+}
+
+// Eight consecutive x values as float from one or two 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void load_x8(const T* p, float* o) {
+  uint4 w[2];
+  load8_raw(p, w);
+  widen8(w, o, p);
 }
 
 // x[i .. i + 7] of one row of x as float, zero past I. XV 1: the row starts 16-byte aligned;
