@@ -91,15 +91,16 @@ def main():
         times.append(time.perf_counter() - t0)
     print(f"decode step build (launches stubbed): {statistics.median(times) * 1e6:.1f} us median of {args.steps}")
     totals = {}
-    for i, layer in enumerate(model.layers):
-        layer.self_attn = Timed(layer.self_attn, "attention", totals)
-        layer.mlp = Timed(layer.mlp, "dense MLP" if i < cfg["first_k_dense_replace"] else "MoE", totals)
+    for layer in model.layers:       # the pieces of DecoderLayer.decode
+        layer._compiled_in = Timed(layer._compiled_in, "layer in (norm, projections, rope)", totals)
+        layer.self_attn.cached = Timed(layer.self_attn.cached, "cache writes", totals)
+        layer.self_attn.attend = Timed(layer.self_attn.attend, "attention core (mla_decode)", totals)
+        layer._compiled_out = Timed(layer._compiled_out, "layer out (o_proj, MLP / MoE)", totals)
     for _ in range(args.steps):
         step()
-    counts = {"attention": cfg["num_hidden_layers"], "dense MLP": cfg["first_k_dense_replace"],
-              "MoE": cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]}
+    layers = cfg["num_hidden_layers"]
     for name, total in totals.items():
-        print(f"  {name:10s} {total / args.steps / counts[name] * 1e6:7.1f} us per block (mean)")
+        print(f"  {name:36s} {total / args.steps / layers * 1e6:7.1f} us per layer (mean)")
 
 
 if __name__ == "__main__":

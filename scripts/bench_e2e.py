@@ -13,7 +13,9 @@ MoE layer + the latent cache) / 4.3 TB/s. Embeddings are bf16 tables (a row look
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -105,6 +107,21 @@ def token_bytes(model, cfg, T):
     return total + model.lm_head.nbytes
 
 
+@contextlib.contextmanager
+def plain_graphs():
+    """COLIBRI_COMPILE=0 for a block of the run (kernels.compiled: no traces kept or made)."""
+    saved = os.environ.get(kernels.compiled.ENV_VAR)
+    os.environ[kernels.compiled.ENV_VAR] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[kernels.compiled.ENV_VAR]
+        else:
+            os.environ[kernels.compiled.ENV_VAR] = saved
+        kernels.compiled.clear()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -129,6 +146,9 @@ def main():
     print(f"ours (kernels on): {res['ours_ms']:.2f} ms/token", flush=True)
     cache = ours.make_cache()
     res["ours_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    with plain_graphs():              # the same kernels, every block built op by op each step
+        cache = ours.make_cache()
+        res["ours_uncompiled_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
     with kernels.force_reference():   # the pure-MLX reference path, same weights
         cache = ours.make_cache()
         res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
@@ -152,6 +172,7 @@ def main():
     L = args.layers
     print(f"{'model':36s} {'ms/token':>9s} {'per layer':>9s} {'pipelined':>9s}")
     print(f"{'ours (kernels on)':36s} {res['ours_ms']:9.2f} {res['ours_ms'] / L:9.3f} {res['ours_pipelined_ms']:9.2f}")
+    print(f"{'ours (COLIBRI_COMPILE=0)':36s} {res['ours_uncompiled_ms']:9.2f} {res['ours_uncompiled_ms'] / L:9.3f}")
     print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")
     print(f"{'mlx-lm 0.32.2':36s} {res['mlxlm_ms']:9.2f} {res['mlxlm_ms'] / L:9.3f} {res['mlxlm_pipelined_ms']:9.2f}")
     print("ms/token: each step evaluated and synchronized before the next is built (PERF.md); pipelined: the next "

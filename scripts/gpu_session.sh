@@ -49,7 +49,7 @@ for s in "${steps[@]}"; do
                    # tests run under pytest-xdist when it is there (carried in .whl), one process otherwise
                    (step check_twins 280 python3 scripts/check_kernels_gpu.py --jobs 6) &
                    (step gpu_tests 280 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
-                      tests/test_mla_decode.py tests/test_moe_shared_slot.py tests/test_attention_glue.py \
+                      tests/test_mla_decode.py tests/test_moe_shared_slot.py tests/test_attention_glue.py tests/test_compiled.py \
                       $(ls tests/test_router*.py 2>/dev/null) tests/test_model_parity.py) &
                    wait; reap ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py --jobs 12 ;;
@@ -61,6 +61,7 @@ for s in "${steps[@]}"; do
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
+    profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
     *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
   esac
 done

@@ -189,13 +189,16 @@ def test_fast_rope_decode_equals_cos_sin_decode(checkpoints, name, monkeypatch):
 
     model = load_model(checkpoints[name], dtype="float32")
     tokens = random_tokens(12, seed=5)
+    monkeypatch.setenv("COLIBRI_COMPILE", "0")   # counts Python calls: no replayed graphs
     calls = []
     rope = mx.fast.rope
     monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(1) or rope(*a, **k))
     fast = prefill_then_decode(model, tokens, 6)
     assert len(calls) == 2 * len(model.layers) * 6
     real = deepseek_v3.Model._positions_and_mask
-    monkeypatch.setattr(deepseek_v3.Model, "_positions_and_mask", lambda *a: real(*a)[:3] + (None,))
+    # cos/sin and no offset (padded=True: the general path, whose mask lets every key through)
+    monkeypatch.setattr(deepseek_v3.Model, "_positions_and_mask",
+                        lambda self, pad, start, L, padded=True: real(self, pad, start, L, True)[:3] + (None,))
     slow = prefill_then_decode(model, tokens, 6)
     assert len(calls) == 2 * len(model.layers) * 6          # the cos/sin rotation this time
     # float32 rounding through a few layers: measured ~1e-7 of the logit scale

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..formats.qtensor import QTensor
-from . import dispatch, qgemv as _qgemv, reference, router
+from . import compiled, dispatch, qgemv as _qgemv, reference, router
 from .mla import mla_decode
 from .moe import moe_block
 from .dispatch import (
@@ -26,7 +26,7 @@ from .dispatch import (
 )
 
 __all__ = [
-    "CUDA", "METAL", "REFERENCE", "backend", "counters", "force_reference", "format_counters",
+    "CUDA", "METAL", "REFERENCE", "backend", "compiled", "counters", "force_reference", "format_counters",
     "concat_rows", "mla_decode", "moe_block", "qmatmul", "reset_counters", "router",
 ]
 

@@ -52,8 +52,26 @@ def gpu_backend() -> Optional[str]:
     return None
 
 
+# os.environ.get encodes the name and decodes the value on every call (~1.5 us); knobs are read
+# several times per decode step, so read the mapping's encoded dict directly where it has one
+# (posix). It is the dict os.environ's setters update, so changes are seen at once.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS: dict = {}
+
+
+def getenv(name: str, default: Optional[str] = None) -> Optional[str]:
+    """``os.environ.get(name, default)`` at the cost of a dict lookup."""
+    if _ENV_DATA is None:
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    value = _ENV_DATA.get(key)
+    return default if value is None else os.environ.decodevalue(value)
+
+
 def reference_forced() -> bool:
-    return _force_reference or os.environ.get(ENV_VAR, "").strip().lower() == REFERENCE
+    return _force_reference or (getenv(ENV_VAR) or "").strip().lower() == REFERENCE
 
 
 def backend() -> str:
@@ -95,6 +113,28 @@ def record_fallback(path: str, reason: str) -> None:
     with _lock:
         _fallbacks[f"{path}: {reason} -> reference"] += 1
         _calls[(path, REFERENCE)] += 1
+
+
+def snapshot() -> tuple[Counter, Counter]:
+    """The counters now (for :func:`since`)."""
+    with _lock:
+        return Counter(_calls), Counter(_fallbacks)
+
+
+def since(before: tuple[Counter, Counter]) -> tuple[tuple, tuple]:
+    """What was counted after ``before`` (a :func:`snapshot`), as ``(key, n)`` pairs."""
+    with _lock:
+        return tuple((_calls - before[0]).items()), tuple((_fallbacks - before[1]).items())
+
+
+def replay(delta: tuple[tuple, tuple]) -> None:
+    """Count ``delta`` (from :func:`since`) again: a compiled graph replaying what it recorded."""
+    calls, fallbacks = delta
+    with _lock:
+        for key, n in calls:
+            _calls[key] += n
+        for key, n in fallbacks:
+            _fallbacks[key] += n
 
 
 def counters() -> dict[str, Any]:

@@ -22,7 +22,6 @@ The ``*_spec`` functions build the exact launches; the MSL simulator tests run t
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -147,7 +146,7 @@ def mma_tile(P: int, head_blocks: int) -> int:
 
 def mma_heads(backend: str, heads: Optional[int] = None) -> int:
     """HT of mla_attn_mma: ``heads``, env COLIBRI_MLA_HEADS, or the backend's default."""
-    ht = heads or int(os.environ.get("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
+    ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
     if ht not in MMA_HEAD_CHOICES:
         raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
     return ht
@@ -160,7 +159,7 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     activations, but not within float32 parity (1e-4 of scale), so a float32 model gets ``simt``.
     Metal's simdgroup_matrix<float> is float32 throughout. ``simt`` where mma cannot run."""
     default = "simt" if backend == dispatch.CUDA and dtype == mx.float32 else "mma"
-    want = variant or os.environ.get("COLIBRI_MLA_VARIANT", default)
+    want = variant or dispatch.getenv("COLIBRI_MLA_VARIANT", default)
     if want not in VARIANTS:
         raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
     if want == "mma" and (R % 8 or rope % 8):
@@ -246,7 +245,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  mma_heads(backend, heads))
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
-    tile = tile or int(os.environ.get("COLIBRI_MLA_TILE", "0"))
+    tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
     TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
     TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
     NT = max(1, _ceil_div(P, TT))

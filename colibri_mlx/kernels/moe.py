@@ -19,7 +19,6 @@ MLX gets; the MSL simulator tests run the same objects.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -326,7 +325,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # Off by default: on the H200 (scripts/bench_moe_parts.py, 8 experts of 7168x2048 fmt 4,
     # S=1) PF 0 took 76.9-80.9 us against PF 1's 82.5-87.7 (each block runs only a few steps).
     # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
-    pf = int(os.environ.get("COLIBRI_MOE_PF", "0")) if prefetch is None else int(prefetch)
+    pf = int(dispatch.getenv("COLIBRI_MOE_PF", "0")) if prefetch is None else int(prefetch)
     key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf)
     hit = group.statics.get(key)
     if hit is not None:
@@ -454,6 +453,24 @@ def decline_reason(x: mx.array, K: int) -> Optional[str]:
         return f"N*K={N * K} slots above {MAX_SLOTS}"
     if x.dtype not in KERNEL_DTYPES:
         return f"x dtype {x.dtype} not float32/float16/bfloat16"
+    return None
+
+
+def host_reason(x: mx.array, experts: Sequence, K: int) -> Optional[str]:
+    """None when :func:`moe_block`'s graph for ``x [N, D]`` needs no values from the GPU (the
+    ids stay there: resident kernels), else why it reads them on the host (then the block
+    cannot be an ``mx.compile`` graph, kernels.compiled)."""
+    if dispatch.backend() == dispatch.REFERENCE:
+        return "reference path groups tokens by expert on the host"
+    if x.shape[0] > MAX_TOKENS:
+        return "prefill groups tokens by expert on the host"
+    if getattr(experts, "prepare", None) is not None:
+        return "experts streamed from disk"
+    reason = decline_reason(x, K)
+    if reason is not None:
+        return reason
+    if resident_bank(experts).declined:
+        return "some experts run on the reference path"
     return None
 
 

@@ -37,6 +37,8 @@ MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "deepseek
                "glm_moe_dsa": "glm_moe_dsa"}
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
+# Rows per call up to which the MLP / MoE blocks are decode graphs (the qgemv / moe kernel paths).
+DECODE_ROWS = 8
 # Query blocks up to this many tokens use the absorbed (latent-space) attention.
 ABSORBED_MAX_TOKENS = 4
 # The q/kv latent norms use a fixed epsilon in every reference implementation.
@@ -367,6 +369,7 @@ class Attention:
         has_indexer = self.indexer_kind == "full" and (layer_idx < args.num_hidden_layers
                                                        or w.has_prefix(prefix + "indexer."))
         self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
+        self._compiled_rows = kernels.compiled.CompiledBlock(self._decode_rows, "attention_rows")
 
     def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
         """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
@@ -445,8 +448,9 @@ class Attention:
             return part.reshape(B, self.n_heads, 1, width)
         return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
 
-    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
-        """Returns the attention output and this layer's DSA selection (for the next shared layers).
+    def rows(self, x, cos=None, sin=None, rope_offset=None):
+        """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], latent
+        [B,L,R] (normed), k_rope [B,L,rope], q_latent [B*L,q_lora] or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of a single query row of a single
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used."""
@@ -462,18 +466,45 @@ class Attention:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
             k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
         latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
-        if layer_cache is not None:
-            latent = layer_cache.append("latent", latent, start)
-            k_rope = layer_cache.append("k_rope", k_rope, start)
+        return q_nope, q_rope, latent, k_rope, q_latent
+
+    def _decode_rows(self, x, rope_offset):
+        """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces)."""
+        *parts, q_latent = self.rows(x, rope_offset=rope_offset)
+        return tuple(parts) if q_latent is None or self.indexer is None else (*parts, q_latent)
+
+    def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
+        """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
+        B, L, D = x.shape
+        if rope_offset is not None and L == 1:
+            # The same graph every decode step: compiled on GPUs (kernels.compiled).
+            q_nope, q_rope, latent, k_rope, *q_latent = self._compiled_rows(x, rope_offset)
+            q_latent = q_latent[0] if q_latent else None
+        else:
+            q_nope, q_rope, latent, k_rope, q_latent = self.rows(x, cos, sin)
+        latent, k_rope = self.cached(latent, k_rope, layer_cache, start)
         selection = shared_selection
         if self.indexer is not None:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = selection if mask is None else mask & selection
+        return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask)).reshape(B, L, D), selection
+
+    def cached(self, latent, k_rope, layer_cache, start):
+        """This step's latent and rope-key rows written to the cache; the whole cache so far."""
+        if layer_cache is None:
+            return latent, k_rope
+        return layer_cache.append("latent", latent, start), layer_cache.append("k_rope", k_rope, start)
+
+    def attend(self, q_nope, q_rope, latent, k_rope, mask):
+        """The attention core over the cache: ``[B*L, H*v_dim]``, rows in (b, l) order."""
+        B, H, L, _ = q_nope.shape
         out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
                                self.nope, self.v_dim)
-        out = out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
-        return linear(out, self.o_proj, self.o_bias).reshape(B, L, D), selection
+        return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
+
+    def output(self, attn):
+        return linear(attn, self.o_proj, self.o_bias)
 
 
 def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim):
@@ -492,9 +523,17 @@ class MLP:
         self.gate = w.take(prefix + "gate_proj.weight", (inter, hidden))
         self.up = w.take(prefix + "up_proj.weight", (inter, hidden))
         self.down = w.take(prefix + "down_proj.weight", (hidden, inter))
+        self._compiled = kernels.compiled.CompiledBlock(self.forward, "mlp")
+
+    def forward(self, x):
+        return linear(moe_reference.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+
+    def host_reason(self, x):
+        return None                       # no values leave the GPU: always a compilable graph
 
     def __call__(self, x):
-        return linear(moe_reference.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+        # Decode rows (the qgemv path): the same graph every step, compiled on GPUs.
+        return self._compiled(x) if x.size <= DECODE_ROWS * x.shape[-1] else self.forward(x)
 
 
 class Router:
@@ -576,14 +615,32 @@ class MoE:
                 self.bank = list(self.experts) + [triple]
                 self.shared_slot = args.n_routed_experts
 
-    def __call__(self, x):
+        self._compiled = kernels.compiled.CompiledBlock(self.forward, "moe")
+
+    def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
         y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
         if self.shared is None or self.shared_slot is not None:
             return y
         kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
-        return y + self.shared(x)
+        return y + self.shared.forward(x)
+
+    def __call__(self, x):
+        if x.size > DECODE_ROWS * x.shape[-1]:
+            return self.forward(x)
+        # Decode rows: compiled on GPUs when the graph keeps the routing on the GPU.
+        return self._compiled(x, static=self.host_reason(x))
+
+    def host_reason(self, x):
+        """None when :meth:`forward` of these decode rows reads no values on the host."""
+        n = x.size // x.shape[-1]
+        if not isinstance(self.router, Router):
+            return "router replaced by a Python function (its side effects would be traced once)"
+        if self.router.top_p is not None:
+            return "router top-p selects on the host"
+        K = self.router.args.num_experts_per_tok + (self.shared_slot is not None)
+        return kernels.moe.host_reason(x.reshape(n, x.shape[-1]), self.bank, K)
 
 
 # ---------------------------------------------------------------------------------- layers
@@ -602,11 +659,32 @@ class DecoderLayer:
         else:
             self.mlp = MLP(w, p + "mlp.", D, args.intermediate_size)
 
+        self._compiled_in = kernels.compiled.CompiledBlock(self._decode_in, "layer_in")
+        self._compiled_out = kernels.compiled.CompiledBlock(self._decode_out, "layer_out")
+
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
+        if rope_offset is not None and x.shape[1] == 1 and self.self_attn.indexer is None and shared_selection is None:
+            return self.decode(x, mask, layer_cache, start, rope_offset), None
         h, selection = self.self_attn(rms_norm(x, self.input_norm, self.eps), cos, sin, mask, layer_cache, start,
                                       shared_selection, rope_offset)
         x = x + h
         return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps)), selection
+
+    def decode(self, x, mask, layer_cache, start, rope_offset):
+        """One decode row of one sequence: everything before the cache and everything after the
+        attention core are the same graph every step (compiled on GPUs, kernels.compiled); the
+        cache writes and the attention over the grown cache are built per step."""
+        q_nope, q_rope, latent, k_rope = self._compiled_in(x, rope_offset)
+        latent, k_rope = self.self_attn.cached(latent, k_rope, layer_cache, start)
+        attn = self.self_attn.attend(q_nope, q_rope, latent, k_rope, mask)
+        return self._compiled_out(x, attn, static=self.mlp.host_reason(x))
+
+    def _decode_in(self, x, rope_offset):
+        return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
+
+    def _decode_out(self, x, attn):
+        x = x + self.self_attn.output(attn).reshape(x.shape)
+        return x + self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps))
 
 
 class MTPLayer:
@@ -648,6 +726,7 @@ class Model:
         weights.check_all_used()
         self.rope = make_rope(args.rope, args.qk_rope_head_dim, args.max_position_embeddings, args.rope_interleave)
         self.max_length = args.max_position_embeddings
+        self._compiled_head = kernels.compiled.CompiledBlock(self.head, "head")
 
     def _mtp_indices(self, weights):
         n = self.args.num_hidden_layers
@@ -680,9 +759,16 @@ class Model:
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
         cache.advance(L)
+        return self._compiled_head(x) if L == 1 else self.head(x)
+
+    def head(self, x):
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
 
     def _positions_and_mask(self, left_padding: mx.array, start: int, L: int, padded: bool = True):
+        if L == 1 and not padded and left_padding.shape[0] == 1 and not self.args.dsa:
+            # One decode row of one sequence (DecoderLayer.decode): its position is its slot;
+            # no mask, and no cos/sin (mx.fast.rope takes the offset).
+            return None, None, None, mx.array(start, dtype=mx.int32)
         slots = mx.arange(start, start + L)
         pad = left_padding[:, None]
         positions = mx.maximum(slots[None, :] - pad, 0)  # [B, L]

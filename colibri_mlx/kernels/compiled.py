@@ -1,0 +1,103 @@
+"""Decode blocks whose graph does not change from step to step, run as ``mx.compile`` graphs.
+
+Decode on a GPU is host-bound (docs/performance.md): per token the host builds every op of the
+step in Python (dispatch, launch specs, ~10 KB kernel sources handed to MLX per custom-kernel
+call) before the GPU gets any work. The blocks whose shapes do not depend on the cache length —
+attention's projections and RoPE, the dense MLP, the whole MoE block (router + experts) — are
+the same graph every step, so :class:`CompiledBlock` traces each once and then replays it: MLX
+recreates the recorded ops in C++ and none of our Python runs.
+
+What a trace fixes, and how it stays right:
+
+* Shapes and dtypes: each distinct set of input shapes/dtypes gets its own trace (mx.compile).
+* The dispatch mode: traces are kept per ``(backend, COLIBRI_MOE_PF)``: forcing the reference or
+  changing the MoE loop is a different graph. Other kernel knobs (``COLIBRI_MLA_*``) are read by
+  launches outside the compiled blocks; :func:`clear` drops every trace (after changing a knob).
+* Counters (:mod:`.dispatch`): the calls and fallbacks a trace recorded are added again on every
+  replay, so the stats line counts what ran.
+* Host work: a block may only be compiled when its graph needs no values from the GPU (no
+  ``np.array(ids)``); the caller says so per call (``static=``), and a block that cannot be
+  compiled runs plainly and is counted (``compiled/<name> declined: <reason>``).
+* First use: the first call in a mode runs plainly (it builds and evaluates the kernels' cached
+  weights, views and statics, which must not happen inside a trace); the trace is made on the
+  second.
+
+``COLIBRI_COMPILE``: ``auto`` (default: compile on GPU backends), ``1`` (also on the CPU
+reference path, for tests) or ``0`` (never).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from . import dispatch
+
+ENV_VAR = "COLIBRI_COMPILE"
+MODES = ("auto", "0", "1")
+
+_blocks: "weakref.WeakSet[CompiledBlock]" = weakref.WeakSet()
+
+
+def policy() -> str:
+    mode = (dispatch.getenv(ENV_VAR) or "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {MODES}")
+    return mode
+
+
+def enabled(backend: str) -> bool:
+    mode = policy()
+    return mode == "1" or (mode == "auto" and backend in (dispatch.METAL, dispatch.CUDA))
+
+
+def clear() -> None:
+    """Drop every block's traces (the next call in each mode runs plainly, then retraces)."""
+    for block in list(_blocks):
+        block.clear()
+
+
+class CompiledBlock:
+    """``fn(*arrays)`` (arrays in, an array or a tuple of arrays out) compiled per dispatch mode.
+
+    ``block(*args, static=None)`` runs the compiled graph when compiling is enabled and
+    ``static`` is None; a string ``static`` is the reason the graph depends on values and the
+    call runs plainly (counted)."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn = fn
+        self.name = name
+        self._modes: dict = {}      # mode -> mx.compile'd fn, or None while warming up
+        self._deltas: dict = {}     # (mode, shapes) -> counters a trace recorded
+        _blocks.add(self)
+
+    def clear(self) -> None:
+        self._modes.clear()
+        self._deltas.clear()
+
+    def __call__(self, *args, static: Optional[str] = None):
+        backend = dispatch.backend()
+        if not enabled(backend):
+            return self.fn(*args)
+        if static is not None:
+            dispatch.record_call(f"compiled/{self.name}", f"declined: {static}")
+            return self.fn(*args)
+        mode = (backend, dispatch.getenv("COLIBRI_MOE_PF"))
+        if mode not in self._modes:
+            self._modes[mode] = None
+            return self.fn(*args)                      # warm-up: caches filled outside a trace
+        compiled = self._modes[mode]
+        if compiled is None:
+            compiled = self._modes[mode] = mx.compile(self.fn)
+        key = (mode, *[a.shape for a in args], *[a.dtype for a in args])
+        delta = self._deltas.get(key)
+        if delta is None:                              # this call traces: record what it counts
+            before = dispatch.snapshot()
+            out = compiled(*args)
+            self._deltas[key] = dispatch.since(before)
+            return out
+        out = compiled(*args)
+        dispatch.replay(delta)
+        return out

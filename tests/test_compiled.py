@@ -1,0 +1,139 @@
+"""kernels.compiled: decode blocks as mx.compile graphs give the numbers and counters of the
+plain graphs, decline visibly where the graph reads values on the host, and never keep a trace
+across a change of dispatch mode.
+
+On the CPU backend ``COLIBRI_COMPILE=1`` compiles the reference path (dense layers: attention rows
+and MLP); MoE layers decline there (the reference groups tokens on the host). On a GPU the
+default compiles every block, MoE kernels included.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx import kernels
+from colibri_mlx.kernels import compiled
+
+GPU = kernels.dispatch.gpu_backend() is not None
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    """Two tiny quantized containers: all-dense layers, and the default MoE mix."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+
+    out = {}
+    for name, overrides in (("dense", dict(first_k_dense_replace=3)), ("moe", dict())):
+        root = tmp_path_factory.mktemp(name)
+        hf = build_hf_model("deepseek_v3", seed=3, **overrides)
+        path = save_checkpoint(hf, str(root / "hf"))
+        write_container(state_dict_numpy(hf), path, str(root / "c"))
+        out[name] = root / "c"
+    return out
+
+
+def _decode(model, prompt, steps):
+    """Logits of the prompt's last row and of ``steps`` greedy decode rows, and the tokens."""
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache)[0, -1]
+    rows, tokens = [np.array(logits)], []
+    for _ in range(steps):
+        token = int(mx.argmax(logits).item())
+        tokens.append(token)
+        logits = model(mx.array([[token]]), cache)[0, -1]
+        rows.append(np.array(logits))
+    return np.stack(rows), tokens
+
+
+def _run(model, monkeypatch, mode, steps=12):
+    monkeypatch.setenv(compiled.ENV_VAR, mode)
+    compiled.clear()
+    kernels.reset_counters()
+    logits, tokens = _decode(model, [5, 9, 17, 3], steps)
+    return logits, tokens, kernels.counters()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers[kind], dtype="float32")
+    want, want_tokens, want_counts = _run(model, monkeypatch, "0")
+    got, got_tokens, got_counts = _run(model, monkeypatch, "1")
+    assert got_tokens == want_tokens
+    # Same ops; fusion may reassociate nothing but can round elementwise chains differently.
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    # The traced blocks replayed their counts: every step counted as the plain run did.
+    calls = dict(got_counts["calls"])
+    declined = {k: v for k, v in calls.items() if k.startswith("compiled/")}
+    for k in declined:
+        del calls[k]
+    assert calls == want_counts["calls"]
+    assert got_counts["fallbacks"] == want_counts["fallbacks"]
+    layers = model.layers
+    # Decode rows run DecoderLayer.decode: two compiled blocks a layer around the attention core.
+    assert all(layer._compiled_in._deltas for layer in layers)
+    traced_out = [bool(layer._compiled_out._deltas) for layer in layers]
+    if kind == "dense" or GPU:
+        assert all(traced_out)                             # every block compiled and replayed
+        assert not declined
+    else:
+        # CPU MoE layers: the reference groups tokens on the host, so their second block runs
+        # plainly, counted on every decode step.
+        n_moe = sum(1 for layer in layers if hasattr(layer.mlp, "router"))
+        assert n_moe and traced_out.count(False) == n_moe
+        reason = "declined: reference path groups tokens by expert on the host"
+        assert declined == {f"compiled/layer_out/{reason}": n_moe * 12,     # decode rows
+                            f"compiled/moe/{reason}": n_moe}, declined      # the 4-row prompt
+
+
+def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
+    """A trace made in one mode is not replayed in another: forcing the reference after
+    compiled decode gives the reference's numbers (on a GPU, different kernels; on the CPU the
+    same path, so this checks the mode key does not break anything)."""
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["dense"], dtype="float32")
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    compiled.clear()
+    _decode(model, [5, 9, 17, 3], 4)                      # warm-up, then traces
+    with kernels.force_reference():
+        kernels.reset_counters()
+        got, _ = _decode(model, [5, 9, 17, 3], 4)
+        calls = kernels.counters()["calls"]
+    monkeypatch.setenv(compiled.ENV_VAR, "0")
+    with kernels.force_reference():
+        want, _ = _decode(model, [5, 9, 17, 3], 4)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert set(k.split("/")[1] for k in calls if k.startswith(("qgemv", "mla_decode"))) == {"reference"}
+
+
+def test_block_declines_with_reason_and_counts(monkeypatch):
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    w = mx.random.normal((16, 16))
+    mx.eval(w)
+    block = compiled.CompiledBlock(lambda x: (x @ w) * 2, "toy")
+    x = mx.random.normal((1, 16))
+    kernels.reset_counters()
+    for _ in range(3):
+        y = block(x, static="values on the host")
+    assert kernels.counters()["calls"] == {"compiled/toy/declined: values on the host": 3}
+    assert not block._deltas
+    np.testing.assert_allclose(np.array(y), np.array((x @ w) * 2), rtol=1e-6)
+    for _ in range(3):
+        block(x)
+    assert len(block._deltas) == 1                          # warm-up, trace, replay
+
+
+def test_policy_values(monkeypatch):
+    monkeypatch.setenv(compiled.ENV_VAR, "auto")
+    assert compiled.enabled(kernels.CUDA) and compiled.enabled(kernels.METAL)
+    assert not compiled.enabled(kernels.REFERENCE)
+    monkeypatch.setenv(compiled.ENV_VAR, "0")
+    assert not compiled.enabled(kernels.CUDA)
+    monkeypatch.setenv(compiled.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="COLIBRI_COMPILE"):
+        compiled.enabled(kernels.CUDA)
