@@ -91,11 +91,12 @@ def main():
         times.append(time.perf_counter() - t0)
     print(f"decode step build (launches stubbed): {statistics.median(times) * 1e6:.1f} us median of {args.steps}")
     totals = {}
-    for layer in model.layers:       # the pieces of DecoderLayer.decode
+    for layer in model.layers:       # the pieces of DecoderLayer.decode (the ones it ran are printed)
         layer._compiled_in = Timed(layer._compiled_in, "layer in (norm, projections, rope)", totals)
         layer.self_attn.cached = Timed(layer.self_attn.cached, "cache writes", totals)
         layer.self_attn.attend = Timed(layer.self_attn.attend, "attention core (mla_decode)", totals)
         layer._compiled_out = Timed(layer._compiled_out, "layer out (o_proj, MLP / MoE)", totals)
+        layer._compiled_step = Timed(layer._compiled_step, "whole layer (one compiled graph)", totals)
     for _ in range(args.steps):
         step()
     layers = cfg["num_hidden_layers"]

@@ -206,10 +206,11 @@ def bench_mla(args, results):
             c.append("k_rope", mx.random.normal((1, T, ROPE)).astype(act), 0)
             caches.append(c)
         cos, sin = rope.cos_sin(mx.array([[T]]))
-        mask = mx.ones((1, 1, 1, T + 1), mx.bool_)
-        mx.eval([c.buffers for c in caches], cos, sin, mask)
+        # No mask: a decode row of an unpadded sequence sees every key (what Model passes, and
+        # mlx-lm's mask=None below).
+        mx.eval([c.buffers for c in caches], cos, sin)
         pos = mx.array(T, dtype=mx.int32)   # what Model passes for one decode row (mx.fast.rope)
-        t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, mask, caches[i], T, rope_offset=pos)[0] for i in range(CHAIN)],
+        t_ours = timeit(lambda: [ours[i](xs[i], cos, sin, None, caches[i], T, rope_offset=pos)[0] for i in range(CHAIN)],
                         args.iters, f"ours mla T{T}") / CHAIN
         lm_caches = []
         for _ in range(CHAIN):

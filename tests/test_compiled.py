@@ -74,20 +74,37 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
     assert calls == want_counts["calls"]
     assert got_counts["fallbacks"] == want_counts["fallbacks"]
     layers = model.layers
-    # Decode rows run DecoderLayer.decode: two compiled blocks a layer around the attention core.
-    assert all(layer._compiled_in._deltas for layer in layers)
-    traced_out = [bool(layer._compiled_out._deltas) for layer in layers]
+    moe_layers = [layer for layer in layers if hasattr(layer.mlp, "router")]
     if kind == "dense" or GPU:
-        assert all(traced_out)                             # every block compiled and replayed
+        # Every layer is one compiled graph over the fixed-capacity cache, traced and replayed.
+        assert all(layer._compiled_step._deltas for layer in layers)
         assert not declined
     else:
-        # CPU MoE layers: the reference groups tokens on the host, so their second block runs
-        # plainly, counted on every decode step.
-        n_moe = sum(1 for layer in layers if hasattr(layer.mlp, "router"))
-        assert n_moe and traced_out.count(False) == n_moe
+        # CPU MoE layers: the reference groups tokens on the host, so the MoE layers compile what
+        # is before and after the attention core, and their MLP block runs plainly, counted.
+        assert moe_layers
+        for layer in layers:
+            assert bool(layer._compiled_step._deltas) == (layer not in moe_layers)
+            assert bool(layer._compiled_in._deltas) == (layer in moe_layers)
+            assert not layer._compiled_out._deltas
         reason = "declined: reference path groups tokens by expert on the host"
-        assert declined == {f"compiled/layer_out/{reason}": n_moe * 12,     # decode rows
-                            f"compiled/moe/{reason}": n_moe}, declined      # the 4-row prompt
+        assert declined == {f"compiled/layer_out/{reason}": len(moe_layers) * 12,   # decode rows
+                            f"compiled/moe/{reason}": len(moe_layers)}, declined   # the 4-row prompt
+
+
+def test_compiled_decode_across_cache_growth(containers, monkeypatch):
+    """Past a GROW_STEP boundary the cache buffers grow and the layer graphs are retraced for
+    the new capacity; the rows written before stay, the numbers equal the plain path's."""
+    from colibri_mlx.models import cache as cache_mod
+    from colibri_mlx.models.loading import load_model
+
+    monkeypatch.setattr(cache_mod, "GROW_STEP", 8)
+    model = load_model(containers["dense"], dtype="float32")
+    want, want_tokens, _ = _run(model, monkeypatch, "0", steps=20)
+    got, got_tokens, _ = _run(model, monkeypatch, "1", steps=20)
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert len(model.layers[0]._compiled_step._deltas) == 3       # capacities 8, 16, 24
 
 
 def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
@@ -137,3 +154,33 @@ def test_policy_values(monkeypatch):
     monkeypatch.setenv(compiled.ENV_VAR, "yes")
     with pytest.raises(ValueError, match="COLIBRI_COMPILE"):
         compiled.enabled(kernels.CUDA)
+
+
+def test_attention_block_step_equals_plain(containers, monkeypatch):
+    """Attention called alone (as scripts/bench_moe_mla.py times it): decode rows without a mask
+    run as one compiled graph over the cache buffers, equal to the plain block."""
+    from colibri_mlx.models.cache import LayerCache
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["dense"], dtype="float32")
+    attn = model.layers[1].self_attn
+    rng = np.random.default_rng(0)
+    xs = [mx.array(rng.standard_normal((1, 1, model.args.hidden_size)).astype(np.float32)) for _ in range(6)]
+
+    def run(mode):
+        monkeypatch.setenv(compiled.ENV_VAR, mode)
+        compiled.clear()
+        cache = LayerCache()
+        cache.append("latent", mx.array(rng.standard_normal((1, 5, attn.kv_lora_rank)).astype(np.float32)), 0)
+        cache.append("k_rope", mx.array(rng.standard_normal((1, 5, attn.rope_dim)).astype(np.float32)), 0)
+        outs = [attn(x, None, None, None, cache, 5 + i, rope_offset=mx.array(5 + i, dtype=mx.int32))[0]
+                for i, x in enumerate(xs)]
+        return np.stack([np.array(o) for o in outs]), np.array(cache.read("latent", 11))
+
+    state = rng.bit_generator.state
+    want, want_cache = run("0")
+    rng.bit_generator.state = state
+    got, got_cache = run("1")
+    assert attn._compiled_step._deltas
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(got_cache, want_cache)

@@ -230,27 +230,60 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
 _statics: dict = {}
 
 
+def _tiles(P: int, mma: bool, head_blocks: int, tile: Optional[int]) -> tuple[int, int]:
+    """(TT positions a tile, NT tiles) for P positions."""
+    tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
+    TT = tile or (mma_tile(P, head_blocks) if mma else default_tile(P))
+    TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
+    return TT, max(1, _ceil_div(P, TT))
+
+
+def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, length: int,
+                backend: Optional[str] = None) -> mx.array:
+    """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
+    (``latent`` its whole buffer, ``[B, capacity, R]``; positions ``0..length-1`` attended, no
+    mask, no list): the
+    launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them
+    while ``length`` grows, and only this array changes per step. Made on the host, once per
+    distinct value (layers of one format share it)."""
+    backend = backend or dispatch.backend()
+    if backend == dispatch.REFERENCE:
+        backend = dispatch.METAL                  # the reference reads only P (index 6)
+    B, T, R = latent.shape
+    L = 1
+    variant = choose_variant(R, rope, None, backend, q_dtype)
+    st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant, mma_heads(backend))
+    TT, NT = _tiles(T, variant == "mma", st.Hp // st.HT, None)
+    n_units = _ceil_div(R, UNIT_WEIGHTS[st.p.fmt])
+    return _params_cached(H, nope, v, R, rope, T, length, TT, NT, L, st.p.rb, st.p.ng, n_units, 0, 0, st.Hp)
+
+
+@functools.lru_cache(maxsize=256)
+def _params_cached(*values: int) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
-                 heads: Optional[int] = None):
+                 heads: Optional[int] = None, params: Optional[mx.array] = None):
     """The three launches; returns a function running them with a given ``launch``
-    (``run.variant``: the attention variant chosen)."""
+    (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
+    (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array)."""
     B, H, L, _ = q_nope.shape
     T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
-    mma = variant == "mma"
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
                  mma_heads(backend, heads))
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
-    tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
-    TT = tile or (mma_tile(P, Hp // HT) if mma else default_tile(P))
-    TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
-    NT = max(1, _ceil_div(P, TT))
+    TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)
     has_mask, has_sel = int(mask is not None), int(selected is not None)
-    params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
+    if params is None:
+        params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
+    elif has_mask or has_sel:
+        raise ValueError("mla_decode: step params are for an unmasked cache without a position list")
     fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
     # row per head (padding heads zero), so no cast or pad launch runs per layer.
@@ -292,23 +325,28 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
 
 def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-               selected: Optional[mx.array] = None, variant: Optional[str] = None) -> mx.array:
+               selected: Optional[mx.array] = None, variant: Optional[str] = None,
+               params: Optional[mx.array] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
-    the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``)."""
+    the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``);
+    ``params`` (:func:`step_params`): ``latent``/``k_rope`` are a fixed-capacity buffer of
+    which the first ``params[6]`` rows are attended."""
     impl = dispatch.backend()
-    if impl == dispatch.REFERENCE:
-        dispatch.record_call("mla_decode", dispatch.REFERENCE)
-        return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
-                                    qk_nope_head_dim, v_head_dim, selected)
-    reason = decline_reason(q_nope, latent, kv_b)
+    reason = "reference" if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
     if reason is not None:
-        dispatch.record_fallback("mla_decode", reason)
+        if impl == dispatch.REFERENCE:
+            dispatch.record_call("mla_decode", dispatch.REFERENCE)
+        else:
+            dispatch.record_fallback("mla_decode", reason)
+        if params is not None:               # rows past the length do not exist yet
+            visible = (mx.arange(latent.shape[1]) < params[6])[None, None, None]
+            mask = visible if mask is None else mask & visible
         return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-                       selected, backend=impl, variant=variant)
+                       selected, backend=impl, variant=variant, params=params)
     dispatch.record_call(f"mla_attn/{run.variant}", impl)
     return run(lambda spec: dispatch.launch(impl, spec))
 

@@ -30,19 +30,24 @@ class LayerCache:
     def append(self, stream: str, rows: mx.array, start: int) -> mx.array:
         """Write ``rows [B, L, W]`` at ``start`` and return ``[B, start+L, W]`` for this stream."""
         B, L, W = rows.shape
-        buf = self.buffers.get(stream)
-        if buf is not None and buf.dtype != rows.dtype:
-            raise ValueError(f"cache stream {stream!r} holds {buf.dtype}, got rows of {rows.dtype}")
         end = start + L
+        buf = self.reserve(stream, B, W, rows.dtype, end)
+        buf[:, start:end] = rows
+        return buf[:, :end]
+
+    def reserve(self, stream: str, batch: int, width: int, dtype: mx.Dtype, end: int) -> mx.array:
+        """The whole buffer of ``stream``, grown (GROW_STEP rows at a time) to hold ``end`` rows:
+        what a compiled decode step writes into and reads, a shape that changes only when grown."""
+        buf = self.buffers.get(stream)
+        if buf is not None and buf.dtype != dtype:
+            raise ValueError(f"cache stream {stream!r} holds {buf.dtype}, got rows of {dtype}")
         if buf is None or buf.shape[1] < end:
             capacity = ((end + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-            grown = mx.zeros((B, capacity, W), dtype=rows.dtype)
-            if buf is not None and start > 0:
-                grown[:, :start] = buf[:, :start]
-            buf = grown
-        buf[:, start:end] = rows
-        self.buffers[stream] = buf
-        return buf[:, :end]
+            grown = mx.zeros((batch, capacity, width), dtype=dtype)
+            if buf is not None:
+                grown[:, : buf.shape[1]] = buf
+            self.buffers[stream] = buf = grown
+        return buf
 
     def read(self, stream: str, end: int) -> mx.array:
         return self.buffers[stream][:, :end]

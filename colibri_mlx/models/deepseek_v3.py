@@ -370,6 +370,7 @@ class Attention:
                                                        or w.has_prefix(prefix + "indexer."))
         self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
         self._compiled_rows = kernels.compiled.CompiledBlock(self._decode_rows, "attention_rows")
+        self._compiled_step = kernels.compiled.CompiledBlock(self.step, "attention_step")
 
     def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
         """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
@@ -476,6 +477,9 @@ class Attention:
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
         B, L, D = x.shape
+        if (rope_offset is not None and L == 1 and mask is None and self.indexer is None and shared_selection is None
+                and layer_cache is not None and kernels.compiled.enabled(kernels.backend())):
+            return self.decode_step(x, layer_cache, start, rope_offset), None
         if rope_offset is not None and L == 1:
             # The same graph every decode step: compiled on GPUs (kernels.compiled).
             q_nope, q_rope, latent, k_rope, *q_latent = self._compiled_rows(x, rope_offset)
@@ -490,25 +494,53 @@ class Attention:
             mask = selection if mask is None else mask & selection
         return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask)).reshape(B, L, D), selection
 
+    def decode_step(self, x, layer_cache, start, slot, compiled=None):
+        """One decode row of one sequence (no padding: its position is its cache slot ``start``,
+        ``slot`` the same as an int32 array) as one compiled graph (``compiled``: a caller's
+        graph around :meth:`step`, default this block's) over the cache's fixed-capacity
+        buffers: shapes change only when they grow; slot and attended length are inputs."""
+        B, end = x.shape[0], start + 1
+        latent = layer_cache.reserve("latent", B, self.kv_lora_rank, x.dtype, end)
+        k_rope = layer_cache.reserve("k_rope", B, self.rope_dim, x.dtype, end)
+        params = kernels.mla.step_params(self.kv_b_proj, latent, self.n_heads, self.nope, self.rope_dim,
+                                         self.v_dim, x.dtype, end)
+        y, layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = (compiled or self._compiled_step)(
+            x, slot, latent, k_rope, params)
+        return y
+
+    def step(self, x, slot, latent, k_rope, params):
+        """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
+        whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params)."""
+        q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
+        at = slot.reshape(1)
+        latent = mx.slice_update(latent, latent_row, at, axes=(1,))
+        k_rope = mx.slice_update(k_rope, k_rope_row, at, axes=(1,))
+        return self.output(self.attend(q_nope, q_rope, latent, k_rope, None, params)).reshape(x.shape), latent, k_rope
+
     def cached(self, latent, k_rope, layer_cache, start):
         """This step's latent and rope-key rows written to the cache; the whole cache so far."""
         if layer_cache is None:
             return latent, k_rope
         return layer_cache.append("latent", latent, start), layer_cache.append("k_rope", k_rope, start)
 
-    def attend(self, q_nope, q_rope, latent, k_rope, mask):
-        """The attention core over the cache: ``[B*L, H*v_dim]``, rows in (b, l) order."""
+    def attend(self, q_nope, q_rope, latent, k_rope, mask, step_params=None):
+        """The attention core over the cache: ``[B*L, H*v_dim]``, rows in (b, l) order.
+        ``step_params`` (kernels.mla.step_params): latent / k_rope are the cache's whole
+        fixed-capacity buffers, of which the array says how many rows are attended."""
         B, H, L, _ = q_nope.shape
         out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
-                               self.nope, self.v_dim)
+                               self.nope, self.v_dim, step_params)
         return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
 
     def output(self, attn):
         return linear(attn, self.o_proj, self.o_bias)
 
 
-def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim):
+def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim, step_params=None):
     """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference)."""
+    if step_params is not None:
+        return kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim,
+                                  params=step_params)
     impl = kernels.mla_decode if q_nope.shape[2] <= ABSORBED_MAX_TOKENS else mla_reference.mla_prefill
     return impl(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
 
@@ -661,6 +693,7 @@ class DecoderLayer:
 
         self._compiled_in = kernels.compiled.CompiledBlock(self._decode_in, "layer_in")
         self._compiled_out = kernels.compiled.CompiledBlock(self._decode_out, "layer_out")
+        self._compiled_step = kernels.compiled.CompiledBlock(self._step, "layer_step")
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         if rope_offset is not None and x.shape[1] == 1 and self.self_attn.indexer is None and shared_selection is None:
@@ -671,13 +704,26 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_attention_norm, self.eps)), selection
 
     def decode(self, x, mask, layer_cache, start, rope_offset):
-        """One decode row of one sequence: everything before the cache and everything after the
-        attention core are the same graph every step (compiled on GPUs, kernels.compiled); the
-        cache writes and the attention over the grown cache are built per step."""
+        """One decode row of one sequence (no padding: its position is its cache slot).
+
+        When blocks are compiled (kernels.compiled) and the MLP keeps its values on the GPU, the
+        whole layer is one compiled graph over the cache's fixed-capacity buffers: its shapes
+        change only when they grow, the slot and the attended length are inputs. Otherwise
+        everything before the cache and everything after the attention core are compiled
+        blocks and the cache writes and attention over the grown cache are built per step."""
+        reason = self.mlp.host_reason(x)
+        if (reason is None and mask is None and layer_cache is not None
+                and kernels.compiled.enabled(kernels.backend())):
+            return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_step)
         q_nope, q_rope, latent, k_rope = self._compiled_in(x, rope_offset)
         latent, k_rope = self.self_attn.cached(latent, k_rope, layer_cache, start)
         attn = self.self_attn.attend(q_nope, q_rope, latent, k_rope, mask)
-        return self._compiled_out(x, attn, static=self.mlp.host_reason(x))
+        return self._compiled_out(x, attn, static=reason)
+
+    def _step(self, x, slot, latent, k_rope, params):
+        h, latent, k_rope = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, latent, k_rope, params)
+        x = x + h
+        return x + self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps)), latent, k_rope
 
     def _decode_in(self, x, rope_offset):
         return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
