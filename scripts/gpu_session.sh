@@ -53,6 +53,9 @@ for s in "${steps[@]}"; do
                       $(ls tests/test_router*.py 2>/dev/null) tests/test_model_parity.py) &
                    wait; reap ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py --jobs 12 ;;
+    compiled_tests) step compiled_tests 230 python3 -m pytest -q $(xdist_args) tests/test_compiled.py \
+                     tests/test_attention_glue.py tests/test_model_parity.py \
+                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py; reap ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
