@@ -184,3 +184,16 @@ def test_attention_block_step_equals_plain(containers, monkeypatch):
     assert attn._compiled_step._deltas
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     np.testing.assert_array_equal(got_cache, want_cache)
+
+
+def test_cache_capacity_steps():
+    """Buffers grow by GROW_STEP rows up to 2048, then by an eighth of the power of two below
+    the length: at most 1/8 of a long cache unused, ~8 retraces of a compiled step per doubling."""
+    from colibri_mlx.models.cache import GROW_STEP, capacity_for
+
+    ends = np.arange(1, 70000)
+    caps = np.array([capacity_for(int(e)) for e in ends])
+    assert (caps >= ends).all() and (caps % GROW_STEP == 0).all()
+    assert (caps - ends < np.maximum(GROW_STEP, ends / 8)).all()
+    assert capacity_for(2048) == 2048 and capacity_for(2049) == 2304 and capacity_for(4097) == 4608
+    assert len(set(caps[ends <= 32768])) == 40

@@ -93,3 +93,25 @@ def test_both_variants_at_every_edge(monkeypatch, variant):
     if GPU:
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, cache=mx.bfloat16, seed=3)
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
+
+
+@pytest.mark.parametrize("shape", ["small", pytest.param("deepseek", marks=gpu_only)])
+@pytest.mark.parametrize("variant", ["mma", "simt"])
+def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
+    """The compiled decode step's launch (mla.step_params): the whole buffer in, tiles following
+    its rows, only ``length`` rows attended; the rows past it are NaN, so any read of them that
+    reaches the arithmetic shows. On the CPU: the reference's length mask."""
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
+    dims = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64) if shape == "deepseek" else {}
+    capacity = 4352 if shape == "deepseek" else 300
+    args, _ = inputs(T=capacity, cache=mx.bfloat16, seed=11, **dims)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    for length in (1, capacity // 3, capacity):
+        poison = (mx.arange(capacity) >= length)[None, :, None]
+        latent_buf = mx.where(poison, mx.nan, latent).astype(latent.dtype)
+        k_rope_buf = mx.where(poison, mx.nan, k_rope).astype(k_rope.dtype)
+        params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length)
+        out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params)
+        tf32 = kernels.backend() == "cuda" and variant == "mma"
+        assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
+                         label=f"{shape} length {length} of {capacity}", rel_attn=REL_TF32 if tf32 else REL)

@@ -307,6 +307,27 @@ def test_mla_one_layer_across_decode_steps(metal, variant):
 
 
 @VARIANTS
+@pytest.mark.parametrize("length", [1, 40, 150])
+def test_mla_fixed_capacity_buffer_with_step_params(metal, monkeypatch, variant, length):
+    """A compiled decode step's launch (kernels.mla.step_params): the whole 150-row buffer goes
+    in, tiles follow its rows (tile 16: up to 9 tiles with no position), only the first
+    ``length`` rows are attended. Rows past it hold NaN: any read of them that reached the
+    arithmetic would show (attending one row more fails this test)."""
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
+    monkeypatch.setenv("COLIBRI_MLA_TILE", "16")
+    args, _ = mla_inputs(T=150, seed=40 + length)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    poison = (mx.arange(150) >= length)[None, :, None]
+    latent_buf, k_rope_buf = mx.where(poison, mx.nan, latent), mx.where(poison, mx.nan, k_rope)
+    params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length)
+    assert np.asarray(params).tolist()[5:9] == [150, length, 16, 10]    # T, P, TT, NT
+    out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params)
+    assert metal[-3:] == ["mla_qabs", {"mma": "mla_attn_mma", "simt": "mla_attn"}[variant], "mla_out"]
+    assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
+                     label=f"length {length} of 150")
+
+
+@VARIANTS
 @pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
 def test_mla_every_kv_b_fmt(metal, fmt, variant):
     run_mla(metal, fmt=fmt, seed=fmt, tile=16, variant=variant)

@@ -339,9 +339,11 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
         else:
             dispatch.record_fallback("mla_decode", reason)
-        if params is not None:               # rows past the length do not exist yet
-            visible = (mx.arange(latent.shape[1]) < params[6])[None, None, None]
-            mask = visible if mask is None else mask & visible
+        if params is not None:               # rows past the length do not exist yet: not
+            rows = mx.arange(latent.shape[1]) < params[6]            # attended, not summed
+            latent = mx.where(rows[None, :, None], latent, 0).astype(latent.dtype)
+            k_rope = mx.where(rows[None, :, None], k_rope, 0).astype(k_rope.dtype)
+            mask = rows[None, None, None] if mask is None else mask & rows[None, None, None]
         return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)

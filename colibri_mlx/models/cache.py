@@ -20,6 +20,14 @@ import numpy as np
 GROW_STEP = 256
 
 
+def capacity_for(end: int) -> int:
+    """Rows a buffer holding ``end`` rows gets: a multiple of GROW_STEP, and of an eighth of the
+    power of two below ``end`` beyond that (at most 1/8 unused), so a compiled decode step,
+    retraced per capacity, is traced ~8 times per doubling of the context, not every GROW_STEP."""
+    step = max(GROW_STEP, (1 << (end.bit_length() - 1)) // 8)
+    return -(-end // step) * step
+
+
 class LayerCache:
     """Growable ``[B, T, width]`` buffers, one per stream (latent, rope key, indexer key)."""
 
@@ -42,8 +50,7 @@ class LayerCache:
         if buf is not None and buf.dtype != dtype:
             raise ValueError(f"cache stream {stream!r} holds {buf.dtype}, got rows of {dtype}")
         if buf is None or buf.shape[1] < end:
-            capacity = ((end + GROW_STEP - 1) // GROW_STEP) * GROW_STEP
-            grown = mx.zeros((batch, capacity, width), dtype=dtype)
+            grown = mx.zeros((batch, capacity_for(end), width), dtype=dtype)
             if buf is not None:
                 grown[:, : buf.shape[1]] = buf
             self.buffers[stream] = buf = grown
