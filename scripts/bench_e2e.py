@@ -122,20 +122,31 @@ def plain_graphs():
         kernels.compiled.clear()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_model_args(ap):
+    """The model options this script and profile_decode.py share."""
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tiny", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run of the script")
+
+
+def model_config(args) -> dict:
+    """The 1 dense + N MoE layer config of ``add_model_args``' options (``--tiny`` shrinks it)."""
     if args.tiny:
         B.shrink()
     cfg = B.config(n_layers=args.layers, experts=args.experts, first_dense=1, vocab=args.vocab)
     if args.tiny:
         cfg["intermediate_size"] = 256
+    return cfg
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = model_config(args)
     prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
     res = {"backend": kernels.backend(), "layers": args.layers, "experts": args.experts}
 

@@ -86,19 +86,11 @@ def profile(model, steps, chain, label):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=129280)
+    E.add_model_args(ap)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--chain", type=int, default=8)
-    ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
-    if args.tiny:
-        B.shrink()
-    cfg = B.config(n_layers=args.layers, experts=args.experts, first_dense=1, vocab=args.vocab)
-    if args.tiny:
-        cfg["intermediate_size"] = 256
-    model = E.our_model(cfg)
+    model = E.our_model(E.model_config(args))
     print(f"backend {kernels.backend()}; tiny op cost is in bench_moe_mla.py --only launch", flush=True)
     profile(model, args.steps, args.chain, "compiled blocks")
     with E.plain_graphs():
