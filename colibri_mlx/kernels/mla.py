@@ -169,8 +169,13 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
 
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp) -> mx.array:
     n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
-    return mx.array([H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp],
-                    dtype=mx.int32)
+    return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp)
+
+
+@functools.lru_cache(maxsize=256)
+def _int32s(*values: int) -> mx.array:
+    """Made once per distinct tuple: the layers of a step (same cache length) share one array."""
+    return mx.array(values, dtype=mx.int32)
 
 
 @dataclass
@@ -242,10 +247,9 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
                 backend: Optional[str] = None) -> mx.array:
     """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
     (``latent`` its whole buffer, ``[B, capacity, R]``; positions ``0..length-1`` attended, no
-    mask, no list): the
-    launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them
-    while ``length`` grows, and only this array changes per step. Made on the host, once per
-    distinct value (layers of one format share it)."""
+    mask, no list): the launches' shapes follow the capacity, so a compiled graph
+    (kernels.compiled) keeps them while ``length`` grows and only this array changes per step.
+    Made on the host, once per distinct value (layers of one format share it)."""
     backend = backend or dispatch.backend()
     if backend == dispatch.REFERENCE:
         backend = dispatch.METAL                  # the reference reads only P (index 6)
@@ -254,13 +258,7 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     variant = choose_variant(R, rope, None, backend, q_dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant, mma_heads(backend))
     TT, NT = _tiles(T, variant == "mma", st.Hp // st.HT, None)
-    n_units = _ceil_div(R, UNIT_WEIGHTS[st.p.fmt])
-    return _params_cached(H, nope, v, R, rope, T, length, TT, NT, L, st.p.rb, st.p.ng, n_units, 0, 0, st.Hp)
-
-
-@functools.lru_cache(maxsize=256)
-def _params_cached(*values: int) -> mx.array:
-    return mx.array(values, dtype=mx.int32)
+    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp)
 
 
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
@@ -333,9 +331,9 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     ``params`` (:func:`step_params`): ``latent``/``k_rope`` are a fixed-capacity buffer of
     which the first ``params[6]`` rows are attended."""
     impl = dispatch.backend()
-    reason = "reference" if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
-    if reason is not None:
-        if impl == dispatch.REFERENCE:
+    reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
+    if impl == dispatch.REFERENCE or reason is not None:
+        if reason is None:
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
         else:
             dispatch.record_fallback("mla_decode", reason)

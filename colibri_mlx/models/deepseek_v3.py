@@ -722,14 +722,16 @@ class DecoderLayer:
 
     def _step(self, x, slot, latent, k_rope, params):
         h, latent, k_rope = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, latent, k_rope, params)
-        x = x + h
-        return x + self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps)), latent, k_rope
+        return self._after_attention(x, h), latent, k_rope
 
     def _decode_in(self, x, rope_offset):
         return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
 
     def _decode_out(self, x, attn):
-        x = x + self.self_attn.output(attn).reshape(x.shape)
+        return self._after_attention(x, self.self_attn.output(attn).reshape(x.shape))
+
+    def _after_attention(self, x, h):
+        x = x + h
         return x + self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps))
 
 
