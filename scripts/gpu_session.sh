@@ -6,8 +6,10 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2 \
 #       pytest-xdist execnet
-# Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl"]:
+# Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl",
+# ".ptxcache"]:
 #   bash .devwhl/pN/install.sh && bash scripts/gpu_session.sh
+# (.ptxcache/ptxcache.tgz: the JIT cache the previous session's run returned; see below.)
 # Logs land in $OUT (or ./gpu-out when run elsewhere). Correctness runs before any timing, and a
 # failing check does not stop the timings (the log says which failed).
 set -uo pipefail
@@ -17,6 +19,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/root/site:/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0
+# MLX's JIT (NVRTC) output is cached on disk; a fresh machine recompiles every kernel variant
+# (minutes of device time). A previous session's cache travels back in: copy the
+# ptxcache.tgz a run returned to .ptxcache/ (git-ignored) and add ".ptxcache" to carry.
+export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx-cache
+mkdir -p "$MLX_PTX_CACHE_DIR"
+if [ -f .ptxcache/ptxcache.tgz ] && [ -z "$(ls -A "$MLX_PTX_CACHE_DIR")" ]; then
+  tar xzf .ptxcache/ptxcache.tgz -C "$MLX_PTX_CACHE_DIR" && echo "restored $(ls "$MLX_PTX_CACHE_DIR" | wc -l) cached kernels"
+fi
+save_ptx_cache() {  # at most 16 MiB comes back per file
+  tar czf "$out/ptxcache.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null
+  local size=$(stat -c %s "$out/ptxcache.tgz" 2>/dev/null || echo 0)
+  if [ "$size" -gt 16000000 ]; then
+    echo "ptxcache.tgz is $size bytes: too large to come back, dropped"; rm -f "$out/ptxcache.tgz"
+  else
+    echo "ptxcache.tgz: $size bytes, $(ls "$MLX_PTX_CACHE_DIR" | wc -l) kernels"
+  fi
+}
 python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device())' | tee "$out/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$out/env.txt" 2>&1
 
@@ -68,5 +87,6 @@ for s in "${steps[@]}"; do
     *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
   esac
 done
+save_ptx_cache
 tail -n 25 "$out"/bench_*.log 2>/dev/null
 cat "$out/summary.txt"
