@@ -101,6 +101,8 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
 }
 
 // ==== kernel body: moe_gate_up ====
+  // The stacked bank is uint8, or uint32 words past 2^31 bytes (moe.py: MLX shapes are 32-bit).
+  const device uint8_t* wgu8 = reinterpret_cast<const device uint8_t*>(wgu);
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
   constexpr int R2 = 2 * ROWS;                 // gate rows then up rows
@@ -163,23 +165,23 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
   if (PF) {
     uint raw_b[UNROLL][R2][W];
     float scl_b[UNROLL][R2][NSEG];
-    moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
+    moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
     for (int base = tid; base < n_units; base += 2 * STEP) {
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base + STEP,
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + STEP,
                                                      raw_b, scl_b);
       moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
                                                                   I, n_units, base, raw_a, scl_a, acc);
       if (base + STEP >= n_units) {
         break;
       }
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base + 2 * STEP,
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + 2 * STEP,
                                                      raw_a, scl_a);
       moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
                                                                   I, n_units, base + STEP, raw_b, scl_b, acc);
     }
   } else {
     for (int base = tid; base < n_units; base += STEP) {
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
       moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
                                                                   I, n_units, base, raw_a, scl_a, acc);
     }
@@ -209,6 +211,7 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
     }
   }
 // ==== kernel body: moe_down ====
+  const device uint8_t* wd8 = reinterpret_cast<const device uint8_t*>(wd);   // uint8 or uint32 words
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
   const int I = params[0];
@@ -295,7 +298,7 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
         const int u = item - je * n_units;
         const size_t erow = size_t(sl[elead[je]]) * size_t(O);
         for (int r = 0; r < ROWS; ++r) {
-          qd_load<FMT, VEC>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+          qd_load<FMT, VEC>(wd8 + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
           for (int g = 0; g < NSEG; ++g) {
             scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
           }

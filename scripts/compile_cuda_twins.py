@@ -152,6 +152,15 @@ def moe_specs(full: bool):
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
             yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                    moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
+        if fmt == 4:   # a bank of uint32 words (layers past 2^31 bytes): the same bodies, a byte pointer
+            saved, moe.MAX_BANK_BYTES = moe.MAX_BANK_BYTES, 1024
+            try:
+                words = moe.build_bank(experts).groups[0]
+            finally:
+                moe.MAX_BANK_BYTES = saved
+            assert words.gate_up.packed.dtype == mx.uint32
+            yield "gate_up_fmt4_words", moe.gate_up_spec(x, words, ids, K, dispatch.CUDA)
+            yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 

@@ -59,6 +59,20 @@ def test_one_expert_for_every_token_bf16():
     run(experts, [[2, 0]] * 8, dtype=mx.bfloat16, seed=2)
 
 
+@pytest.mark.parametrize("cap", [30_000, 12_000])
+def test_bank_of_uint32_words(monkeypatch, cap):
+    """Stacked buffers past moe.MAX_BANK_BYTES hold uint32 words (one group, the kernels read
+    bytes through the same pointer); far past it, several groups of words."""
+    experts = make_experts([4] * 5, D=256, inter=64, gs=32, seed=6)
+    monkeypatch.setattr(moe, "MAX_BANK_BYTES", cap)
+    moe.clear_banks()
+    groups = moe.build_bank(experts).groups
+    assert len(groups) == (1 if cap == 30_000 else 3)     # 5 or 2 experts of 20 KB (with scales) a group
+    assert {g.gate_up.packed.dtype for g in groups} == {mx.uint32}
+    run(experts, [[0, 4, 2], [3, 1, 2]], dtype=mx.bfloat16, seed=6)
+    moe.clear_banks()
+
+
 @gpu_only
 @pytest.mark.parametrize("S", [1, 4, 8])
 def test_deepseek_shape_fmt4(S):

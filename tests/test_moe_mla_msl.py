@@ -527,12 +527,36 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
 
 
 def test_moe_bank_split_into_groups_below_32_bit_shapes(metal, monkeypatch):
-    # Stacked buffers are capped (MLX shapes are 32-bit); a layer above the cap becomes several
-    # groups of the same format, each with its own lut, and the result is unchanged.
+    # Stacked buffers are capped (MLX shapes are 32-bit): past MAX_BANK_BYTES they hold uint32
+    # words, 4x as many bytes; a layer above that becomes several groups of the same format,
+    # each with its own lut, and the result is unchanged.
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=17)
-    monkeypatch.setattr(moe, "MAX_BANK_BYTES", 2 * 2 * 1280 + 100)   # 1280 B a projection: two experts a group
+    monkeypatch.setattr(moe, "MAX_BANK_BYTES", 1300)   # 1280 B a projection: 4 * 1300 B = two experts a group
     run_moe(experts, N=2, K=3, ids=[[0, 2, 4], [1, 2, 3]], seed=17)
     assert metal.count("moe_gate_up") == 3
+    assert {g.gate_up.packed.dtype for g in moe.build_bank(experts).groups} == {mx.uint32}
+
+
+def test_moe_bank_of_uint32_words_is_one_group(metal, monkeypatch):
+    # 5 experts' 12800 B of gate+up past a 5000 B cap: one group of uint32 words, one launch each.
+    experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=18)
+    monkeypatch.setattr(moe, "MAX_BANK_BYTES", 5000)
+    bank = moe.build_bank(experts)
+    assert len(bank.groups) == 1
+    assert bank.groups[0].gate_up.packed.dtype == mx.uint32 and bank.groups[0].down.packed.dtype == mx.uint32
+    run_moe(experts, N=2, K=3, ids=[[0, 2, 4], [1, 2, 3]], seed=18)
+    assert metal.count("moe_gate_up") == 1 and metal.count("moe_down") == 1
+
+
+def test_moe_bank_bytes_not_whole_words_split_instead(metal, monkeypatch):
+    # int8 rows of 33 bytes x 31 rows: 1023 B a projection, not whole uint32 words, so a layer
+    # past the cap is split into uint8 groups as before.
+    experts = make_experts([1] * 4, D=33, inter=31, seed=19)
+    monkeypatch.setattr(moe, "MAX_BANK_BYTES", 2 * 2 * max(w.nbytes for w in experts[0]) + 10)   # two experts a group
+    bank = moe.build_bank(experts)
+    assert [g.gate_up.packed.dtype for g in bank.groups] == [mx.uint8, mx.uint8]
+    run_moe(experts, N=2, K=3, ids=[[0, 1, 3], [2, 1, 0]], seed=19)
+    assert metal.count("moe_gate_up") == 2
 
 
 def test_repeated_launches_pass_the_same_source_objects():

@@ -184,6 +184,19 @@ def _nbytes(w) -> int:
     return w.nbytes if isinstance(w, QTensor) else 4 * w.size
 
 
+def _packed_nbytes(w) -> int:
+    """Bytes of the weight stream alone (what the bank stacks; scales are a float32 buffer)."""
+    return w.packed.nbytes if isinstance(w, QTensor) else 4 * w.size
+
+
+def _stacked(parts: list) -> mx.array:
+    """The parts' bytes in one buffer: uint8, or uint32 words when longer than MAX_BANK_BYTES
+    (build_bank only groups parts that are whole words then)."""
+    if sum(p.size for p in parts) <= MAX_BANK_BYTES:
+        return mx.concatenate(parts)
+    return mx.concatenate([p.view(mx.uint32) for p in parts])
+
+
 def _max_block(n: int) -> int:
     from ..formats.e8 import block_tiling
 
@@ -205,10 +218,14 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
         key = (weight_format(gate), weight_format(down), _shape(gate), _shape(down))
         members.setdefault(key, []).append((int(e), gate, up, down))
     for key, group in list(members.items()):
-        # MLX shapes are 32-bit: a stacked buffer holds at most MAX_BANK_BYTES; larger layers
-        # (256 DeepSeek-V3 experts: 3.8 GB of gate+up) become several groups of one format.
+        # MLX shapes are 32-bit: a stacked uint8 buffer holds at most MAX_BANK_BYTES. Past that
+        # the bytes are stacked as uint32 words (the kernels read them through a byte pointer
+        # all the same), so 4x as many fit one group: the 256 routed + 1 shared DeepSeek-V3
+        # experts (3.8 GB of gate+up in fmt 4) are one group, two launches a layer. Larger
+        # layers, or bytes that are not whole words, become several groups of one format.
         per_expert = max(_nbytes(w) for w in group[0][1:])
-        per_chunk = max(1, MAX_BANK_BYTES // (2 * per_expert))
+        words = all(_packed_nbytes(w) % 4 == 0 for _, *triple in group for w in triple)
+        per_chunk = max(1, MAX_BANK_BYTES * (4 if words else 1) // (2 * per_expert))
         if len(group) > per_chunk:
             del members[key]
             for c in range(0, len(group), per_chunk):
@@ -224,8 +241,8 @@ def build_bank(experts: Sequence, ids: Optional[Sequence[int]] = None) -> Expert
         lut[[e for e, *_ in group]] = np.arange(len(group), dtype=np.int32)
         bank.groups.append(ExpertGroup(
             experts=[e for e, *_ in group],
-            gate_up=Projection(fmt, gs, O, I, mx.concatenate(gu_bytes), at_least_8(mx.concatenate(gu_scales))),
-            down=Projection(fmt_d, gs_d, Od, Id, mx.concatenate(d_bytes), at_least_8(mx.concatenate(d_scales))),
+            gate_up=Projection(fmt, gs, O, I, _stacked(gu_bytes), at_least_8(mx.concatenate(gu_scales))),
+            down=Projection(fmt_d, gs_d, Od, Id, _stacked(d_bytes), at_least_8(mx.concatenate(d_scales))),
             lut=at_least_8(mx.array(lut)), n_layer_experts=E))
     return bank
 

@@ -199,6 +199,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
 }  // namespace colibri_moe
 
 // ==== kernel body: moe_gate_up ====
+  // The stacked bank is uint8, or uint32 words past 2^31 bytes (moe.py: MLX shapes are 32-bit).
+  const uint8_t* wgu8 = reinterpret_cast<const uint8_t*>(wgu);
   constexpr int R2 = 2 * ROWS;
   const int I = params[0];
   const int O = params[1];
@@ -253,14 +255,14 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       acc[r][s] = 0.0f;
     }
   }
-  const bool w16 = (reinterpret_cast<uintptr_t>(wgu) & 15) == 0;
+  const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   if (w16 && x16) {
     colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
-        x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+        x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   } else {
     colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
-        x, wgu, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+        x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
   }
   colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
   __syncthreads();
@@ -287,6 +289,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     }
   }
 // ==== kernel body: moe_down ====
+  const uint8_t* wd8 = reinterpret_cast<const uint8_t*>(wd);   // uint8 or uint32 words
   const int I = params[0];
   const int O = params[1];
   const int rb = params[2];
@@ -362,14 +365,14 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       acc[r][s] = 0.0f;
     }
   }
-  const bool w16 = (reinterpret_cast<uintptr_t>(wd) & 15) == 0;
+  const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   if (w16 && x16) {
     colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB>(
-        h, wd, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
+        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
   } else {
     colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB>(
-        h, wd, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
+        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
   }
   colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
   __syncthreads();
