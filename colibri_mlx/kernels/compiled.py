@@ -2,10 +2,12 @@
 
 Decode on a GPU is host-bound (docs/performance.md): per token the host builds every op of the
 step in Python (dispatch, launch specs, ~10 KB kernel sources handed to MLX per custom-kernel
-call) before the GPU gets any work. The blocks whose shapes do not depend on the cache length —
-attention's projections and RoPE, the dense MLP, the whole MoE block (router + experts) — are
-the same graph every step, so :class:`CompiledBlock` traces each once and then replays it: MLX
-recreates the recorded ops in C++ and none of our Python runs.
+call) before the GPU gets any work. A decoder layer over the cache's fixed-capacity buffers
+(the slot and attended length as inputs), and the blocks whose shapes never depend on the cache
+length — attention's projections and RoPE, the dense MLP, the whole MoE block (router +
+experts), the head — are the same graph from step to step, so :class:`CompiledBlock` traces
+each once per shape and then replays it: MLX recreates the recorded ops in C++ and none of our
+Python runs.
 
 What a trace fixes, and how it stays right:
 
@@ -17,7 +19,7 @@ What a trace fixes, and how it stays right:
   replay, so the stats line counts what ran.
 * Host work: a block may only be compiled when its graph needs no values from the GPU (no
   ``np.array(ids)``); the caller says so per call (``static=``), and a block that cannot be
-  compiled runs plainly and is counted (``compiled/<name> declined: <reason>``).
+  compiled runs plainly and is counted (``compiled/<name>/declined: <reason>``).
 * First use: the first call in a mode runs plainly (it builds and evaluates the kernels' cached
   weights, views and statics, which must not happen inside a trace); the trace is made on the
   second.

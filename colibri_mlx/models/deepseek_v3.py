@@ -477,8 +477,7 @@ class Attention:
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
         B, L, D = x.shape
-        if (rope_offset is not None and L == 1 and mask is None and self.indexer is None and shared_selection is None
-                and layer_cache is not None and kernels.compiled.enabled(kernels.backend())):
+        if self.steps_compiled(x, mask, layer_cache, shared_selection, rope_offset):
             return self.decode_step(x, layer_cache, start, rope_offset), None
         if rope_offset is not None and L == 1:
             # The same graph every decode step: compiled on GPUs (kernels.compiled).
@@ -493,6 +492,13 @@ class Attention:
         if selection is not None:
             mask = selection if mask is None else mask & selection
         return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask)).reshape(B, L, D), selection
+
+    def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
+        """Whether these rows run as :meth:`decode_step`: one decode row of unpadded sequences
+        (no mask), no DSA selection, a cache, and compiled blocks enabled (kernels.compiled)."""
+        return (rope_offset is not None and x.shape[1] == 1 and mask is None and self.indexer is None
+                and shared_selection is None and layer_cache is not None
+                and kernels.compiled.enabled(kernels.backend()))
 
     def decode_step(self, x, layer_cache, start, slot, compiled=None):
         """One decode row of one sequence (no padding: its position is its cache slot ``start``,
@@ -712,8 +718,7 @@ class DecoderLayer:
         everything before the cache and everything after the attention core are compiled
         blocks and the cache writes and attention over the grown cache are built per step."""
         reason = self.mlp.host_reason(x)
-        if (reason is None and mask is None and layer_cache is not None
-                and kernels.compiled.enabled(kernels.backend())):
+        if reason is None and self.self_attn.steps_compiled(x, mask, layer_cache, None, rope_offset):
             return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_step)
         q_nope, q_rope, latent, k_rope = self._compiled_in(x, rope_offset)
         latent, k_rope = self.self_attn.cached(latent, k_rope, layer_cache, start)
