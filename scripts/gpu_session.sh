@@ -75,6 +75,9 @@ for s in "${steps[@]}"; do
     compiled_tests) step compiled_tests 230 python3 -m pytest -q $(xdist_args) tests/test_compiled.py \
                      tests/test_attention_glue.py tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
+    pending_tests) step pending_tests 200 python3 -m pytest -q $(xdist_args) \
+                     tests/test_moe_block.py::test_bank_of_uint32_words \
+                     tests/test_mla_decode.py::test_fixed_capacity_buffer_with_step_params tests/test_compiled.py; reap ;;
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py; reap ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
@@ -84,6 +87,13 @@ for s in "${steps[@]}"; do
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
     profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
+    kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ;;
+    ncu)           # Nsight Compute on one launch of each kernel (profile_kernels.py --once); its
+                   # details come back as ncu.log. Needs the hardware counters (Firecracker hosts).
+                   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+                   step ncu 240 "$ncu_bin" --clock-control none --target-processes all --nvtx \
+                     --nvtx-include "profiled/" --set full \
+                     python3 scripts/profile_kernels.py --once --only "${NCU_ONLY:-}" --cache 32768 ;;
     *) echo "gpu_session.sh: unknown step $s" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Kernel-only times of the decode launches (no MLX evaluation or Python cost in them), at
+DeepSeek-V3 shapes: moe_gate_up / moe_down (8 of --experts routed experts, fmt 4 g64, S=1),
+the three mla_decode launches (128 heads, kv_b fmt 4 g64, bf16 cache of --cache rows) and qgemv
+(fmt 4 g64, 7168x2048 and 2048x7168) for comparison.
+
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/profile_kernels.py --cupti
+    ncu --clock-control none --nvtx --nvtx-include "profiled/" --set full \\
+        python3 scripts/profile_kernels.py --once
+
+Method: --cupti records every GPU kernel of --iters rounds with PyTorch's profiler (CUPTI
+activity records: the kernel's start and end on the GPU, whatever library launched it) and
+prints each kernel's median duration, its bytes and the fraction of 4.3 TB/s they make. Each
+round launches every kernel once per instance of a chain of 8 independent instances (own
+weights and caches, so nothing is an L2 hit across instances), evaluated together.
+--once launches each kernel once to warm up (JIT), then once more inside the NVTX range
+"profiled", the launches Nsight Compute is told to profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from colibri_mlx import kernels  # noqa: E402
+from colibri_mlx.kernels import dispatch, mla, moe, qgemv  # noqa: E402
+import bench_mla_parts  # noqa: E402
+import bench_moe_parts  # noqa: E402
+
+COPY_BW = 4.3e12
+CHAIN = 8
+
+
+def moe_launches(impl, experts, k, act):
+    """[(label, bytes, [spec per instance])] for moe_gate_up and moe_down at S=1."""
+    layers = [bench_moe_parts.make_layer(experts, 7168, 2048, 256) for _ in range(CHAIN)]
+    rng = np.random.default_rng(0)
+    ids = [mx.array(rng.choice(experts, k, replace=False)[None].astype(np.int32)) for _ in layers]
+    gw = [mx.array(rng.uniform(0.1, 1, (1, k)).astype(np.float32)) for _ in layers]
+    xs = [mx.random.normal((1, 7168)).astype(act) for _ in layers]
+    mx.eval(ids, gw, xs)
+    gu = [moe.gate_up_spec(x, L.group, i, k, impl) for x, L, i in zip(xs, layers, ids)]
+    hs = [dispatch.launch(impl, s)[0] for s in gu]
+    mx.eval(hs)
+    down = [moe.down_spec(h, L.group, i, w, 1, k, impl, out_dtype=act) for h, L, i, w in zip(hs, layers, ids, gw)]
+    g = layers[0].group
+    return [("moe_gate_up", k * 2 * bench_moe_parts.proj_bytes(g.gate_up), gu),
+            ("moe_down", k * bench_moe_parts.proj_bytes(g.down), down)], layers
+
+
+def mla_launches(impl, T, act):
+    insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
+    runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
+    R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
+    kvb_bytes = H * (bench_mla_parts.NOPE + bench_mla_parts.V) * (R // 2 + R // 64 * 4)
+    names = ("mla_qabs", "mla_attn", "mla_out")
+    nbytes = (kvb_bytes // 2 * 1, T * (R + ROPE) * act.size, kvb_bytes // 2)
+    return [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))], insts
+
+
+def qgemv_launches(impl, act):
+    out = []
+    keep = []
+    for O, I in ((7168, 2048), (2048, 7168)):
+        ws = [bench_moe_parts.rand_q4(O, I, f"w{O}x{I}") for _ in range(CHAIN)]
+        xs = [mx.random.normal((1, I)).astype(act) for _ in ws]
+        mx.eval(xs, [(w.packed, w.scales) for w in ws])
+        specs = [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]
+        out.append((f"qgemv {O}x{I}", O * (I // 2 + I // 64 * 4), specs))
+        keep.append((ws, xs))
+    return out, keep
+
+
+def run_round(impl, launches):
+    for _, _, specs in launches:
+        mx.eval([dispatch.launch(impl, s)[0] for s in specs])
+    mx.synchronize()
+
+
+def cupti_times(impl, launches, iters):
+    """Durations (us) of the custom kernels of --iters rounds, in launch order, from PyTorch's
+    profiler (CUPTI kernel records)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    run_round(impl, launches)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run_round(impl, launches)
+    recs = []
+    for ev in prof.events():
+        dt = getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0)
+        if "custom_kernel_" in ev.name and dt:
+            recs.append((ev.time_range.start, dt, ev.name))
+    return [(dt, name) for _, dt, name in sorted(recs)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cupti", action="store_true", help="time the kernels with PyTorch's profiler")
+    ap.add_argument("--once", action="store_true", help="warm-up launches, then one of each (for ncu)")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
+    args = ap.parse_args()
+    impl = kernels.backend()
+    if impl == dispatch.REFERENCE:
+        print("no GPU backend: nothing to profile")
+        return 0
+    act = mx.bfloat16
+    global CHAIN
+    if args.once:
+        CHAIN = 1                # one instance of each: ncu profiles one launch
+    launches, keep = moe_launches(impl, args.experts, args.k, act)
+    for T in args.cache:
+        more, k2 = mla_launches(impl, T, act)
+        launches += more
+        keep.append(k2)
+    more, k3 = qgemv_launches(impl, act)
+    launches += more
+    launches = [ln for ln in launches if args.only in ln[0]]
+    for label, _, specs in launches:
+        print(f"{label}: {specs[0].name} grid {specs[0].grid} tg {specs[0].threadgroup} "
+              f"{' '.join(f'{k}={v}' for k, v in specs[0].template if k != 'T')}")
+    if args.once:
+        import torch
+
+        first = [(label, b, specs[:1]) for label, b, specs in launches]
+        run_round(impl, first)
+        torch.cuda.nvtx.range_push("profiled")
+        run_round(impl, first)
+        torch.cuda.nvtx.range_pop()
+        print(f"--once: {len(first)} launches inside the NVTX range 'profiled'")
+        return 0
+    if args.cupti:
+        recs = cupti_times(impl, launches, args.iters)
+        per_round = CHAIN * len(launches)
+        if len(recs) != per_round * args.iters:
+            print(f"expected {per_round * args.iters} kernel records, got {len(recs)}: not attributable")
+            return 1
+        print(f"{'launch':<22} {'median us':>10} {'min us':>8} {'MB':>8} {'%bw':>6}  kernel")
+        for j, (label, nbytes, _) in enumerate(launches):
+            mine = [recs[r * per_round + j * CHAIN + c] for r in range(args.iters) for c in range(CHAIN)]
+            durs = [d for d, _ in mine]
+            med = statistics.median(durs)
+            print(f"{label:<22} {med:>10.1f} {min(durs):>8.1f} {nbytes / 1e6:>8.2f} "
+                  f"{nbytes / (med * 1e-6) / COPY_BW * 100:>6.1f}  {mine[0][1][:60]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
