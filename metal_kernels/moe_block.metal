@@ -28,6 +28,10 @@
 //
 // params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
 // K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
+// h's layout: moe_gate_up's HP > 0 (moe_down's weights per unit) writes each slot's row padded
+// to whole down units in qd_xp_index's order and moe_down reads it so (XP 1): a SIMD group's
+// lanes take consecutive units and then read consecutive 16 bytes of h, where row order made
+// every lane's read a separate cache line. HP 0 / XP 0: row order (fmt 6 down rotates h first).
 // Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype),
 // NIB (fmt 2/4 decode, qgemv's: 1 fp16-subnormal codes + one -8 sum x per segment, 0 magic);
 // moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it).
@@ -123,9 +127,16 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
   threadgroup float red[NW * R2 * S];
   moe_slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
+  // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
+  // whole units in qd_xp_index's layout, which moe_down's lanes read coalesced.
+  constexpr int HPU = HP > 0 ? HP : 1;
+  const int hs = HP > 0 ? (O + HPU - 1) / HPU * HPU : O;
   if (e < 0) {
     if (tid < ROWS && row0 + tid < O) {
-      h[size_t(a) * O + row0 + tid] = 0.0f;
+      // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
+      for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
+        h[size_t(a) * hs + (HP > 0 ? qd_xp_index<HPU>(O, row) : row)] = 0.0f;
+      }
     }
     return;
   }
@@ -203,9 +214,13 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
       gv *= qd_row_scale<FMT>(sgu, rows[r]);
       uv *= qd_row_scale<FMT>(sgu, rows[ROWS + r]);
       const float hv = gv / (1.0f + exp(-gv)) * uv;
+      const int hi = HP > 0 ? qd_xp_index<HPU>(O, row) : row;
       for (int b = s * K; b < s * K + K; ++b) {
         if (sl[b] == e) {
-          h[size_t(b) * O + row] = hv;
+          h[size_t(b) * hs + hi] = hv;
+          for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
+            h[size_t(b) * hs + qd_xp_index<HPU>(O, pad)] = 0.0f;
+          }
         }
       }
     }
@@ -226,6 +241,7 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
   const int lane = tid % 32;
   const int warp = tid / 32;
   const int row0 = int(threadgroup_position_in_grid.x) * ROWS;
+  const int hs = XP ? n_units * qd_wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   threadgroup int sl[moe_max_slots()];
   threadgroup int lead[moe_max_slots()];         // 1: first slot of its expert
   threadgroup int elead[moe_max_slots()];        // distinct experts in slot order: leader slot
@@ -317,7 +333,7 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
         for (int s = 0; s < S; ++s) {
           const int slot = eslot[je * S + s];
           tokens |= (slot >= 0 ? 1u : 0u) << s;
-          xoff[s] = max(slot, 0) * I;
+          xoff[s] = max(slot, 0) * hs;
           wt[s] = ewt[je * S + s];
         }
         float rs[ROWS];
@@ -326,7 +342,7 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
         }
         for (int g = 0; g < NSEG; ++g) {
           float d[ROWS][S];
-          qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+          qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
           for (int r = 0; r < ROWS; ++r) {
             const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
             for (int s = 0; s < S; ++s) {

@@ -234,6 +234,43 @@ inline void qd_x8(const device T* xs, int I, int i, thread float* o) {
   }
 }
 
+// The layout moe_gate_up writes h in for moe_down (XP 1): a row of I floats padded to whole
+// units of WPU, stored in 4-value (16-byte) chunks ordered (chunk within the unit, unit), so
+// the lanes of a SIMD group, which read consecutive units, read consecutive 16 bytes (row
+// order makes each lane's 16 bytes a separate cache line: 8x the L1 traffic per value).
+template <int WPU>
+inline int qd_xp_index(int I, int i) {
+  const int nu = (I + WPU - 1) / WPU;
+  const int u = i / WPU;
+  const int r = i - WPU * u;
+  return ((r >> 2) * nu + u) * 4 + (r & 3);
+}
+
+// x[i .. i + 7] (i = WPU * u + k0, k0 a multiple of 8) of one row of x as float, zero past I.
+// XP 0: the row in order (qd_x8); XP 1: qd_xp_index's layout, x float.
+template <int XV, int XP, int WPU, typename T>
+inline void qd_xs8(const device T* xs, int I, int u, int k0, thread float* o) {
+  const int i = WPU * u + k0;
+  if (XP) {
+    const int nu = (I + WPU - 1) / WPU;
+    const device float* p0 = reinterpret_cast<const device float*>(xs) + ((k0 >> 2) * nu + u) * 4;
+    const device float* p1 = p0 + 4 * nu;
+    if (XV == 2 || (XV && i + 8 <= I)) {
+      const float4 a = *reinterpret_cast<const device float4*>(p0);
+      const float4 b = *reinterpret_cast<const device float4*>(p1);
+      o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+      o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        o[k] = (i + k < I) ? p0[k] : 0.0f;
+        o[4 + k] = (i + 4 + k < I) ? p1[k] : 0.0f;
+      }
+    }
+  } else {
+    qd_x8<XV, T>(xs, I, i, o);
+  }
+}
+
 // fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
 // is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
 // 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
@@ -252,7 +289,7 @@ inline void qd_nib8_sub(uint b, thread float* q) {
 // the even / odd weights of q * x (two independent FMA chains), sum x once per segment for
 // all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
 // a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T>
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
 inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                             uint xmask, int I, int u, int g, thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
@@ -276,7 +313,7 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
     for (int s = 0; s < S; ++s) {
       if ((xmask >> s) & 1u) {
         float xf[8];
-        qd_x8<XV, T>(x + xoff[s], I, WPU * u + k0, xf);
+        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
         sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
         for (int r = 0; r < ROWS; ++r) {
           for (int k = 0; k < 8; k += 2) {
@@ -298,15 +335,15 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.
 // NIB 1: fmt 2/4 via qd_seg_dots_nib (fp16 subnormal codes, one bias per segment); NIB 0:
-// qd_decode8's magic-number codes.
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0>
+// qd_decode8's magic-number codes. XP 1: x rows in qd_xp_index's layout (float).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0, int XP = 0>
 inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                         uint xmask, int I, int u, int g, const device uint* e8grid,
                         thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
   if (NIB && (FMT == 2 || FMT == 4)) {
-    qd_seg_dots_nib<FMT, GS, S, ROWS, XV, W, T>(raw, x, xoff, xmask, I, u, g, d);
+    qd_seg_dots_nib<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
     return;
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -323,7 +360,7 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
     for (int s = 0; s < S; ++s) {
       if ((xmask >> s) & 1u) {
         float xf[8];
-        qd_x8<XV, T>(x + xoff[s], I, WPU * u + k0, xf);
+        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
         for (int r = 0; r < ROWS; ++r) {
           for (int k = 0; k < 8; ++k) {
             d[r][s] += q[r][k] * xf[k];

@@ -87,7 +87,10 @@ for s in "${steps[@]}"; do
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
     profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
-    kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ;;
+    kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
+    moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
+                     tests/test_moe_shared_slot.py; reap ;;
+    bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;
     ncu)           # Nsight Compute on one launch of each kernel (profile_kernels.py --once); its
                    # details come back as ncu.log. Needs the hardware counters (Firecracker hosts).
                    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)

@@ -12,7 +12,8 @@ Method: --cupti records every GPU kernel of --iters rounds with PyTorch's profil
 activity records: the kernel's start and end on the GPU, whatever library launched it) and
 prints each kernel's median duration, its bytes and the fraction of 4.3 TB/s they make. Each
 round launches every kernel once per instance of a chain of 8 independent instances (own
-weights and caches, so nothing is an L2 hit across instances), evaluated together.
+weights and caches, so nothing is an L2 hit across instances), each evaluated alone (a graph of
+independent launches may overlap them on the GPU). --gate-up / --down add launch settings.
 --once launches each kernel once to warm up (JIT), then once more inside the NVTX range
 "profiled", the launches Nsight Compute is told to profile.
 """
@@ -39,8 +40,9 @@ COPY_BW = 4.3e12
 CHAIN = 8
 
 
-def moe_launches(impl, experts, k, act):
-    """[(label, bytes, [spec per instance])] for moe_gate_up and moe_down at S=1."""
+def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
+    """[(label, bytes, [spec per instance])] for moe_gate_up and moe_down at S=1, then each
+    other launch setting asked for."""
     layers = [bench_moe_parts.make_layer(experts, 7168, 2048, 256) for _ in range(CHAIN)]
     rng = np.random.default_rng(0)
     ids = [mx.array(rng.choice(experts, k, replace=False)[None].astype(np.int32)) for _ in layers]
@@ -52,8 +54,19 @@ def moe_launches(impl, experts, k, act):
     mx.eval(hs)
     down = [moe.down_spec(h, L.group, i, w, 1, k, impl, out_dtype=act) for h, L, i, w in zip(hs, layers, ids, gw)]
     g = layers[0].group
-    return [("moe_gate_up", k * 2 * bench_moe_parts.proj_bytes(g.gate_up), gu),
-            ("moe_down", k * bench_moe_parts.proj_bytes(g.down), down)], layers
+    out = [("moe_gate_up", k * 2 * bench_moe_parts.proj_bytes(g.gate_up), gu),
+           ("moe_down", k * bench_moe_parts.proj_bytes(g.down), down)]
+    for cfg in gate_up_cfgs:     # ROWS:NW:UNROLL:NIB:PF, "-" = moe.py's choice
+        rows, nw, unroll, nib, pf = bench_moe_parts.parse(cfg, 5)
+        out.append((f"moe_gate_up {cfg}", out[0][1], [bench_moe_parts.with_template(
+            moe.gate_up_spec(x, L.group, i, k, impl, rows=rows, simdgroups=nw, prefetch=pf), UNROLL=unroll, NIB=nib)
+            for x, L, i in zip(xs, layers, ids)]))
+    for cfg in down_cfgs:        # ROWS:NW:UNROLL:NIB
+        rows, nw, unroll, nib = bench_moe_parts.parse(cfg, 4)
+        out.append((f"moe_down {cfg}", out[1][1], [bench_moe_parts.with_template(
+            moe.down_spec(h, L.group, i, w, 1, k, impl, rows=rows, simdgroups=nw, out_dtype=act), UNROLL=unroll, NIB=nib)
+            for h, L, i, w in zip(hs, layers, ids, gw)]))
+    return out, layers
 
 
 def mla_launches(impl, T, act):
@@ -80,8 +93,11 @@ def qgemv_launches(impl, act):
 
 
 def run_round(impl, launches):
+    """Every launch evaluated alone, one after another: a graph of independent launches may run
+    them concurrently on the GPU, which stretches each one's start-to-end time."""
     for _, _, specs in launches:
-        mx.eval([dispatch.launch(impl, s)[0] for s in specs])
+        for s in specs:
+            mx.eval(dispatch.launch(impl, s)[0])
     mx.synchronize()
 
 
@@ -113,6 +129,8 @@ def main():
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
+    ap.add_argument("--gate-up", nargs="*", default=[], help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF")
+    ap.add_argument("--down", nargs="*", default=[], help="more moe_down settings ROWS:NW:UNROLL:NIB")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -122,7 +140,7 @@ def main():
     global CHAIN
     if args.once:
         CHAIN = 1                # one instance of each: ncu profiles one launch
-    launches, keep = moe_launches(impl, args.experts, args.k, act)
+    launches, keep = moe_launches(impl, args.experts, args.k, act, args.gate_up, args.down)
     for T in args.cache:
         more, k2 = mla_launches(impl, T, act)
         launches += more

@@ -182,8 +182,16 @@ def test_hadamard_matches_float64(n):
 # mix their error stays inside the (fmt 6 dominated) budget.
 FMT4_ONLY = [4, 4, 4, 4, 4]
 MOE_DEFECTS = {
-    "leader writes only its own slot": ("if (sl[b] == e) {\n          h[size_t(b) * O + row] = hv;",
-                                        "if (b == a) {\n          h[size_t(b) * O + row] = hv;"),
+    "leader writes only its own slot": ("if (sl[b] == e) {\n          h[size_t(b) * hs + hi] = hv;",
+                                        "if (b == a) {\n          h[size_t(b) * hs + hi] = hv;"),
+    # h in qd_xp_index's layout (padded rows of 4-float chunks ordered chunk-major)
+    # (fmt 4 only: fmt 6 rotates h in row order, and its large outputs would widen the budget)
+    "h padding past O left unwritten": ("for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {",
+                                        "for (int pad = hs; pad < hs; ++pad) {", FMT4_ONLY),
+    "down reads h rows at the unpadded stride": ("xoff[s] = max(slot, 0) * hs;", "xoff[s] = max(slot, 0) * I;",
+                                                 FMT4_ONLY),
+    "h second chunk of 8 read from the next unit": ("const device float* p1 = p0 + 4 * nu;",
+                                                    "const device float* p1 = p0 + 4;", FMT4_ONLY),
     "up row read from gate": ("rows[ROWS + r] = rows[r] + O;", "rows[ROWS + r] = rows[r];"),
     "gate weight ignored": ("acc[r][s] += d[r][s] * (sc * wt[s]);", "acc[r][s] += d[r][s] * sc;"),
     "repeated expert counted once per token only": ("ewt[j * S + c / K] += swt[c];", "ewt[j * S + c / K] = swt[c];"),
@@ -247,8 +255,9 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
             spec.header = spec.header.replace(good, bad)
         return real(spec, sim)
 
-    files = "".join(moe.read_kernel_sections(n, dispatch.METAL)[0] + "".join(moe.read_kernel_sections(n, dispatch.METAL)[1].values())
-                    for n in ("moe_block", "hadamard"))
+    files = dispatch.decode_header(dispatch.METAL) + "".join(
+        moe.read_kernel_sections(n, dispatch.METAL)[0] + "".join(moe.read_kernel_sections(n, dispatch.METAL)[1].values())
+        for n in ("moe_block", "hadamard"))
     assert files.count(good) == 1, f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)   # split-K defects need NW > 1

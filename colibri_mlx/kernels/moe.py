@@ -308,6 +308,19 @@ def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, 
             ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
 
+def h_unit(group: "ExpertGroup") -> int:
+    """moe_gate_up's HP: h rows are written padded to whole down units, in qdecode's
+    ``xp_index`` layout (moe_down's lanes read it coalesced), unless the down projection is fmt
+    6, whose input is rotated in row order first (0: row order)."""
+    return 0 if group.down.fmt == E8_FMT else UNIT_WEIGHTS[group.down.fmt]
+
+
+def h_width(group: "ExpertGroup") -> int:
+    """Floats per slot row of h (moe_gate_up's output)."""
+    hp = h_unit(group)
+    return group.down.n_units * hp if hp else group.gate_up.O
+
+
 def gate_up_rows(S: int) -> int:
     """Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load; ROWS * S <= 32
     final writers and the accumulators of qgemv's ROWS = 4 (2 for S > 4)."""
@@ -356,9 +369,9 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
         output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
-        output_shapes=[(n_slots, p.O)], output_dtypes=[mx.float32],
+        output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, S, rows, nw, x_dtype, backend, pf) + [("PF", pf)],
+        template=_template(p, S, rows, nw, x_dtype, backend, pf) + [("PF", pf), ("HP", h_unit(group))],
         params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
@@ -377,7 +390,8 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
-        threadgroup=(SIMD * nw, 1, 1), template=_template(p, S, rows, nw, mx.float32, backend) + [("OT", out_dtype)],
+        threadgroup=(SIMD * nw, 1, 1),
+        template=_template(p, S, rows, nw, mx.float32, backend) + [("OT", out_dtype), ("XP", int(h_unit(group) > 0))],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 
@@ -385,7 +399,8 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
                  simdgroups: Optional[int] = None, prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
-    """``h[N * K, inter]`` (float32) for the slots routed to this group; other slots get 0."""
+    """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
+    in ``h_unit``'s layout."""
     st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])

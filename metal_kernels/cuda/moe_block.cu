@@ -7,7 +7,9 @@
 // every token that chose the expert with its gate weight; the sum over experts is one fixed
 // reduction (no atomics, deterministic). Decoding is qdecode.cuh's (prepended to this header);
 // fmt 4/5 scales are loaded with the weights; NIB picks the fmt 2/4 decode (qgemv's).
-// Template values arrive as constexpr lines; MLX launches grid / block of 32 * NW threads.
+// h: moe_gate_up's HP > 0 writes it in xp_index's layout, moe_down's XP 1 reads it so (the
+// Metal header says why). Template values arrive as constexpr lines; MLX launches grid / block
+// of 32 * NW threads.
 
 namespace colibri_moe {
 
@@ -128,11 +130,11 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
 }
 
 // acc[r][s] += work items (distinct expert i / n_units, unit i % n_units) tid, tid + 32 * NW, ...
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB>
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
                                              const uint32_t* e8grid, const int* sl,
                                              const int* elead, const int* eslot, const float* ewt,
-                                             const int* rows, int O, int rb, int ng, int I,
+                                             const int* rows, int O, int rb, int ng, int I, int hs,
                                              int n_units, int n_items, int tid, float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
@@ -170,7 +172,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
         for (int s = 0; s < S; ++s) {
           const int slot = eslot[je * S + s];
           tokens |= (slot >= 0 ? 1u : 0u) << s;
-          xoff[s] = max(slot, 0) * I;
+          xoff[s] = max(slot, 0) * hs;
           wt[s] = ewt[je * S + s];
         }
         float rs[ROWS];
@@ -181,7 +183,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           float d[ROWS][S];
-          qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+          qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
             const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
@@ -219,9 +221,16 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   __shared__ float red[NW * R2 * S];
   colibri_moe::slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
+  // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
+  // whole units in xp_index's layout, which moe_down's lanes read coalesced.
+  constexpr int HPU = HP > 0 ? HP : 1;
+  const int hs = HP > 0 ? (O + HPU - 1) / HPU * HPU : O;
   if (e < 0) {
     if (tid < ROWS && row0 + tid < O) {
-      h[size_t(a) * O + row0 + tid] = 0.0f;
+      // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
+      for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
+        h[size_t(a) * hs + (HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row)] = 0.0f;
+      }
     }
     return;
   }
@@ -281,9 +290,13 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       gv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + row);
       uv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + O + row);
       const float hv = gv / (1.0f + expf(-gv)) * uv;
+      const int hi = HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row;
       for (int b = s * K; b < s * K + K; ++b) {
         if (sl[b] == e) {
-          h[size_t(b) * O + row] = hv;
+          h[size_t(b) * hs + hi] = hv;
+          for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
+            h[size_t(b) * hs + colibri_qd::xp_index<HPU>(O, pad)] = 0.0f;
+          }
         }
       }
     }
@@ -302,6 +315,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int row0 = int(blockIdx.x) * ROWS;
+  const int hs = XP ? n_units * colibri_qd::wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   __shared__ int sl[colibri_moe::max_slots()];
   __shared__ int lead[colibri_moe::max_slots()];
   __shared__ int elead[colibri_moe::max_slots()];
@@ -368,11 +382,11 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   if (w16 && x16) {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB>(
-        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
+        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
   } else {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB>(
-        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, n_units, n_items, tid, acc);
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
+        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
   }
   colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
   __syncthreads();
