@@ -129,8 +129,8 @@ def main():
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
-    ap.add_argument("--gate-up", nargs="*", default=[], help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF")
-    ap.add_argument("--down", nargs="*", default=[], help="more moe_down settings ROWS:NW:UNROLL:NIB")
+    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
+    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB, comma-separated")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -140,7 +140,8 @@ def main():
     global CHAIN
     if args.once:
         CHAIN = 1                # one instance of each: ncu profiles one launch
-    launches, keep = moe_launches(impl, args.experts, args.k, act, args.gate_up, args.down)
+    launches, keep = moe_launches(impl, args.experts, args.k, act, [c for c in args.gate_up.split(",") if c],
+                                  [c for c in args.down.split(",") if c])
     for T in args.cache:
         more, k2 = mla_launches(impl, T, act)
         launches += more
