@@ -108,17 +108,26 @@ def token_bytes(model, cfg, T):
 
 
 @contextlib.contextmanager
-def plain_graphs():
-    """COLIBRI_COMPILE=0 for a block of the run (kernels.compiled: no traces kept or made)."""
-    saved = os.environ.get(kernels.compiled.ENV_VAR)
-    os.environ[kernels.compiled.ENV_VAR] = "0"
+def env_set(name: str, value: str):
+    """``name=value`` in the environment for a block of the run."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            del os.environ[kernels.compiled.ENV_VAR]
+            del os.environ[name]
         else:
-            os.environ[kernels.compiled.ENV_VAR] = saved
+            os.environ[name] = saved
+
+
+@contextlib.contextmanager
+def plain_graphs():
+    """COLIBRI_COMPILE=0 for a block of the run (kernels.compiled: no traces kept or made)."""
+    try:
+        with env_set(kernels.compiled.ENV_VAR, "0"):
+            yield
+    finally:
         kernels.compiled.clear()
 
 
@@ -145,6 +154,7 @@ def main():
     add_model_args(ap)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="skip the COLIBRI_COMPILE=0 and reference rows")
     args = ap.parse_args()
     cfg = model_config(args)
     prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
@@ -157,12 +167,16 @@ def main():
     print(f"ours (kernels on): {res['ours_ms']:.2f} ms/token", flush=True)
     cache = ours.make_cache()
     res["ours_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with plain_graphs():              # the same kernels, every block built op by op each step
+    with env_set(kernels.compiled.COMMIT_VAR, "0"):   # the whole step's graph submitted at once
         cache = ours.make_cache()
-        res["ours_uncompiled_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with kernels.force_reference():   # the pure-MLX reference path, same weights
-        cache = ours.make_cache()
-        res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
+        res["ours_one_commit_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    if not args.quick:
+        with plain_graphs():              # the same kernels, every block built op by op each step
+            cache = ours.make_cache()
+            res["ours_uncompiled_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+        with kernels.force_reference():   # the pure-MLX reference path, same weights
+            cache = ours.make_cache()
+            res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
     res["bytes_per_token"] = token_bytes(ours, cfg, 16 + args.steps)
     res["floor_ms"] = res["bytes_per_token"] / B.COPY_BW * 1e3
     res["counters"] = kernels.counters()
@@ -174,7 +188,8 @@ def main():
 
     lm = lm_model(cfg)
     lm_cache = make_prompt_cache(lm)
-    print(f"ours floor {res['floor_ms']:.2f} ms; reference path {res['ours_reference_ms']:.2f} ms/token", flush=True)
+    print(f"ours floor {res['floor_ms']:.2f} ms; reference path {res.get('ours_reference_ms', float('nan')):.2f} "
+          "ms/token", flush=True)
     res["mlxlm_ms"] = decode_times(lambda t: lm(t, cache=lm_cache), prompt, args.steps) * 1e3
     lm_cache = make_prompt_cache(lm)
     res["mlxlm_pipelined_ms"] = decode_times_pipelined(lambda t: lm(t, cache=lm_cache), prompt, args.steps) * 1e3
@@ -183,8 +198,10 @@ def main():
     L = args.layers
     print(f"{'model':36s} {'ms/token':>9s} {'per layer':>9s} {'pipelined':>9s}")
     print(f"{'ours (kernels on)':36s} {res['ours_ms']:9.2f} {res['ours_ms'] / L:9.3f} {res['ours_pipelined_ms']:9.2f}")
-    print(f"{'ours (COLIBRI_COMPILE=0)':36s} {res['ours_uncompiled_ms']:9.2f} {res['ours_uncompiled_ms'] / L:9.3f}")
-    print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")
+    print(f"{'ours (COLIBRI_LAYER_COMMIT=0)':36s} {res['ours_one_commit_ms']:9.2f} {res['ours_one_commit_ms'] / L:9.3f}")
+    if not args.quick:
+        print(f"{'ours (COLIBRI_COMPILE=0)':36s} {res['ours_uncompiled_ms']:9.2f} {res['ours_uncompiled_ms'] / L:9.3f}")
+        print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")
     print(f"{'mlx-lm 0.32.2':36s} {res['mlxlm_ms']:9.2f} {res['mlxlm_ms'] / L:9.3f} {res['mlxlm_pipelined_ms']:9.2f}")
     print("ms/token: each step evaluated and synchronized before the next is built (PERF.md); pipelined: the next "
           "step is built while the GPU runs the current one (mlx-lm's generate loop); per layer includes the "

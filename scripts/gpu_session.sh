@@ -85,7 +85,7 @@ for s in "${steps[@]}"; do
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
-    bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ;;
+    bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
     kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \

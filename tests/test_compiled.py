@@ -204,3 +204,44 @@ def test_cache_capacity_steps():
     assert (caps - ends < np.maximum(GROW_STEP, ends / 8)).all()
     assert capacity_for(2048) == 2048 and capacity_for(2049) == 2304 and capacity_for(4097) == 4608
     assert len(set(caps[ends <= 32768])) == 40
+
+
+@pytest.mark.parametrize("every", ["1", "2"])
+def test_layer_commits_give_the_same_decode(containers, monkeypatch, every):
+    """COLIBRI_LAYER_COMMIT hands each group of decode layers (output and cache buffers) to the
+    device as soon as it is built: the same logits and tokens, and the submissions happen (one
+    per full group but the last, per decode step; none while the prompt runs)."""
+    from colibri_mlx.models import deepseek_v3
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["moe"], dtype="float32")
+    monkeypatch.setenv(compiled.COMMIT_VAR, "0")
+    want, want_tokens, _ = _run(model, monkeypatch, "0", steps=6)
+    submitted = []
+    real = deepseek_v3.mx.async_eval
+
+    def counting(*arrays):
+        submitted.append(len(arrays))
+        return real(*arrays)
+
+    monkeypatch.setattr(deepseek_v3.mx, "async_eval", counting)
+    monkeypatch.setenv(compiled.COMMIT_VAR, every)
+    got, got_tokens, _ = _run(model, monkeypatch, "0", steps=6)
+    assert got_tokens == want_tokens
+    np.testing.assert_array_equal(got, want)
+    n = len(model.layers)
+    per_step = (n - 1) // int(every)
+    assert len(submitted) == 6 * per_step, (submitted, n)
+    # Each submission carries the group's hidden state and its layers' cache buffers.
+    assert all(k >= 1 + int(every) for k in submitted), submitted
+
+
+def test_layer_commit_policy(monkeypatch):
+    monkeypatch.setenv(compiled.COMMIT_VAR, "auto")
+    assert compiled.layers_per_commit(kernels.dispatch.CUDA) == 1
+    assert compiled.layers_per_commit(kernels.dispatch.REFERENCE) == 0
+    monkeypatch.setenv(compiled.COMMIT_VAR, "3")
+    assert compiled.layers_per_commit(kernels.dispatch.REFERENCE) == 3
+    monkeypatch.setenv(compiled.COMMIT_VAR, "-1")
+    with pytest.raises(ValueError, match="COLIBRI_LAYER_COMMIT"):
+        compiled.layers_per_commit(kernels.dispatch.METAL)

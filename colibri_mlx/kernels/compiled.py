@@ -55,6 +55,23 @@ def enabled(backend: str) -> bool:
     return mode == "1" or (mode == "auto" and backend in (dispatch.METAL, dispatch.CUDA))
 
 
+COMMIT_VAR = "COLIBRI_LAYER_COMMIT"
+
+
+def layers_per_commit(backend: str) -> int:
+    """Decode layers per early submission: the model hands each group of layers to the GPU
+    (``mx.async_eval`` of its output and cache) as soon as it is built, so the GPU runs layer i
+    while Python builds and encodes layer i + 1; otherwise the GPU waits for the whole step's
+    graph. ``COLIBRI_LAYER_COMMIT``: ``auto`` (default: 1 on GPU backends, 0 on the CPU), ``0``
+    (off) or a number of layers."""
+    value = (dispatch.getenv(COMMIT_VAR) or "auto").strip().lower() or "auto"
+    if value == "auto":
+        return 1 if backend in (dispatch.METAL, dispatch.CUDA) else 0
+    if not value.isdigit():
+        raise ValueError(f"{COMMIT_VAR}={value!r}: expected auto, 0 or a number of layers")
+    return int(value)
+
+
 def clear() -> None:
     """Drop every block's traces (the next call in each mode runs plainly, then retraces)."""
     for block in list(_blocks):

@@ -300,9 +300,10 @@ def _simdgroups(row_blocks: int, units: int) -> int:
     return nw
 
 
-def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, prefetch: int = 0) -> list:
+def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, prefetch: int = 0,
+              unroll: Optional[int] = None) -> list:
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
-    unroll = 1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), S)
+    unroll = unroll or (1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), S))
     return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
             ("VEC", p.vec), ("XV", x_vec), ("UNROLL", unroll),
             ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
@@ -352,10 +353,12 @@ class _Static:
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
                     prefetch=None) -> _Static:
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
-    # Off by default: on the H200 (scripts/bench_moe_parts.py, 8 experts of 7168x2048 fmt 4,
-    # S=1) PF 0 took 76.9-80.9 us against PF 1's 82.5-87.7 (each block runs only a few steps).
+    # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
+    # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
+    # independent launches in one graph, which the GPU overlaps, had ranked PF 0 first.)
     # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
-    pf = int(dispatch.getenv("COLIBRI_MOE_PF", "0")) if prefetch is None else int(prefetch)
+    default = "1" if backend == dispatch.CUDA and S == 1 else "0"
+    pf = int(dispatch.getenv("COLIBRI_MOE_PF", default)) if prefetch is None else int(prefetch)
     key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf)
     hit = group.statics.get(key)
     if hit is not None:
@@ -385,13 +388,17 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     rows = rows or qgemv.default_rows(S)
     busy = min(S * K, len(group.experts))
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
+    # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
+    # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
+    unroll = 1 if backend == dispatch.CUDA and S == 1 else None
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, S, rows, nw, mx.float32, backend) + [("OT", out_dtype), ("XP", int(h_unit(group) > 0))],
+        template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0))],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 

@@ -809,8 +809,12 @@ class Model:
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         selection = None
-        for layer, layer_cache in zip(self.layers, cache.layers):
+        every = kernels.compiled.layers_per_commit(kernels.backend()) if L == 1 else 0
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
+            if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
+                # The GPU starts on these layers while the next ones are built.
+                mx.async_eval(x, *[b for c in cache.layers[i + 1 - every: i + 1] for b in c.buffers.values()])
         cache.advance(L)
         return self._compiled_head(x) if L == 1 else self.head(x)
 
