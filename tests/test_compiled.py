@@ -125,13 +125,18 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
         calls = kernels.counters()["calls"]
     monkeypatch.setenv("COLIBRI_MOE_PF", "1")
     got_pf, _ = _decode(model, [5, 9, 17, 3], 4)
-    assert len(block._modes) == (3 if GPU else 2)        # on the CPU the backend is the reference anyway
+    # On the CPU the backend is the reference anyway; on a GPU the forced reference runs plainly
+    # (kernels.compiled._reference_on_gpu), counted.
+    assert len(block._modes) == 2
     assert all(compiled_fn is not None for compiled_fn in block._modes.values())
+    if GPU:
+        assert calls.get("compiled/layer_step/declined: reference path on a GPU device"), calls
     monkeypatch.setenv(compiled.ENV_VAR, "0")
     with kernels.force_reference():
         want, _ = _decode(model, [5, 9, 17, 3], 4)
-    for got in (got_ref, got_pf):
-        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if not GPU else 1e-3) * np.abs(want).max())
+    for label, got in (("forced reference", got_ref), ("COLIBRI_MOE_PF=1", got_pf)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if not GPU else 1e-3) * np.abs(want).max(),
+                                   err_msg=label)
     assert set(k.split("/")[1] for k in calls if k.startswith(("qgemv", "mla_decode"))) == {"reference"}
 
 
@@ -237,11 +242,10 @@ def test_layer_commits_give_the_same_decode(containers, monkeypatch, every):
 
 
 def test_layer_commit_policy(monkeypatch):
-    monkeypatch.setenv(compiled.COMMIT_VAR, "auto")
-    assert compiled.layers_per_commit(kernels.dispatch.CUDA) == 1
-    assert compiled.layers_per_commit(kernels.dispatch.REFERENCE) == 0
+    monkeypatch.setenv(compiled.COMMIT_VAR, "auto")        # off: slower on the H200 (docs/performance.md)
+    assert compiled.layers_per_commit() == 0
     monkeypatch.setenv(compiled.COMMIT_VAR, "3")
-    assert compiled.layers_per_commit(kernels.dispatch.REFERENCE) == 3
+    assert compiled.layers_per_commit() == 3
     monkeypatch.setenv(compiled.COMMIT_VAR, "-1")
     with pytest.raises(ValueError, match="COLIBRI_LAYER_COMMIT"):
-        compiled.layers_per_commit(kernels.dispatch.METAL)
+        compiled.layers_per_commit()

@@ -809,7 +809,7 @@ class Model:
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         selection = None
-        every = kernels.compiled.layers_per_commit(kernels.backend()) if L == 1 else 0
+        every = kernels.compiled.layers_per_commit() if L == 1 else 0
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
             if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
