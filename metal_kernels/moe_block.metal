@@ -34,7 +34,8 @@
 // every lane's read a separate cache line. HP 0 / XP 0: row order (fmt 6 down rotates h first).
 // Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype),
 // NIB (fmt 2/4 decode, qgemv's: 1 fp16-subnormal codes + one -8 sum x per segment, 0 magic);
-// moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it).
+// moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it);
+// HP (moe_gate_up) and XP (moe_down): h's layout, above.
 
 // Slots (N * K) per call; moe.py MAX_SLOTS.
 constexpr int moe_max_slots() {

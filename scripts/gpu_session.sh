@@ -87,6 +87,13 @@ for s in "${steps[@]}"; do
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
+    e2e_graphs)    # MLX's CUDA backend records a step's launches into one CUDA graph (up to 100
+                   # nodes on sm_90) and launches it at the end of the evaluation: the GPU idles
+                   # while the step is encoded. Direct launches (no graphs) and smaller graphs,
+                   # each a process of its own (MLX reads these once), ours and mlx-lm alike.
+                   for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20; do
+                     step "e2e_${env//=/_}" 150 env "$env" python3 scripts/bench_e2e.py --steps 16 --quick
+                   done ;;
     kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py; reap ;;
