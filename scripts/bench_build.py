@@ -12,7 +12,8 @@ selected and every custom-kernel launch stubbed (a preallocated output of the ri
 prints the median build time per step and per block kind. MLX's own op construction is included;
 the custom-kernel calls themselves (MLX builds and hashes the kernel source) are not, and
 ``mx.fast`` ops on the CPU build their fallback graphs, so figures are for comparing versions
-of our code on one machine, not absolute GPU-host costs.
+of our code on one machine, not absolute GPU-host costs. COLIBRI_STEP_GRAPH=layer times the
+per-layer graphs instead of the whole-step one.
 """
 
 from __future__ import annotations
@@ -97,11 +98,15 @@ def main():
         layer.self_attn.attend = Timed(layer.self_attn.attend, "attention core (mla_decode)", totals)
         layer._compiled_out = Timed(layer._compiled_out, "layer out (o_proj, MLP / MoE)", totals)
         layer._compiled_step = Timed(layer._compiled_step, "whole layer (one compiled graph)", totals)
+    model._compiled_model_step = Timed(model._compiled_model_step, "whole step (one compiled graph)", totals)
     for _ in range(args.steps):
         step()
     layers = cfg["num_hidden_layers"]
     for name, total in totals.items():
-        print(f"  {name:36s} {total / args.steps / layers * 1e6:7.1f} us per layer (mean)")
+        if name.startswith("whole step"):
+            print(f"  {name:36s} {total / args.steps * 1e6:7.1f} us per step (mean)")
+        else:
+            print(f"  {name:36s} {total / args.steps / layers * 1e6:7.1f} us per layer (mean)")
 
 
 if __name__ == "__main__":

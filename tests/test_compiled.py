@@ -15,6 +15,7 @@ import pytest
 
 from colibri_mlx import kernels
 from colibri_mlx.kernels import compiled
+from colibri_mlx.models.deepseek_v3 import STEP_GRAPH_VAR
 
 GPU = kernels.dispatch.gpu_backend() is not None
 
@@ -55,10 +56,12 @@ def _run(model, monkeypatch, mode, steps=12):
     return logits, tokens, kernels.counters()
 
 
+@pytest.mark.parametrize("scope", ["model", "layer"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
+def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
     from colibri_mlx.models.loading import load_model
 
+    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
     model = load_model(containers[kind], dtype="float32")
     want, want_tokens, want_counts = _run(model, monkeypatch, "0")
     got, got_tokens, got_counts = _run(model, monkeypatch, "1")
@@ -75,9 +78,15 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
     assert got_counts["fallbacks"] == want_counts["fallbacks"]
     layers = model.layers
     moe_layers = [layer for layer in layers if hasattr(layer.mlp, "router")]
-    if kind == "dense" or GPU:
+    if (kind == "dense" or GPU) and scope == "model":
+        # The whole step (every layer and the head) is one graph, traced and replayed.
+        assert model._compiled_model_step._deltas
+        assert not any(layer._compiled_step._deltas for layer in layers)
+        assert not declined
+    elif kind == "dense" or GPU:
         # Every layer is one compiled graph over the fixed-capacity cache, traced and replayed.
         assert all(layer._compiled_step._deltas for layer in layers)
+        assert not model._compiled_model_step._deltas
         assert not declined
     else:
         # CPU MoE layers: the reference groups tokens on the host, so the MoE layers compile what
@@ -92,19 +101,32 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
                             f"compiled/moe/{reason}": len(moe_layers)}, declined   # the 4-row prompt
 
 
-def test_compiled_decode_across_cache_growth(containers, monkeypatch):
-    """Past a GROW_STEP boundary the cache buffers grow and the layer graphs are retraced for
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_compiled_decode_across_cache_growth(containers, monkeypatch, scope):
+    """Past a GROW_STEP boundary the cache buffers grow and the step graphs are retraced for
     the new capacity; the rows written before stay, the numbers equal the plain path's."""
     from colibri_mlx.models import cache as cache_mod
     from colibri_mlx.models.loading import load_model
 
     monkeypatch.setattr(cache_mod, "GROW_STEP", 8)
+    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
     model = load_model(containers["dense"], dtype="float32")
     want, want_tokens, _ = _run(model, monkeypatch, "0", steps=20)
     got, got_tokens, _ = _run(model, monkeypatch, "1", steps=20)
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    assert len(model.layers[0]._compiled_step._deltas) == 3       # capacities 8, 16, 24
+    block = model._compiled_model_step if scope == "model" else model.layers[0]._compiled_step
+    assert len(block._deltas) == 3       # capacities 8, 16, 24
+
+
+def test_step_graph_policy(containers, monkeypatch):
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["dense"], dtype="float32")
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    monkeypatch.setenv(STEP_GRAPH_VAR, "layers")
+    with pytest.raises(ValueError, match=STEP_GRAPH_VAR):
+        model(mx.array([[5, 9]]), model.make_cache())
 
 
 def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
@@ -114,7 +136,7 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     from colibri_mlx.models.loading import load_model
 
     model = load_model(containers["dense"], dtype="float32")
-    block = model.layers[0]._compiled_step
+    block = model._compiled_model_step
     monkeypatch.setenv(compiled.ENV_VAR, "1")
     compiled.clear()
     _decode(model, [5, 9, 17, 3], 4)                      # warm-up, trace, replays
@@ -130,7 +152,7 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     assert len(block._modes) == 2
     assert all(compiled_fn is not None for compiled_fn in block._modes.values())
     if GPU:
-        assert calls.get("compiled/layer_step/declined: reference path on a GPU device"), calls
+        assert calls.get("compiled/model_step/declined: reference path on a GPU device"), calls
     monkeypatch.setenv(compiled.ENV_VAR, "0")
     with kernels.force_reference():
         want, _ = _decode(model, [5, 9, 17, 3], 4)

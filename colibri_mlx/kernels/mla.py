@@ -261,6 +261,13 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp)
 
 
+def params_signature(kv_b) -> tuple:
+    """What :func:`step_params` reads of kv_b (format and shape): layers whose signatures and
+    attention shapes are equal get one params array for a step, which a caller can make once."""
+    p = kv_b_projection(kv_b)
+    return (p.fmt, p.gs, p.O, p.I)
+
+
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None):

@@ -369,6 +369,7 @@ class Attention:
         has_indexer = self.indexer_kind == "full" and (layer_idx < args.num_hidden_layers
                                                        or w.has_prefix(prefix + "indexer."))
         self.indexer = Indexer(args, w, prefix + "indexer.") if has_indexer else None
+        self._params_signature = None      # step_inputs: what this layer's params depend on
         self._compiled_rows = kernels.compiled.CompiledBlock(self._decode_rows, "attention_rows")
         self._compiled_step = kernels.compiled.CompiledBlock(self.step, "attention_step")
 
@@ -496,8 +497,13 @@ class Attention:
     def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
         """Whether these rows run as :meth:`decode_step`: one decode row of unpadded sequences
         (no mask), no DSA selection, a cache, and compiled blocks enabled (kernels.compiled)."""
-        return (rope_offset is not None and x.shape[1] == 1 and mask is None and self.indexer is None
-                and shared_selection is None and layer_cache is not None
+        return self.indexer is None and layer_cache is not None and self.rows_compiled(x, mask, shared_selection,
+                                                                                         rope_offset)
+
+    @staticmethod
+    def rows_compiled(x, mask, shared_selection, rope_offset) -> bool:
+        """The part of :meth:`steps_compiled` that is the same for every layer of a step."""
+        return (rope_offset is not None and x.shape[1] == 1 and mask is None and shared_selection is None
                 and kernels.compiled.enabled(kernels.backend()))
 
     def decode_step(self, x, layer_cache, start, slot, compiled=None):
@@ -505,14 +511,29 @@ class Attention:
         ``slot`` the same as an int32 array) as one compiled graph (``compiled``: a caller's
         graph around :meth:`step`, default this block's) over the cache's fixed-capacity
         buffers: shapes change only when they grow; slot and attended length are inputs."""
+        y, layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = (compiled or self._compiled_step)(
+            x, slot, *self.step_inputs(x, layer_cache, start))
+        return y
+
+    def step_inputs(self, x, layer_cache, start, made: dict | None = None):
+        """``(latent, k_rope, params)`` of :meth:`step` for the row at ``start``: the cache's
+        buffers, grown to hold it, and the attended length as kernels.mla.step_params.
+        ``made``: the params arrays other layers made this step, by what they depend on (layers
+        alike share one; a whole-model step makes one, not one a layer)."""
         B, end = x.shape[0], start + 1
         latent = layer_cache.reserve("latent", B, self.kv_lora_rank, x.dtype, end)
         k_rope = layer_cache.reserve("k_rope", B, self.rope_dim, x.dtype, end)
-        params = kernels.mla.step_params(self.kv_b_proj, latent, self.n_heads, self.nope, self.rope_dim,
-                                         self.v_dim, x.dtype, end)
-        y, layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = (compiled or self._compiled_step)(
-            x, slot, latent, k_rope, params)
-        return y
+        if self._params_signature is None:
+            self._params_signature = (kernels.mla.params_signature(self.kv_b_proj), self.n_heads, self.nope,
+                                      self.rope_dim, self.v_dim)
+        key = (self._params_signature, latent.shape, latent.dtype, x.dtype, end)
+        params = made.get(key) if made is not None else None
+        if params is None:
+            params = kernels.mla.step_params(self.kv_b_proj, latent, self.n_heads, self.nope, self.rope_dim,
+                                             self.v_dim, x.dtype, end)
+            if made is not None:
+                made[key] = params
+        return latent, k_rope, params
 
     def step(self, x, slot, latent, k_rope, params):
         """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
@@ -756,6 +777,9 @@ class MTPLayer:
         self.embed_tokens = w.maybe(p + "embed_tokens.weight", (V, D))
 
 
+STEP_GRAPH_VAR = "COLIBRI_STEP_GRAPH"
+
+
 class Model:
     """``model(tokens [B, L], cache=None, left_padding=None) -> logits [B, L, vocab]`` (float32).
 
@@ -780,6 +804,7 @@ class Model:
         self.rope = make_rope(args.rope, args.qk_rope_head_dim, args.max_position_embeddings, args.rope_interleave)
         self.max_length = args.max_position_embeddings
         self._compiled_head = kernels.compiled.CompiledBlock(self.head, "head")
+        self._compiled_model_step = kernels.compiled.CompiledBlock(self._model_step, "model_step")
 
     def _mtp_indices(self, weights):
         n = self.args.num_hidden_layers
@@ -808,6 +833,10 @@ class Model:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
+        if self._steps_as_one_graph(x, mask, cache, rope_offset):
+            logits = self._decode_model_step(x, cache, start, rope_offset)
+            cache.advance(L)
+            return logits
         selection = None
         every = kernels.compiled.layers_per_commit() if L == 1 else 0
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
@@ -820,6 +849,41 @@ class Model:
 
     def head(self, x):
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
+
+    def _steps_as_one_graph(self, x, mask, cache, rope_offset) -> bool:
+        """Whether this decode row runs as one compiled graph for every layer and the head:
+        each layer would run as a whole-layer graph (DecoderLayer.decode) and
+        ``COLIBRI_STEP_GRAPH`` is ``model`` (default; ``layer``: one graph per layer)."""
+        scope = (kernels.dispatch.getenv(STEP_GRAPH_VAR) or "model").strip().lower()
+        if scope not in ("model", "layer"):
+            raise ValueError(f"{STEP_GRAPH_VAR}={scope!r}: expected 'model' or 'layer'")
+        if (scope != "model" or kernels.compiled.layers_per_commit()
+                or not Attention.rows_compiled(x, mask, None, rope_offset)):
+            return False
+        return all(layer.self_attn.indexer is None and layer.mlp.host_reason(x) is None for layer in self.layers)
+
+    def _decode_model_step(self, x, cache, start, slot):
+        """Logits of one decode row, every layer and the head one compiled graph over the
+        caches' fixed-capacity buffers (per-layer Python cost paid once per step, one trace
+        per capacity for the whole model)."""
+        buffers, params, made = [], [], {}
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            latent, k_rope, p = layer.self_attn.step_inputs(x, layer_cache, start, made)
+            buffers += [latent, k_rope]
+            params.append(p)
+        logits, *buffers = self._compiled_model_step(x, slot, *buffers, *params)
+        for i, layer_cache in enumerate(cache.layers):
+            layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = buffers[2 * i: 2 * i + 2]
+        return logits
+
+    def _model_step(self, x, slot, *arrays):
+        n = len(self.layers)
+        buffers, params = arrays[: 2 * n], arrays[2 * n:]
+        written = []
+        for i, layer in enumerate(self.layers):
+            x, latent, k_rope = layer._step(x, slot, buffers[2 * i], buffers[2 * i + 1], params[i])
+            written += [latent, k_rope]
+        return (self.head(x), *written)
 
     def _positions_and_mask(self, left_padding: mx.array, start: int, L: int, padded: bool = True):
         if L == 1 and not padded and left_padding.shape[0] == 1 and not self.args.dsa:
