@@ -1,0 +1,49 @@
+"""The GPU benchmark and profiling scripts still run: each one's CPU smoke mode (tiny shapes or
+no GPU) end to end in a subprocess, as a device session would start it. The numbers are not
+checked (CPU timings of tiny shapes mean nothing); the rows each script promises are."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colibri_mlx.kernels import dispatch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_e2e_rows():
+    out = run_script("scripts/bench_e2e.py", "--tiny", "--steps", "2", "--quick")
+    for row in ("ours (kernels on)", "ours (COLIBRI_STEP_GRAPH=layer)", "ours (COLIBRI_LAYER_COMMIT=1)",
+                "mlx-lm 0.32.2", "mlx-lm/ours ="):
+        assert row in out, out
+
+
+def test_bench_moe_rows():
+    out = run_script("scripts/bench_moe_mla.py", "--tiny", "--only", "moe", "--iters", "1")
+    for row in ("moe_routed ", "moe_routed_compiled", "moe_block"):
+        assert row in out, out
+
+
+def test_bench_build_reports_the_step_graph():
+    out = run_script("scripts/bench_build.py", "--steps", "5")
+    assert "decode step build (launches stubbed)" in out and "whole step (one compiled graph)" in out, out
+
+
+@pytest.mark.skipif(dispatch.gpu_backend() is not None,
+                    reason="on a GPU the script profiles for real (gpu_session.sh kernel_times)")
+def test_profile_kernels_without_gpu():
+    out = run_script("scripts/profile_kernels.py", "--cupti", "--down=8:-:-:-")
+    assert "no GPU backend" in out, out
