@@ -833,12 +833,12 @@ class Model:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
-        if self._steps_as_one_graph(x, mask, cache, rope_offset):
+        every = kernels.compiled.layers_per_commit() if L == 1 else 0
+        if not every and self._steps_as_one_graph(x, mask, rope_offset):
             logits = self._decode_model_step(x, cache, start, rope_offset)
             cache.advance(L)
             return logits
         selection = None
-        every = kernels.compiled.layers_per_commit() if L == 1 else 0
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
             if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
@@ -850,15 +850,14 @@ class Model:
     def head(self, x):
         return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
 
-    def _steps_as_one_graph(self, x, mask, cache, rope_offset) -> bool:
+    def _steps_as_one_graph(self, x, mask, rope_offset) -> bool:
         """Whether this decode row runs as one compiled graph for every layer and the head:
         each layer would run as a whole-layer graph (DecoderLayer.decode) and
         ``COLIBRI_STEP_GRAPH`` is ``model`` (default; ``layer``: one graph per layer)."""
         scope = (kernels.dispatch.getenv(STEP_GRAPH_VAR) or "model").strip().lower()
         if scope not in ("model", "layer"):
             raise ValueError(f"{STEP_GRAPH_VAR}={scope!r}: expected 'model' or 'layer'")
-        if (scope != "model" or kernels.compiled.layers_per_commit()
-                or not Attention.rows_compiled(x, mask, None, rope_offset)):
+        if scope != "model" or not Attention.rows_compiled(x, mask, None, rope_offset):
             return False
         return all(layer.self_attn.indexer is None and layer.mlp.host_reason(x) is None for layer in self.layers)
 
