@@ -99,6 +99,21 @@ def template_of(spec, *names) -> str:
     return " ".join(f"{n}={t[n]}" for n in names if n in t)
 
 
+def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
+    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF ("-": moe.py's)."""
+    rows, nw, unroll, nib, pf = parse(cfg, 5)
+    return [with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw, prefetch=pf),
+                          UNROLL=unroll, NIB=nib) for x, L, i in zip(xs, layers, ids)]
+
+
+def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
+    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB ("-": moe.py's)."""
+    rows, nw, unroll, nib = parse(cfg, 4)
+    return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw,
+                                        out_dtype=out_dtype), UNROLL=unroll, NIB=nib)
+            for h, L, i, w in zip(hs, layers, ids, gw)]
+
+
 def proj_bytes(p: moe.Projection) -> int:
     """Weight and scale bytes of one expert's projection (all its rows)."""
     return p.O * (p.rb + 4 * p.ng)
@@ -141,19 +156,14 @@ def bench_tokens(S, layers, args, impl, best):
     out_dtype = args.act           # one group: moe_down writes x's dtype (moe.moe_block)
 
     def gate_up_specs(cfg):
-        rows, nw, unroll, nib, pf = parse(cfg, 5)
-        return [with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw, prefetch=pf),
-                              UNROLL=unroll, NIB=nib) for x, L, i in zip(xs, layers, ids)]
+        return gate_up_setting(cfg, xs, layers, ids, K, impl)
 
     # h for moe_down: gate_up's default launch, evaluated now (not part of the down timing).
     hs = [dispatch.launch(impl, s)[0] for s in gate_up_specs("-")]
     mx.eval(hs)
 
     def down_specs(cfg):
-        rows, nw, unroll, nib = parse(cfg, 4)
-        return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw,
-                                            out_dtype=out_dtype), UNROLL=unroll, NIB=nib)
-                for h, L, i, w in zip(hs, layers, ids, gw)]
+        return down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype)
 
     sweep("moe_gate_up", S, args.gate_up, gate_up_specs, gu_bytes, args.iters, impl, best)
     sweep("moe_down", S, args.down, down_specs, d_bytes, args.iters, impl, best)

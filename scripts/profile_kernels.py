@@ -56,16 +56,10 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     g = layers[0].group
     out = [("moe_gate_up", k * 2 * bench_moe_parts.proj_bytes(g.gate_up), gu),
            ("moe_down", k * bench_moe_parts.proj_bytes(g.down), down)]
-    for cfg in gate_up_cfgs:     # ROWS:NW:UNROLL:NIB:PF, "-" = moe.py's choice
-        rows, nw, unroll, nib, pf = bench_moe_parts.parse(cfg, 5)
-        out.append((f"moe_gate_up {cfg}", out[0][1], [bench_moe_parts.with_template(
-            moe.gate_up_spec(x, L.group, i, k, impl, rows=rows, simdgroups=nw, prefetch=pf), UNROLL=unroll, NIB=nib)
-            for x, L, i in zip(xs, layers, ids)]))
-    for cfg in down_cfgs:        # ROWS:NW:UNROLL:NIB
-        rows, nw, unroll, nib = bench_moe_parts.parse(cfg, 4)
-        out.append((f"moe_down {cfg}", out[1][1], [bench_moe_parts.with_template(
-            moe.down_spec(h, L.group, i, w, 1, k, impl, rows=rows, simdgroups=nw, out_dtype=act), UNROLL=unroll, NIB=nib)
-            for h, L, i, w in zip(hs, layers, ids, gw)]))
+    out += [(f"moe_gate_up {cfg}", out[0][1], bench_moe_parts.gate_up_setting(cfg, xs, layers, ids, k, impl))
+            for cfg in gate_up_cfgs]
+    out += [(f"moe_down {cfg}", out[1][1], bench_moe_parts.down_setting(cfg, hs, layers, ids, gw, 1, k, impl, act))
+            for cfg in down_cfgs]
     return out, layers
 
 
@@ -75,7 +69,7 @@ def mla_launches(impl, T, act):
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
     kvb_bytes = H * (bench_mla_parts.NOPE + bench_mla_parts.V) * (R // 2 + R // 64 * 4)
     names = ("mla_qabs", "mla_attn", "mla_out")
-    nbytes = (kvb_bytes // 2 * 1, T * (R + ROPE) * act.size, kvb_bytes // 2)
+    nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     return [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))], insts
 
 
