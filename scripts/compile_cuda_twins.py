@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
+from colibri_mlx.kernels.kernel_text import launch_text  # noqa: E402
 from kernel_oracle import random_qtensor, random_x  # noqa: E402
 
 ARCH = "sm_90a"
@@ -59,7 +60,9 @@ UTILS_STUB = """#pragma once
 
 
 def wrap(spec: dispatch.LaunchSpec, kernel_name: str) -> str:
-    """The translation unit MLX's build_kernel() writes for this launch."""
+    """The translation unit MLX's build_kernel() writes for this launch (of the text dispatch
+    hands MLX: compacted, the header pruned to what the body uses)."""
+    header, source = launch_text(spec.header, spec.source)
     params = [f"    const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(spec.input_names, spec.inputs)]
     params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(spec.output_names, spec.output_dtypes)]
     consts = []
@@ -70,9 +73,9 @@ def wrap(spec: dispatch.LaunchSpec, kernel_name: str) -> str:
             consts.append(f"  constexpr bool {name} = {str(value).lower()};")
         else:
             consts.append(f"  constexpr int {name} = {int(value)};")
-    return (DEFAULT_HEADER + spec.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (DEFAULT_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void {kernel_name}(\n" + ",\n".join(params) + ") {\n"
-            + "\n".join(consts) + "\n\n" + spec.source + "\n}\n\n} // namespace mlx::core::cu\n")
+            + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 def qgemv_specs(full: bool):

@@ -109,8 +109,11 @@ def simulate(spec, simulator):
             return np.asarray(a.view(mx.uint16)).view(ml_dtypes.bfloat16)
         return np.asarray(a)
 
+    from colibri_mlx.kernels.kernel_text import launch_text
+
+    header, source = launch_text(spec.header, spec.source)   # the text MLX would be given
     outs = simulator.run_metal_kernel(
-        spec.name, spec.input_names, spec.output_names, spec.source, spec.header,
+        spec.name, spec.input_names, spec.output_names, source, header,
         inputs=[np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,
         output_dtypes=[np_dtype(d) for d in spec.output_dtypes], grid=spec.grid,
         threadgroup=spec.threadgroup,

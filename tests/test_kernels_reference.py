@@ -9,7 +9,7 @@ import pytest
 
 from colibri_mlx import kernels
 from colibri_mlx.formats import GS_CANDIDATES
-from colibri_mlx.kernels import dispatch, qgemv, reference
+from colibri_mlx.kernels import dispatch, kernel_text, qgemv, reference
 from kernel_oracle import assert_close, dequant_f64, random_qtensor, random_x
 
 # Odd I (odd nibble count, unaligned rows), partial fmt 5 groups and fmt 6 super-blocks.
@@ -262,6 +262,74 @@ def test_kernel_text_handed_to_mlx_is_compact(backend):
     sent = len(spec.source) + len(spec.header)
     assert sent < 0.75 * (len(raw) + len(raw_decode))
     assert "//" not in spec.source and "\n\n" not in spec.header
+
+
+PRUNE_HEADER = """#include <metal_stdlib>
+namespace lib {
+constexpr int unused_const() {
+return 1;
+}
+template <int N, int XP = 0>
+inline float leaf(float a) {
+if (XP) { return a; }
+return a * N;
+}
+inline float leaf(int a) {
+return float(a);
+}
+inline float middle(float a) {
+return leaf<2>(a) + TABLE[0];
+}
+constant float TABLE[2] = {
+1.0f, 2.0f,
+};
+struct Pair {
+float a;
+float b;
+};
+inline float dead(Pair p) {
+return p.a;
+}
+namespace alias = lib;
+inline float operator_user(float a) { return a; }
+}
+"""
+
+
+def test_prune_header_keeps_what_the_body_reaches():
+    body = "float y = lib::middle(x);\nPair p;\n"
+    pruned = kernel_text.prune_header(PRUNE_HEADER, body)
+    kept = {name for text, name in kernel_text.split_items(pruned) if name}
+    # middle, what it calls (both leaf overloads: the cut is by name) and the constant it reads;
+    # the struct the body names; the includes and namespace braces always
+    assert kept == {"middle", "leaf", "TABLE", "Pair"}
+    assert pruned.startswith("#include <metal_stdlib>\nnamespace lib {\n") and pruned.endswith("}\n")
+    assert "dead" not in pruned and "unused_const" not in pruned and "alias" not in pruned
+    names = [name for _, name in kernel_text.split_items(PRUNE_HEADER)]
+    assert names == [None, None, "unused_const", "leaf", "leaf", "middle", "TABLE", "Pair", "dead", "alias",
+                     "operator_user", None]
+
+
+def test_prune_header_refuses_unbalanced_text():
+    with pytest.raises(ValueError, match="unbalanced"):
+        kernel_text.prune_header("inline int f() {\nreturn 1;\n", "f();")
+    with pytest.raises(ValueError, match="unbalanced"):
+        kernel_text.prune_header("}\n}\n", "")
+
+
+@pytest.mark.parametrize("backend", [dispatch.METAL, dispatch.CUDA])
+def test_launch_text_is_cut_per_body(backend):
+    from colibri_mlx.kernels import moe
+
+    header = moe.kernel_header("mla_decode", backend)     # qdecode + mla_decode's helpers
+    bodies = moe.read_kernel_sections("mla_decode", backend)[1]
+    qabs_h, qabs_b = kernel_text.launch_text(header, bodies["mla_qabs"])
+    attn_h, _ = kernel_text.launch_text(header, bodies["mla_attn_mma"])
+    assert qabs_b == dispatch.compact_source(bodies["mla_qabs"])
+    # q' decodes kv_b; the attention reads only the cache: qdecode's decoders are cut from it
+    decode = "qd_decode8" if backend == dispatch.METAL else "decode8("
+    assert decode in qabs_h and decode not in attn_h
+    assert len(attn_h) < 0.5 * len(dispatch.compact_source(header))
 
 
 def test_launch_statics_are_built_once_per_weight_and_shape():

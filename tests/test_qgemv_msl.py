@@ -15,6 +15,7 @@ import pytest
 
 from colibri_mlx.formats import GS_CANDIDATES
 from colibri_mlx.kernels import qgemv
+from colibri_mlx.kernels.kernel_text import launch_text
 from kernel_oracle import assert_close, random_qtensor, random_x
 
 simulator = pytest.importorskip("msl.simulator")
@@ -44,8 +45,9 @@ def _bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
 def simulate(spec, source=None) -> mx.array:
     """Run a LaunchSpec through the simulator; returns y as an mx.array of the spec's dtype."""
     out_dtype = spec.output_dtypes[0]
+    header, source = launch_text(spec.header, source or spec.source)   # the text MLX would be given
     (y,) = simulator.run_metal_kernel(
-        spec.name, spec.input_names, spec.output_names, source or spec.source, spec.header,
+        spec.name, spec.input_names, spec.output_names, source, header,
         inputs=[_np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,
         output_dtypes=[_np_dtype(out_dtype)], grid=spec.grid, threadgroup=spec.threadgroup,
         template=[(n, _np_dtype(v) if isinstance(v, mx.Dtype) else v) for n, v in spec.template],

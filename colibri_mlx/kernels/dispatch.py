@@ -22,6 +22,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from .kernel_text import compact_source, launch_text
+
 METAL = "metal"
 CUDA = "cuda"
 REFERENCE = "reference"
@@ -193,28 +195,6 @@ def decode_header(backend_name: str) -> str:
     return compact_source((KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
 
 
-def compact_source(text: str) -> str:
-    """Kernel source without comments, blank lines and indentation, for the text MLX gets.
-
-    MLX rebuilds the whole kernel source string on every call and hashes it on every evaluation
-    (MLX_PLATFORM.md §B), so its length is paid per launch; the files keep their comments. Only
-    what C, C++ and MSL ignore is dropped: blank lines, ``//`` comment lines, ``//`` tails of lines
-    without a string literal, leading and trailing blanks. Lines of a ``\\`` continuation and
-    lines ending in one are kept whole (a removed line would change where a macro ends).
-    Compiler line numbers refer to this text."""
-    out, continued = [], False
-    for line in text.splitlines():
-        code = line.strip()
-        if not continued and not code.endswith("\\"):
-            if '"' not in code and "//" in code:
-                code = code[: code.index("//")].rstrip()
-            if not code:
-                continue
-        out.append(code)
-        continued = code.endswith("\\")
-    return "\n".join(out) + "\n"
-
-
 @functools.lru_cache(maxsize=None)
 def int_params(*values: int) -> mx.array:
     """An int32[8] input (device address space) for values that repeat from call to call,
@@ -265,9 +245,10 @@ def _kernel_object(backend_name: str, spec: LaunchSpec):
     k = _kernels.get(key)
     if k is None:
         make = mx.fast.metal_kernel if backend_name == METAL else mx.fast.cuda_kernel
+        header, source = launch_text(spec.header, spec.source)
         # Created lazily: cuda_kernel raises at creation on builds without CUDA.
         k = make(name=spec.name, input_names=list(spec.input_names),
-                 output_names=list(spec.output_names), source=spec.source, header=spec.header)
+                 output_names=list(spec.output_names), source=source, header=header)
         _kernels[key] = k
     # Holding the strings keeps their ids from being reused by other text.
     _kernels_by_id[fast_key] = (k, spec.source, spec.header)
