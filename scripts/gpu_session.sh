@@ -82,6 +82,10 @@ for s in "${steps[@]}"; do
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
+    bench_qgemv_early) # the same, with MLX committing (launching) its CUDA graph every 4 launches
+                   # instead of 100: the GPU starts while the rest of the evaluation is encoded
+                   step bench_qgemv_early 130 env MLX_MAX_OPS_PER_BUFFER=4 python3 scripts/bench_qgemv.py \
+                     --json "$out/bench_qgemv_early.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
@@ -94,6 +98,7 @@ for s in "${steps[@]}"; do
                    for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20; do
                      step "e2e_${env//=/_}" 150 env "$env" python3 scripts/bench_e2e.py --steps 16 --quick
                    done ;;
+    profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 ;;
     kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py; reap ;;

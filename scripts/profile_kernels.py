@@ -74,14 +74,21 @@ def mla_launches(impl, T, act):
 
 
 def qgemv_launches(impl, act):
+    """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
+    and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work)."""
+    from bench_qgemv import random_qtensors
+    from colibri_mlx.formats import scale_nbytes, weight_nbytes
+
     out = []
     keep = []
-    for O, I in ((7168, 2048), (2048, 7168)):
-        ws = [bench_moe_parts.rand_q4(O, I, f"w{O}x{I}") for _ in range(CHAIN)]
+    for fmt, O, I in ((4, 7168, 2048), (4, 2048, 7168), (4, 18432, 7168), (2, 18432, 7168)):
+        gs = 64 if fmt == 4 else None
+        ws = random_qtensors(fmt, O, I, gs, CHAIN)
         xs = [mx.random.normal((1, I)).astype(act) for _ in ws]
-        mx.eval(xs, [(w.packed, w.scales) for w in ws])
+        mx.eval(xs)
         specs = [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]
-        out.append((f"qgemv {O}x{I}", O * (I // 2 + I // 64 * 4), specs))
+        label = f"qgemv {O}x{I}" + ("" if fmt == 4 else f" fmt {fmt}")
+        out.append((label, weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size, specs))
         keep.append((ws, xs))
     return out, keep
 

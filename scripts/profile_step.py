@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Where a synchronized decode step's time goes on the GPU: the bench_e2e model, ours and mlx-lm.
+
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/profile_step.py [--steps 8]
+
+Each step (built, evaluated, synchronized, as bench_e2e.py times it) runs inside a
+``torch.profiler.record_function`` range; CUPTI records every kernel MLX launches (ours and
+MLX's own), on the same clock. Per step, medians over --steps:
+
+* wall: the step's range on the host;
+* host lead: from the step's start to its first kernel's start (Python building the graph and
+  MLX encoding what it submits first; with CUDA graphs the GPU starts only at a commit);
+* GPU busy: the union of the step's kernel intervals; gaps: the rest of the span from the first
+  kernel's start to the last one's end (launch latency between dependent nodes, host work the
+  GPU waits for);
+* tail: from the last kernel's end to the step's end (synchronize, reading the token);
+* kernels: launches a step, and the kernel names that take the most GPU time.
+
+Needs a CUDA device and PyTorch (its profiler reads CUPTI; MLX's kernels appear under their
+CUDA names, ``custom_kernel_*`` for ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_e2e as E  # noqa: E402
+from colibri_mlx import kernels  # noqa: E402
+
+STEP = "decode_step"
+
+
+def run_steps(step, prompt, steps):
+    import torch
+
+    tok = mx.argmax(step(prompt)[:, -1], axis=-1)
+    mx.eval(tok)
+    for _ in range(3):                       # warm: traces, JIT, allocator
+        tok = mx.argmax(step(tok[:, None])[:, -1], axis=-1)
+        mx.eval(tok)
+    mx.synchronize()
+    for _ in range(steps):
+        with torch.profiler.record_function(STEP):
+            tok = mx.argmax(step(tok[:, None])[:, -1], axis=-1)
+            mx.eval(tok)
+            mx.synchronize()
+
+
+def union_us(intervals) -> float:
+    total, end = 0.0, -1e30
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def step_profile(step, prompt, steps):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_steps(step, prompt, steps)
+    ranges, kerns = [], []
+    for ev in prof.events():
+        t0, t1 = ev.time_range.start, ev.time_range.end
+        if ev.name == STEP and ev.device_type == torch.autograd.DeviceType.CPU:
+            ranges.append((t0, t1))
+        elif ev.device_type == torch.autograd.DeviceType.CUDA and t1 > t0 and ev.name != STEP:
+            kerns.append((t0, t1, ev.name))
+    ranges.sort()
+    rows, by_name, count = [], defaultdict(float), defaultdict(float)
+    for s, e in ranges:
+        mine = [(a, b, n) for a, b, n in kerns if s <= a < e]
+        if not mine:
+            continue
+        first, last = min(a for a, _, _ in mine), max(b for _, b, _ in mine)
+        busy = union_us([(a, b) for a, b, _ in mine])
+        rows.append({"wall": e - s, "lead": first - s, "busy": busy, "gaps": (last - first) - busy,
+                     "tail": max(0.0, e - last), "kernels": len(mine)})
+        for a, b, n in mine:
+            by_name[n] += (b - a) / len(ranges)
+            count[n] += 1 / len(ranges)
+    return rows, {n: (us, count[n]) for n, us in by_name.items()}
+
+
+def short(name: str) -> str:
+    name = name.replace("mlx::core::cu::", "")
+    return name[:70]
+
+
+def report(label, rows, by_name, top):
+    if not rows:
+        print(f"{label:<22} no kernel records in the step ranges (CUPTI not available?)")
+        return {}, []
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"{label:<22} {med['wall']:8.0f} {med['lead']:9.0f} {med['busy']:8.0f} {med['gaps']:7.0f} "
+          f"{med['tail']:6.0f} {med['kernels']:8.0f}", flush=True)
+    return med, sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    E.add_model_args(ap)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--top", type=int, default=12, help="kernel names listed per model")
+    ap.add_argument("--no-mlxlm", action="store_true")
+    args = ap.parse_args()
+    if kernels.backend() != "cuda":
+        print(f"profile_step: needs the CUDA backend (this is {kernels.backend()}); nothing to profile")
+        return 0
+    import torch
+
+    torch.cuda.init()
+    cfg = E.model_config(args)
+    prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
+    header = (f"{'model':<22} {'wall':>8} {'host lead':>9} {'GPU busy':>8} {'gaps':>7} {'tail':>6} {'kernels':>8}")
+    print(f"per synchronized decode step, us (median of {args.steps}):")
+    print(header)
+    tops = []
+    ours = E.our_model(cfg)
+    cache = ours.make_cache()
+    tops.append(("ours",) + report("ours", *step_profile(lambda t: ours(t, cache), prompt, args.steps), args.top))
+    del ours, cache
+    kernels.moe.clear_banks()          # the expert banks and compiled traces hold GPU memory
+    kernels.compiled.clear()
+    mx.clear_cache()
+    if not args.no_mlxlm:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        lm = E.lm_model(cfg)
+        lm_cache = make_prompt_cache(lm)
+        tops.append(("mlx-lm 0.32.2",) + report("mlx-lm 0.32.2", *step_profile(lambda t: lm(t, cache=lm_cache), prompt,
+                                                                              args.steps), args.top))
+    for label, med, top in tops:
+        if not top:
+            continue
+        print(f"\n{label}: GPU time a step by kernel: us, launches, us a launch")
+        for name, (us, n) in top:
+            print(f"  {us:8.1f} {n:5.1f} {us / n:7.2f}  {short(name)}")
+    print("\nwall = host lead + (GPU busy + gaps) + tail; the lead is the host's share before the GPU starts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
