@@ -265,6 +265,8 @@ def test_kernel_text_handed_to_mlx_is_compact(backend):
 
 
 PRUNE_HEADER = """#include <metal_stdlib>
+#define TWICE(x) \\
+((x) + (x))
 namespace lib {
 constexpr int unused_const() {
 return 1;
@@ -303,10 +305,11 @@ def test_prune_header_keeps_what_the_body_reaches():
     # middle, what it calls (both leaf overloads: the cut is by name) and the constant it reads;
     # the struct the body names; the includes and namespace braces always
     assert kept == {"middle", "leaf", "TABLE", "Pair"}
-    assert pruned.startswith("#include <metal_stdlib>\nnamespace lib {\n") and pruned.endswith("}\n")
+    assert pruned.startswith("#include <metal_stdlib>\n#define TWICE(x) \\\n((x) + (x))\nnamespace lib {\n")
+    assert pruned.endswith("}\n")
     assert "dead" not in pruned and "unused_const" not in pruned and "alias" not in pruned
     names = [name for _, name in kernel_text.split_items(PRUNE_HEADER)]
-    assert names == [None, None, "unused_const", "leaf", "leaf", "middle", "TABLE", "Pair", "dead", "alias",
+    assert names == [None, None, None, None, "unused_const", "leaf", "leaf", "middle", "TABLE", "Pair", "dead", "alias",
                      "operator_user", None]
 
 

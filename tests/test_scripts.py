@@ -47,3 +47,8 @@ def test_bench_build_reports_the_step_graph():
 def test_profile_kernels_without_gpu():
     out = run_script("scripts/profile_kernels.py", "--cupti", "--down=8:-:-:-")
     assert "no GPU backend" in out, out
+
+
+def test_profile_step_without_gpu():
+    out = run_script("scripts/profile_step.py", "--tiny", "--steps", "2")
+    assert "needs the CUDA backend" in out, out

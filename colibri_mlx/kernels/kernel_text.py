@@ -57,9 +57,14 @@ def split_items(text: str) -> list[tuple[str, str | None]]:
     scopes = 0           # open namespace braces
     depth = 0            # braces open inside the current item
     current: list[str] = []
+    macro = False        # inside a preprocessor line continued with a backslash
     for line in text.splitlines(keepends=True):
+        if macro or (depth == 0 and not current and line.startswith("#")):
+            items.append((line, None))
+            macro = line.rstrip().endswith("\\")
+            continue
         if depth == 0 and not current:
-            if line.startswith("#") or not line.strip():
+            if not line.strip():
                 items.append((line, None))
                 continue
             if _NAMESPACE.match(line):
