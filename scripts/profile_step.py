@@ -80,10 +80,17 @@ def step_profile(step, prompt, steps):
             ranges.append((t0, t1))
         elif ev.device_type == torch.autograd.DeviceType.CUDA and t1 > t0 and ev.name != STEP:
             kerns.append((t0, t1, ev.name))
-    ranges.sort()
-    rows, by_name, count = [], defaultdict(float), defaultdict(float)
+    return analyze(ranges, kerns)
+
+
+def analyze(ranges, kerns):
+    """``(rows, {kernel: (us a step, launches a step)}, the last step's sequence)`` from step
+    ranges ``[(start, end)]`` and kernel records ``[(start, end, name)]`` (us, one clock); a
+    kernel belongs to the step in whose range it starts."""
+    ranges = sorted(ranges)
+    rows, by_name, count, sequence = [], defaultdict(float), defaultdict(float), []
     for s, e in ranges:
-        mine = [(a, b, n) for a, b, n in kerns if s <= a < e]
+        mine = sorted((a, b, n) for a, b, n in kerns if s <= a < e)
         if not mine:
             continue
         first, last = min(a for a, _, _ in mine), max(b for _, b, _ in mine)
@@ -93,12 +100,15 @@ def step_profile(step, prompt, steps):
         for a, b, n in mine:
             by_name[n] += (b - a) / len(ranges)
             count[n] += 1 / len(ranges)
-    return rows, {n: (us, count[n]) for n, us in by_name.items()}
+        sequence = [(a - first, b - a, n) for a, b, n in mine]     # the last step's, in start order
+    return rows, {n: (us, count[n]) for n, us in by_name.items()}, sequence
 
 
-def short(name: str) -> str:
-    name = name.replace("mlx::core::cu::", "")
-    return name[:70]
+def print_sequence(label, sequence):
+    """One step's kernels in start order: which MLX ops sit between ours (what to fold next)."""
+    print(f"\n{label}: the last step's kernels (start us after the first kernel, duration us)")
+    for start, dur, name in sequence:
+        print(f"  {start:8.1f} {dur:7.1f}  {short(name)}")
 
 
 def report(label, rows, by_name, top):
@@ -117,6 +127,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=12, help="kernel names listed per model")
     ap.add_argument("--no-mlxlm", action="store_true")
+    ap.add_argument("--sequence", action="store_true", help="also list one step's kernels in start order")
     args = ap.parse_args()
     if kernels.backend() != "cuda":
         print(f"profile_step: needs the CUDA backend (this is {kernels.backend()}); nothing to profile")
@@ -132,7 +143,9 @@ def main():
     tops = []
     ours = E.our_model(cfg)
     cache = ours.make_cache()
-    tops.append(("ours",) + report("ours", *step_profile(lambda t: ours(t, cache), prompt, args.steps), args.top))
+    rows, by_name, sequence = step_profile(lambda t: ours(t, cache), prompt, args.steps)
+    tops.append(("ours",) + report("ours", rows, by_name, args.top))
+    sequences = [("ours", sequence)]
     del ours, cache
     kernels.moe.clear_banks()          # the expert banks and compiled traces hold GPU memory
     kernels.compiled.clear()
@@ -142,14 +155,18 @@ def main():
 
         lm = E.lm_model(cfg)
         lm_cache = make_prompt_cache(lm)
-        tops.append(("mlx-lm 0.32.2",) + report("mlx-lm 0.32.2", *step_profile(lambda t: lm(t, cache=lm_cache), prompt,
-                                                                              args.steps), args.top))
+        rows, by_name, sequence = step_profile(lambda t: lm(t, cache=lm_cache), prompt, args.steps)
+        tops.append(("mlx-lm 0.32.2",) + report("mlx-lm 0.32.2", rows, by_name, args.top))
+        sequences.append(("mlx-lm 0.32.2", sequence))
     for label, med, top in tops:
         if not top:
             continue
         print(f"\n{label}: GPU time a step by kernel: us, launches, us a launch")
         for name, (us, n) in top:
             print(f"  {us:8.1f} {n:5.1f} {us / n:7.2f}  {short(name)}")
+    if args.sequence:
+        for label, sequence in sequences:
+            print_sequence(label, sequence)
     print("\nwall = host lead + (GPU busy + gaps) + tail; the lead is the host's share before the GPU starts")
     return 0
 

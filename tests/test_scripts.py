@@ -52,3 +52,18 @@ def test_profile_kernels_without_gpu():
 def test_profile_step_without_gpu():
     out = run_script("scripts/profile_step.py", "--tiny", "--steps", "2")
     assert "needs the CUDA backend" in out, out
+
+
+def test_profile_step_accounts_a_step():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_step
+
+    # two steps of 100 us; in the second, kernels at 20-50 and 40-60 overlap, then 80-90
+    ranges = [(100.0, 200.0), (0.0, 100.0)]
+    kerns = [(10.0, 30.0, "a"), (40.0, 50.0, "b"),
+             (120.0, 150.0, "a"), (140.0, 160.0, "c"), (180.0, 190.0, "b"), (250.0, 260.0, "outside")]
+    rows, by_name, sequence = profile_step.analyze(ranges, kerns)
+    assert rows[0] == {"wall": 100.0, "lead": 10.0, "busy": 30.0, "gaps": 10.0, "tail": 50.0, "kernels": 2}
+    assert rows[1] == {"wall": 100.0, "lead": 20.0, "busy": 50.0, "gaps": 20.0, "tail": 10.0, "kernels": 3}
+    assert by_name == {"a": (25.0, 1.0), "b": (10.0, 1.0), "c": (10.0, 0.5)}
+    assert sequence == [(0.0, 30.0, "a"), (20.0, 20.0, "c"), (60.0, 10.0, "b")]
