@@ -105,6 +105,76 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
   }
 }
 
+// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). The weights and
+// (fmt 4/5) scales of items base, base + 32 * NW, ... (UNROLL of them) of the ROWS rows; items
+// past n_items are not read.
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC>
+inline void moe_down_load(const device uint8_t* wd8, const device float* sd, threadgroup const int* sl,
+                          threadgroup const int* elead, thread const int* rows, int O, int rb, int ng,
+                          int n_units, int n_items, int base, thread uint (*raw)[ROWS][qd_words(FMT)],
+                          thread float (*scl)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)]) {
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int j = 0; j < UNROLL; ++j) {
+    const int item = base + 32 * NW * j;
+    if (item < n_items) {
+      const int je = item / n_units;
+      const int u = item - je * n_units;
+      const size_t erow = size_t(sl[elead[je]]) * size_t(O);
+      for (int r = 0; r < ROWS; ++r) {
+        qd_load<FMT, VEC>(wd8 + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+        for (int g = 0; g < NSEG; ++g) {
+          scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
+// (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
+inline void moe_down_compute(const device float* h, const device float* sd, const device uint* e8grid,
+                             threadgroup const int* sl, threadgroup const int* elead,
+                             threadgroup const int* eslot, threadgroup const float* ewt,
+                             thread const int* rows, int O, int ng, int I, int hs, int n_units, int n_items,
+                             int base, thread const uint (*raw)[ROWS][qd_words(FMT)],
+                             thread const float (*scl)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)],
+                             thread float (*acc)[S]) {
+  constexpr int W = qd_words(FMT);
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int j = 0; j < UNROLL; ++j) {
+    const int item = base + 32 * NW * j;
+    if (item < n_items) {
+      const int je = item / n_units;
+      const int u = item - je * n_units;
+      const device float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
+      int xoff[S];
+      float wt[S];
+      uint tokens = 0;
+      for (int s = 0; s < S; ++s) {
+        const int slot = eslot[je * S + s];
+        tokens |= (slot >= 0 ? 1u : 0u) << s;
+        xoff[s] = max(slot, 0) * hs;
+        wt[s] = ewt[je * S + s];
+      }
+      float rs[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        rs[r] = qd_row_scale<FMT>(se, rows[r]);
+      }
+      for (int g = 0; g < NSEG; ++g) {
+        float d[ROWS][S];
+        qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+        for (int r = 0; r < ROWS; ++r) {
+          const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
+          for (int s = 0; s < S; ++s) {
+            acc[r][s] += d[r][s] * (sc * wt[s]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ==== kernel body: moe_gate_up ====
   // The stacked bank is uint8, or uint32 words past 2^31 bytes (moe.py: MLX shapes are 32-bit).
   const device uint8_t* wgu8 = reinterpret_cast<const device uint8_t*>(wgu);
@@ -304,54 +374,38 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
       acc[r][s] = 0.0f;
     }
   }
-  // Work item i = (distinct expert i / n_units, unit i % n_units).
-  for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
-    uint raw[UNROLL][ROWS][W];
-    float scl[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
-    for (int j = 0; j < UNROLL; ++j) {
-      const int item = base + 32 * NW * j;
-      if (item < n_items) {
-        const int je = item / n_units;
-        const int u = item - je * n_units;
-        const size_t erow = size_t(sl[elead[je]]) * size_t(O);
-        for (int r = 0; r < ROWS; ++r) {
-          qd_load<FMT, VEC>(wd8 + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
-          for (int g = 0; g < NSEG; ++g) {
-            scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
-          }
-        }
+  // PF 0: load UNROLL items x ROWS rows, then compute them; PF 1: gate_up's two buffers, the
+  // next step's loads issued before this step's arithmetic.
+  constexpr int STEP = 32 * NW * UNROLL;
+  uint raw_a[UNROLL][ROWS][W];
+  float scl_a[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
+  if (PF) {
+    uint raw_b[UNROLL][ROWS][W];
+    float scl_b[UNROLL][ROWS][NSEG];
+    moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
+                                                  raw_a, scl_a);
+    for (int base = tid; base < n_items; base += 2 * STEP) {
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                    base + STEP, raw_b, scl_b);
+      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                  ng, I, hs, n_units, n_items, base, raw_a,
+                                                                  scl_a, acc);
+      if (base + STEP >= n_items) {
+        break;
       }
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                    base + 2 * STEP, raw_a, scl_a);
+      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                  ng, I, hs, n_units, n_items, base + STEP,
+                                                                  raw_b, scl_b, acc);
     }
-    for (int j = 0; j < UNROLL; ++j) {
-      const int item = base + 32 * NW * j;
-      if (item < n_items) {
-        const int je = item / n_units;
-        const int u = item - je * n_units;
-        const device float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
-        int xoff[S];
-        float wt[S];
-        uint tokens = 0;
-        for (int s = 0; s < S; ++s) {
-          const int slot = eslot[je * S + s];
-          tokens |= (slot >= 0 ? 1u : 0u) << s;
-          xoff[s] = max(slot, 0) * hs;
-          wt[s] = ewt[je * S + s];
-        }
-        float rs[ROWS];
-        for (int r = 0; r < ROWS; ++r) {
-          rs[r] = qd_row_scale<FMT>(se, rows[r]);
-        }
-        for (int g = 0; g < NSEG; ++g) {
-          float d[ROWS][S];
-          qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
-          for (int r = 0; r < ROWS; ++r) {
-            const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
-            for (int s = 0; s < S; ++s) {
-              acc[r][s] += d[r][s] * (sc * wt[s]);
-            }
-          }
-        }
-      }
+  } else {
+    for (int base = tid; base < n_items; base += STEP) {
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+                                                    raw_a, scl_a);
+      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                  ng, I, hs, n_units, n_items, base, raw_a,
+                                                                  scl_a, acc);
     }
   }
   qd_simd_partials<ROWS, S>(acc, red, warp, lane);

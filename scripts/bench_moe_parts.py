@@ -107,10 +107,10 @@ def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
 
 
 def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
-    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB ("-": moe.py's)."""
-    rows, nw, unroll, nib = parse(cfg, 4)
+    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF] ("-": moe.py's)."""
+    rows, nw, unroll, nib, pf = parse(cfg, 5)
     return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw,
-                                        out_dtype=out_dtype), UNROLL=unroll, NIB=nib)
+                                        out_dtype=out_dtype, prefetch=pf), UNROLL=unroll, NIB=nib)
             for h, L, i, w in zip(hs, layers, ids, gw)]
 
 

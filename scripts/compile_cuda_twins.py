@@ -62,7 +62,7 @@ UTILS_STUB = """#pragma once
 def wrap(spec: dispatch.LaunchSpec, kernel_name: str) -> str:
     """The translation unit MLX's build_kernel() writes for this launch (of the text dispatch
     hands MLX: compacted, the header pruned to what the body uses)."""
-    header, source = launch_text(spec.header, spec.source)
+    header, source = launch_text(spec.header, spec.source, spec.name)
     params = [f"    const {CUDA_TYPES[a.dtype]}* {n}" for n, a in zip(spec.input_names, spec.inputs)]
     params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in zip(spec.output_names, spec.output_dtypes)]
     consts = []
@@ -155,6 +155,9 @@ def moe_specs(full: bool):
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
             yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                    moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
+            # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
+            yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
+                                                                  out_dtype=dtype, prefetch=1)
         if fmt == 4:   # a bank of uint32 words (layers past 2^31 bytes): the same bodies, a byte pointer
             saved, moe.MAX_BANK_BYTES = moe.MAX_BANK_BYTES, 1024
             try:

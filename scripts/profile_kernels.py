@@ -131,7 +131,7 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
-    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB, comma-separated")
+    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF], comma-separated")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:

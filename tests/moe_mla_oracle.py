@@ -111,7 +111,7 @@ def simulate(spec, simulator):
 
     from colibri_mlx.kernels.kernel_text import launch_text
 
-    header, source = launch_text(spec.header, spec.source)   # the text MLX would be given
+    header, source = launch_text(spec.header, spec.source, spec.name)   # the text MLX would be given
     outs = simulator.run_metal_kernel(
         spec.name, spec.input_names, spec.output_names, source, header,
         inputs=[np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,

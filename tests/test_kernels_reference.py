@@ -318,6 +318,8 @@ def test_prune_header_refuses_unbalanced_text():
         kernel_text.prune_header("inline int f() {\nreturn 1;\n", "f();")
     with pytest.raises(ValueError, match="unbalanced"):
         kernel_text.prune_header("}\n}\n", "")
+    with pytest.raises(ValueError, match="kernel moe_down: .*unbalanced"):
+        kernel_text.launch_text("namespace a {\ninline int f() {\nreturn 1;\n}\n", "f();", "moe_down")
 
 
 @pytest.mark.parametrize("backend", [dispatch.METAL, dispatch.CUDA])

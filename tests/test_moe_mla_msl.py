@@ -158,6 +158,49 @@ def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
     run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=61 + fmt)
 
 
+@pytest.mark.parametrize("fmt", [1, 4, 5, 6])
+def test_moe_down_prefetch(metal, monkeypatch, fmt):
+    # moe_down's PF 1 loop (env COLIBRI_MOE_DOWN_PF=1): 3 distinct experts x 768 / wpu units =
+    # 36-144 items over 32 or 64 threads, so some lanes run an odd and some an even number of
+    # steps, and steps past the last item are loaded and computed as nothing.
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_PF", "1")
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
+    experts = make_experts([fmt] * 4, D=64, inter=768, gs=32, seed=80 + fmt)
+    run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=80 + fmt)
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
+    run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=81 + fmt)
+
+
+# moe_down's PF 1 loop (run with COLIBRI_MOE_DOWN_PF=1): each defect must fail the oracle.
+MOE_DOWN_PF_DEFECTS = {
+    "down prefetch: second buffer computed as the first's items": ("n_items, base + STEP,\n", "n_items, base,\n"),
+    "down prefetch: loop stops after the first buffer": ("if (base + STEP >= n_items) {", "if (base + STEP >= 0) {"),
+    "down prefetch: next step loaded into the live buffer": ("base + 2 * STEP, raw_a, scl_a);",
+                                                             "base + 2 * STEP, raw_b, scl_b);"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MOE_DOWN_PF_DEFECTS))
+def test_moe_down_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
+    good, bad = MOE_DOWN_PF_DEFECTS[defect]
+    real = simulate
+
+    def planted(spec, sim):
+        if good in spec.source:
+            spec.source = spec.source.replace(good, bad)
+        return real(spec, sim)
+
+    assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
+        f"defect '{defect}' no longer plants"
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_PF", "1")
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)   # lanes 0-7 run 3 steps
+    experts = make_experts([4] * 4, D=64, inter=768, gs=32, seed=90)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=90)
+    assert "failed to compile" not in str(caught.value)
+
+
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)

@@ -45,7 +45,7 @@ def _bf16_bits_to_f32(a: np.ndarray) -> np.ndarray:
 def simulate(spec, source=None) -> mx.array:
     """Run a LaunchSpec through the simulator; returns y as an mx.array of the spec's dtype."""
     out_dtype = spec.output_dtypes[0]
-    header, source = launch_text(spec.header, source or spec.source)   # the text MLX would be given
+    header, source = launch_text(spec.header, source or spec.source, spec.name)   # the text MLX would be given
     (y,) = simulator.run_metal_kernel(
         spec.name, spec.input_names, spec.output_names, source, header,
         inputs=[_np_input(a) for a in spec.inputs], output_shapes=spec.output_shapes,

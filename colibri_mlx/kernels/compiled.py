@@ -12,8 +12,8 @@ Python runs.
 What a trace fixes, and how it stays right:
 
 * Shapes and dtypes: each distinct set of input shapes/dtypes gets its own trace (mx.compile).
-* The dispatch mode: traces are kept per ``(backend, COLIBRI_MOE_PF)``: forcing the reference or
-  changing the MoE loop is a different graph. Other kernel knobs (``COLIBRI_MLA_*``) are read by
+* The dispatch mode: traces are kept per ``(backend, COLIBRI_MOE_PF, COLIBRI_MOE_DOWN_PF)``:
+  forcing the reference or changing a MoE loop is a different graph. Other kernel knobs (``COLIBRI_MLA_*``) are read by
   launches outside the compiled blocks; :func:`clear` drops every trace (after changing a knob).
 * Counters (:mod:`.dispatch`): the calls and fallbacks a trace recorded are added again on every
   replay, so the stats line counts what ran.
@@ -116,7 +116,7 @@ class CompiledBlock:
         if static is not None:
             dispatch.record_call(f"compiled/{self.name}", f"declined: {static}")
             return self.fn(*args)
-        mode = (backend, dispatch.getenv("COLIBRI_MOE_PF"))
+        mode = (backend, dispatch.getenv("COLIBRI_MOE_PF"), dispatch.getenv("COLIBRI_MOE_DOWN_PF"))
         if mode not in self._modes:
             self._modes[mode] = None
             return self.fn(*args)                      # warm-up: caches filled outside a trace

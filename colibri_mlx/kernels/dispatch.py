@@ -245,7 +245,7 @@ def _kernel_object(backend_name: str, spec: LaunchSpec):
     k = _kernels.get(key)
     if k is None:
         make = mx.fast.metal_kernel if backend_name == METAL else mx.fast.cuda_kernel
-        header, source = launch_text(spec.header, spec.source)
+        header, source = launch_text(spec.header, spec.source, spec.name)
         # Created lazily: cuda_kernel raises at creation on builds without CUDA.
         k = make(name=spec.name, input_names=list(spec.input_names),
                  output_names=list(spec.output_names), source=source, header=header)

@@ -143,8 +143,12 @@ def prune_header(header: str, body: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def launch_text(header: str, body: str) -> tuple[str, str]:
+def launch_text(header: str, body: str, name: str = "") -> tuple[str, str]:
     """``(header, body)`` as handed to ``mx.fast.metal_kernel`` / ``cuda_kernel`` (and to the
-    MSL simulator and the CUDA compile check, which test this text)."""
+    MSL simulator and the CUDA compile check, which test this text). ``name``: the kernel's, for
+    the error a malformed header raises."""
     body = compact_source(body)
-    return prune_header(compact_source(header), body), body
+    try:
+        return prune_header(compact_source(header), body), body
+    except ValueError as e:
+        raise ValueError(f"kernel {name or '?'}: {e}") from None

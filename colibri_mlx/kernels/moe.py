@@ -379,8 +379,13 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     return st
 
 
-def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype) -> _Static:
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype)
+def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
+                 prefetch=None) -> _Static:
+    # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default until timed
+    # on the GPU (Nsight Compute, H200: moe_down waits on its loads, 1.04 eligible warps a
+    # scheduler); env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
+    pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -390,7 +395,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
     # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
-    unroll = 1 if backend == dispatch.CUDA and S == 1 else None
+    unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
@@ -398,7 +403,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0))],
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf)],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 
@@ -415,10 +420,11 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
-              simdgroups: Optional[int] = None, out_dtype=mx.float32) -> dispatch.LaunchSpec:
+              simdgroups: Optional[int] = None, out_dtype=mx.float32,
+              prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token."""
-    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype)
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch)
     p = group.down
     return st.spec([at_least_8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
                     _as_input(weights, mx.float32), st.params])

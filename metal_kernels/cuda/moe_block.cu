@@ -129,8 +129,90 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
   }
 }
 
-// acc[r][s] += work items (distinct expert i / n_units, unit i % n_units) tid, tid + 32 * NW, ...
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP>
+// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). The weights and
+// (fmt 4/5) scales of items base, base + 32 * NW, ... (UNROLL of them) of the ROWS rows; items
+// past n_items are not read.
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC, bool W16>
+__device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, const int* sl, const int* elead,
+                                          const int* rows, int O, int rb, int ng, int n_units, int n_items,
+                                          int base, uint32_t (*raw)[ROWS][qd::words(FMT)],
+                                          float (*scl)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)]) {
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+#pragma unroll
+  for (int j = 0; j < UNROLL; ++j) {
+    const int item = base + 32 * NW * j;
+    if (item < n_items) {
+      const int je = item / n_units;
+      const int u = item - je * n_units;
+      const size_t erow = size_t(sl[elead[je]]) * size_t(O);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        qd::load<FMT, VEC, W16>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+#pragma unroll
+        for (int g = 0; g < NSEG; ++g) {
+          scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
+// (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
+__device__ __forceinline__ void down_compute(const float* h, const float* sd, const uint32_t* e8grid,
+                                             const int* sl, const int* elead, const int* eslot,
+                                             const float* ewt, const int* rows, int O, int ng, int I, int hs,
+                                             int n_units, int n_items, int base,
+                                             const uint32_t (*raw)[ROWS][qd::words(FMT)],
+                                             const float (*scl)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)],
+                                             float (*acc)[S]) {
+  constexpr int W = qd::words(FMT);
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+#pragma unroll
+  for (int j = 0; j < UNROLL; ++j) {
+    const int item = base + 32 * NW * j;
+    if (item < n_items) {
+      const int je = item / n_units;
+      const int u = item - je * n_units;
+      const float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
+      int xoff[S];
+      float wt[S];
+      uint32_t tokens = 0;
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        const int slot = eslot[je * S + s];
+        tokens |= (slot >= 0 ? 1u : 0u) << s;
+        xoff[s] = max(slot, 0) * hs;
+        wt[s] = ewt[je * S + s];
+      }
+      float rs[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        rs[r] = qd::row_scale<FMT>(se, rows[r]);
+      }
+#pragma unroll
+      for (int g = 0; g < NSEG; ++g) {
+        float d[ROWS][S];
+        qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
+#pragma unroll
+          for (int s = 0; s < S; ++s) {
+            acc[r][s] += d[r][s] * (sc * wt[s]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc[r][s] += work items tid, tid + 32 * NW, ... PF 0: load UNROLL items x ROWS rows, then
+// compute them; PF 1: gate_up_partial's two register buffers (the next step's loads in flight
+// during this step's arithmetic).
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP,
+          int PF>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
                                              const uint32_t* e8grid, const int* sl,
                                              const int* elead, const int* eslot, const float* ewt,
@@ -138,62 +220,34 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
                                              int n_units, int n_items, int tid, float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
-  for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
-    uint32_t raw[UNROLL][ROWS][W];
-    float scl[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int item = base + 32 * NW * j;
-      if (item < n_items) {
-        const int je = item / n_units;
-        const int u = item - je * n_units;
-        const size_t erow = size_t(sl[elead[je]]) * size_t(O);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          qd::load<FMT, VEC, W16>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
-#pragma unroll
-          for (int g = 0; g < NSEG; ++g) {
-            scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
-          }
-        }
+  constexpr int STEP = 32 * NW * UNROLL;
+  uint32_t raw_a[UNROLL][ROWS][W];
+  float scl_a[UNROLL][ROWS][NSEG];             // fmt 4/5 scales, loaded with the weights
+  if (PF) {
+    uint32_t raw_b[UNROLL][ROWS][W];
+    float scl_b[UNROLL][ROWS][NSEG];
+    down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
+                                                   raw_a, scl_a);
+    for (int base = tid; base < n_items; base += 2 * STEP) {
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                     base + STEP, raw_b, scl_b);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
+                                                              I, hs, n_units, n_items, base, raw_a, scl_a, acc);
+      if (base + STEP >= n_items) {
+        break;
       }
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                     base + 2 * STEP, raw_a, scl_a);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
+                                                              I, hs, n_units, n_items, base + STEP, raw_b, scl_b,
+                                                              acc);
     }
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const int item = base + 32 * NW * j;
-      if (item < n_items) {
-        const int je = item / n_units;
-        const int u = item - je * n_units;
-        const float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
-        int xoff[S];
-        float wt[S];
-        uint32_t tokens = 0;
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-          const int slot = eslot[je * S + s];
-          tokens |= (slot >= 0 ? 1u : 0u) << s;
-          xoff[s] = max(slot, 0) * hs;
-          wt[s] = ewt[je * S + s];
-        }
-        float rs[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          rs[r] = qd::row_scale<FMT>(se, rows[r]);
-        }
-#pragma unroll
-        for (int g = 0; g < NSEG; ++g) {
-          float d[ROWS][S];
-          qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) {
-            const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
-#pragma unroll
-            for (int s = 0; s < S; ++s) {
-              acc[r][s] += d[r][s] * (sc * wt[s]);
-            }
-          }
-        }
-      }
+  } else {
+    for (int base = tid; base < n_items; base += STEP) {
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+                                                     raw_a, scl_a);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
+                                                              I, hs, n_units, n_items, base, raw_a, scl_a, acc);
     }
   }
 }
@@ -382,10 +436,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   if (w16 && x16) {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
         h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
   } else {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
+    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP, PF>(
         h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
   }
   colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
