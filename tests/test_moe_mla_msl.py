@@ -180,27 +180,6 @@ MOE_DOWN_PF_DEFECTS = {
 }
 
 
-@pytest.mark.parametrize("defect", sorted(MOE_DOWN_PF_DEFECTS))
-def test_moe_down_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
-    good, bad = MOE_DOWN_PF_DEFECTS[defect]
-    real = simulate
-
-    def planted(spec, sim):
-        if good in spec.source:
-            spec.source = spec.source.replace(good, bad)
-        return real(spec, sim)
-
-    assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
-        f"defect '{defect}' no longer plants"
-    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_PF", "1")
-    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)   # lanes 0-7 run 3 steps
-    experts = make_experts([4] * 4, D=64, inter=768, gs=32, seed=90)
-    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=90)
-    assert "failed to compile" not in str(caught.value)
-
-
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)
@@ -265,9 +244,16 @@ MOE_PF_DEFECTS = {
 }
 
 
-@pytest.mark.parametrize("defect", sorted(MOE_PF_DEFECTS))
-def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
-    good, bad = MOE_PF_DEFECTS[defect]
+# The PF 1 loops: (env var, expert shapes where lane 0 runs 3 steps with one SIMD group, seed).
+PF_LOOPS = {"gate_up": ("COLIBRI_MOE_PF", dict(D=2080, inter=24), 70),
+            "down": ("COLIBRI_MOE_DOWN_PF", dict(D=64, inter=768), 90)}
+
+
+@pytest.mark.parametrize("loop,defect", [("gate_up", d) for d in sorted(MOE_PF_DEFECTS)]
+                         + [("down", d) for d in sorted(MOE_DOWN_PF_DEFECTS)])
+def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, loop, defect):
+    good, bad = (MOE_PF_DEFECTS if loop == "gate_up" else MOE_DOWN_PF_DEFECTS)[defect]
+    env, shapes, seed = PF_LOOPS[loop]
     real = simulate
 
     def planted(spec, sim):
@@ -278,11 +264,11 @@ def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
     assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
         f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
-    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)   # lane 0 runs 3 steps
-    experts = make_experts([4] * 4, D=2080, inter=24, gs=32, seed=70)
+    monkeypatch.setenv(env, "1")
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
+    experts = make_experts([4] * 4, gs=32, seed=seed, **shapes)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=70)
+        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=seed)
     assert "failed to compile" not in str(caught.value)
 
 
