@@ -13,8 +13,9 @@ What a trace fixes, and how it stays right:
 
 * Shapes and dtypes: each distinct set of input shapes/dtypes gets its own trace (mx.compile).
 * The dispatch mode: traces are kept per ``(backend, COLIBRI_MOE_PF, COLIBRI_MOE_DOWN_PF)``:
-  forcing the reference or changing a MoE loop is a different graph. Other kernel knobs (``COLIBRI_MLA_*``) are read by
-  launches outside the compiled blocks; :func:`clear` drops every trace (after changing a knob).
+  forcing the reference or changing a MoE loop is a different graph. Other kernel knobs
+  (``COLIBRI_MLA_*``) are read by launches outside the compiled blocks; :func:`clear` drops every
+  trace (after changing a knob).
 * Counters (:mod:`.dispatch`): the calls and fallbacks a trace recorded are added again on every
   replay, so the stats line counts what ran.
 * Host work: a block may only be compiled when its graph needs no values from the GPU (no

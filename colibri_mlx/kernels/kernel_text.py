@@ -121,7 +121,7 @@ def _defined_name(head: str | None) -> str | None:
     if cut is None:
         return None
     names = _IDENT.findall(head[: cut.start()])
-    if not names or names[-1] == "operator" or "operator" in names:
+    if not names or "operator" in names:
         return None
     return names[-1]
 
