@@ -271,3 +271,45 @@ def test_layer_commit_policy(monkeypatch):
     monkeypatch.setenv(compiled.COMMIT_VAR, "-1")
     with pytest.raises(ValueError, match="COLIBRI_LAYER_COMMIT"):
         compiled.layers_per_commit()
+
+
+def _primitive_names(*arrays) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return re.findall(r'label ="([A-Za-z]+)', f.read())
+
+
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
+    """A compiled decode step writes its latent and rope-key rows with one scatter each (a
+    slice_update at an array offset is two GPU launches) into the cache's own buffers: MLX
+    donates them, so no step copies the cache."""
+    from colibri_mlx.models.loading import load_model
+
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
+    compiled.clear()
+    model = load_model(containers["dense"], dtype="float32")
+    cache = model.make_cache()
+    mx.eval(model(mx.array([[5, 9, 17]]), cache))
+
+    def addresses():
+        return [np.asarray(b).__array_interface__["data"][0] for c in cache.layers for b in c.buffers.values()]
+
+    for token in (3, 8, 1):
+        before = addresses()
+        logits = model(mx.array([[token]]), cache)
+        names = _primitive_names(logits, *[b for c in cache.layers for b in c.buffers.values()])
+        assert names.count("ScatterAxis") == 2 * len(model.layers), names
+        assert "DynamicSliceUpdate" not in names and "SliceUpdate" not in names
+        mx.eval(logits)
+        assert addresses() == before
+    # The check sees copies: a buffer still held elsewhere cannot be donated, and moves.
+    held = [b for c in cache.layers for b in c.buffers.values()]
+    before = addresses()
+    mx.eval(model(mx.array([[4]]), cache))
+    assert addresses() != before
+    del held

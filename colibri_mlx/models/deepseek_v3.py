@@ -255,6 +255,11 @@ def linear(x: mx.array, w, bias: mx.array | None = None) -> mx.array:
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    if x.ndim > 1 and x.size == x.shape[-1]:
+        # One row, normalized as a vector: MLX's GPU rms_norm copies (a launch of its own) an
+        # input whose row stride is not its width, and the decode row's latent and q_a parts
+        # are such slices of the stacked x projection; a 1-D view has no row stride to check.
+        return mx.fast.rms_norm(x.reshape(-1), weight, eps).reshape(x.shape)
     return mx.fast.rms_norm(x, weight, eps)
 
 
@@ -539,9 +544,11 @@ class Attention:
         """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
         whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params)."""
         q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
-        at = slot.reshape(1)
-        latent = mx.slice_update(latent, latent_row, at, axes=(1,))
-        k_rope = mx.slice_update(k_rope, k_rope_row, at, axes=(1,))
+        at = slot.reshape(1, 1, 1)
+        # A scatter along the time axis is one kernel on GPUs; a slice_update at an offset held
+        # in an array is two (the offset is computed on the device, then the copy).
+        latent = mx.put_along_axis(latent, at, latent_row, axis=1)
+        k_rope = mx.put_along_axis(k_rope, at, k_rope_row, axis=1)
         return self.output(self.attend(q_nope, q_rope, latent, k_rope, None, params)).reshape(x.shape), latent, k_rope
 
     def cached(self, latent, k_rope, layer_cache, start):
