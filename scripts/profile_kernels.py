@@ -13,7 +13,8 @@ activity records: the kernel's start and end on the GPU, whatever library launch
 prints each kernel's median duration, its bytes and the fraction of 4.3 TB/s they make. Each
 round launches every kernel once per instance of a chain of 8 independent instances (own
 weights and caches, so nothing is an L2 hit across instances), each evaluated alone (a graph of
-independent launches may overlap them on the GPU). --gate-up / --down add launch settings.
+independent launches may overlap them on the GPU). --gate-up / --down / --qgemv add launch
+settings.
 --once launches each kernel once to warm up (JIT), then once more inside the NVTX range
 "profiled", the launches Nsight Compute is told to profile.
 """
@@ -73,9 +74,11 @@ def mla_launches(impl, T, act):
     return [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))], insts
 
 
-def qgemv_launches(impl, act):
+def qgemv_launches(impl, act, settings=()):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
-    and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work)."""
+    and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
+    large shape also at each ROWS:NW:UNROLL:NIB:PF setting asked for ("-": qgemv.py's choice)."""
+    from bench_moe_parts import parse
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
 
@@ -86,9 +89,13 @@ def qgemv_launches(impl, act):
         ws = random_qtensors(fmt, O, I, gs, CHAIN)
         xs = [mx.random.normal((1, I)).astype(act) for _ in ws]
         mx.eval(xs)
-        specs = [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]
         label = f"qgemv {O}x{I}" + ("" if fmt == 4 else f" fmt {fmt}")
-        out.append((label, weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size, specs))
+        nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size
+        out.append((label, nbytes, [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]))
+        for cfg in settings if O == 18432 else ():
+            rows, nw, unroll, nib, pf = parse(cfg, 5)
+            out.append((f"{label} {cfg}", nbytes, [qgemv.launch_spec(x, w, impl, rows=rows, simdgroups=nw, unroll=unroll,
+                                                                     nib=nib, prefetch=pf) for x, w in zip(xs, ws)]))
         keep.append((ws, xs))
     return out, keep
 
@@ -132,6 +139,7 @@ def main():
     ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF], comma-separated")
+    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -147,7 +155,7 @@ def main():
         more, k2 = mla_launches(impl, T, act)
         launches += more
         keep.append(k2)
-    more, k3 = qgemv_launches(impl, act)
+    more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])
     launches += more
     launches = [ln for ln in launches if args.only in ln[0]]
     for label, _, specs in launches:
