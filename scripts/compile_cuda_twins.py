@@ -1,28 +1,33 @@
 #!/usr/bin/env python3
-"""Compile CUDA twins here with nvcc, inside the wrapper MLX's cuda_kernel generates.
+"""Compile the CUDA twins here, inside the wrapper MLX's cuda_kernel generates, with MLX's own
+compiler (NVRTC, from the pip wheels nvidia-cuda-nvrtc / -runtime / -cccl) or nvcc.
 
-    .venv/bin/python scripts/compile_cuda_twins.py [--all] [--ptxas] [--keep DIR]
+    .venv/bin/python scripts/compile_cuda_twins.py [--all] [--ptxas] [--keep DIR] [--compiler nvcc]
 
 No GPU needed: this catches syntax and type errors (and, with --ptxas, register use and
-spills per specialization) before the one GPU run. The wrapper is written as
-mlx/backend/cuda/custom_kernel.cpp (MLX 0.32) writes it: MLX's default header, our header,
-``namespace mlx::core::cu { __global__ void custom_kernel_<name>(const T* in..., T* out...)
-{ constexpr int ...; using T = ...; <body> } }``. MLX's device headers are not shipped in the
-wheel, so ``mlx/backend/cuda/device/utils.cuh`` is a stub with the CUDA headers it pulls in.
-MLX compiles with NVRTC and ``--device-as-default-execution-space``; nvcc has no such switch, so
-helpers must say ``__device__`` (ours do). Launches come from ``qgemv.launch_spec`` so the
+spills per specialization) before a GPU run; tests/test_cuda_twins_compile.py runs it in CI.
+The wrapper is written as mlx/backend/cuda/custom_kernel.cpp (MLX 0.32) writes it: MLX's
+default header, our header, ``namespace mlx::core::cu { __global__ void
+custom_kernel_<name>(const T* in..., T* out...) { constexpr int ...; using T = ...; <body> } }``.
+MLX's device headers are not shipped in the wheel, so ``mlx/backend/cuda/device/utils.cuh`` is
+a stub with the CUDA headers it pulls in. NVRTC gets the options MLX's JIT gives it
+(``--device-as-default-execution-space``, sm_90a); nvcc has no such switch, so helpers must say
+``__device__`` (ours do). Launches come from the kernels' own launch_spec functions, so the
 template values are exactly those the GPU would get.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -268,10 +273,90 @@ def sass_hot_path(sass: str, start: int, end: int) -> dict:
     return hist
 
 
-def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
-    name = "custom_kernel_" + re.sub(r"\W", "_", label)
+class NVRTC:
+    """MLX's own CUDA compiler, libnvrtc, through ctypes, with the options MLX's JIT passes
+    (mlx/backend/cuda/jit_module.cpp: ``--device-as-default-execution-space``,
+    ``--gpu-architecture=sm_90a`` on an H100/H200, include paths of the CUDA headers) and our
+    stub of MLX's device header as an in-memory header. Found in the pip wheels
+    ``nvidia-cuda-nvrtc`` (+ ``-runtime``, ``-cccl`` for cuda_fp16.h and cuda/std) or a CUDA
+    toolkit; no GPU needed."""
+
+    STUB_NAME = b"mlx/backend/cuda/device/utils.cuh"
+
+    def __init__(self, lib_dir: Path, include_dirs: list):
+        # libnvrtc dlopens its builtins library by name: load it first, globally.
+        builtins = sorted(lib_dir.glob("libnvrtc-builtins.so.*"))
+        ctypes.CDLL(str(builtins[0]), mode=ctypes.RTLD_GLOBAL)
+        self.lib = ctypes.CDLL(str(sorted(lib_dir.glob("libnvrtc.so.*"))[0]))
+        self.include_dirs = include_dirs
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        self.version = f"{major.value}.{minor.value}"
+
+    @classmethod
+    def find(cls) -> "NVRTC | None":
+        roots = []
+        try:
+            import nvidia
+
+            roots += [Path(p) / sub for p in nvidia.__path__ for sub in ("cu13", "cuda_nvrtc", "cu12")]
+        except ImportError:
+            pass
+        cuda_home = Path(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc").resolve().parents[1]
+        roots += [cuda_home, Path("/usr/local/cuda")]
+        for root in roots:
+            found = [d for d in (root / "lib", root / "lib64")
+                     if any(d.glob("libnvrtc.so.*")) and any(d.glob("libnvrtc-builtins.so.*"))]
+            include = root / "include"
+            if found and (include / "cuda_fp16.h").exists():   # headers of the same release
+                return cls(found[0], [include] + ([include / "cccl"] if (include / "cccl").is_dir() else []))
+        return None
+
+    def compile(self, source: str, name: str, ptxas: bool = False) -> tuple[bool, str, bytes]:
+        """``(ok, log, cubin)``; with ``ptxas`` the log has ptxas's register and spill report."""
+        lib = self.lib
+        prog = ctypes.c_void_p()
+        stub = UTILS_STUB.replace("#include <cstdint>", "#include <cuda/std/cstdint>")
+        headers = (ctypes.c_char_p * 1)(stub.encode())
+        names = (ctypes.c_char_p * 1)(self.STUB_NAME)
+        if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 1, headers, names):
+            return False, "nvrtcCreateProgram failed", b""
+        try:
+            opts = [b"--device-as-default-execution-space", f"--gpu-architecture={ARCH}".encode()]
+            opts += [f"--include-path={d}".encode() for d in self.include_dirs]
+            if ptxas:
+                opts.append(b"--ptxas-options=-v")
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            cubin = b""
+            if rc == 0:
+                lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+                buf = ctypes.create_string_buffer(size.value)
+                lib.nvrtcGetCUBIN(prog, buf)
+                cubin = buf.raw
+            return rc == 0, log.value.decode(errors="replace"), cubin
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def object_name(label: str) -> str:
+    return "custom_kernel_" + re.sub(r"\W", "_", label)
+
+
+def compile_one(label: str, spec, work: Path, ptxas: bool, nvrtc: "NVRTC | None" = None) -> tuple[bool, str]:
+    """Compile one launch's translation unit (kept as ``work/<name>.cu``) with NVRTC when given
+    (the object is ``<name>.cubin``), else nvcc (``<name>.o``; ``work`` from :func:`prepare_workdir`)."""
+    name = object_name(label)
     src = work / f"{name}.cu"
     src.write_text(wrap(spec, name))
+    if nvrtc is not None:
+        ok, log, cubin = nvrtc.compile(src.read_text(), name, ptxas)
+        if ok:
+            src.with_suffix(".cubin").write_bytes(cubin)
+        return ok, log
     cmd = ["nvcc", f"-arch={ARCH}", "-std=c++17", "-I", str(work / "include"), "-c", str(src),
            "-o", str(src.with_suffix(".o"))]
     if ptxas:
@@ -280,61 +365,86 @@ def compile_one(label: str, spec, work: Path, ptxas: bool) -> tuple[bool, str]:
     return res.returncode == 0, res.stderr
 
 
+def ptxas_report(log: str) -> dict:
+    """Registers, spill-store bytes and stack frame bytes from ptxas -v output (last function)."""
+    out = {}
+    for key, pattern in (("regs", r"Used (\d+) registers"), ("spill", r"(\d+) bytes spill stores"),
+                         ("stack", r"(\d+) bytes stack frame")):
+        found = re.findall(pattern, log)
+        out[key] = int(found[-1]) if found else None
+    return out
+
+
+def prepare_workdir(work: Path) -> Path:
+    """``work`` with the stub of MLX's device header the wrapper includes (nvcc reads it there)."""
+    (work / "include/mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
+    (work / "include/mlx/backend/cuda/device/utils.cuh").write_text(UTILS_STUB)
+    return work
+
+
+FAMILIES = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs, "router": router_specs}
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all", action="store_true", help="also odd shapes and tuning variants")
     ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
     ap.add_argument("--keep", type=Path, help="keep the generated sources here")
-    ap.add_argument("--only", nargs="*", default=("qgemv", "moe", "mla", "router"),
+    ap.add_argument("--only", nargs="*", default=tuple(FAMILIES),
                     help="kernel families to compile (qgemv moe mla router)")
     ap.add_argument("--sass", action="store_true",
                     help="write <label>.sass next to each object (cuobjdump -sass) and print "
                          "its opcode histogram; implies --keep into a temp dir if none given")
     ap.add_argument("--match", default="", help="only labels containing this substring")
+    ap.add_argument("--compiler", choices=("auto", "nvrtc", "nvcc"), default="auto",
+                    help="nvrtc (what MLX compiles with; default when found) or nvcc")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiles at once")
     args = ap.parse_args()
-    if shutil.which("nvcc") is None:
-        print("compile_cuda_twins: nvcc not found")
+    nvrtc = NVRTC.find() if args.compiler in ("auto", "nvrtc") else None
+    if nvrtc is None and args.compiler == "nvrtc":
+        print("compile_cuda_twins: libnvrtc not found (pip install nvidia-cuda-nvrtc nvidia-cuda-runtime "
+              "nvidia-cuda-cccl)")
         return 2
-    work = Path(args.keep or tempfile.mkdtemp(prefix="cuda_twins_"))
-    (work / "include/mlx/backend/cuda/device").mkdir(parents=True, exist_ok=True)
-    (work / "include/mlx/backend/cuda/device/utils.cuh").write_text(UTILS_STUB)
-    n_fail = 0
-    families = {"qgemv": qgemv_specs, "moe": moe_specs, "mla": mla_specs, "router": router_specs}
-    specs = ((f"{fam} {label}", spec) for fam in args.only for label, spec in families[fam](args.all))
+    if nvrtc is None and shutil.which("nvcc") is None:
+        print("compile_cuda_twins: neither libnvrtc nor nvcc found")
+        return 2
+    print(f"compile_cuda_twins: {'NVRTC ' + nvrtc.version if nvrtc else 'nvcc'}, {ARCH}", flush=True)
+    work = prepare_workdir(Path(args.keep or tempfile.mkdtemp(prefix="cuda_twins_")))
+    specs = [(f"{fam} {label}", spec) for fam in args.only for label, spec in FAMILIES[fam](args.all)
+             if args.match in f"{fam} {label}"]
     dump = cuobjdump() if args.sass else None
     if args.sass and dump is None:
         print("compile_cuda_twins: --sass needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
         return 2
-    for label, spec in specs:
-        if args.match not in label:
-            continue
-        ok, err = compile_one(label, spec, work, args.ptxas)
-        n_fail += not ok
-        info = ""
-        if args.ptxas:
-            regs = re.findall(r"Used (\d+) registers", err)
-            spill = re.findall(r"(\d+) bytes spill stores", err)
-            stack = re.findall(r"(\d+) bytes stack frame", err)
-            info = (f" regs {regs[-1] if regs else '?'} spill-stores {spill[-1] if spill else '?'}"
-                    f" stack {stack[-1] if stack else '?'}")
-        print(f"{'OK  ' if ok else 'FAIL'} {label}{info}", flush=True)
-        if ok and dump:
-            obj = work / ("custom_kernel_" + re.sub(r"\W", "_", label) + ".o")
-            sass = subprocess.run([dump, "-sass", str(obj)], capture_output=True, text=True).stdout
-            obj.with_suffix(".sass").write_text(sass)
-            hist = sorted(sass_counts(sass).items(), key=lambda kv: -kv[1])
-            print("     SASS " + " ".join(f"{k}:{v}" for k, v in hist[:24]) + f"  -> {obj.with_suffix('.sass')}")
-            for start, end, h in sass_loops(sass):
-                h = sass_hot_path(sass, start, end)
-                tot = sum(h.values())
-                top = " ".join(f"{k}:{v}" for k, v in sorted(h.items(), key=lambda kv: -kv[1])[:16])
-                print(f"     loop {start:#x}-{end:#x} hot path: {tot} instr  {top}")
-        if not ok:
-            print(err)
+    n_fail = 0
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:     # NVRTC and nvcc run outside the GIL
+        results = pool.map(lambda ls: compile_one(ls[0], ls[1], work, args.ptxas, nvrtc), specs)
+        for (label, _), (ok, err) in zip(specs, results):
+            n_fail += not ok
+            info = ""
+            if args.ptxas:
+                r = ptxas_report(err)
+                info = f" regs {r['regs']} spill-stores {r['spill']} stack {r['stack']}"
+            print(f"{'OK  ' if ok else 'FAIL'} {label}{info}", flush=True)
+            if ok and dump:
+                print_sass(dump, work / (object_name(label) + (".cubin" if nvrtc else ".o")))
+            if not ok:
+                print(err)
     print(f"compile_cuda_twins: {n_fail} failed (sources in {work})")
     if not args.keep and not n_fail and not args.sass:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if n_fail else 0
+
+
+def print_sass(dump: str, obj: Path) -> None:
+    sass = subprocess.run([dump, "-sass", str(obj)], capture_output=True, text=True).stdout
+    obj.with_suffix(".sass").write_text(sass)
+    hist = sorted(sass_counts(sass).items(), key=lambda kv: -kv[1])
+    print("     SASS " + " ".join(f"{k}:{v}" for k, v in hist[:24]) + f"  -> {obj.with_suffix('.sass')}")
+    for start, end, _ in sass_loops(sass):
+        h = sass_hot_path(sass, start, end)
+        top = " ".join(f"{k}:{v}" for k, v in sorted(h.items(), key=lambda kv: -kv[1])[:16])
+        print(f"     loop {start:#x}-{end:#x} hot path: {sum(h.values())} instr  {top}")
 
 
 if __name__ == "__main__":
