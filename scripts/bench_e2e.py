@@ -131,6 +131,25 @@ def plain_graphs():
         kernels.compiled.clear()
 
 
+@contextlib.contextmanager
+def earlier_step_ops():
+    """The decode step's small ops as they were before the seventh session, for an A/B in one
+    run: cache rows written by ``mx.slice_update`` at the slot (two launches each, not one
+    scatter) and the latent / q_a norms on their strided slices (MLX's rms_norm copies those
+    first: one more launch each)."""
+    from colibri_mlx.models import deepseek_v3 as model_file
+
+    saved = model_file.write_row, model_file.rms_norm
+    model_file.write_row = lambda buf, row, slot: mx.slice_update(buf, row, slot.reshape(1), axes=(1,))
+    model_file.rms_norm = lambda x, w, eps: mx.fast.rms_norm(x, w, eps)
+    kernels.compiled.clear()
+    try:
+        yield
+    finally:
+        model_file.write_row, model_file.rms_norm = saved
+        kernels.compiled.clear()
+
+
 def add_model_args(ap):
     """The model options this script and profile_decode.py share."""
     ap.add_argument("--layers", type=int, default=4)
@@ -175,6 +194,12 @@ def main():
     with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
         cache = ours.make_cache()
         res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    with earlier_step_ops():                          # 16 launches a step more (4 layers)
+        cache = ours.make_cache()
+        res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+        cache = ours.make_cache()
+        res["ours_earlier_ops_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt,
+                                                                      args.steps) * 1e3
     if not args.quick:
         with plain_graphs():              # the same kernels, every block built op by op each step
             cache = ours.make_cache()
@@ -207,6 +232,8 @@ def main():
           f"{res['ours_layer_graphs_ms'] / L:9.3f}")
     print(f"{'ours (COLIBRI_LAYER_COMMIT=1)':36s} {res['ours_layer_commits_ms']:9.2f} "
           f"{res['ours_layer_commits_ms'] / L:9.3f}")
+    print(f"{'ours (earlier step ops: slice_update)':36s} {res['ours_earlier_ops_ms']:9.2f} "
+          f"{res['ours_earlier_ops_ms'] / L:9.3f} {res['ours_earlier_ops_pipelined_ms']:9.2f}")
     if not args.quick:
         print(f"{'ours (COLIBRI_COMPILE=0)':36s} {res['ours_uncompiled_ms']:9.2f} {res['ours_uncompiled_ms'] / L:9.3f}")
         print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")

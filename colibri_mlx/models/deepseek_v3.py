@@ -263,6 +263,13 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, weight, eps)
 
 
+def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
+    """``buffer [1, T, W]`` with ``row [1, 1, W]`` at time ``slot`` (an int32 array): a scatter
+    along the time axis is one kernel on GPUs, where a slice_update at an offset held in an array
+    is two (the offset is computed on the device, then the copy). MLX donates the buffer."""
+    return mx.put_along_axis(buffer, slot.reshape(1, 1, 1), row, axis=1)
+
+
 def embedding_rows(table, ids: mx.array) -> mx.array:
     """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32)."""
     if not isinstance(table, QTensor):
@@ -544,11 +551,7 @@ class Attention:
         """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
         whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params)."""
         q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
-        at = slot.reshape(1, 1, 1)
-        # A scatter along the time axis is one kernel on GPUs; a slice_update at an offset held
-        # in an array is two (the offset is computed on the device, then the copy).
-        latent = mx.put_along_axis(latent, at, latent_row, axis=1)
-        k_rope = mx.put_along_axis(k_rope, at, k_rope_row, axis=1)
+        latent, k_rope = write_row(latent, latent_row, slot), write_row(k_rope, k_rope_row, slot)
         return self.output(self.attend(q_nope, q_rope, latent, k_rope, None, params)).reshape(x.shape), latent, k_rope
 
     def cached(self, latent, k_rope, layer_cache, start):
