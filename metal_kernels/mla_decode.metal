@@ -673,3 +673,62 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       }
     }
   }
+// ==== kernel body: mla_rows ====
+  // The small ops between the stacked x projection and the cache write, for the decode rows of
+  // one sequence, as one launch: one threadgroup per row q of y = [q_a (QL) | latent (R) | rope
+  // key (rope)] normalizes q_a (q_a_norm, for q_b) and the latent (kv_a_norm) and rotates the
+  // rope key at the row's position. Each is computed as MLX computes it, so the step keeps
+  // MLX's numbers: mx.fast.rms_norm is T(w * T(x * rsqrt(mean(x^2) + eps))), mx.fast.rope
+  // (half-split, freqs) theta = position * inv_freq with metal::fast::cos / sin.
+  threadgroup float sums[2 * NSG];
+  const int QL = params[0];
+  const int R = params[1];
+  const int rope = params[2];
+  const int W = params[3];                     // y's row stride
+  const int q = int(threadgroup_position_in_grid.z);
+  const int tid = int(thread_index_in_threadgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const device auto* row = y + size_t(q) * W;
+  float sq = 0.0f;                             // sums of squares: q_a part, latent part
+  float sl = 0.0f;
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = float(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = float(row[QL + c]);
+    sl += x * x;
+  }
+  sq = simd_sum(sq);
+  sl = simd_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  sq = 0.0f;
+  sl = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    sq += sums[g];
+    sl += sums[NSG + g];
+  }
+  const float iq = metal::precise::rsqrt(sq / float(QL) + fparams[0]);
+  const float il = metal::precise::rsqrt(sl / float(R) + fparams[1]);
+  for (int c = tid; c < QL; c += NSG * 32) {
+    qa[size_t(q) * QL + c] = static_cast<T>(float(qnorm[c]) * float(static_cast<T>(float(row[c]) * iq)));
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    lat[size_t(q) * R + c] = static_cast<T>(float(knorm[c]) * float(static_cast<T>(float(row[QL + c]) * il)));
+  }
+  const int half = rope / 2;
+  const float position = float(pos[q]);
+  for (int j = tid; j < half; j += NSG * 32) {
+    const float theta = position * invf[j];
+    const float cs = metal::fast::cos(theta);
+    const float sn = metal::fast::sin(theta);
+    const float x1 = float(row[QL + R + j]);
+    const float x2 = float(row[QL + R + j + half]);
+    krow[size_t(q) * rope + j] = static_cast<T>(x1 * cs - x2 * sn);
+    krow[size_t(q) * rope + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+  }

@@ -135,18 +135,26 @@ def plain_graphs():
 def earlier_step_ops():
     """The decode step's small ops as they were before the seventh session, for an A/B in one
     run: cache rows written by ``mx.slice_update`` at the slot (two launches each, not one
-    scatter) and the latent / q_a norms on their strided slices (MLX's rms_norm copies those
-    first: one more launch each)."""
+    scatter), and q_a's and the latent's norms and the rope key as three ops (not mla_rows), the
+    norms on their strided slices (which MLX's rms_norm copies first): 24 launches a step more
+    for 4 layers."""
     from colibri_mlx.models import deepseek_v3 as model_file
 
-    saved = model_file.write_row, model_file.rms_norm
+    def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
+        R = kv_norm.shape[0]
+        k = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]
+        return (mx.fast.rms_norm(y[:, :q_rows], qa_norm, eps),
+                mx.fast.rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps), k)
+
+    saved = model_file.write_row, model_file.rms_norm, kernels.mla_rows
     model_file.write_row = lambda buf, row, slot: mx.slice_update(buf, row, slot.reshape(1), axes=(1,))
     model_file.rms_norm = lambda x, w, eps: mx.fast.rms_norm(x, w, eps)
+    kernels.mla_rows = rows
     kernels.compiled.clear()
     try:
         yield
     finally:
-        model_file.write_row, model_file.rms_norm = saved
+        model_file.write_row, model_file.rms_norm, kernels.mla_rows = saved
         kernels.compiled.clear()
 
 
@@ -194,7 +202,7 @@ def main():
     with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
         cache = ours.make_cache()
         res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with earlier_step_ops():                          # 16 launches a step more (4 layers)
+    with earlier_step_ops():                          # 24 launches a step more (4 layers)
         cache = ours.make_cache()
         res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
         cache = ours.make_cache()

@@ -102,8 +102,8 @@ def qgemv_specs(full: bool):
 
 def mla_specs(full: bool):
     """mla_qabs / mla_attn_mma / mla_out for every kv_b fmt, f32 and bf16 caches, with and
-    without a DSA index list (the launches mla.launch_specs builds), and the simt variant's
-    mla_attn."""
+    without a DSA index list (the launches mla.launch_specs builds), the simt variant's
+    mla_attn, and mla_rows in each activation dtype."""
     from colibri_mlx.kernels import mla
 
     rng = np.random.default_rng(0)
@@ -129,6 +129,11 @@ def mla_specs(full: bool):
                 for spec in specs:
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
+        y = mx.zeros((1, 1536 + R + rope), dtype)
+        yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
+                                                  mx.ones((rope // 2,), mx.float32), mx.array(5, dtype=mx.int32),
+                                                  dispatch.CUDA))
 
 
 def moe_specs(full: bool):

@@ -212,3 +212,56 @@ def route_launches_to_simulator(monkeypatch, simulator) -> list:
     moe.clear_banks()
     dispatch.reset_counters()
     return launched
+
+
+# mla_rows (a decode row's q_a / latent norms and rope key)
+
+
+def rope_of(rope: int, factor: float = 1.0):
+    from colibri_mlx.models.rope import RoPE
+
+    inv_freq = (10000.0 ** (-np.arange(0, rope, 2) / rope)).astype(np.float32)
+    return RoPE(mx.array(inv_freq), factor, False)
+
+
+def rows_case(QL=48, R=160, rope=16, dtype=mx.float32, BL=1, seed=0):
+    rng = np.random.default_rng(seed)
+    y = mx.array((rng.standard_normal((BL, QL + R + rope)) * 3).astype(np.float32)).astype(dtype)
+    qa_norm = mx.array(rng.uniform(0.5, 1.5, QL).astype(np.float32)).astype(dtype)
+    kv_norm = mx.array(rng.uniform(0.5, 1.5, R).astype(np.float32)).astype(dtype)
+    return y, qa_norm, kv_norm
+
+
+def rows_oracle(y, QL, qa_norm, kv_norm, eps, inv_freq, positions, angle_ulps=0):
+    """float64 norms; the rotation at float32 angles (position * inv_freq rounded as MLX's GPU
+    ropes compute it), cos / sin in float64. Bounds per element: magnitude-relative, two
+    roundings to the output dtype (norms: x * r, then * w) or one (rope), plus float32 slack;
+    ``angle_ulps``: angles computed another way (MLX's CPU rope) may differ by that many float32
+    ulps of the angle."""
+    x = np.asarray(y.astype(mx.float32)).astype(np.float64)
+    wq, wk = (np.asarray(w.astype(mx.float32)).astype(np.float64) for w in (qa_norm, kv_norm))
+    R = wk.shape[0]
+    u = 2.0 ** -8 if y.dtype == mx.bfloat16 else 2.0 ** -11 if y.dtype == mx.float16 else 2.0 ** -22
+    out, bound = [], []
+    for part, w in ((x[:, :QL], wq), (x[:, QL:QL + R], wk)):
+        r = 1 / np.sqrt((part ** 2).mean(-1, keepdims=True) + eps)
+        want = w * part * r
+        out.append(want)
+        bound.append(3 * u * np.abs(want) + 1e-30)
+    k = x[:, QL + R:]
+    half = k.shape[1] // 2
+    theta = (np.float32(1) * np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq)).astype(np.float64)
+    k1, k2 = k[:, :half], k[:, half:]
+    c, s = np.cos(theta), np.sin(theta)
+    out.append(np.concatenate([k1 * c - k2 * s, k1 * s + k2 * c], axis=1))
+    mag = (np.abs(k1) + np.abs(k2)) * (2 * u + 4e-7 + angle_ulps * 2.0 ** -23 * np.abs(theta))
+    bound.append(np.concatenate([mag, mag], axis=1))
+    return out, bound
+
+
+def assert_rows_close(got, y, QL, qa_norm, kv_norm, eps, rope, positions, label="", angle_ulps=0):
+    want, bound = rows_oracle(y, QL, qa_norm, kv_norm, eps, rope.inv_freq, positions, angle_ulps)
+    for name, g, w, b in zip(("q_a", "latent", "rope key"), got, want, bound):
+        g = np.asarray(g.astype(mx.float32)).astype(np.float64).reshape(w.shape)
+        ratio = np.abs(g - w) / b
+        assert ratio.max() <= 1.0, f"{label} {name}: error {np.abs(g - w).max():.3g}, ratio {ratio.max():.3g}"

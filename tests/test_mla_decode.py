@@ -115,3 +115,21 @@ def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
         tf32 = kernels.backend() == "cuda" and variant == "mma"
         assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                          label=f"{shape} length {length} of {capacity}", rel_attn=REL_TF32 if tf32 else REL)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("position", [0, 7, 40000])
+def test_mla_rows(dtype, position):
+    """kernels.mla_rows (the CUDA twin on the H200, the reference here) at DeepSeek-V3's widths
+    against the float64 oracle; MLX's CPU rope rounds its angles its own way (2 ulps)."""
+    from moe_mla_oracle import assert_rows_close, rope_of, rows_case
+
+    y, qa_norm, kv_norm = rows_case(1536, 512, 64, dtype, seed=position)
+    rope = rope_of(64)
+    kernels.reset_counters()
+    got = kernels.mla_rows(y, 1536, qa_norm, kv_norm, 1e-6, rope, mx.array(position, dtype=mx.int32))
+    c = kernels.counters()
+    assert not c["fallbacks"] and c["calls"] == {f"mla_rows/{kernels.backend()}": 1}, c
+    assert [a.dtype for a in got] == [dtype] * 3
+    assert_rows_close(got, y, 1536, qa_norm, kv_norm, 1e-6, rope, [position], label=f"{dtype} @{position}",
+                      angle_ulps=0 if GPU else 2)

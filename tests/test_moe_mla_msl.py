@@ -300,7 +300,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
 # mla_decode
 
 from colibri_mlx.kernels import mla  # noqa: E402
-from moe_mla_oracle import assert_mla_close  # noqa: E402
+from moe_mla_oracle import assert_mla_close, assert_rows_close, rope_of, rows_case  # noqa: E402
 
 
 def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dtype=mx.float32, seed=0,
@@ -615,3 +615,86 @@ def test_repeated_launches_pass_the_same_source_objects():
         first, second = names[:3], names[3:]
         assert [n for n, *_ in first] == [n for n, *_ in second]
         assert all(a[1] is b[1] and a[2] is b[2] for a, b in zip(first, second)), variant
+
+
+# ---------------------------------------------------------------------------------------
+# mla_rows: a decode row's q_a / latent norms and rope key, one launch
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("shape", [(48, 160, 16), (1536, 512, 64), (8, 8, 2)])
+@pytest.mark.parametrize("position", [0, 7, 40000])
+def test_mla_rows_matches_float64(metal, dtype, shape, position):
+    QL, R, rope_w = shape
+    y, qa_norm, kv_norm = rows_case(QL, R, rope_w, dtype, seed=QL + position)
+    rope = rope_of(rope_w)
+    got = kernels.mla_rows(y, QL, qa_norm, kv_norm, 1e-6, rope, mx.array(position, dtype=mx.int32))
+    assert metal == ["mla_rows"]
+    assert_rows_close(got, y, QL, qa_norm, kv_norm, 1e-6, rope, [position], label=f"{shape} {dtype} @{position}")
+    # and the reference path (MLX ops) against the same oracle; MLX's CPU rope rounds its angles
+    # another way (one ulp of a 40000 rad angle moves the key by ~4e-3 of its size)
+    with dispatch.force_reference():
+        want = kernels.mla_rows(y, QL, qa_norm, kv_norm, 1e-6, rope, mx.array(position, dtype=mx.int32))
+    assert_rows_close(want, y, QL, qa_norm, kv_norm, 1e-6, rope, [position], label="reference", angle_ulps=2)
+
+
+def test_mla_rows_declines_visibly(metal):
+    y, qa_norm, kv_norm = rows_case(dtype=mx.float32)
+    pos = mx.array(3, dtype=mx.int32)
+    kernels.mla_rows(y, 48, qa_norm, kv_norm, 1e-6, rope_of(16, factor=1.1), pos)
+    kernels.mla_rows(y, 48, qa_norm.astype(mx.float16), kv_norm, 1e-6, rope_of(16), pos)
+    fallbacks = kernels.counters()["fallbacks"]
+    assert metal == [] and sum(fallbacks.values()) == 2, fallbacks
+    assert any("attention factor 1.1" in k for k in fallbacks) and any("norm weights" in k for k in fallbacks)
+
+
+def test_mla_rows_decode_step_in_the_model(metal, tmp_path):
+    """A decode row of a tiny DeepSeek-V3 takes the fused launch in every layer (through the
+    simulator, as on a Mac) and gives the reference path's logits."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+    from colibri_mlx.models.loading import load_model
+
+    hf = build_hf_model("deepseek_v3", seed=2, first_k_dense_replace=3)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
+    model = load_model(tmp_path / "c", dtype="float32")
+    prompt, token = mx.array([[5, 9, 17]]), mx.array([[4]])
+    with dispatch.force_reference():
+        cache = model.make_cache()
+        model(prompt, cache)
+        want = np.array(model(token, cache))
+    cache = model.make_cache()
+    model(prompt, cache)
+    metal.clear()
+    got = np.array(model(token, cache))
+    assert metal.count("mla_rows") == len(model.layers), metal
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+ROWS_DEFECTS = {  # name: (text in mla_rows' body, replacement)
+    "rows read at the wrong stride": ("y + size_t(q) * W;", "y + size_t(q) * (W - 1);"),
+    "q_a normalized by the latent's sum": ("rsqrt(sq / float(QL)", "rsqrt(sl / float(QL)"),
+    "eps dropped": (" + fparams[1]);", ");"),
+    "sums read before every SIMD group wrote": (
+        "    sums[NSG + sg] = sl;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);", "    sums[NSG + sg] = sl;\n  }"),
+    "rotation the wrong way": ("x1 * cs - x2 * sn", "x1 * cs + x2 * sn"),
+    "one position for every row": ("float(pos[q])", "float(pos[0])"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(ROWS_DEFECTS))
+def test_mla_rows_planted_defect_is_caught(defect):
+    good, bad = ROWS_DEFECTS[defect]
+    spec_source = mla.read_kernel_sections("mla_decode", dispatch.METAL)[1]["mla_rows"]
+    assert spec_source.count(good) == 1, f"defect '{defect}' no longer plants"
+    # two rows at different positions; eps 0.5 (so a dropped eps shows); the large shape has
+    # every SIMD group write a partial sum
+    y, qa_norm, kv_norm = rows_case(1536, 512, 64, mx.float32, BL=2, seed=9)
+    rope = rope_of(64)
+    positions = mx.array([3, 901], dtype=mx.int32)
+    spec = mla.rows_spec(y, 1536, qa_norm, kv_norm, 0.5, rope.inv_freq, positions, dispatch.METAL)
+    assert_rows_close(simulate(spec, simulator), y, 1536, qa_norm, kv_norm, 0.5, rope, [3, 901], label="clean")
+    spec.source = spec.source.replace(good, bad)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_rows_close(simulate(spec, simulator), y, 1536, qa_norm, kv_norm, 0.5, rope, [3, 901], label=defect)
+    assert "failed to compile" not in str(caught.value)

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..formats.qtensor import QTensor
 from . import compiled, dispatch, qgemv as _qgemv, reference, router
-from .mla import mla_decode
+from .mla import mla_decode, mla_rows
 from .moe import moe_block
 from .dispatch import (
     CUDA,
@@ -27,7 +27,7 @@ from .dispatch import (
 
 __all__ = [
     "CUDA", "METAL", "REFERENCE", "backend", "compiled", "counters", "force_reference", "format_counters",
-    "concat_rows", "mla_decode", "moe_block", "qmatmul", "reset_counters", "router",
+    "concat_rows", "mla_decode", "mla_rows", "moe_block", "qmatmul", "reset_counters", "router",
 ]
 
 # Formats whose rows are independent byte runs with their scales in per-row order (FORMAT.md §2:

@@ -383,3 +383,83 @@ def reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope
         scores = mx.where(mask, scores, mx.where(mx.isinf(scores), scores, MASKED))
     context = mx.softmax(scores, axis=-1, precise=True) @ latent.astype(f32)[:, None]
     return (context @ w_uv.swapaxes(-1, -2)).astype(q_nope.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# mla_rows: a decode row's norms and rope key, before the cache write
+
+ROWS_NSG = 4              # SIMD groups of mla_rows' threadgroup (one per row)
+
+
+def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float) -> Optional[str]:
+    """Why :func:`mla_rows` runs the reference on a GPU, or None."""
+    if y.ndim != 2 or y.shape[0] != 1:
+        return f"rows of shape {tuple(y.shape)}: one decode row of one sequence only"
+    if y.dtype not in CACHE_DTYPES:
+        return f"rows in {y.dtype}"
+    if qa_norm is None or q_rows < 1:
+        return "no q_a projection"
+    if qa_norm.dtype != y.dtype or kv_norm.dtype != y.dtype:
+        return f"norm weights in {qa_norm.dtype} / {kv_norm.dtype} with rows in {y.dtype}"
+    rope = y.shape[1] - q_rows - kv_norm.shape[0]
+    if rope < 2 or rope % 2:
+        return f"rope width {rope}"
+    if factor != 1.0:
+        return f"rope attention factor {factor} (mx.fast.rope's product by it rounds once more)"
+    return None
+
+
+def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, backend: str) -> dispatch.LaunchSpec:
+    """mla_rows' launch: one threadgroup per row of ``y``; ``inv_freq`` float32 ``[rope / 2]``."""
+    BL, W = y.shape
+    R = kv_norm.shape[0]
+    rope = W - q_rows - R
+    return dispatch.LaunchSpec(
+        name="mla_rows", input_names=("y", "qnorm", "knorm", "invf", "pos", "params", "fparams"),
+        output_names=("qa", "lat", "krow"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
+        header=kernel_header("mla_decode", backend),
+        inputs=[y, qa_norm, kv_norm, inv_freq, offset.reshape(BL),
+                _int32s(q_rows, R, rope, W), dispatch.float_params(eps, eps)],
+        output_shapes=[(BL, q_rows), (BL, R), (BL, rope)], output_dtypes=[y.dtype] * 3,
+        grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
+        template=[("T", y.dtype), ("NSG", ROWS_NSG)])
+
+
+def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
+             offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``(q_latent [BL, q_rows], latent [BL, R], k_rope [BL, rope])`` from ``y [BL, q_rows + R
+    + rope]``, the stacked q_a / kv_a projection of decode rows at position ``offset`` (int32
+    array, mx.fast.rope's offset): q_a and the latent RMS-normalized by ``qa_norm`` / ``kv_norm``
+    (eps), the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``,
+    ``fast_freqs`` for mx.fast.rope, ``attention_factor``). One launch on GPUs (``mla_rows``)
+    instead of two rms_norms and a rope."""
+    impl = dispatch.backend()
+    factor = rope.attention_factor
+    reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
+    if impl == dispatch.REFERENCE or reason is not None:
+        if reason is None:
+            dispatch.record_call("mla_rows", dispatch.REFERENCE)
+        else:
+            dispatch.record_fallback("mla_rows", reason)
+        return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope.fast_freqs, factor, offset)
+    dispatch.record_call("mla_rows", impl)
+    qa, lat, krow = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
+    return qa, lat, krow
+
+
+def reference_rows(y, q_rows, qa_norm, kv_norm, eps, freqs, factor, offset):
+    """:func:`mla_rows` as MLX ops: mx.fast.rms_norm of each one-row part as a vector (its GPU
+    kernels copy a row whose stride is not its width first) and mx.fast.rope."""
+    R = kv_norm.shape[0]
+
+    def norm(x, w):
+        if x.shape[0] == 1:
+            return mx.fast.rms_norm(x.reshape(-1), w, eps).reshape(x.shape)
+        return mx.fast.rms_norm(x, w, eps)
+
+    q_latent = norm(y[:, :q_rows], qa_norm) if q_rows else y[:, :0]
+    latent = norm(y[:, q_rows:q_rows + R], kv_norm)
+    k = y[:, None, q_rows + R:]                 # [BL, 1, rope]: mx.fast.rope wants [..., L, dims]
+    k_rope = mx.fast.rope(k, k.shape[-1], traditional=False, base=None, scale=1.0, offset=offset,
+                          freqs=freqs)[:, 0]
+    return q_latent, latent, (k_rope if factor == 1.0 else k_rope * factor)

@@ -470,16 +470,28 @@ class Attention:
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used."""
         B, L, D = x.shape
         H = self.n_heads
-        q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
-        q, q_latent = self.queries(q_x)
+        fast = rope_offset is not None and L == 1
+        if fast and B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None:
+            # One decode row: both norms and the rope key from the stacked projection in one op.
+            y = linear(x.reshape(1, D), self.x_proj, self.x_proj_bias)
+            q_latent, latent, k_rope = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
+                                                        LATENT_NORM_EPS, self.rope, rope_offset)
+            q = linear(q_latent, self.q_b_proj)
+            latent, k_rope = latent.reshape(1, 1, -1), k_rope.reshape(1, 1, -1)
+        else:
+            q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
+            q, q_latent = self.queries(q_x)
+            if fast:
+                k_rope = self.rope.apply_fast(k_rope, rope_offset)
+            else:
+                k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
+            latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         q_nope = self._heads(q[:, : H * self.nope], B, L, self.nope)
         q_rope = self._heads(q[:, H * self.nope:], B, L, self.rope_dim)
-        if rope_offset is not None and L == 1:
-            q_rope, k_rope = self.rope.apply_fast(q_rope, rope_offset), self.rope.apply_fast(k_rope, rope_offset)
+        if fast:
+            q_rope = self.rope.apply_fast(q_rope, rope_offset)
         else:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
-            k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
-        latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
         return q_nope, q_rope, latent, k_rope, q_latent
 
     def _decode_rows(self, x, rope_offset):

@@ -788,3 +788,60 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
   }
+// ==== kernel body: mla_rows ====
+  // The .metal kernel of that name (one block per decode row: q_a and latent normalized, the
+  // rope key rotated, as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin).
+  __shared__ float sums[2 * NSG];
+  const int QL = params[0];
+  const int R = params[1];
+  const int rope = params[2];
+  const int W = params[3];                     // y's row stride
+  const int q = int(blockIdx.z);
+  const int tid = int(threadIdx.x);
+  const int sg = int(threadIdx.x >> 5);
+  const int lane = int(threadIdx.x & 31);
+  const T* row = y + size_t(q) * W;
+  float sq = 0.0f;                             // sums of squares: q_a part, latent part
+  float sl = 0.0f;
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = static_cast<float>(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = static_cast<float>(row[QL + c]);
+    sl += x * x;
+  }
+  sq = colibri_mla::warp_sum(sq);
+  sl = colibri_mla::warp_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
+  }
+  __syncthreads();
+  sq = 0.0f;
+  sl = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    sq += sums[g];
+    sl += sums[NSG + g];
+  }
+  const float iq = rsqrtf(sq / float(QL) + fparams[0]);
+  const float il = rsqrtf(sl / float(R) + fparams[1]);
+  for (int c = tid; c < QL; c += NSG * 32) {
+    qa[size_t(q) * QL + c] = static_cast<T>(static_cast<float>(qnorm[c]) *
+                                            static_cast<float>(static_cast<T>(static_cast<float>(row[c]) * iq)));
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    lat[size_t(q) * R + c] = static_cast<T>(static_cast<float>(knorm[c]) *
+                                            static_cast<float>(static_cast<T>(static_cast<float>(row[QL + c]) * il)));
+  }
+  const int half = rope / 2;
+  const float position = static_cast<float>(pos[q]);
+  for (int j = tid; j < half; j += NSG * 32) {
+    const float theta = position * invf[j];
+    const float cs = cosf(theta);
+    const float sn = sinf(theta);
+    const float x1 = static_cast<float>(row[QL + R + j]);
+    const float x2 = static_cast<float>(row[QL + R + j + half]);
+    krow[size_t(q) * rope + j] = static_cast<T>(x1 * cs - x2 * sn);
+    krow[size_t(q) * rope + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+  }
