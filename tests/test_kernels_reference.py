@@ -130,7 +130,7 @@ def test_gpu_kernel_runs_and_declines_are_counted(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     launched = []
 
-    def fake_kernel(x, qt, impl):
+    def fake_kernel(x, qt, impl, residual=None):
         launched.append((qt.fmt, impl))
         return reference.qmatmul(x, qt)
 
@@ -342,7 +342,8 @@ def test_launch_statics_are_built_once_per_weight_and_shape():
     a = qgemv.launch_spec(random_x(1, 128), qt, dispatch.CUDA)
     b = qgemv.launch_spec(random_x(1, 128, seed=5), qt, dispatch.CUDA)
     assert a.header is b.header and a.source is b.source and a.template is b.template
-    assert all(u is v for u, v in zip(a.inputs[1:], b.inputs[1:])) and a.inputs[0] is not b.inputs[0]
+    assert all(u is v for u, v in zip(a.inputs[1:5], b.inputs[1:5])) and a.inputs[0] is not b.inputs[0]
+    assert a.inputs[5] is a.inputs[0]        # no residual: RES 0 and x in its place, never read
     c = qgemv.launch_spec(random_x(3, 128), qt, dispatch.CUDA)
     assert dict(c.template)["S"] == 3 and c.output_shapes == [(3, 8)]
     other = random_qtensor(4, 8, 128, gs=32, seed=9)

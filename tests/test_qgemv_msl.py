@@ -234,3 +234,32 @@ def test_cuda_default_launch_every_group_size(cuda_defaults, gs):
     run_case(4, 4, 520, S=1, gs=gs, seed=gs)
     run_case(4, 3, 2 * gs + 1, S=2, gs=gs, seed=gs + 1)
     run_case(4, 5, 40 * gs + 8, S=4, gs=gs, seed=gs + 2, dtype=mx.bfloat16)  # several PF steps
+
+
+RESIDUAL_DEFECTS = {
+    "residual of row 0 of x for every row": ("float(res[s * O + row])", "float(res[row])"),
+    "residual not added": ("y[s * O + row] = RES ?", "y[s * O + row] = false ?"),
+}
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 4, 5, 6])
+@pytest.mark.parametrize("S", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_residual_is_added_as_a_separate_add_would(fmt, S, dtype):
+    """RES 1 (the decoder layer's residual add in qgemv's write): bit for bit the kernel's own
+    product rounded to x's dtype, then ``residual + y`` as MLX adds two arrays of that dtype."""
+    if dtype == mx.bfloat16:
+        pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    qt = random_qtensor(fmt, 37, 300, gs=32 if fmt == 4 else None, seed=fmt)
+    x = random_x(S, 300, dtype=dtype, seed=2)
+    res = (random_x(S, 37, seed=3) * 10).astype(dtype)
+    plain = simulate(qgemv.launch_spec(x, qt))
+    assert_close(plain, x, qt, f"fmt {fmt} S={S} {dtype}")
+    spec = qgemv.launch_spec(x, qt, residual=res)
+    assert dict(spec.template)["RES"] == 1 and spec.inputs[-1] is not spec.inputs[0]
+    want = np.array((res + plain).astype(mx.float32))
+    assert np.array_equal(np.array(simulate(spec).astype(mx.float32)), want)
+    for defect, (good, bad) in RESIDUAL_DEFECTS.items():
+        assert spec.source.count(good) == 1, f"defect '{defect}' no longer plants"
+        got = np.array(simulate(spec, spec.source.replace(good, bad)).astype(mx.float32))
+        assert not np.array_equal(got, want) or (defect.startswith("residual of row 0") and S == 1), defect

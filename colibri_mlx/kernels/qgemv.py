@@ -43,7 +43,7 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
     0 = load UNROLL units, then compute. CUDA fmt 2/4 (decode-heavy) with few rows of x."""
     return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
 
-INPUT_NAMES = ("x", "w", "scales", "e8grid", "params")
+INPUT_NAMES = ("x", "w", "scales", "e8grid", "params", "res")
 OUTPUT_NAMES = ("y",)
 
 
@@ -167,6 +167,7 @@ class _Static:
     grid: tuple
     threadgroup: tuple
     template: list
+    template_res: list          # the same with RES 1
     source: str
     header: str
 
@@ -198,27 +199,32 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", prefetch)]
+                ("PF", prefetch), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[dtype],
                    grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
-                   template=template, source=dispatch.read_kernel_source(NAME, backend)[1],
+                   template=template, template_res=template[:-1] + [("RES", 1)],
+                   source=dispatch.read_kernel_source(NAME, backend)[1],
                    header=kernel_header(backend))
 
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
                 simdgroups: Optional[int] = None, nib: Optional[int] = None,
-                prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
-    """The launch for ``x[S, I] @ W.T`` (S <= 8); identical arguments for MLX and the simulator."""
+                prefetch: Optional[int] = None, residual: Optional[mx.array] = None) -> dispatch.LaunchSpec:
+    """The launch for ``x[S, I] @ W.T`` (S <= 8), plus ``residual [S, O]`` (x's dtype) when
+    given; identical arguments for MLX and the simulator."""
     st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch)
+    xs = at_least_8(x)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
-        inputs=[at_least_8(x), *st.weight_inputs], output_shapes=st.output_shapes,
-        output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup, template=st.template)
+        inputs=[xs, *st.weight_inputs, xs if residual is None else at_least_8(residual)],
+        output_shapes=st.output_shapes, output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup,
+        template=st.template if residual is None else st.template_res)
 
 
-def qgemv(x: mx.array, qt, backend: str, **tuning) -> mx.array:
-    """Run the ``backend`` kernel on ``x[S, I]``; the caller checked :func:`decline_reason`."""
-    return dispatch.launch(backend, launch_spec(x, qt, backend, **tuning))[0]
+def qgemv(x: mx.array, qt, backend: str, residual: Optional[mx.array] = None, **tuning) -> mx.array:
+    """Run the ``backend`` kernel on ``x[S, I]`` (+ ``residual``); the caller checked
+    :func:`decline_reason`."""
+    return dispatch.launch(backend, launch_spec(x, qt, backend, residual=residual, **tuning))[0]

@@ -249,9 +249,12 @@ def _dense_attention_fallback(args: ModelArgs, weights: WeightTable) -> str | No
     return reason
 
 
-def linear(x: mx.array, w, bias: mx.array | None = None) -> mx.array:
-    y = kernels.qmatmul(x, w)
-    return y if bias is None else y + bias
+def linear(x: mx.array, w, bias: mx.array | None = None, residual: mx.array | None = None) -> mx.array:
+    """``x W^T (+ bias)``, added to ``residual`` when given (in the GEMV's write, without a bias)."""
+    if bias is None:
+        return kernels.qmatmul(x, w, residual)
+    y = kernels.qmatmul(x, w) + bias
+    return y if residual is None else residual + y
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -559,12 +562,15 @@ class Attention:
                 made[key] = params
         return latent, k_rope, params
 
-    def step(self, x, slot, latent, k_rope, params):
+    def step(self, x, slot, latent, k_rope, params, residual=None):
         """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
-        whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params)."""
+        whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params);
+        the output added to ``residual`` (x's shape) when given."""
         q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
         latent, k_rope = write_row(latent, latent_row, slot), write_row(k_rope, k_rope_row, slot)
-        return self.output(self.attend(q_nope, q_rope, latent, k_rope, None, params)).reshape(x.shape), latent, k_rope
+        attn = self.attend(q_nope, q_rope, latent, k_rope, None, params)
+        res = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        return self.output(attn, res).reshape(x.shape), latent, k_rope
 
     def cached(self, latent, k_rope, layer_cache, start):
         """This step's latent and rope-key rows written to the cache; the whole cache so far."""
@@ -581,8 +587,10 @@ class Attention:
                                self.nope, self.v_dim, step_params)
         return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
 
-    def output(self, attn):
-        return linear(attn, self.o_proj, self.o_bias)
+    def output(self, attn, residual=None):
+        """o_proj of the attention core's ``[B*L, H*v]`` rows (+ ``residual [B*L, D]``: the
+        decoder layer's residual add, done by the projection's kernel)."""
+        return linear(attn, self.o_proj, self.o_bias, residual)
 
 
 def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim, step_params=None):
@@ -606,8 +614,8 @@ class MLP:
         self.down = w.take(prefix + "down_proj.weight", (hidden, inter))
         self._compiled = kernels.compiled.CompiledBlock(self.forward, "mlp")
 
-    def forward(self, x):
-        return linear(moe_reference.silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+    def forward(self, x, residual=None):
+        return linear(moe_reference.silu(linear(x, self.gate)) * linear(x, self.up), self.down, residual=residual)
 
     def host_reason(self, x):
         return None                       # no values leave the GPU: always a compilable graph
@@ -698,14 +706,14 @@ class MoE:
 
         self._compiled = kernels.compiled.CompiledBlock(self.forward, "moe")
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
         y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
-        if self.shared is None or self.shared_slot is not None:
-            return y
-        kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
-        return y + self.shared.forward(x)
+        if self.shared is not None and self.shared_slot is None:
+            kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
+            y = y + self.shared.forward(x)
+        return y if residual is None else residual + y
 
     def __call__(self, x):
         if x.size > DECODE_ROWS * x.shape[-1]:
@@ -769,18 +777,19 @@ class DecoderLayer:
         return self._compiled_out(x, attn, static=reason)
 
     def _step(self, x, slot, latent, k_rope, params):
-        h, latent, k_rope = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, latent, k_rope, params)
-        return self._after_attention(x, h), latent, k_rope
+        x, latent, k_rope = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, latent, k_rope, params,
+                                                residual=x)
+        return self._feed_forward(x), latent, k_rope
 
     def _decode_in(self, x, rope_offset):
         return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
 
     def _decode_out(self, x, attn):
-        return self._after_attention(x, self.self_attn.output(attn).reshape(x.shape))
+        return self._feed_forward(self.self_attn.output(attn, x.reshape(-1, x.shape[-1])).reshape(x.shape))
 
-    def _after_attention(self, x, h):
-        x = x + h
-        return x + self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps))
+    def _feed_forward(self, x):
+        """``x + mlp(norm(x))`` of decode rows, the add in the MLP's last kernel where it has one."""
+        return self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps), residual=x)
 
 
 class MTPLayer:
