@@ -419,6 +419,8 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       v += red[(k * ROWS + r) * S + s];
     }
     if (row0 + r < O) {
-      y[size_t(s) * O + row0 + r] = static_cast<OT>(v);
+      // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
+      const OT yv = static_cast<OT>(v);
+      y[size_t(s) * O + row0 + r] = RES ? static_cast<OT>(float(res[size_t(s) * O + row0 + r]) + float(yv)) : yv;
     }
   }

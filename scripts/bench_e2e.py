@@ -135,9 +135,10 @@ def plain_graphs():
 def earlier_step_ops():
     """The decode step's small ops as they were before the seventh session, for an A/B in one
     run: cache rows written by ``mx.slice_update`` at the slot (two launches each, not one
-    scatter), and q_a's and the latent's norms and the rope key as three ops (not mla_rows), the
-    norms on their strided slices (which MLX's rms_norm copies first): 24 launches a step more
-    for 4 layers."""
+    scatter); q_a's and the latent's norms and the rope key as three ops (not mla_rows), the
+    norms on their strided slices (which MLX's rms_norm copies first); the residual adds as
+    ops of their own (not in o_proj's / the MLP's last kernel): 32 launches a step more for 4
+    layers."""
     from colibri_mlx.models import deepseek_v3 as model_file
 
     def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
@@ -146,15 +147,27 @@ def earlier_step_ops():
         return (mx.fast.rms_norm(y[:, :q_rows], qa_norm, eps),
                 mx.fast.rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps), k)
 
-    saved = model_file.write_row, model_file.rms_norm, kernels.mla_rows
+    def linear(x, w, bias=None, residual=None):
+        y = kernels.qmatmul(x, w)
+        y = y if bias is None else y + bias
+        return y if residual is None else residual + y
+
+    def routed_experts(x, experts, ids, weights, residual=None):
+        y = kernels.moe_block(x, experts, ids, weights)
+        return y if residual is None else residual + y
+
+    names = ("write_row", "rms_norm", "linear", "routed_experts")
+    saved = [getattr(model_file, n) for n in names] + [kernels.mla_rows]
     model_file.write_row = lambda buf, row, slot: mx.slice_update(buf, row, slot.reshape(1), axes=(1,))
     model_file.rms_norm = lambda x, w, eps: mx.fast.rms_norm(x, w, eps)
-    kernels.mla_rows = rows
+    model_file.linear, model_file.routed_experts, kernels.mla_rows = linear, routed_experts, rows
     kernels.compiled.clear()
     try:
         yield
     finally:
-        model_file.write_row, model_file.rms_norm, kernels.mla_rows = saved
+        for n, f in zip(names, saved):
+            setattr(model_file, n, f)
+        kernels.mla_rows = saved[-1]
         kernels.compiled.clear()
 
 
@@ -202,7 +215,7 @@ def main():
     with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
         cache = ours.make_cache()
         res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with earlier_step_ops():                          # 24 launches a step more (4 layers)
+    with earlier_step_ops():                          # 32 launches a step more (4 layers)
         cache = ours.make_cache()
         res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
         cache = ours.make_cache()

@@ -92,6 +92,9 @@ def qgemv_specs(full: bool):
                 qt = random_qtensor(fmt, O, I, gs=gs, seed=1)
                 x = random_x(S, I, dtype=dtype)
                 yield f"fmt{fmt}_{O}x{I}_S{S}_{dtype}_gs{gs}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+            if S == 1:   # the residual add in the write (RES 1: o_proj, the dense MLP's down)
+                res = random_x(S, O, dtype=dtype)
+                yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_res", qgemv.launch_spec(x, qt, dispatch.CUDA, residual=res)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
@@ -162,6 +165,8 @@ def moe_specs(full: bool):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
             yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            yield f"down_fmt{fmt}_S{S}_out{dtype}_res", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
+                                                                     out_dtype=dtype, residual=random_x(S, D, dtype=dtype))
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
             yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                    moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))

@@ -698,3 +698,43 @@ def test_mla_rows_planted_defect_is_caught(defect):
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         assert_rows_close(simulate(spec, simulator), y, 1536, qa_norm, kv_norm, 0.5, rope, [3, 901], label=defect)
     assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# moe_down RES: the decoder layer's residual add in the down projection's write
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("fmts", [[4] * 5, [6] * 5, [4, 6, 2, 6, 5]], ids=["fmt4", "fmt6", "mixed"])
+def test_moe_residual_is_the_separate_add(metal, monkeypatch, dtype, fmts):
+    """moe_block(..., residual) is bit for bit ``residual + moe_block(...)``: in moe_down's write
+    for a layer of one expert group (RES 1), a separate add for several groups."""
+    D = 300 if 6 in fmts else 96
+    experts = make_experts(fmts, D=D, inter=40, gs=32, seed=11)
+    ids, w = routing(3, 3, len(experts), seed=4)
+    x = x_of(3, D, dtype, seed=2)
+    res = (x_of(3, D, seed=3) * 10).astype(dtype)
+    plain = kernels.moe_block(x, experts, ids, w)
+    specs = []
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: specs.append(spec) or simulate(spec, simulator))
+    got = kernels.moe_block(x, experts, ids, w, residual=res)
+    assert np.array_equal(np.array(got.astype(mx.float32)), np.array((res + plain).astype(mx.float32)))
+    res_flags = [dict(s.template)["RES"] for s in specs if s.name == "moe_down"]
+    assert res_flags == ([1] if len(set(fmts)) == 1 else [0] * len(res_flags)), res_flags
+
+
+def test_moe_residual_planted_defect_is_caught(metal, monkeypatch):
+    good, bad = "(res[size_t(s) * O + row0 + r])", "(res[row0 + r])"
+    experts = make_experts([4] * 5, D=96, inter=40, gs=32, seed=12)
+    ids, w = routing(3, 3, 5, seed=6)
+    x, res = x_of(3, 96, seed=2), x_of(3, 96, seed=3) * 10
+    want = np.array(res + kernels.moe_block(x, experts, ids, w))
+
+    def planted(spec):
+        if spec.name == "moe_down":
+            assert spec.source.count(good) == 1, "the defect no longer plants"
+            spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec))
+    assert not np.array_equal(np.array(kernels.moe_block(x, experts, ids, w, residual=res)), want)

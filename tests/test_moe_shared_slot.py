@@ -166,12 +166,13 @@ def test_resident_launch_parts_are_cached_per_shape(monkeypatch):
     by_call = [specs[i:i + 4] for i in range(0, 12, 4)]
     assert [s.name for s in by_call[0]] == ["router_scores", "router_topk", "moe_gate_up", "moe_down"]
     for a, b in zip(*by_call[:2]):          # same S: the same header/params/template objects
-        assert a.header is b.header and a.template is b.template and a.inputs[-1] is b.inputs[-1]
+        params = a.input_names.index("params")
+        assert a.header is b.header and a.template is b.template and a.inputs[params] is b.inputs[params]
     for a, c in zip(by_call[0], by_call[2]):  # another S: its own launch geometry
         assert a.header is c.header and dict(c.template).get("S", 3) == 3
     gu1, gu3 = by_call[0][2], by_call[2][2]
     assert gu1.grid[1] == 1 * (K + 1) and gu3.grid[1] == 3 * (K + 1)
-    assert np.asarray(gu3.inputs[-1]).tolist()[5:7] == [K + 1, 3 * (K + 1)]
+    assert np.asarray(gu3.inputs[gu3.input_names.index("params")]).tolist()[5:7] == [K + 1, 3 * (K + 1)]
 
 
 def test_one_layer_several_token_counts_in_simulator(metal):

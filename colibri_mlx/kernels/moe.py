@@ -380,12 +380,12 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 prefetch=None) -> _Static:
+                 prefetch=None, res: int = 0) -> _Static:
     # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default until timed
     # on the GPU (Nsight Compute, H200: moe_down waits on its loads, 1.04 eligible warps a
     # scheduler); env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf)
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -398,12 +398,12 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
-        name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params"),
+        name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params", "res"),
         output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf)],
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res)],
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 
@@ -421,13 +421,15 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
               simdgroups: Optional[int] = None, out_dtype=mx.float32,
-              prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
+              prefetch: Optional[int] = None, residual: Optional[mx.array] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
-    summed per token."""
-    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch)
+    summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
+    h stands in for it, unread)."""
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None))
     p = group.down
-    return st.spec([at_least_8(h), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
-                    _as_input(weights, mx.float32), st.params])
+    hs = at_least_8(h)
+    return st.spec([hs, p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
+                    _as_input(weights, mx.float32), st.params, hs if residual is None else residual])
 
 
 @functools.lru_cache(maxsize=None)
@@ -519,23 +521,32 @@ def host_reason(x: mx.array, experts: Sequence, K: int) -> Optional[str]:
     return None
 
 
-def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) -> mx.array:
-    """``[N, D]``: ``sum_k weights[n, k] * down_e(silu(gate_e x_n) * up_e x_n)``, e = ids[n, k].
+def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array,
+              residual: Optional[mx.array] = None) -> mx.array:
+    """``[N, D]``: ``sum_k weights[n, k] * down_e(silu(gate_e x_n) * up_e x_n)``, e = ids[n, k],
+    added to ``residual`` (``[N, D]``, x's dtype) when given: in moe_down's write when a layer is
+    one expert group, as a separate add otherwise (the same numbers).
 
     ``experts[e] = (gate, up, down)`` (float ``mx.array [O, I]`` or QTensor, any fmt, per
     expert); ids < 0 are slots dropped by router top-p. A streamed layer (``experts.prepare``)
     is told the ids first and its selected experts are stacked per call.
     """
+    y, added = _moe_block(x, experts, ids, weights, residual)
+    return y if residual is None or added else residual + y
+
+
+def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
+    """moe_block's sum and whether ``residual`` is already in it."""
     N, K = ids.shape
     impl = dispatch.backend()
     streamed = getattr(experts, "prepare", None) is not None
     if impl == dispatch.REFERENCE or N > MAX_TOKENS:
         dispatch.record_call("moe_block", dispatch.REFERENCE if impl == dispatch.REFERENCE else "grouped-prefill")
-        return reference_moe_block(x, experts, ids, weights)
+        return reference_moe_block(x, experts, ids, weights), False
     reason = decline_reason(x, K)
     if reason is not None:
         dispatch.record_fallback("moe_block", reason)
-        return reference_moe_block(x, experts, ids, weights)
+        return reference_moe_block(x, experts, ids, weights), False
     if streamed:
         ids_np = np.array(ids)
         experts.prepare(ids_np)
@@ -544,8 +555,10 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
         bank = resident_bank(experts)
     dispatch.record_call("moe_block", impl)
     ids_in, w_in = _as_input(ids, mx.int32), _as_input(weights, mx.float32)   # once for every group
-    # One group (a layer of one format, the usual case): moe_down writes x's dtype itself.
-    out_dtype = x.dtype if len(bank.groups) == 1 and not bank.declined else mx.float32
+    # One group (a layer of one format, the usual case): moe_down writes x's dtype itself, and
+    # adds the residual.
+    one = len(bank.groups) == 1 and not bank.declined
+    out_dtype = x.dtype if one else mx.float32
     y = None
     x_rot = None
     for g in bank.groups:
@@ -557,7 +570,10 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
         h = dispatch.launch(impl, gate_up_spec(xin, g, ids_in, K, impl))[0]
         if g.down.fmt == E8_FMT:
             h = rotate(h, impl)
-        part = dispatch.launch(impl, down_spec(h, g, ids_in, w_in, N, K, impl, out_dtype=out_dtype))[0]
+        part = dispatch.launch(impl, down_spec(h, g, ids_in, w_in, N, K, impl, out_dtype=out_dtype,
+                                               residual=residual if one else None))[0]
+        if one:
+            return part, residual is not None
         y = part if y is None else y + part
     if bank.declined:
         y_ref = _declined_part(x, experts, ids, weights, bank)
@@ -565,7 +581,7 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array) 
             y = y_ref if y is None else y + y_ref
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
-    return y if y.dtype == x.dtype else y.astype(x.dtype)
+    return (y if y.dtype == x.dtype else y.astype(x.dtype)), False
 
 
 def _declined_part(x, experts, ids, weights, bank):

@@ -669,10 +669,10 @@ def _as_float32(value, name):
     return value.astype(mx.float32)
 
 
-def routed_experts(x: mx.array, experts, ids: mx.array, weights: mx.array) -> mx.array:
+def routed_experts(x: mx.array, experts, ids: mx.array, weights: mx.array, residual=None) -> mx.array:
     """The routed-expert hot path: ``kernels.moe_block`` (fused kernels on GPUs, the grouped
-    reference on the CPU backend and for prefill)."""
-    return kernels.moe_block(x, experts, ids, weights)
+    reference on the CPU backend and for prefill), plus ``residual`` when given."""
+    return kernels.moe_block(x, experts, ids, weights, residual)
 
 
 class MoE:
@@ -709,11 +709,13 @@ class MoE:
     def forward(self, x, residual=None):
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
-        y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
         if self.shared is not None and self.shared_slot is None:
+            y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
             kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
             y = y + self.shared.forward(x)
-        return y if residual is None else residual + y
+            return y if residual is None else residual + y
+        res = None if residual is None else residual.reshape(flat.shape)
+        return routed_experts(flat, self.bank, ids, weights, res).reshape(x.shape)
 
     def __call__(self, x):
         if x.size > DECODE_ROWS * x.shape[-1]:

@@ -453,6 +453,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       v += red[(k * ROWS + r) * S + s];
     }
     if (row0 + r < O) {
-      y[size_t(s) * O + row0 + r] = static_cast<OT>(v);
+      // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
+      const OT yv = static_cast<OT>(v);
+      y[size_t(s) * O + row0 + r] = RES ? static_cast<OT>(static_cast<float>(res[size_t(s) * O + row0 + r]) + static_cast<float>(yv)) : yv;
     }
   }
