@@ -187,8 +187,27 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     }
     qabs[(size_t(q) * Hp + h) * QW + c] = s;
   }
-  for (int c = tid; c < QW - R; c += NSG * 32) {   // q_rope as float beside q' (no cast launch)
-    qabs[(size_t(q) * Hp + h) * QW + R + c] = float(qrope[(size_t(q) * H + h) * (QW - R) + c]);
+  // q_rope as float beside q' (no cast launch). ROPEQ 1: rotated here (half-split, at the row's
+  // position qpos[q], inv_freq invf) and rounded to q's dtype as mx.fast.rope would round it,
+  // so the numbers are those of the separate rope launch this replaces.
+  const device auto* qr = qrope + (size_t(q) * H + h) * (QW - R);
+  device float* qa_rope = qabs + (size_t(q) * Hp + h) * QW + R;
+  if (ROPEQ) {
+    const int half = (QW - R) / 2;
+    const float position = float(qpos[q]);
+    for (int j = tid; j < half; j += NSG * 32) {
+      const float theta = position * invf[j];
+      const float cs = metal::fast::cos(theta);
+      const float sn = metal::fast::sin(theta);
+      const float x1 = float(qr[j]);
+      const float x2 = float(qr[j + half]);
+      qa_rope[j] = float(static_cast<TQ>(x1 * cs - x2 * sn));
+      qa_rope[j + half] = float(static_cast<TQ>(x1 * sn + x2 * cs));
+    }
+  } else {
+    for (int c = tid; c < QW - R; c += NSG * 32) {
+      qa_rope[c] = float(qr[c]);
+    }
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = mla_chunk();

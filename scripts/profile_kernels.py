@@ -136,7 +136,7 @@ def main():
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--only", default="", help="substring: keep the launches whose label has it")
+    ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF], comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
@@ -157,7 +157,7 @@ def main():
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])
     launches += more
-    launches = [ln for ln in launches if args.only in ln[0]]
+    launches = [ln for ln in launches if any(o in ln[0] for o in args.only)]
     for label, _, specs in launches:
         print(f"{label}: {specs[0].name} grid {specs[0].grid} tg {specs[0].threadgroup} "
               f"{' '.join(f'{k}={v}' for k, v in specs[0].template if k != 'T')}")

@@ -133,3 +133,23 @@ def test_mla_rows(dtype, position):
     assert [a.dtype for a in got] == [dtype] * 3
     assert_rows_close(got, y, 1536, qa_norm, kv_norm, 1e-6, rope, [position], label=f"{dtype} @{position}",
                       angle_ulps=0 if GPU else 2)
+
+
+@pytest.mark.parametrize("position", [3, 40000])
+def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
+    """mla_decode(rope=, rope_offset=) rotates q_rope in mla_qabs (ROPEQ 1): on the GPU the same
+    angle, cos / sin and rounding as mx.fast.rope's kernel, so bit for bit the output of the
+    separate rope (the CPU reference runs that rope itself)."""
+    from moe_mla_oracle import rope_of
+
+    kw = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=300, cache=mx.bfloat16) if GPU else {}
+    args, _ = inputs(seed=position % 97, **kw)
+    args = (args[0].astype(mx.bfloat16), args[1].astype(mx.bfloat16), *args[2:])
+    q_nope, q_rope, *rest = args
+    rope = rope_of(q_rope.shape[-1])
+    pos = mx.array(position, dtype=mx.int32)
+    kernels.reset_counters()
+    fused = kernels.mla_decode(q_nope, q_rope, *rest, rope=rope, rope_offset=pos)
+    assert not kernels.counters()["fallbacks"]
+    separate = kernels.mla_decode(q_nope, mla.rotate_q(q_rope, rope, pos), *rest)
+    assert np.array_equal(np.array(fused.astype(mx.float32)), np.array(separate.astype(mx.float32)))

@@ -498,8 +498,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
                                           "simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), false);"),
     "scores: q' rows with the wrong stride": ("simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);",
                                               "simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, R);"),
-    "q_rope not copied beside q'": ("    qabs[(size_t(q) * Hp + h) * QW + R + c] = float(qrope[(size_t(q) * H + h) * (QW - R) + c]);",
-                                    "    qabs[(size_t(q) * Hp + h) * QW + R + c] = 0.0f;"),
+    "q_rope not copied beside q'": ("      qa_rope[c] = float(qr[c]);", "      qa_rope[c] = 0.0f;"),
     "scores: every SIMD group on head tile 0": ("const int ht = sg % HTL;", "const int ht = 0;"),
     "scores: a k-part's partial dropped": ("for (int g = 0; g < KP; ++g) {\n        dot += sc_s",
                                            "for (int g = 1; g < KP; ++g) {\n        dot += sc_s"),
@@ -738,3 +737,72 @@ def test_moe_residual_planted_defect_is_caught(metal, monkeypatch):
 
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec))
     assert not np.array_equal(np.array(kernels.moe_block(x, experts, ids, w, residual=res)), want)
+
+
+# ---------------------------------------------------------------------------------------
+# mla_qabs ROPEQ: q_rope rotated in mla_decode's first launch (one rope launch fewer a layer)
+
+
+def host_rotated(q_rope, inv_freq, position):
+    """q_rope [B, H, 1, rope] rotated half-split at float32 angles (position * inv_freq as the
+    kernels round it), cos / sin in float64, rounded to q's dtype."""
+    q = np.asarray(q_rope.astype(mx.float32)).astype(np.float64)
+    half = q.shape[-1] // 2
+    theta = (np.float32(position) * np.asarray(inv_freq, np.float32)).astype(np.float64)
+    x1, x2 = q[..., :half], q[..., half:]
+    c, s = np.cos(theta), np.sin(theta)
+    out = np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    return mx.array(out.astype(np.float32)).astype(q_rope.dtype)
+
+
+@VARIANTS
+@pytest.mark.parametrize("position", [5, 40000])
+def test_mla_q_rope_rotated_in_qabs(metal, variant, position):
+    args, _ = mla_inputs(H=8, T=70, rope=16, seed=8)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    rope = rope_of(16)
+    kernels.reset_counters()
+    out = mla.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v, variant=variant,
+                         rope=rope, rope_offset=mx.array(position, dtype=mx.int32))
+    assert metal[0] == "mla_qabs" and not kernels.counters()["fallbacks"]
+    assert_mla_close(out, q_nope, host_rotated(q_rope, rope.inv_freq, position), latent, k_rope, kv_b, scale,
+                     None, nope, v, label=f"position {position}")
+
+
+def test_mla_q_rope_declines_visibly(metal):
+    args, _ = mla_inputs(H=4, T=30, rope=8, seed=9)
+    rope = rope_of(8, factor=1.25)
+    kernels.reset_counters()
+    out = mla.mla_decode(*args, rope=rope, rope_offset=mx.array(3, dtype=mx.int32))
+    fallbacks = kernels.counters()["fallbacks"]
+    assert any("attention factor 1.25" in k for k in fallbacks), fallbacks
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    rotated = mla.rotate_q(q_rope, rope, mx.array(3, dtype=mx.int32))
+    assert_mla_close(out, q_nope, rotated, latent, k_rope, kv_b, scale, None, nope, v)
+
+
+@pytest.mark.parametrize("defect", ["rotated the wrong way", "unrotated", "position of row 0"])
+def test_mla_q_rope_planted_defect_is_caught(metal, monkeypatch, defect):
+    good, bad = {"rotated the wrong way": ("float(static_cast<TQ>(x1 * cs - x2 * sn))",
+                                           "float(static_cast<TQ>(x1 * cs + x2 * sn))"),
+                 "unrotated": ("  if (ROPEQ) {\n    const int half = (QW - R) / 2;", "  if (false) {\n    const int half = (QW - R) / 2;"),
+                 "position of row 0": ("const float position = float(qpos[q]);", "const float position = float(qpos[0]);")}[defect]
+    assert _launched_text("mma").count(good) == 1, f"defect '{defect}' no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec))
+    args, _ = mla_inputs(H=8, T=40, rope=16, seed=10, B=2)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    rope = rope_of(16)
+    positions = mx.array([4, 77], dtype=mx.int32)
+    run = mla.launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v,
+                           q_rotation=(rope.inv_freq, positions), backend=dispatch.METAL)
+    rotated = mx.concatenate([host_rotated(q_rope[b:b + 1], rope.inv_freq, int(positions[b])) for b in range(2)])
+    assert_mla_close(run(lambda spec: simulate(spec, simulator)), q_nope, rotated, latent, k_rope, kv_b, scale,
+                     None, nope, v, label="clean")
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_mla_close(run(planted), q_nope, rotated, latent, k_rope, kv_b, scale, None, nope, v)
+    assert "failed to compile" not in str(caught.value)

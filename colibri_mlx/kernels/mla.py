@@ -187,7 +187,8 @@ class _Static:
     bodies: dict
     Hp: int
     HT: int
-    qabs: dict            # LaunchSpec fields of mla_qabs but inputs
+    qabs: dict            # LaunchSpec fields of mla_qabs but inputs and template
+    qabs_templates: list  # mla_qabs' template with ROPEQ 0 / 1
     attn_name: str
     attn_threads: int     # threads a threadgroup
     attn_blocks: int      # threadgroups along x
@@ -210,10 +211,11 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     bodies = read_kernel_sections("mla_decode", backend)[1]
     LW, NU, RU = unit_lanes(_ceil_div(R, UNIT_WEIGHTS[p.fmt]))
     tg = (SIMD * NSG, 1, 1)
-    qabs = dict(name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params"),
+    qabs = dict(name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params", "qpos", "invf"),
                 output_names=("qabs",), source=bodies["mla_qabs"], header=header,
                 output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
-                grid=(SIMD * NSG, Hp, BL), threadgroup=tg, template=_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU))
+                grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
+    qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
         attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
@@ -226,8 +228,8 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                          ("RJ", max(1, _ceil_div(rope, SIMD)))]
     out_template = _template(p, T=q_dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
                              NTMAX=MAX_TILES)
-    st = _Static(p, header, bodies, Hp, HT, qabs, attn_name, SIMD * attn_sg, attn_blocks, attn_template,
-                 out_template)
+    st = _Static(p, header, bodies, Hp, HT, qabs, qabs_templates, attn_name, SIMD * attn_sg, attn_blocks,
+                 attn_template, out_template)
     _statics[key] = (kv_b, st)
     return st
 
@@ -270,10 +272,13 @@ def params_signature(kv_b) -> tuple:
 
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
-                 heads: Optional[int] = None, params: Optional[mx.array] = None):
+                 heads: Optional[int] = None, params: Optional[mx.array] = None,
+                 q_rotation: Optional[tuple] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
-    (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array)."""
+    (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array).
+    ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
+    unrotated and mla_qabs rotates it (half-split, as mx.fast.rope)."""
     B, H, L, _ = q_nope.shape
     T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
@@ -299,8 +304,11 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     else:
         mask_u8 = _no_mask()
     sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else dispatch.int_params()
-    qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params],
-                                    **st.qabs)
+    # without a rotation, qpos / invf are stand-ins (params, fparams), never read
+    qpos, invf = (params, fparams) if q_rotation is None else (q_rotation[1], q_rotation[0])
+    qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params,
+                                            qpos, invf],
+                                    template=st.qabs_templates[int(q_rotation is not None)], **st.qabs)
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
@@ -331,14 +339,25 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
 def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
                selected: Optional[mx.array] = None, variant: Optional[str] = None,
-               params: Optional[mx.array] = None) -> mx.array:
+               params: Optional[mx.array] = None, rope=None, rope_offset: Optional[mx.array] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
     the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``);
     ``params`` (:func:`step_params`): ``latent``/``k_rope`` are a fixed-capacity buffer of
-    which the first ``params[6]`` rows are attended."""
+    which the first ``params[6]`` rows are attended. ``rope`` (models/rope.RoPE) and
+    ``rope_offset`` (int32 array, the position of a single query row): ``q_rope`` arrives
+    unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers)."""
     impl = dispatch.backend()
     reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
+    q_rotation = None
+    if rope is not None:
+        why = rotation_decline_reason(q_rope, rope) if impl != dispatch.REFERENCE and reason is None else "-"
+        if why is None:
+            q_rotation = (rope.inv_freq, rope_offset.reshape(1))
+        else:
+            if why != "-":
+                dispatch.record_fallback("mla_qabs rope", why)
+            q_rope = rotate_q(q_rope, rope, rope_offset)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
@@ -353,9 +372,28 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-                       selected, backend=impl, variant=variant, params=params)
+                       selected, backend=impl, variant=variant, params=params, q_rotation=q_rotation)
     dispatch.record_call(f"mla_attn/{run.variant}", impl)
     return run(lambda spec: dispatch.launch(impl, spec))
+
+
+def rotation_decline_reason(q_rope: mx.array, rope) -> Optional[str]:
+    """Why mla_qabs does not rotate q_rope itself (a separate mx.fast.rope runs, counted)."""
+    B, _, L, width = q_rope.shape
+    if B * L != 1:
+        return f"{B * L} query rows: one position only"
+    if width % 2:
+        return f"rope width {width}"
+    if rope.attention_factor != 1.0:
+        return f"rope attention factor {rope.attention_factor} (mx.fast.rope's product by it rounds once more)"
+    return None
+
+
+def rotate_q(q_rope: mx.array, rope, offset: mx.array) -> mx.array:
+    """``q_rope [B, H, L, rope]`` rotated half-split at ``offset + l`` (models/rope.RoPE.apply_fast)."""
+    y = mx.fast.rope(q_rope, q_rope.shape[-1], traditional=False, base=None, scale=1.0, offset=offset,
+                     freqs=rope.fast_freqs)
+    return y if rope.attention_factor == 1.0 else y * rope.attention_factor
 
 
 # ---------------------------------------------------------------------------------------

@@ -465,12 +465,13 @@ class Attention:
             return part.reshape(B, self.n_heads, 1, width)
         return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
 
-    def rows(self, x, cos=None, sin=None, rope_offset=None):
+    def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True):
         """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], latent
         [B,L,R] (normed), k_rope [B,L,rope], q_latent [B*L,q_lora] or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of a single query row of a single
-        sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used."""
+        sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
+        ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate."""
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None and L == 1
@@ -492,14 +493,15 @@ class Attention:
         q_nope = self._heads(q[:, : H * self.nope], B, L, self.nope)
         q_rope = self._heads(q[:, H * self.nope:], B, L, self.rope_dim)
         if fast:
-            q_rope = self.rope.apply_fast(q_rope, rope_offset)
+            q_rope = self.rope.apply_fast(q_rope, rope_offset) if rotate_q else q_rope
         else:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
         return q_nope, q_rope, latent, k_rope, q_latent
 
     def _decode_rows(self, x, rope_offset):
-        """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces)."""
-        *parts, q_latent = self.rows(x, rope_offset=rope_offset)
+        """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces); q_rope
+        unrotated (:meth:`attend` with ``q_offset`` rotates it in mla_decode's first launch)."""
+        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False)
         return tuple(parts) if q_latent is None or self.indexer is None else (*parts, q_latent)
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
@@ -507,10 +509,12 @@ class Attention:
         B, L, D = x.shape
         if self.steps_compiled(x, mask, layer_cache, shared_selection, rope_offset):
             return self.decode_step(x, layer_cache, start, rope_offset), None
+        q_offset = None
         if rope_offset is not None and L == 1:
             # The same graph every decode step: compiled on GPUs (kernels.compiled).
             q_nope, q_rope, latent, k_rope, *q_latent = self._compiled_rows(x, rope_offset)
             q_latent = q_latent[0] if q_latent else None
+            q_offset = rope_offset
         else:
             q_nope, q_rope, latent, k_rope, q_latent = self.rows(x, cos, sin)
         latent, k_rope = self.cached(latent, k_rope, layer_cache, start)
@@ -519,7 +523,7 @@ class Attention:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = selection if mask is None else mask & selection
-        return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask)).reshape(B, L, D), selection
+        return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=q_offset)).reshape(B, L, D), selection
 
     def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
         """Whether these rows run as :meth:`decode_step`: one decode row of unpadded sequences
@@ -568,7 +572,7 @@ class Attention:
         the output added to ``residual`` (x's shape) when given."""
         q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
         latent, k_rope = write_row(latent, latent_row, slot), write_row(k_rope, k_rope_row, slot)
-        attn = self.attend(q_nope, q_rope, latent, k_rope, None, params)
+        attn = self.attend(q_nope, q_rope, latent, k_rope, None, params, q_offset=slot)
         res = None if residual is None else residual.reshape(-1, residual.shape[-1])
         return self.output(attn, res).reshape(x.shape), latent, k_rope
 
@@ -578,13 +582,15 @@ class Attention:
             return latent, k_rope
         return layer_cache.append("latent", latent, start), layer_cache.append("k_rope", k_rope, start)
 
-    def attend(self, q_nope, q_rope, latent, k_rope, mask, step_params=None):
+    def attend(self, q_nope, q_rope, latent, k_rope, mask, step_params=None, q_offset=None):
         """The attention core over the cache: ``[B*L, H*v_dim]``, rows in (b, l) order.
         ``step_params`` (kernels.mla.step_params): latent / k_rope are the cache's whole
-        fixed-capacity buffers, of which the array says how many rows are attended."""
+        fixed-capacity buffers, of which the array says how many rows are attended.
+        ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position."""
         B, H, L, _ = q_nope.shape
+        rope = None if q_offset is None else self.rope
         out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
-                               self.nope, self.v_dim, step_params)
+                               self.nope, self.v_dim, step_params, rope, q_offset)
         return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
 
     def output(self, attn, residual=None):
@@ -593,13 +599,16 @@ class Attention:
         return linear(attn, self.o_proj, self.o_bias, residual)
 
 
-def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim, step_params=None):
-    """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference)."""
-    if step_params is not None:
+def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim, step_params=None,
+                     rope=None, rope_offset=None):
+    """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference).
+    ``rope``/``rope_offset``: q_rope arrives unrotated (one decode row; mla_decode rotates it)."""
+    if step_params is not None or q_nope.shape[2] <= ABSORBED_MAX_TOKENS:
         return kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim,
-                                  params=step_params)
-    impl = kernels.mla_decode if q_nope.shape[2] <= ABSORBED_MAX_TOKENS else mla_reference.mla_prefill
-    return impl(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
+                                  params=step_params, rope=rope, rope_offset=rope_offset)
+    if rope is not None:
+        q_rope = rope.apply_fast(q_rope, rope_offset)
+    return mla_reference.mla_prefill(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
 
 
 # ------------------------------------------------------------------------------ feed-forward
@@ -775,7 +784,7 @@ class DecoderLayer:
             return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_step)
         q_nope, q_rope, latent, k_rope = self._compiled_in(x, rope_offset)
         latent, k_rope = self.self_attn.cached(latent, k_rope, layer_cache, start)
-        attn = self.self_attn.attend(q_nope, q_rope, latent, k_rope, mask)
+        attn = self.self_attn.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=rope_offset)
         return self._compiled_out(x, attn, static=reason)
 
     def _step(self, x, slot, latent, k_rope, params):

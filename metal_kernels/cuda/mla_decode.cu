@@ -234,8 +234,25 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
     qabs[(size_t(q) * Hp + h) * QW + c] = s;
   }
-  for (int c = tid; c < QW - R; c += NSG * 32) {   // q_rope as float beside q' (no cast launch)
-    qabs[(size_t(q) * Hp + h) * QW + R + c] = static_cast<float>(qrope[(size_t(q) * H + h) * (QW - R) + c]);
+  // q_rope as float beside q'; ROPEQ 1: rotated here, rounded to q's dtype (see the .metal file).
+  const TQ* qr = qrope + (size_t(q) * H + h) * (QW - R);
+  float* qa_rope = qabs + (size_t(q) * Hp + h) * QW + R;
+  if (ROPEQ) {
+    const int half = (QW - R) / 2;
+    const float position = static_cast<float>(qpos[q]);
+    for (int j = tid; j < half; j += NSG * 32) {
+      const float theta = position * invf[j];
+      const float cs = cosf(theta);
+      const float sn = sinf(theta);
+      const float x1 = static_cast<float>(qr[j]);
+      const float x2 = static_cast<float>(qr[j + half]);
+      qa_rope[j] = static_cast<float>(static_cast<TQ>(x1 * cs - x2 * sn));
+      qa_rope[j + half] = static_cast<float>(static_cast<TQ>(x1 * sn + x2 * cs));
+    }
+  } else {
+    for (int c = tid; c < QW - R; c += NSG * 32) {
+      qa_rope[c] = static_cast<float>(qr[c]);
+    }
   }
 // ==== kernel body: mla_attn ====
   constexpr int C = colibri_mla::mla_chunk();
