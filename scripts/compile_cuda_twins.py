@@ -132,6 +132,16 @@ def mla_specs(full: bool):
                 for spec in specs:
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
+    # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
+    q = mx.zeros((1, H, 1, nope), mx.bfloat16)
+    qr = mx.zeros((1, H, 1, rope), mx.bfloat16)
+    kv_b = random_qtensor(4, H * (nope + v), R, gs=64, seed=4)
+    run = mla.launch_specs(q, qr, mx.zeros((1, T, R), mx.bfloat16), mx.zeros((1, T, rope), mx.bfloat16), kv_b, 0.1,
+                           None, nope, v, backend=dispatch.CUDA,
+                           q_rotation=(mx.ones((rope // 2,), mx.float32), mx.array([7], dtype=mx.int32)))
+    rotated = []
+    run(lambda spec: rotated.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    yield "mla_qabs_fmt4_ropeq", rotated[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
