@@ -23,7 +23,7 @@
 // with one -8 sum x per segment, qd_seg_dots_nib; 0 = magic-number codes, qd_decode8), PF
 // (1: the next step's loads are issued before this step's arithmetic, two register buffers),
 // RES (1: y = res + x W^T, the residual add of a decoder layer done by the writing thread;
-// 0: res is not read, the caller passes x again).
+// 0: res is not read, the caller passes x again), OT (y's dtype: T, or float32 for logits).
 // params (int32[8], >= 8 elements so MLX puts it in device space):
 // O, I, row bytes, scales (fmt 4/5) or super-blocks (fmt 6) per row, units per row, 0, 0, 0.
 // The caller pads every input to >= 8 elements for the same reason, so helpers can take
@@ -178,7 +178,7 @@ inline void qg_compute_units(const device T* x, const device uint* e8grid, int I
     if (row < O) {
       const float row_scale = qd_row_scale<FMT>(scales, row);
       // RES 1: y = res + y, rounded as the separate add would round it (to T, then the sum).
-      const T yv = static_cast<T>(v * row_scale);
-      y[s * O + row] = RES ? static_cast<T>(float(res[s * O + row]) + float(yv)) : yv;
+      const OT yv = static_cast<OT>(v * row_scale);
+      y[s * O + row] = RES ? static_cast<OT>(float(res[s * O + row]) + float(yv)) : yv;
     }
   }

@@ -138,7 +138,8 @@ def earlier_step_ops():
     scatter); q_a's and the latent's norms and the rope key as three ops (not mla_rows), the
     norms on their strided slices (which MLX's rms_norm copies first); the residual adds as
     ops of their own (not in o_proj's / the MLP's last kernel); q's rope as an op of its own
-    (not in mla_qabs): 36 launches a step more for 4 layers."""
+    (not in mla_qabs); bf16 logits cast to float32 (not written as float32): 37 launches a
+    step more for 4 layers."""
     from colibri_mlx.models import deepseek_v3 as model_file
 
     def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
@@ -147,35 +148,35 @@ def earlier_step_ops():
         return (mx.fast.rms_norm(y[:, :q_rows], qa_norm, eps),
                 mx.fast.rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps), k)
 
-    def linear(x, w, bias=None, residual=None):
-        y = kernels.qmatmul(x, w)
-        y = y if bias is None else y + bias
-        return y if residual is None else residual + y
+    qmatmul, mla_decode = kernels.qmatmul, kernels.mla_decode
+
+    def separate_qmatmul(x, w, residual=None, out_dtype=None):
+        y = qmatmul(x, w)
+        y = y if residual is None else residual + y
+        return y if out_dtype is None else y.astype(out_dtype)
 
     def routed_experts(x, experts, ids, weights, residual=None):
         y = kernels.moe_block(x, experts, ids, weights)
         return y if residual is None else residual + y
-
-    mla_decode = kernels.mla_decode
 
     def attention(q_nope, q_rope, *args, rope=None, rope_offset=None, **kw):
         if rope is not None:
             q_rope = kernels.mla.rotate_q(q_rope, rope, rope_offset)
         return mla_decode(q_nope, q_rope, *args, **kw)
 
-    names = ("write_row", "rms_norm", "linear", "routed_experts")
+    names = ("write_row", "rms_norm", "routed_experts")
     saved = [getattr(model_file, n) for n in names] + [kernels.mla_rows]
     model_file.write_row = lambda buf, row, slot: mx.slice_update(buf, row, slot.reshape(1), axes=(1,))
     model_file.rms_norm = lambda x, w, eps: mx.fast.rms_norm(x, w, eps)
-    model_file.linear, model_file.routed_experts, kernels.mla_rows = linear, routed_experts, rows
-    kernels.mla_decode = attention
+    model_file.routed_experts = routed_experts
+    kernels.mla_rows, kernels.mla_decode, kernels.qmatmul = rows, attention, separate_qmatmul
     kernels.compiled.clear()
     try:
         yield
     finally:
         for n, f in zip(names, saved):
             setattr(model_file, n, f)
-        kernels.mla_rows, kernels.mla_decode = saved[-1], mla_decode
+        kernels.mla_rows, kernels.mla_decode, kernels.qmatmul = saved[-1], mla_decode, qmatmul
         kernels.compiled.clear()
 
 
@@ -223,7 +224,7 @@ def main():
     with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
         cache = ours.make_cache()
         res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with earlier_step_ops():                          # 36 launches a step more (4 layers)
+    with earlier_step_ops():                          # 37 launches a step more (4 layers)
         cache = ours.make_cache()
         res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
         cache = ours.make_cache()

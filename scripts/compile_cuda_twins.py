@@ -95,6 +95,9 @@ def qgemv_specs(full: bool):
             if S == 1:   # the residual add in the write (RES 1: o_proj, the dense MLP's down)
                 res = random_x(S, O, dtype=dtype)
                 yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_res", qgemv.launch_spec(x, qt, dispatch.CUDA, residual=res)
+                # float32 logits from bf16 x (OT float32: lm_head)
+                yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_f32out", qgemv.launch_spec(x, qt, dispatch.CUDA,
+                                                                              out_dtype=mx.float32)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):

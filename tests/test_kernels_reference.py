@@ -130,7 +130,7 @@ def test_gpu_kernel_runs_and_declines_are_counted(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     launched = []
 
-    def fake_kernel(x, qt, impl, residual=None):
+    def fake_kernel(x, qt, impl, residual=None, out_dtype=None):
         launched.append((qt.fmt, impl))
         return reference.qmatmul(x, qt)
 

@@ -263,3 +263,22 @@ def test_residual_is_added_as_a_separate_add_would(fmt, S, dtype):
         assert spec.source.count(good) == 1, f"defect '{defect}' no longer plants"
         got = np.array(simulate(spec, spec.source.replace(good, bad)).astype(mx.float32))
         assert not np.array_equal(got, want) or (defect.startswith("residual of row 0") and S == 1), defect
+
+
+@pytest.mark.parametrize("fmt", [2, 4, 6])
+@pytest.mark.parametrize("S", [1, 5])
+def test_float32_output_is_the_unrounded_sum(fmt, S):
+    """OT float32 (the model's logits): the same float32 sum the bf16 launch rounds, unrounded,
+    within the float64 oracle's float32 budget."""
+    pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    qt = random_qtensor(fmt, 37, 300, gs=32 if fmt == 4 else None, seed=fmt + 1)
+    x = random_x(S, 300, dtype=mx.bfloat16, seed=4)
+    wide = qgemv.launch_spec(x, qt, out_dtype=mx.float32)
+    assert wide.output_dtypes == [mx.float32] and dict(wide.template)["OT"] == mx.float32
+    y32 = simulate(wide)
+    assert y32.dtype == mx.float32
+    assert_close(y32, x.astype(mx.float32), qt, f"fmt {fmt} S={S} float32 out")
+    yb = simulate(qgemv.launch_spec(x, qt))
+    assert np.array_equal(np.array(yb.astype(mx.float32)), np.array(y32.astype(mx.bfloat16).astype(mx.float32)))
+    with pytest.raises(ValueError, match="residual"):
+        qgemv.launch_spec(x, qt, out_dtype=mx.float32, residual=random_x(S, 37, dtype=mx.bfloat16))

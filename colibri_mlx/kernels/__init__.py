@@ -38,19 +38,23 @@ __all__ = [
 ROW_CONCAT_FMTS = (1, 2, 3, 4, 5)
 
 
-def qmatmul(x: mx.array, w, residual: mx.array | None = None) -> mx.array:
-    """``x[..., I] @ W.T -> [..., O]`` in x's dtype, float32 accumulation; plus ``residual``
-    (``[..., O]``, x's dtype) when given, rounded as a separate add would round it.
+def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtype | None = None) -> mx.array:
+    """``x[..., I] @ W.T -> [..., O]`` in x's dtype (or ``out_dtype``: float32 logits without a
+    rounding to x's dtype or a cast launch), float32 accumulation; plus ``residual`` (``[..., O]``,
+    x's dtype) when given, rounded as a separate add would round it.
 
     ``w`` is a float ``mx.array [O, I]`` or a :class:`QTensor` (fmt 0-6; for fmt 6 ``x`` must
     already be rotated, FORMAT.md §3.6). Up to 8 rows of x go to the GEMV kernel, which reads
     every weight byte once (and adds the residual as it writes: no launch of its own); more rows
     (prefill) dequantize row tiles and use matmul.
     """
+    if residual is not None and out_dtype is not None and out_dtype != x.dtype:
+        raise ValueError(f"qmatmul: a residual add keeps x's dtype {x.dtype}, not {out_dtype}")
     if not isinstance(w, QTensor):
         dispatch.record_call("dense", "matmul")
         y = x @ w.T
-        return y if residual is None else residual + y
+        y = y if residual is None else residual + y
+        return y if out_dtype is None else y.astype(out_dtype)
     shape = x.shape
     if shape[-1] != w.I:
         raise ValueError(f"qmatmul: x has {shape[-1]} features but {w.name or 'weight'} "
@@ -59,22 +63,24 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None) -> mx.array:
                                  or residual.dtype != x.dtype):
         raise ValueError(f"qmatmul: residual {residual.shape} {residual.dtype} does not match the output "
                          f"{(*shape[:-1], w.O)} {x.dtype} of {w.name or 'weight'}")
-    if len(shape) == 2:
-        return _qmatmul_2d(x, w, shape[0], residual)   # MLX records even a no-op reshape as a graph node
+    if len(shape) == 2:   # MLX records even a no-op reshape as a graph node
+        return _qmatmul_2d(x, w, shape[0], residual, out_dtype)
     x2 = x.reshape(-1, w.I)
-    y = _qmatmul_2d(x2, w, x2.shape[0], None if residual is None else residual.reshape(-1, w.O))
+    y = _qmatmul_2d(x2, w, x2.shape[0], None if residual is None else residual.reshape(-1, w.O), out_dtype)
     return y.reshape(*shape[:-1], w.O)
 
 
-def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = None) -> mx.array:
+def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = None, out_dtype=None) -> mx.array:
     impl = backend()
+    # The reference computes in float32: float32 logits skip the rounding to x's dtype there too.
+    xr = x.astype(mx.float32) if out_dtype is not None and out_dtype == mx.float32 and residual is None else x
     if qt.fmt != 0 and S <= _qgemv.MAX_ROWS and impl != REFERENCE:
         reason = _qgemv.decline_reason_for(qt, S, x.dtype)
         if reason is None:
             dispatch.record_call("qgemv", impl)
-            return _qgemv.qgemv(x, qt, impl, residual)
+            return _qgemv.qgemv(x, qt, impl, residual, out_dtype)
         dispatch.record_fallback("qgemv", reason)
-        y = reference.qmatmul(x, qt)
+        y = reference.qmatmul(xr, qt)
     elif qt.fmt == 0 or S > _qgemv.MAX_ROWS:
         # Prefill / f32 weights: dequantized tiles + matmul (in x's dtype on GPUs, where the
         # matmul accumulates in float32; float32 on the CPU backend).
@@ -82,13 +88,14 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
         dispatch.record_call(path, "dequant-matmul")
         gpu = impl in (METAL, CUDA) and x.dtype in (mx.float16, mx.bfloat16)
         if not gpu and qt.fmt != 0:
-            y = reference.cached_qmatmul(x, qt)
+            y = reference.cached_qmatmul(xr, qt)
         else:
             y = reference.qmatmul(x, qt, compute_dtype=x.dtype if gpu else mx.float32)
     else:
         dispatch.record_call("qgemv", REFERENCE)
-        y = reference.cached_qmatmul(x, qt)
-    return y if residual is None else residual + y
+        y = reference.cached_qmatmul(xr, qt)
+    y = y if residual is None else residual + y
+    return y if out_dtype is None or y.dtype == out_dtype else y.astype(out_dtype)
 
 
 def concat_rows(weights) -> "mx.array | QTensor | None":

@@ -172,17 +172,17 @@ class _Static:
     header: str
 
 
-def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch) -> _Static:
+def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch, out_dtype) -> _Static:
     """Built on the first call and kept on the weight (:func:`_per_weight`)."""
-    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch)
+    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
     cache = _per_weight(qt, "_qgemv_static")
     hit = cache.get(key)
     if hit is None:
-        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch)
+        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
     return hit
 
 
-def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch) -> _Static:
+def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype) -> _Static:
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
@@ -199,10 +199,10 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", prefetch), ("RES", 0)]
+                ("PF", prefetch), ("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
-    return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[dtype],
+    return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[out_dtype],
                    grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
                    template=template, template_res=template[:-1] + [("RES", 1)],
                    source=dispatch.read_kernel_source(NAME, backend)[1],
@@ -212,10 +212,15 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
                 simdgroups: Optional[int] = None, nib: Optional[int] = None,
-                prefetch: Optional[int] = None, residual: Optional[mx.array] = None) -> dispatch.LaunchSpec:
-    """The launch for ``x[S, I] @ W.T`` (S <= 8), plus ``residual [S, O]`` (x's dtype) when
-    given; identical arguments for MLX and the simulator."""
-    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch)
+                prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
+                out_dtype=None) -> dispatch.LaunchSpec:
+    """The launch for ``x[S, I] @ W.T`` (S <= 8) in ``out_dtype`` (default x's; float32 for
+    logits: no rounding to x's dtype and no cast launch), plus ``residual [S, O]`` (x's dtype,
+    output in x's dtype) when given; identical arguments for MLX and the simulator."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if residual is not None and out_dtype != x.dtype:
+        raise ValueError(f"qgemv: a residual add writes x's dtype ({x.dtype}), not {out_dtype}")
+    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
     xs = at_least_8(x)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
@@ -224,7 +229,9 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
         template=st.template if residual is None else st.template_res)
 
 
-def qgemv(x: mx.array, qt, backend: str, residual: Optional[mx.array] = None, **tuning) -> mx.array:
-    """Run the ``backend`` kernel on ``x[S, I]`` (+ ``residual``); the caller checked
-    :func:`decline_reason`."""
-    return dispatch.launch(backend, launch_spec(x, qt, backend, residual=residual, **tuning))[0]
+def qgemv(x: mx.array, qt, backend: str, residual: Optional[mx.array] = None, out_dtype=None,
+          **tuning) -> mx.array:
+    """Run the ``backend`` kernel on ``x[S, I]`` (+ ``residual``, in ``out_dtype``); the caller
+    checked :func:`decline_reason`."""
+    return dispatch.launch(backend, launch_spec(x, qt, backend, residual=residual, out_dtype=out_dtype,
+                                                **tuning))[0]

@@ -890,7 +890,8 @@ class Model:
         return self._compiled_head(x) if L == 1 else self.head(x)
 
     def head(self, x):
-        return linear(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head).astype(mx.float32)
+        """float32 logits: the GEMV writes them as float32 (no rounding to bf16, no cast launch)."""
+        return kernels.qmatmul(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head, out_dtype=mx.float32)
 
     def _steps_as_one_graph(self, x, mask, rope_offset) -> bool:
         """Whether this decode row runs as one compiled graph for every layer and the head:

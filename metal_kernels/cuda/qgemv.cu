@@ -198,7 +198,7 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
     if (row < O) {
       const float row_scale = colibri_qd::row_scale<FMT>(scales, row);
       // RES 1: y = res + y, rounded as the separate add would round it (to T, then the sum).
-      const T yv = static_cast<T>(v * row_scale);
-      y[s * O + row] = RES ? static_cast<T>(static_cast<float>(res[s * O + row]) + static_cast<float>(yv)) : yv;
+      const OT yv = static_cast<OT>(v * row_scale);
+      y[s * O + row] = RES ? static_cast<OT>(static_cast<float>(res[s * O + row]) + static_cast<float>(yv)) : yv;
     }
   }
