@@ -421,6 +421,7 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     if (row0 + r < O) {
       // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
       const OT yv = static_cast<OT>(v);
-      y[size_t(s) * O + row0 + r] = RES ? static_cast<OT>(float(res[size_t(s) * O + row0 + r]) + float(yv)) : yv;
+      const size_t at = size_t(s) * O + row0 + r;
+      y[at] = RES ? static_cast<OT>(float(res[at]) + float(yv)) : yv;
     }
   }

@@ -723,7 +723,7 @@ def test_moe_residual_is_the_separate_add(metal, monkeypatch, dtype, fmts):
 
 
 def test_moe_residual_planted_defect_is_caught(metal, monkeypatch):
-    good, bad = "(res[size_t(s) * O + row0 + r])", "(res[row0 + r])"
+    good, bad = "float(res[at])", "float(res[row0 + r])"
     experts = make_experts([4] * 5, D=96, inter=40, gs=32, seed=12)
     ids, w = routing(3, 3, 5, seed=6)
     x, res = x_of(3, 96, seed=2), x_of(3, 96, seed=3) * 10

@@ -523,7 +523,8 @@ class Attention:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = selection if mask is None else mask & selection
-        return self.output(self.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=q_offset)).reshape(B, L, D), selection
+        attn = self.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=q_offset)
+        return self.output(attn).reshape(B, L, D), selection
 
     def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
         """Whether these rows run as :meth:`decode_step`: one decode row of unpadded sequences

@@ -455,6 +455,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     if (row0 + r < O) {
       // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
       const OT yv = static_cast<OT>(v);
-      y[size_t(s) * O + row0 + r] = RES ? static_cast<OT>(static_cast<float>(res[size_t(s) * O + row0 + r]) + static_cast<float>(yv)) : yv;
+      const size_t at = size_t(s) * O + row0 + r;
+      y[at] = RES ? static_cast<OT>(static_cast<float>(res[at]) + static_cast<float>(yv)) : yv;
     }
   }
