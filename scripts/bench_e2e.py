@@ -161,7 +161,7 @@ def earlier_step_ops():
 
     def attention(q_nope, q_rope, *args, rope=None, rope_offset=None, **kw):
         if rope is not None:
-            q_rope = kernels.mla.rotate_q(q_rope, rope, rope_offset)
+            q_rope = rope.apply_fast(q_rope, rope_offset)
         return mla_decode(q_nope, q_rope, *args, **kw)
 
     names = ("write_row", "rms_norm", "routed_experts")

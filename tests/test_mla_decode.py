@@ -151,5 +151,5 @@ def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
     kernels.reset_counters()
     fused = kernels.mla_decode(q_nope, q_rope, *rest, rope=rope, rope_offset=pos)
     assert not kernels.counters()["fallbacks"]
-    separate = kernels.mla_decode(q_nope, mla.rotate_q(q_rope, rope, pos), *rest)
+    separate = kernels.mla_decode(q_nope, rope.apply_fast(q_rope, pos), *rest)
     assert np.array_equal(np.array(fused.astype(mx.float32)), np.array(separate.astype(mx.float32)))

@@ -777,7 +777,7 @@ def test_mla_q_rope_declines_visibly(metal):
     fallbacks = kernels.counters()["fallbacks"]
     assert any("attention factor 1.25" in k for k in fallbacks), fallbacks
     q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
-    rotated = mla.rotate_q(q_rope, rope, mx.array(3, dtype=mx.int32))
+    rotated = rope.apply_fast(q_rope, mx.array(3, dtype=mx.int32))
     assert_mla_close(out, q_nope, rotated, latent, k_rope, kv_b, scale, None, nope, v)
 
 

@@ -32,6 +32,7 @@ from ..formats.qtensor import QTensor
 from . import dispatch
 from .moe import UNIT_WEIGHTS, Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import at_least_8, e8grid
+from .reference import rms_norm
 
 MAX_QUERY_ROWS = 4
 SIMD = 32
@@ -357,7 +358,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         else:
             if why != "-":
                 dispatch.record_fallback("mla_qabs rope", why)
-            q_rope = rotate_q(q_rope, rope, rope_offset)
+            q_rope = rope.apply_fast(q_rope, rope_offset)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
@@ -387,13 +388,6 @@ def rotation_decline_reason(q_rope: mx.array, rope) -> Optional[str]:
     if rope.attention_factor != 1.0:
         return f"rope attention factor {rope.attention_factor} (mx.fast.rope's product by it rounds once more)"
     return None
-
-
-def rotate_q(q_rope: mx.array, rope, offset: mx.array) -> mx.array:
-    """``q_rope [B, H, L, rope]`` rotated half-split at ``offset + l`` (models/rope.RoPE.apply_fast)."""
-    y = mx.fast.rope(q_rope, q_rope.shape[-1], traditional=False, base=None, scale=1.0, offset=offset,
-                     freqs=rope.fast_freqs)
-    return y if rope.attention_factor == 1.0 else y * rope.attention_factor
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,25 +473,17 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
             dispatch.record_call("mla_rows", dispatch.REFERENCE)
         else:
             dispatch.record_fallback("mla_rows", reason)
-        return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope.fast_freqs, factor, offset)
+        return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
     dispatch.record_call("mla_rows", impl)
     qa, lat, krow = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
     return qa, lat, krow
 
 
-def reference_rows(y, q_rows, qa_norm, kv_norm, eps, freqs, factor, offset):
-    """:func:`mla_rows` as MLX ops: mx.fast.rms_norm of each one-row part as a vector (its GPU
-    kernels copy a row whose stride is not its width first) and mx.fast.rope."""
+def reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
+    """:func:`mla_rows` as the ops it replaces: the norms (reference.rms_norm) and the rope
+    key's mx.fast.rope (``rope.apply_fast``)."""
     R = kv_norm.shape[0]
-
-    def norm(x, w):
-        if x.shape[0] == 1:
-            return mx.fast.rms_norm(x.reshape(-1), w, eps).reshape(x.shape)
-        return mx.fast.rms_norm(x, w, eps)
-
-    q_latent = norm(y[:, :q_rows], qa_norm) if q_rows else y[:, :0]
-    latent = norm(y[:, q_rows:q_rows + R], kv_norm)
-    k = y[:, None, q_rows + R:]                 # [BL, 1, rope]: mx.fast.rope wants [..., L, dims]
-    k_rope = mx.fast.rope(k, k.shape[-1], traditional=False, base=None, scale=1.0, offset=offset,
-                          freqs=freqs)[:, 0]
-    return q_latent, latent, (k_rope if factor == 1.0 else k_rope * factor)
+    q_latent = rms_norm(y[:, :q_rows], qa_norm, eps) if q_rows else y[:, :0]
+    latent = rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps)
+    k_rope = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]   # [BL, 1, rope]: [..., L, dims]
+    return q_latent, latent, k_rope

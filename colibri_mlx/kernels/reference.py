@@ -231,6 +231,15 @@ class DequantCache:
 dequant_cache = DequantCache(int(float(os.environ.get("COLIBRI_DEQUANT_CACHE_MB", "2048")) * 2**20))
 
 
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm`` over the last axis. One row is normalized as a 1-D view: MLX's GPU
+    rms_norm copies an input whose row stride is not its width (a launch of its own), and a decode
+    row's parts of a stacked projection are such slices; a 1-D view has no row stride to check."""
+    if x.ndim > 1 and x.size == x.shape[-1]:
+        return mx.fast.rms_norm(x.reshape(-1), weight, eps).reshape(x.shape)
+    return mx.fast.rms_norm(x, weight, eps)
+
+
 def cached_qmatmul(x: mx.array, qt) -> mx.array:
     """:func:`qmatmul` through :data:`dequant_cache` (same result bit for bit); weights over the
     budget are dequantized per call as before."""

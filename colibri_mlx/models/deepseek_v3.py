@@ -258,12 +258,7 @@ def linear(x: mx.array, w, bias: mx.array | None = None, residual: mx.array | No
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    if x.ndim > 1 and x.size == x.shape[-1]:
-        # One row, normalized as a vector: MLX's GPU rms_norm copies (a launch of its own) an
-        # input whose row stride is not its width, and the decode row's latent and q_a parts
-        # are such slices of the stacked x projection; a 1-D view has no row stride to check.
-        return mx.fast.rms_norm(x.reshape(-1), weight, eps).reshape(x.shape)
-    return mx.fast.rms_norm(x, weight, eps)
+    return kernels.reference.rms_norm(x, weight, eps)
 
 
 def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
