@@ -33,13 +33,34 @@ LARGE = [(7168, 2048), (2048, 7168), (18432, 7168)]
 GS = (16, 32, 48, 64, 96, 128, 192, 256)
 
 
-def run_kernel(x, qt):
-    spec = qgemv.launch_spec(x, qt, dispatch.CUDA)
+def run_kernel(x, qt, **kw):
+    spec = qgemv.launch_spec(x, qt, dispatch.CUDA, **kw)
     spec.init_value = float("nan")
     return dispatch.launch(dispatch.CUDA, spec)[0]
 
 
-def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True):
+def check_epilogue(fmt, O, I, S, dtype, gs=None, seed=0):
+    """RES 1 (residual add in the write) is bit for bit ``res + y``; OT float32 is the unrounded
+    sum, whose rounding to x's dtype is the plain launch's output."""
+    label = f"qgemv RES / OT fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}"
+    qt = random_qtensor(fmt, O, I, gs=gs, seed=seed).to_mlx()
+    x = random_x(S, I, dtype=dtype, seed=seed + 1)
+    res = (random_x(S, O, seed=seed + 2) * 10).astype(dtype)
+    y = run_kernel(x, qt)
+    y_res = run_kernel(x, qt, residual=res)
+    y32 = run_kernel(x, qt, out_dtype=mx.float32)
+    mx.eval(y, y_res, y32)
+    f32 = lambda a: np.asarray(a.astype(mx.float32))  # noqa: E731
+    ok_res = np.array_equal(f32(y_res), f32(res + y))
+    ok_ot = y32.dtype == mx.float32 and np.array_equal(f32(y), f32(y32.astype(dtype)))
+    ok = ok_res and ok_ot
+    print(f"{'PASS' if ok else 'FAIL'} {label}: RES == res + y {ok_res}, OT rounds to y {ok_ot}", flush=True)
+    return ok
+
+
+def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True, epilogue=False):
+    if epilogue:
+        return check_epilogue(fmt, O, I, S, dtype, gs, seed)
     label = f"qgemv fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}" + (f" gs={gs}" if gs else "")
     qt = random_qtensor(fmt, O, I, gs=gs, seed=seed).to_mlx()
     x = random_x(S, I, dtype=dtype, seed=seed + 1)
@@ -76,6 +97,9 @@ def cases(quick: bool) -> list[dict]:
     for gs in GS:
         for I in (520, 2 * gs + 1, 7168):
             out.append(dict(fmt=4, O=9, I=I, S=3, dtype=mx.bfloat16, gs=gs, seed=gs + I))
+    for fmt, S, dtype in ((2, 1, mx.bfloat16), (4, 1, mx.bfloat16), (6, 1, mx.bfloat16), (4, 3, mx.float16)):
+        out.append(dict(fmt=fmt, O=300, I=2048, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=7 + fmt,
+                        epilogue=True))
     if not quick:
         for fmt in (1, 2, 3, 4, 5, 6):
             for O, I in LARGE:
