@@ -806,3 +806,43 @@ def test_mla_q_rope_planted_defect_is_caught(metal, monkeypatch, defect):
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         assert_mla_close(run(planted), q_nope, rotated, latent, k_rope, kv_b, scale, None, nope, v)
     assert "failed to compile" not in str(caught.value)
+
+
+def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_path):
+    """The GPU decode step (Model._model_step: one graph for every layer and the head over the
+    caches' fixed-capacity buffers: write_row scatters, step params, mla_rows, ROPEQ, RES, OT)
+    run op by op with every launch in the simulator — what mx.compile replays on a Mac — gives
+    the reference path's logits and tokens over several steps, across a cache growth."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+    from colibri_mlx.kernels import compiled
+    from colibri_mlx.models import cache as cache_mod
+    from colibri_mlx.models.loading import load_model
+
+    hf = build_hf_model("deepseek_v3", seed=4, first_k_dense_replace=1)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
+    model = load_model(tmp_path / "c", dtype="float32")
+    monkeypatch.setattr(cache_mod, "GROW_STEP", 8)
+
+    def decode(steps=6):
+        cache = model.make_cache()
+        logits = model(mx.array([[5, 9, 17, 3, 8]]), cache)[0, -1]
+        rows, token = [np.array(logits)], int(mx.argmax(logits).item())
+        for _ in range(steps):
+            logits = model(mx.array([[token]]), cache)[0, -1]
+            rows.append(np.array(logits))
+            token = int(mx.argmax(logits).item())
+        return np.stack(rows)
+
+    with dispatch.force_reference():
+        want = decode()
+    steps = []
+    monkeypatch.setattr(compiled, "enabled", lambda backend: True)     # the GPU's path, op by op
+    monkeypatch.setattr(compiled.CompiledBlock, "__call__",
+                        lambda self, *args, static=None: steps.append(self.name) or self.fn(*args))
+    got = decode()
+    assert steps.count("model_step") == 6, steps
+    for name in ("mla_rows", "mla_qabs", "qgemv", "moe_down"):
+        assert name in metal, (name, set(metal))
+    assert not kernels.counters()["fallbacks"], kernels.counters()["fallbacks"]
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
