@@ -352,11 +352,12 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
     q_rotation = None
     if rope is not None:
-        why = rotation_decline_reason(q_rope, rope) if impl != dispatch.REFERENCE and reason is None else "-"
-        if why is None:
+        kernels_run = impl != dispatch.REFERENCE and reason is None
+        why = rotation_decline_reason(q_rope, rope) if kernels_run else None
+        if kernels_run and why is None:
             q_rotation = (rope.inv_freq, rope_offset.reshape(1))
         else:
-            if why != "-":
+            if why is not None:
                 dispatch.record_fallback("mla_qabs rope", why)
             q_rope = rope.apply_fast(q_rope, rope_offset)
     if impl == dispatch.REFERENCE or reason is not None:
