@@ -232,6 +232,18 @@ def rows_case(QL=48, R=160, rope=16, dtype=mx.float32, BL=1, seed=0):
     return y, qa_norm, kv_norm
 
 
+def rotated_f64(x: np.ndarray, inv_freq, position) -> tuple[np.ndarray, np.ndarray]:
+    """``(x rotated half-split, the angles)``: float64 ``x [..., rope]`` at float32 angles
+    (position * inv_freq rounded as the GPU ropes compute it), cos / sin in float64.
+    ``position``: a scalar, or one per row of a 2-D ``x``."""
+    pos = np.asarray(position, np.float32)
+    theta = (pos[..., None] * np.asarray(inv_freq, np.float32)).astype(np.float64)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = np.cos(theta), np.sin(theta)
+    return np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1), theta
+
+
 def rows_oracle(y, QL, qa_norm, kv_norm, eps, inv_freq, positions, angle_ulps=0):
     """float64 norms; the rotation at float32 angles (position * inv_freq rounded as MLX's GPU
     ropes compute it), cos / sin in float64. Bounds per element: magnitude-relative, two
@@ -250,11 +262,9 @@ def rows_oracle(y, QL, qa_norm, kv_norm, eps, inv_freq, positions, angle_ulps=0)
         bound.append(3 * u * np.abs(want) + 1e-30)
     k = x[:, QL + R:]
     half = k.shape[1] // 2
-    theta = (np.float32(1) * np.asarray(positions, np.float32)[:, None] * np.asarray(inv_freq)).astype(np.float64)
-    k1, k2 = k[:, :half], k[:, half:]
-    c, s = np.cos(theta), np.sin(theta)
-    out.append(np.concatenate([k1 * c - k2 * s, k1 * s + k2 * c], axis=1))
-    mag = (np.abs(k1) + np.abs(k2)) * (2 * u + 4e-7 + angle_ulps * 2.0 ** -23 * np.abs(theta))
+    k_rot, theta = rotated_f64(k, inv_freq, positions)
+    out.append(k_rot)
+    mag = (np.abs(k[:, :half]) + np.abs(k[:, half:])) * (2 * u + 4e-7 + angle_ulps * 2.0 ** -23 * np.abs(theta))
     bound.append(np.concatenate([mag, mag], axis=1))
     return out, bound
 

@@ -300,7 +300,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
 # mla_decode
 
 from colibri_mlx.kernels import mla  # noqa: E402
-from moe_mla_oracle import assert_mla_close, assert_rows_close, rope_of, rows_case  # noqa: E402
+from moe_mla_oracle import assert_mla_close, assert_rows_close, rope_of, rotated_f64, rows_case  # noqa: E402
 
 
 def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dtype=mx.float32, seed=0,
@@ -744,14 +744,8 @@ def test_moe_residual_planted_defect_is_caught(metal, monkeypatch):
 
 
 def host_rotated(q_rope, inv_freq, position):
-    """q_rope [B, H, 1, rope] rotated half-split at float32 angles (position * inv_freq as the
-    kernels round it), cos / sin in float64, rounded to q's dtype."""
-    q = np.asarray(q_rope.astype(mx.float32)).astype(np.float64)
-    half = q.shape[-1] // 2
-    theta = (np.float32(position) * np.asarray(inv_freq, np.float32)).astype(np.float64)
-    x1, x2 = q[..., :half], q[..., half:]
-    c, s = np.cos(theta), np.sin(theta)
-    out = np.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    """q_rope [B, H, 1, rope] rotated by the float64 oracle, rounded to q's dtype."""
+    out, _ = rotated_f64(np.asarray(q_rope.astype(mx.float32)).astype(np.float64), inv_freq, position)
     return mx.array(out.astype(np.float32)).astype(q_rope.dtype)
 
 
