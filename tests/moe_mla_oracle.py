@@ -220,8 +220,10 @@ def route_launches_to_simulator(monkeypatch, simulator) -> list:
 def rope_of(rope: int, factor: float = 1.0):
     from colibri_mlx.models.rope import RoPE
 
-    inv_freq = (10000.0 ** (-np.arange(0, rope, 2) / rope)).astype(np.float32)
-    return RoPE(mx.array(inv_freq), factor, False)
+    # as make_rope's default: the reciprocal of float32 frequencies, so that each inverse
+    # frequency is exactly 1 / a float32 (mx.fast.rope takes frequencies and divides on the GPU)
+    freqs = (10000.0 ** (np.arange(0, rope, 2) / rope)).astype(np.float32)
+    return RoPE(mx.array((1.0 / freqs.astype(np.float64)).astype(np.float32)), factor, False)
 
 
 def rows_case(QL=48, R=160, rope=16, dtype=mx.float32, BL=1, seed=0):

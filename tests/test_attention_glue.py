@@ -162,44 +162,54 @@ def test_fast_rope_freqs_round_trip():
     assert np.all(np.abs((1.0 / freqs.astype(np.float64)) / inv - 1) <= 2.0**-23)   # one ulp at most
 
 
+def count_cos_sin_rotations(monkeypatch):
+    """The shapes of the cos/sin rotations the model makes (``apply_rope``). A decode row at an
+    offset is rotated elsewhere: by mx.fast.rope on the reference path, in mla_rows / mla_qabs
+    on the GPU; counting what leaves cos/sin holds on every backend."""
+    from colibri_mlx.models import deepseek_v3
+
+    calls = []
+    real = deepseek_v3.apply_rope
+    monkeypatch.setattr(deepseek_v3, "apply_rope", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    return calls
+
+
 def test_decode_rotates_with_fast_rope_only_for_one_row_of_one_sequence(checkpoints, monkeypatch):
     model = load_model(checkpoints["v3_lora_g1"], dtype="float32")
-    calls = []
-    real = mx.fast.rope
-    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    calls = count_cos_sin_rotations(monkeypatch)
     tokens = random_tokens(8, seed=4, batch=2)
-    cache = model.make_cache()
-    model(mx.array(tokens[:1, :7]), cache)                  # prefill: cos/sin
-    assert calls == []
-    model(mx.array(tokens[:1, 7:]), cache)                  # decode, one sequence: q and k per layer
     n = len(model.layers)
-    assert len(calls) == 2 * n
     H, r = model.args.num_attention_heads, model.args.qk_rope_head_dim
-    assert sorted(calls[:2]) == [(1, 1, r), (1, H, 1, r)]   # the key's in mla_rows (its reference here)
+    cache = model.make_cache()
+    model(mx.array(tokens[:1, :7]), cache)                  # prefill: cos/sin for q and k
+    assert sorted(calls[:2]) == [(1, 1, 7, r), (1, H, 7, r)] and len(calls) == 2 * n
+    model(mx.array(tokens[:1, 7:]), cache)                  # decode, one sequence: at an offset
+    assert len(calls) == 2 * n
     cache = model.make_cache()
     model(mx.array(tokens[:, :7]), cache)
+    del calls[:]
     model(mx.array(tokens[:, 7:]), cache)                   # a batch of two: cos/sin
-    assert len(calls) == 2 * n
+    assert sorted(calls[:2]) == [(2, 1, 1, r), (2, H, 1, r)] and len(calls) == 2 * n
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fast_rope_decode_equals_cos_sin_decode(checkpoints, name, monkeypatch):
-    """The whole model: decode with mx.fast.rope against decode with the cos/sin rotation."""
+    """The whole model: decode rotating at an offset (mx.fast.rope, or the GPU kernels) against
+    decode with the cos/sin rotation."""
     from colibri_mlx.models import deepseek_v3
 
     model = load_model(checkpoints[name], dtype="float32")
     tokens = random_tokens(12, seed=5)
     monkeypatch.setenv("COLIBRI_COMPILE", "0")   # counts Python calls: no replayed graphs
-    calls = []
-    rope = mx.fast.rope
-    monkeypatch.setattr(mx.fast, "rope", lambda *a, **k: calls.append(1) or rope(*a, **k))
+    calls = count_cos_sin_rotations(monkeypatch)
     fast = prefill_then_decode(model, tokens, 6)
-    assert len(calls) == 2 * len(model.layers) * 6
+    n_fast = len(calls)
     real = deepseek_v3.Model._positions_and_mask
     # cos/sin and no offset (padded=True: the general path, whose mask lets every key through)
     monkeypatch.setattr(deepseek_v3.Model, "_positions_and_mask",
                         lambda self, pad, start, L, padded=True: real(self, pad, start, L, True)[:3] + (None,))
     slow = prefill_then_decode(model, tokens, 6)
-    assert len(calls) == 2 * len(model.layers) * 6          # the cos/sin rotation this time
+    # q and k of every layer and decode step left cos/sin (an indexer's rotation stays)
+    assert len(calls) - 2 * n_fast == 2 * len(model.layers) * 6
     # float32 rounding through a few layers: measured ~1e-7 of the logit scale
     assert np.abs(fast - slow).max() <= 1e-5 * np.abs(slow).max()

@@ -147,6 +147,10 @@ def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
     args = (args[0].astype(mx.bfloat16), args[1].astype(mx.bfloat16), *args[2:])
     q_nope, q_rope, *rest = args
     rope = rope_of(q_rope.shape[-1])
+    # bit equality needs mx.fast.rope's angle: its 1 / frequency must give back each inverse
+    # frequency (else it rotates up to one ulp off in the angle, ~2e-3 rad at 40000, and ROPEQ is the exact one)
+    inv = np.asarray(rope.inv_freq)
+    assert np.array_equal((1.0 / np.asarray(rope.fast_freqs).astype(np.float64)).astype(np.float32), inv)
     pos = mx.array(position, dtype=mx.int32)
     kernels.reset_counters()
     fused = kernels.mla_decode(q_nope, q_rope, *rest, rope=rope, rope_offset=pos)
