@@ -104,6 +104,10 @@ def analyze(ranges, kerns):
     return rows, {n: (us, count[n]) for n, us in by_name.items()}, sequence
 
 
+def short(name: str) -> str:
+    return name.replace("mlx::core::cu::", "")[:70]
+
+
 def print_sequence(label, sequence):
     """One step's kernels in start order: which MLX ops sit between ours (what to fold next)."""
     print(f"\n{label}: the last step's kernels (start us after the first kernel, duration us)")

@@ -55,7 +55,7 @@ def test_profile_step_without_gpu():
     assert "needs the CUDA backend" in out, out
 
 
-def test_profile_step_accounts_a_step():
+def test_profile_step_accounts_a_step(capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
     import profile_step
 
@@ -68,3 +68,8 @@ def test_profile_step_accounts_a_step():
     assert rows[1] == {"wall": 100.0, "lead": 20.0, "busy": 50.0, "gaps": 20.0, "tail": 10.0, "kernels": 3}
     assert by_name == {"a": (25.0, 1.0), "b": (10.0, 1.0), "c": (10.0, 0.5)}
     assert sequence == [(0.0, 30.0, "a"), (20.0, 20.0, "c"), (60.0, 10.0, "b")]
+    # and the tables print (the lines a GPU run ends with)
+    top = profile_step.report("ours", rows, by_name, 3)[1]
+    assert [name for name, _ in top] == ["a", "b", "c"]
+    profile_step.print_sequence("ours", [(0.0, 30.0, "mlx::core::cu::custom_kernel_qgemv")])
+    assert "  custom_kernel_qgemv" in capsys.readouterr().out
