@@ -94,23 +94,33 @@ def with_template(spec: dispatch.LaunchSpec, **over) -> dispatch.LaunchSpec:
     return dataclasses.replace(spec, template=[(k, over.get(k, v)) for k, v in spec.template])
 
 
+def cuda_only(minb, impl):
+    if minb and impl != dispatch.CUDA:
+        raise ValueError(f"MINB (launch bounds) is a CUDA setting, not {impl}'s")
+
+
 def template_of(spec, *names) -> str:
     t = dict(spec.template)
     return " ".join(f"{n}={t[n]}" for n in names if n in t)
 
 
 def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
-    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF ("-": moe.py's)."""
-    rows, nw, unroll, nib, pf = parse(cfg, 5)
-    return [with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw, prefetch=pf),
-                          UNROLL=unroll, NIB=nib) for x, L, i in zip(xs, layers, ids)]
+    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB] ("-": moe.py's;
+    MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks)."""
+    rows, nw, unroll, nib, pf, minb = parse(cfg, 6)
+    cuda_only(minb, impl)
+    return [dispatch.with_min_blocks(with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw,
+                                                                    prefetch=pf), UNROLL=unroll, NIB=nib), minb)
+            for x, L, i in zip(xs, layers, ids)]
 
 
 def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
-    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF] ("-": moe.py's)."""
-    rows, nw, unroll, nib, pf = parse(cfg, 5)
-    return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw,
-                                        out_dtype=out_dtype, prefetch=pf), UNROLL=unroll, NIB=nib)
+    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF[:MINB]] ("-": moe.py's)."""
+    rows, nw, unroll, nib, pf, minb = parse(cfg, 6)
+    cuda_only(minb, impl)
+    return [dispatch.with_min_blocks(with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw,
+                                                                 out_dtype=out_dtype, prefetch=pf),
+                                                   UNROLL=unroll, NIB=nib), minb)
             for h, L, i, w in zip(hs, layers, ids, gw)]
 
 
@@ -134,7 +144,7 @@ def sweep(part, S, configs, build, nbytes, iters, impl, best):
         except Exception as e:   # too many registers, threadgroup too large, ...
             print(f"{part:<13} {S:>2} {cfg:<10} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        detail = template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB", "PF") + f" tg={specs[0].threadgroup[0]}"
+        detail = template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB", "PF", "MINB") + f" tg={specs[0].threadgroup[0]}"
         row(part, S, cfg, detail, us, nbytes)
         if (part, S) not in best or us < best[(part, S)][1]:
             best[(part, S)] = (cfg, us, detail)

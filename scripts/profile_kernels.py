@@ -64,14 +64,19 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     return out, layers
 
 
-def mla_launches(impl, T, act):
+def mla_launches(impl, T, act, attn_min_blocks=()):
+    """mla_decode's three launches at cache T, and mla_attn again at each launch bound asked for
+    (blocks an SM, dispatch.with_min_blocks)."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
     kvb_bytes = H * (bench_mla_parts.NOPE + bench_mla_parts.V) * (R // 2 + R // 64 * 4)
     names = ("mla_qabs", "mla_attn", "mla_out")
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
-    return [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))], insts
+    out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
+    out += [(f"mla_attn T={T} minb {mb}", nbytes[1], [dispatch.with_min_blocks(c[1], mb) for _, c in runs])
+            for mb in attn_min_blocks]
+    return out, insts
 
 
 def qgemv_launches(impl, act, settings=()):
@@ -137,9 +142,11 @@ def main():
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
-    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
-    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF], comma-separated")
+    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB] (MINB: CUDA launch bounds, blocks an SM), comma-separated")
+    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB]], comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
+    ap.add_argument("--attn-minb", type=int, nargs="*", default=[],
+                    help="mla_attn again compiled for these blocks an SM (CUDA launch bounds)")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -152,7 +159,7 @@ def main():
     launches, keep = moe_launches(impl, args.experts, args.k, act, [c for c in args.gate_up.split(",") if c],
                                   [c for c in args.down.split(",") if c])
     for T in args.cache:
-        more, k2 = mla_launches(impl, T, act)
+        more, k2 = mla_launches(impl, T, act, args.attn_minb)
         launches += more
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])

@@ -66,3 +66,22 @@ def test_nvrtc_runs_with_mlx_options(tmp_path):
     ok, log, cubin = NVRTC.compile(source, "k")
     assert ok, log
     assert cubin[:4] == b"\x7fELF"
+
+
+def test_launch_bounds_reach_ptxas(tmp_path):
+    """dispatch.with_min_blocks: the bound travels in the header MLX puts before its own kernel
+    signature, and ptxas honours it (moe_down, one token, 4 warps: 90 registers unbounded; 7
+    blocks of 128 threads an SM leave at most 73)."""
+    import dataclasses
+
+    from colibri_mlx.kernels import dispatch
+
+    spec = dict(cct.FAMILIES["moe"](False))["down_fmt4_S1_nwNone"]
+    spec = dataclasses.replace(spec, threadgroup=(128, 1, 1),
+                               template=[(k, 4 if k == "NW" else v) for k, v in spec.template])
+    bounded = dispatch.with_min_blocks(spec, 7)
+    assert dispatch.with_min_blocks(spec, 0) is spec and ("MINB", 7) in bounded.template
+    results = _compile_all([("unbounded", spec), ("bounded", bounded)], tmp_path)
+    regs = {label: cct.ptxas_report(log)["regs"] for label, (ok, log) in results.items() if ok}
+    assert set(regs) == {"unbounded", "bounded"}, results
+    assert regs["bounded"] <= 65536 // (7 * 128) < regs["unbounded"], regs

@@ -16,6 +16,7 @@ import functools
 import os
 import threading
 from collections import Counter
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -224,6 +225,26 @@ class LaunchSpec:
     threadgroup: tuple[int, int, int]
     template: list = field(default_factory=list)
     init_value: Optional[float] = None
+
+
+@functools.lru_cache(maxsize=None)
+def _bounded_header(header: str, threads: int, min_blocks: int) -> str:
+    # MLX writes the kernel's signature itself, so launch bounds come through the one
+    # __global__ of the program (each custom kernel is its own NVRTC program): ptxas then keeps
+    # the registers under what min_blocks blocks of `threads` an SM need.
+    return ("#undef __global__\n"
+            f"#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n" + header)
+
+
+def with_min_blocks(spec: LaunchSpec, min_blocks: Optional[int]) -> LaunchSpec:
+    """A CUDA launch whose kernel is compiled for ``min_blocks`` resident blocks an SM
+    (``__launch_bounds__``); the template gains MINB, so MLX names (and caches) it apart from
+    the unbounded kernel. 0 / None: the spec itself."""
+    if not min_blocks:
+        return spec
+    threads = spec.threadgroup[0] * spec.threadgroup[1] * spec.threadgroup[2]
+    return dataclasses.replace(spec, header=_bounded_header(spec.header, threads, int(min_blocks)),
+                               template=list(spec.template) + [("MINB", int(min_blocks))])
 
 
 _kernels: dict = {}
