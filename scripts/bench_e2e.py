@@ -224,6 +224,9 @@ def main():
     with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
         cache = ours.make_cache()
         res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+        cache = ours.make_cache()
+        res["ours_layer_commits_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt,
+                                                                        args.steps) * 1e3
     with earlier_step_ops():                          # 37 launches a step more (4 layers)
         cache = ours.make_cache()
         res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
@@ -237,6 +240,11 @@ def main():
         with kernels.force_reference():   # the pure-MLX reference path, same weights
             cache = ours.make_cache()
             res["ours_reference_ms"] = decode_times(lambda t: ours(t, cache), prompt, min(args.steps, 8)) * 1e3
+    # the first row again, last: how far the rows drift between the start and end of the run
+    cache = ours.make_cache()
+    res["ours_again_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    cache = ours.make_cache()
+    res["ours_again_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt, args.steps) * 1e3
     res["bytes_per_token"] = token_bytes(ours, cfg, 16 + args.steps)
     res["floor_ms"] = res["bytes_per_token"] / B.COPY_BW * 1e3
     res["counters"] = kernels.counters()
@@ -261,12 +269,14 @@ def main():
     print(f"{'ours (COLIBRI_STEP_GRAPH=layer)':36s} {res['ours_layer_graphs_ms']:9.2f} "
           f"{res['ours_layer_graphs_ms'] / L:9.3f}")
     print(f"{'ours (COLIBRI_LAYER_COMMIT=1)':36s} {res['ours_layer_commits_ms']:9.2f} "
-          f"{res['ours_layer_commits_ms'] / L:9.3f}")
+          f"{res['ours_layer_commits_ms'] / L:9.3f} {res['ours_layer_commits_pipelined_ms']:9.2f}")
     print(f"{'ours (earlier step ops: slice_update)':36s} {res['ours_earlier_ops_ms']:9.2f} "
           f"{res['ours_earlier_ops_ms'] / L:9.3f} {res['ours_earlier_ops_pipelined_ms']:9.2f}")
     if not args.quick:
         print(f"{'ours (COLIBRI_COMPILE=0)':36s} {res['ours_uncompiled_ms']:9.2f} {res['ours_uncompiled_ms'] / L:9.3f}")
         print(f"{'ours (COLIBRI_KERNELS=reference)':36s} {res['ours_reference_ms']:9.2f}")
+    print(f"{'ours (kernels on, again: drift)':36s} {res['ours_again_ms']:9.2f} {res['ours_again_ms'] / L:9.3f} "
+          f"{res['ours_again_pipelined_ms']:9.2f}")
     print(f"{'mlx-lm 0.32.2':36s} {res['mlxlm_ms']:9.2f} {res['mlxlm_ms'] / L:9.3f} {res['mlxlm_pipelined_ms']:9.2f}")
     print("ms/token: each step evaluated and synchronized before the next is built (PERF.md); pipelined: the next "
           "step is built while the GPU runs the current one (mlx-lm's generate loop); per layer includes the "
