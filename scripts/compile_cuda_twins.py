@@ -135,6 +135,14 @@ def mla_specs(full: bool):
                 for spec in specs:
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
+            if fmt == 4:   # mla_attn_ring (COLIBRI_MLA_RING=1): its shared memory at each head block
+                for heads in mla.MMA_HEAD_CHOICES:
+                    ring = []
+                    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma", heads=heads, ring=True)(
+                        lambda spec: ring.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes,
+                                                                                            spec.output_dtypes)])
+                    assert ring[1].name == "mla_attn_ring"
+                    yield f"mla_attn_ring_ht{heads}_{cache}_sel{int(sel)}", ring[1]
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)

@@ -64,9 +64,10 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     return out, layers
 
 
-def mla_launches(impl, T, act, attn_min_blocks=()):
-    """mla_decode's three launches at cache T, and mla_attn again at each launch bound asked for
-    (blocks an SM, dispatch.with_min_blocks)."""
+def mla_launches(impl, T, act, attn_settings=()):
+    """mla_decode's three launches at cache T, and mla_attn again at each setting asked for:
+    ``KIND[:HEADS[:MINB]]`` with KIND ``mma`` (mla_attn_mma) or ``ring`` (mla_attn_ring), HEADS
+    the heads a block (mla.MMA_HEAD_CHOICES) and MINB CUDA launch bounds (blocks an SM)."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -74,8 +75,13 @@ def mla_launches(impl, T, act, attn_min_blocks=()):
     names = ("mla_qabs", "mla_attn", "mla_out")
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
-    out += [(f"mla_attn T={T} minb {mb}", nbytes[1], [dispatch.with_min_blocks(c[1], mb) for _, c in runs])
-            for mb in attn_min_blocks]
+    for cfg in attn_settings:
+        kind, heads, minb = (cfg.split(":") + ["", ""])[:3]
+        if kind not in ("mma", "ring"):
+            raise SystemExit(f"--attn {cfg}: the kind is mma or ring")
+        specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads) if heads else None,
+                                          ring=kind == "ring")[1][1] for i in insts]
+        out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, int(minb or 0)) for s in specs]))
     return out, insts
 
 
@@ -145,8 +151,8 @@ def main():
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB] (MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB]], comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
-    ap.add_argument("--attn-minb", type=int, nargs="*", default=[],
-                    help="mla_attn again compiled for these blocks an SM (CUDA launch bounds)")
+    ap.add_argument("--attn", default="", help="more mla_attn settings KIND[:HEADS[:MINB]] (KIND mma or ring: "
+                    "mla_attn_ring's cp.async ring), comma-separated")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -159,7 +165,7 @@ def main():
     launches, keep = moe_launches(impl, args.experts, args.k, act, [c for c in args.gate_up.split(",") if c],
                                   [c for c in args.down.split(",") if c])
     for T in args.cache:
-        more, k2 = mla_launches(impl, T, act, args.attn_minb)
+        more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c])
         launches += more
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])

@@ -14,7 +14,10 @@ chunk's loads in flight while the current one is multiplied, q' held in register
 :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
 (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
 where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the
-heads per threadgroup of ``mma``.
+heads per threadgroup of ``mma``. On CUDA ``COLIBRI_MLA_RING=1`` runs ``mma`` as
+``mla_attn_ring``: the same products with the cache chunks copied by ``cp.async`` into a ring of
+:data:`RING_STAGES` chunks in shared memory (more bytes in flight, no registers held for them;
+bit for bit ``mla_attn_mma``'s partials).
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
@@ -60,6 +63,9 @@ MMA_MIN_TILE = 128
 # long tiles win once the GPU has a block per SM or two: on the H200 256 blocks (tiles of 512
 # at a 32768 cache with HT 32) beat 384 and 1024.
 MMA_TARGET_BLOCKS = 256
+# mla_attn_ring's chunks in the ring by cache element size (shared memory under 48 KiB with HT
+# up to 64: 4 x 8 rows of 1168 bytes for bf16 / f16, 2 x 8 of 2320 for float32).
+RING_STAGES = {2: 4, 4: 2}
 # mla_out keeps one weight per tile in threadgroup memory (NTMAX floats): longer caches get
 # longer tiles instead of more. A multiple of 32 * NSG (whole passes of the weight loop).
 MAX_TILES = 512
@@ -168,6 +174,13 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     return want
 
 
+def ring_stages(backend: str, variant: str, cache_dtype, ring: Optional[bool] = None) -> int:
+    """Chunks in mla_attn_ring's ring, 0 for mla_attn_mma: ``ring`` or env COLIBRI_MLA_RING
+    (default off), CUDA's ``mma`` variant only."""
+    on = ring if ring is not None else dispatch.getenv("COLIBRI_MLA_RING", "0") == "1"
+    return RING_STAGES[cache_dtype.size] if on and backend == dispatch.CUDA and variant == "mma" else 0
+
+
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp) -> mx.array:
     n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
     return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp)
@@ -197,8 +210,8 @@ class _Static:
     out_template: list
 
 
-def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
+def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, ring=0) -> _Static:
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, ring)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -218,9 +231,9 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
+        attn_name, attn_sg, attn_blocks = "mla_attn_ring" if ring else "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)] + ([("ST", ring)] if ring else [])
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
@@ -274,7 +287,7 @@ def params_signature(kv_b) -> tuple:
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
-                 q_rotation: Optional[tuple] = None):
+                 q_rotation: Optional[tuple] = None, ring: Optional[bool] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
     (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array).
@@ -286,7 +299,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads))
+                 mma_heads(backend, heads), ring_stages(backend, variant, latent.dtype, ring))
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)

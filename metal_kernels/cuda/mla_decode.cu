@@ -122,6 +122,34 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- mla_attn_ring: 16-byte global -> shared copies in flight without registers (sm_80+) ----
+
+// Copies src_bytes (16 or 0) of gmem to smem and zero-fills the rest of the 16 bytes.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Element k of a staged cache row as the mma's TF32 operand: bf16 / f16 are TF32 values
+// already, float32 is rounded (cvt.rna), as mla_attn_mma rounds it when staging.
+__device__ __forceinline__ uint32_t ring_operand(const unsigned char* row, int k, const float*) {
+  return tf32_bits(reinterpret_cast<const float*>(row)[k]);
+}
+__device__ __forceinline__ uint32_t ring_operand(const unsigned char* row, int k, const __half*) {
+  return __float_as_uint(__half2float(reinterpret_cast<const __half*>(row)[k]));
+}
+__device__ __forceinline__ uint32_t ring_operand(const unsigned char* row, int k, const __nv_bfloat16*) {
+  return uint32_t(reinterpret_cast<const unsigned short*>(row)[k]) << 16;
+}
+
 }  // namespace colibri_mla
 
 // ==== kernel body: mla_qabs ====
@@ -625,6 +653,214 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
           const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
           if (h < H) {
             pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
+          }
+        }
+      }
+    }
+  }
+  if (cs == 0 && hb * HT + hs < H) {
+    const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
+    pml[2 * part] = m;
+    pml[2 * part + 1] = l;
+  }
+// ==== kernel body: mla_attn_ring ====
+  // mla_attn_mma's algorithm with its cache chunks staged by cp.async into a ring of ST chunks
+  // of raw cache rows in shared memory: ST - 1 chunks in flight without registers (mla_attn_mma
+  // holds one, in registers), the mma operands read from the raw rows (no float staging pass,
+  // one barrier a chunk fewer). Same chunks, same products in the same order, same rounding:
+  // bit for bit mla_attn_mma's partials.
+  constexpr int C = colibri_mla::mla_chunk();
+  constexpr int ES = int(sizeof(TC));
+  constexpr int RSB = RW * ES + 16;            // a staged row's bytes, padded: conflict-free reads
+  constexpr int PPOS = RW * ES / 16;           // 16-byte pieces of a row
+  constexpr int NPC = (C * PPOS + NSG * 32 - 1) / (NSG * 32);   // pieces a thread a chunk
+  constexpr int HTL = HT / 16;
+  constexpr int KP = NSG / HTL;
+  constexpr int UPP = RW / 8;
+  constexpr int NK = (UPP + KP - 1) / KP;
+  static_assert(C == 8, "the chunk is one n8 / k8 fragment");
+  static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
+  static_assert(RW % 8 == 0 && (RW * ES) % 16 == 0, "16-byte pieces of whole rows");
+  static_assert(ST >= 2, "a ring of at least two chunks");
+  __shared__ __align__(16) unsigned char ring[ST * C * RSB];
+  __shared__ float sc_s[KP * HT * C];
+  __shared__ float p_s[HT * C];
+  __shared__ float alpha_s[HT];
+  const int H = params[0];
+  const int R = params[3];
+  const int rope = params[4];
+  const int T = params[5];
+  const int P = params[6];
+  const int TT = params[7];
+  const int NT = params[8];
+  const int L = params[9];
+  const int has_mask = params[13];
+  const int has_sel = params[14];
+  const int Hp = params[15];
+  const float scale = fparams[0];
+  const int tid = int(threadIdx.x);
+  const int lane = int(threadIdx.x & 31);
+  const int sg = int(threadIdx.x >> 5);
+  const int hb = int(blockIdx.x);
+  const int tile = int(blockIdx.y);
+  const int q = int(blockIdx.z);
+  const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;
+  const int kp = sg / HTL;
+  const int hs = tid / C;
+  const int cs = tid % C;
+  const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;
+  const int n_chunks = (p1 - p0 + C - 1) / C;
+  // Chunk i's pieces into ring slot i % ST (zero-filled past the tile: weight 0, no NaN), one
+  // commit group per chunk, empty past the last, so that the wait below counts chunks.
+  auto issue = [&](int i) {
+    if (i < n_chunks) {
+      unsigned char* slot = ring + (i % ST) * (C * RSB);
+      #pragma unroll
+      for (int j = 0; j < NPC; ++j) {
+        const int u = tid + j * NSG * 32;
+        if (u < C * PPOS) {
+          const int c = u / PPOS;
+          const int off = (u - c * PPOS) * 16;
+          const int pos = p0 + i * C + c;
+          const bool live = pos < p1;
+          const int t = live ? colibri_mla::mla_position(sel, has_sel, q, P, pos) : 0;
+          const unsigned char* src = off < R * ES
+              ? reinterpret_cast<const unsigned char*>(latent + (size_t(b) * T + t) * R) + off
+              : reinterpret_cast<const unsigned char*>(krope + (size_t(b) * T + t) * rope) + (off - R * ES);
+          colibri_mla::cp_async16(slot + c * RSB + off, src, live ? 16 : 0);
+        }
+      }
+    }
+    colibri_mla::cp_async_commit();
+  };
+  #pragma unroll
+  for (int i = 0; i < ST - 1; ++i) {
+    issue(i);
+  }
+  float m = colibri_mla::neg_inf();
+  float l = 0.0f;
+  float acc[HTL][NCT][4];
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[t16][ct][i] = 0.0f;
+      }
+    }
+  }
+  uint32_t qf[NK][4];
+  #pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qf[i][e] = k0 < RW ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * RW + colibri_mla::frag_a_col(lane, e)]) : 0u;
+    }
+  }
+  for (int i = 0; i < n_chunks; ++i) {
+    const int c0 = p0 + i * C;
+    colibri_mla::cp_async_wait<ST - 2>();      // this thread's pieces of chunk i have landed
+    __syncthreads();                           // everyone's; and chunk i - 1's slot is consumed
+    issue(i + ST - 1);                         // into that slot
+    const unsigned char* slot = ring + (i % ST) * (C * RSB);
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    #pragma unroll
+    for (int j = 0; j < NK; ++j) {
+      const int k0 = (kp + j * KP) * 8;
+      if (k0 < RW) {
+        uint32_t kf[2];
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          kf[e] = colibri_mla::ring_operand(slot + colibri_mla::frag_b_n(lane) * RSB,
+                                            k0 + colibri_mla::frag_b_k(lane, e), latent);
+        }
+        colibri_mla::mma_tf32(s, qf[j], kf);
+      }
+    }
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, e)) * C + colibri_mla::frag_c_col(lane, e)] = s[e];
+    }
+    __syncthreads();
+    {
+      float dot = 0.0f;
+      #pragma unroll
+      for (int g = 0; g < KP; ++g) {
+        dot += sc_s[(g * HT + hs) * C + cs];
+      }
+      int keep = -1;
+      if (c0 + cs < p1) {
+        const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs);
+        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+      }
+      const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : colibri_mla::neg_inf());
+      float cmax = max(sv, __shfl_xor_sync(0xffffffffu, sv, 1));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
+      const float m_new = max(m, cmax);
+      const float alpha = expf(m - m_new);
+      const float pw = keep >= 0 ? expf(sv - m_new) : 0.0f;
+      float psum = pw + __shfl_xor_sync(0xffffffffu, pw, 1);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+      m = m_new;
+      l = l * alpha + psum;
+      p_s[hs * C + cs] = pw;
+      if (cs == 0) {
+        alpha_s[hs] = alpha;
+      }
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int t16 = 0; t16 < HTL; ++t16) {
+      uint32_t pf[4];
+      float al[4];
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pf[e] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, e)) * C + colibri_mla::frag_a_col(lane, e)]);
+        al[e] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, e)];
+      }
+      const bool rescale = __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f);
+      #pragma unroll
+      for (int ct = 0; ct < NCT; ++ct) {
+        const int col0 = (sg * NCT + ct) * 8;
+        if (col0 < R) {
+          uint32_t lf[2];
+          #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            lf[e] = colibri_mla::ring_operand(slot + colibri_mla::frag_b_k(lane, e) * RSB,
+                                              col0 + colibri_mla::frag_b_n(lane), latent);
+          }
+          if (rescale) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[t16][ct][e] *= al[e];
+            }
+          }
+          colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
+        }
+      }
+    }
+  }
+  colibri_mla::cp_async_wait<0>();             // no copy outlives the block
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (col0 < R) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, e);
+          if (h < H) {
+            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, e)] = acc[t16][ct][e];
           }
         }
       }
