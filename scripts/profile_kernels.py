@@ -79,8 +79,12 @@ def mla_launches(impl, T, act, attn_settings=()):
         kind, heads, minb = (cfg.split(":") + ["", ""])[:3]
         if kind not in ("mma", "ring"):
             raise SystemExit(f"--attn {cfg}: the kind is mma or ring")
-        specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads) if heads else None,
-                                          ring=kind == "ring")[1][1] for i in insts]
+        try:
+            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads) if heads else None,
+                                              ring=kind == "ring")[1][1] for i in insts]
+        except (RuntimeError, ValueError) as e:     # e.g. a block too large to launch
+            print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
+            continue
         out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, int(minb or 0)) for s in specs]))
     return out, insts
 

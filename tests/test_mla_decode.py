@@ -111,7 +111,7 @@ def test_ring_is_cuda_mma_only():
 
 
 @gpu_only
-@pytest.mark.parametrize("heads", [16, 32, 64])
+@pytest.mark.parametrize("heads", [16, 32])
 def test_ring_equals_mma_bit_for_bit(monkeypatch, heads):
     """mla_attn_ring stages the chunks by cp.async into a ring but multiplies the same operands in
     the same order: its output is mla_attn_mma's exactly, at the edge cache lengths, masks, DSA
