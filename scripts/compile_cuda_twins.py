@@ -135,14 +135,6 @@ def mla_specs(full: bool):
                 for spec in specs:
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
-            if fmt == 4:   # mla_attn_ring (COLIBRI_MLA_RING=1): its shared memory at each head block
-                for heads in mla.MMA_HEAD_CHOICES:
-                    ring = []
-                    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma", heads=heads, ring=True)(
-                        lambda spec: ring.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes,
-                                                                                            spec.output_dtypes)])
-                    assert ring[1].name == "mla_attn_ring"
-                    yield f"mla_attn_ring_ht{heads}_{cache}_sel{int(sel)}", ring[1]
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)
@@ -186,6 +178,9 @@ def moe_specs(full: bool):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
             yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            # 4 warps a block (DeepSeek-V3's 8 experts): one token's launch bounds (moe.CUDA_DOWN_MIN_BLOCKS)
+            yield f"down_fmt{fmt}_S{S}_nw4", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
+                                                          out_dtype=dtype)
             yield f"down_fmt{fmt}_S{S}_out{dtype}_res", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                      out_dtype=dtype, residual=random_x(S, D, dtype=dtype))
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)

@@ -65,9 +65,9 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
 
 
 def mla_launches(impl, T, act, attn_settings=()):
-    """mla_decode's three launches at cache T, and mla_attn again at each setting asked for:
-    ``KIND[:HEADS[:MINB]]`` with KIND ``mma`` (mla_attn_mma) or ``ring`` (mla_attn_ring), HEADS
-    the heads a block (mla.MMA_HEAD_CHOICES) and MINB CUDA launch bounds (blocks an SM)."""
+    """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
+    ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
+    an SM, dispatch.with_min_blocks)."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -76,12 +76,9 @@ def mla_launches(impl, T, act, attn_settings=()):
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
     for cfg in attn_settings:
-        kind, heads, minb = (cfg.split(":") + ["", ""])[:3]
-        if kind not in ("mma", "ring"):
-            raise SystemExit(f"--attn {cfg}: the kind is mma or ring")
+        heads, minb = (cfg.split(":") + [""])[:2]
         try:
-            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads) if heads else None,
-                                              ring=kind == "ring")[1][1] for i in insts]
+            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads))[1][1] for i in insts]
         except (RuntimeError, ValueError) as e:     # e.g. a block too large to launch
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
@@ -155,8 +152,8 @@ def main():
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB] (MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB]], comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
-    ap.add_argument("--attn", default="", help="more mla_attn settings KIND[:HEADS[:MINB]] (KIND mma or ring: "
-                    "mla_attn_ring's cp.async ring), comma-separated")
+    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
+                    "bounds, blocks an SM), comma-separated")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:

@@ -43,7 +43,9 @@ def test_cuda_twins_compile_without_spills(family, tmp_path):
     assert not failed, failed
     reports = {label: cct.ptxas_report(log) for label, (_, log) in results.items()}
     assert all(r["regs"] for r in reports.values()), reports          # ptxas did report
-    spilled = {label: r for label, r in reports.items() if r["spill"]}
+    # a launch compiled for more blocks an SM (MINB, dispatch.with_min_blocks) may spill a little
+    bounded = {label for label, spec in specs if any(k == "MINB" for k, _ in spec.template)}
+    spilled = {label: r for label, r in reports.items() if r["spill"] > (64 if label in bounded else 0)}
     assert not spilled, spilled
     assert all((tmp_path / f"{cct.object_name(label)}.cubin").stat().st_size > 0 for label in results)
 
@@ -81,6 +83,9 @@ def test_launch_bounds_reach_ptxas(tmp_path):
                                template=[(k, 4 if k == "NW" else v) for k, v in spec.template])
     bounded = dispatch.with_min_blocks(spec, 7)
     assert dispatch.with_min_blocks(spec, 0) is spec and ("MINB", 7) in bounded.template
+    # moe_down's default for one token on CUDA at 4 warps (moe.CUDA_DOWN_MIN_BLOCKS): the same text
+    default = dict(cct.FAMILIES["moe"](False))["down_fmt4_S1_nw4"]
+    assert ("MINB", 7) in default.template and default.header.startswith(bounded.header.split("\n")[0])
     results = _compile_all([("unbounded", spec), ("bounded", bounded)], tmp_path)
     regs = {label: cct.ptxas_report(log)["regs"] for label, (ok, log) in results.items() if ok}
     assert set(regs) == {"unbounded", "bounded"}, results

@@ -95,54 +95,6 @@ def test_both_variants_at_every_edge(monkeypatch, variant):
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
 
 
-def test_ring_is_cuda_mma_only():
-    """COLIBRI_MLA_RING picks mla_attn_ring only for CUDA's mma variant, with the ring sized by
-    the cache element (its shared memory stays under 48 KiB)."""
-    assert mla.ring_stages("cuda", "mma", mx.bfloat16, True) == 4
-    assert mla.ring_stages("cuda", "mma", mx.float32, True) == 2
-    assert mla.ring_stages("cuda", "simt", mx.bfloat16, True) == 0
-    assert mla.ring_stages("metal", "mma", mx.bfloat16, True) == 0
-    assert mla.ring_stages("cuda", "mma", mx.bfloat16, False) == 0
-    args, _ = inputs(H=8, R=512, rope=64, nope=32, v=32, T=50, cache=mx.bfloat16)
-    specs = []
-    mla.launch_specs(*args, backend="cuda", variant="mma", ring=True)(
-        lambda s: specs.append(s) or [mx.zeros(sh, d) for sh, d in zip(s.output_shapes, s.output_dtypes)])
-    assert specs[1].name == "mla_attn_ring" and ("ST", 4) in specs[1].template
-
-
-@gpu_only
-@pytest.mark.parametrize("heads", [16, 32])
-def test_ring_equals_mma_bit_for_bit(monkeypatch, heads):
-    """mla_attn_ring stages the chunks by cp.async into a ring but multiplies the same operands in
-    the same order: its output is mla_attn_mma's exactly, at the edge cache lengths, masks, DSA
-    lists, batches, every cache dtype and a fixed-capacity buffer whose unread rows are NaN."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "mma")
-    monkeypatch.setenv("COLIBRI_MLA_HEADS", str(heads))
-    ds = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64)
-    cases = [dict(T=1), dict(T=4095, masked=True), dict(T=4097, cache=mx.float16),
-             dict(B=2, L=3, T=300, cache=mx.bfloat16, masked=True), dict(B=1, L=2, T=500, n_sel=64),
-             dict(T=40000, cache=mx.bfloat16, **ds), dict(T=40000, n_sel=2048, cache=mx.bfloat16, **ds),
-             dict(T=4097, cache=mx.float32, masked=True, **ds)]
-    for i, kw in enumerate(cases):
-        args, sel = inputs(seed=i, **kw)
-        outs = []
-        for ring in ("0", "1"):
-            monkeypatch.setenv("COLIBRI_MLA_RING", ring)
-            outs.append(np.array(kernels.mla_decode(*args, selected=sel).astype(mx.float32)))
-        assert np.isfinite(outs[1]).all() and np.array_equal(outs[0], outs[1]), kw
-    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = inputs(T=4352, cache=mx.bfloat16, seed=11, **ds)[0]
-    poison = (mx.arange(4352) >= 1000)[None, :, None]
-    latent_buf = mx.where(poison, mx.nan, latent).astype(latent.dtype)
-    k_rope_buf = mx.where(poison, mx.nan, k_rope).astype(k_rope.dtype)
-    params = mla.step_params(kv_b, latent_buf, 128, nope, 64, v, q_nope.dtype, 1000)
-    outs = []
-    for ring in ("0", "1"):
-        monkeypatch.setenv("COLIBRI_MLA_RING", ring)
-        outs.append(np.array(kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v,
-                                                params=params).astype(mx.float32)))
-    assert np.isfinite(outs[1]).all() and np.array_equal(outs[0], outs[1])
-
-
 @pytest.mark.parametrize("shape", ["small", pytest.param("deepseek", marks=gpu_only)])
 @pytest.mark.parametrize("variant", ["mma", "simt"])
 def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):

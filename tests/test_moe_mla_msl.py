@@ -432,7 +432,9 @@ def test_mla_mma_heads_choice(monkeypatch):
     monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
     assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 32
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
-    assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.CUDA, 64) == 64
+    assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.METAL, 64) == 64
+    with pytest.raises(ValueError, match="do not launch on CUDA"):    # 512 threads of ~230 registers
+        mla.mma_heads(dispatch.CUDA, 64)
     monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")
     with pytest.raises(ValueError, match="not one of"):
         mla.mma_heads(dispatch.METAL)

@@ -228,7 +228,9 @@ class LaunchSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _bounded_header(header: str, threads: int, min_blocks: int) -> str:
+def bounded_header(header: str, threads: int, min_blocks: int) -> str:
+    """``header`` with CUDA launch bounds for the program's kernel (see :func:`with_min_blocks`).
+    Cached: one string object per header and bound (kernel objects are found by identity)."""
     # MLX writes the kernel's signature itself, so launch bounds come through the one
     # __global__ of the program (each custom kernel is its own NVRTC program): ptxas then keeps
     # the registers under what min_blocks blocks of `threads` an SM need.
@@ -243,7 +245,7 @@ def with_min_blocks(spec: LaunchSpec, min_blocks: Optional[int]) -> LaunchSpec:
     if not min_blocks:
         return spec
     threads = spec.threadgroup[0] * spec.threadgroup[1] * spec.threadgroup[2]
-    return dataclasses.replace(spec, header=_bounded_header(spec.header, threads, int(min_blocks)),
+    return dataclasses.replace(spec, header=bounded_header(spec.header, threads, int(min_blocks)),
                                template=list(spec.template) + [("MINB", int(min_blocks))])
 
 

@@ -13,11 +13,8 @@ chunk's loads in flight while the current one is multiplied, q' held in register
 ``simt`` (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see
 :func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
 (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
-where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64) the
-heads per threadgroup of ``mma``. On CUDA ``COLIBRI_MLA_RING=1`` runs ``mma`` as
-``mla_attn_ring``: the same products with the cache chunks copied by ``cp.async`` into a ring of
-:data:`RING_STAGES` chunks in shared memory (more bytes in flight, no registers held for them;
-bit for bit ``mla_attn_mma``'s partials).
+where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64; CUDA 16 / 32) the
+heads per threadgroup of ``mma``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
@@ -57,15 +54,16 @@ VARIANTS = ("mma", "simt")
 # env COLIBRI_MLA_HEADS overrides.
 MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)
+# mla_attn_mma on CUDA holds ~210-230 registers a thread (q' fragments and the accumulators):
+# a block of more than 256 threads (HT 64: 512) is refused at launch (H200: "too many
+# resources requested for launch", or nothing written inside a CUDA graph).
+CUDA_MAX_THREADS_AT_FULL_REGS = 256
 MMA_MIN_TILE = 128
 # (head block, tile) threadgroups per query row to aim for. Each block pays a fixed start (q'
 # fragments into registers) and end (a partial of R floats per head to write and merge), so
 # long tiles win once the GPU has a block per SM or two: on the H200 256 blocks (tiles of 512
 # at a 32768 cache with HT 32) beat 384 and 1024.
 MMA_TARGET_BLOCKS = 256
-# mla_attn_ring's chunks in the ring by cache element size (shared memory under 48 KiB with HT
-# up to 64: 4 x 8 rows of 1168 bytes for bf16 / f16, 2 x 8 of 2320 for float32).
-RING_STAGES = {2: 4, 4: 2}
 # mla_out keeps one weight per tile in threadgroup memory (NTMAX floats): longer caches get
 # longer tiles instead of more. A multiple of 32 * NSG (whole passes of the weight loop).
 MAX_TILES = 512
@@ -156,6 +154,9 @@ def mma_heads(backend: str, heads: Optional[int] = None) -> int:
     ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
     if ht not in MMA_HEAD_CHOICES:
         raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
+    if backend == dispatch.CUDA and ht * 8 > CUDA_MAX_THREADS_AT_FULL_REGS:
+        raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) do not launch on CUDA: "
+                         f"{ht * 8} threads of ~230 registers exceed an SM's 65536 (16 or 32 do)")
     return ht
 
 
@@ -172,13 +173,6 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     if want == "mma" and (R % 8 or rope % 8):
         return "simt"                             # 8x8 matrix tiles of the latent / rope columns
     return want
-
-
-def ring_stages(backend: str, variant: str, cache_dtype, ring: Optional[bool] = None) -> int:
-    """Chunks in mla_attn_ring's ring, 0 for mla_attn_mma: ``ring`` or env COLIBRI_MLA_RING
-    (default off), CUDA's ``mma`` variant only."""
-    on = ring if ring is not None else dispatch.getenv("COLIBRI_MLA_RING", "0") == "1"
-    return RING_STAGES[cache_dtype.size] if on and backend == dispatch.CUDA and variant == "mma" else 0
 
 
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp) -> mx.array:
@@ -210,8 +204,8 @@ class _Static:
     out_template: list
 
 
-def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, ring=0) -> _Static:
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, ring)
+def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -231,9 +225,9 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = "mla_attn_ring" if ring else "mla_attn_mma", HT // 4, Hp // HT
+        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)] + ([("ST", ring)] if ring else [])
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
@@ -287,7 +281,7 @@ def params_signature(kv_b) -> tuple:
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
-                 q_rotation: Optional[tuple] = None, ring: Optional[bool] = None):
+                 q_rotation: Optional[tuple] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
     (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array).
@@ -299,7 +293,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads), ring_stages(backend, variant, latent.dtype, ring))
+                 mma_heads(backend, heads))
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)

@@ -291,6 +291,14 @@ def _params(p: Projection, K: int, n_slots: int, E: int) -> mx.array:
     return mx.array([p.I, p.O, p.rb, p.ng, p.n_units, K, n_slots, E], dtype=mx.int32)
 
 
+# moe_down's CUDA launch bounds for one token, by (fmt, warps a block): fmt 4 with 4 warps
+# compiled for 7 blocks an SM (72 registers, 32 bytes spilled, instead of 90 and 5 blocks). H200,
+# profile_kernels.py (8 experts of 2048 -> 7168, kernel alone): 39.0 us against 41.1 unbounded;
+# 6 blocks (80 registers) took 43.3. Other formats are not measured: unbounded. Only the
+# registers change, not the numbers.
+CUDA_DOWN_MIN_BLOCKS = {(4, 4): 7}
+
+
 def _simdgroups(row_blocks: int, units: int) -> int:
     """Split-K SIMD groups per threadgroup: qgemv's rule (fill ~4096 SIMD groups while every
     thread keeps >= 1 unit), with the distinct experts' row blocks as the threadgroups."""
@@ -380,12 +388,12 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 prefetch=None, res: int = 0) -> _Static:
-    # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default until timed
-    # on the GPU (Nsight Compute, H200: moe_down waits on its loads, 1.04 eligible warps a
-    # scheduler); env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
+                 prefetch=None, res: int = 0, min_blocks=None) -> _Static:
+    # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default: slower on
+    # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
+    # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res)
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -396,14 +404,19 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
     unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
+    if min_blocks is None:
+        min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 and not pf else 0
+    header = kernel_header("moe_block", backend)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params", "res"),
-        output_names=("y",), source=bodies["moe_down"], header=kernel_header("moe_block", backend),
+        output_names=("y",), source=bodies["moe_down"],
+        header=dispatch.bounded_header(header, SIMD * nw, min_blocks) if min_blocks else header,
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res)],
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res)]
+        + ([("MINB", min_blocks)] if min_blocks else []),
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
 
@@ -421,11 +434,14 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
               simdgroups: Optional[int] = None, out_dtype=mx.float32,
-              prefetch: Optional[int] = None, residual: Optional[mx.array] = None) -> dispatch.LaunchSpec:
+              prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
+              min_blocks: Optional[int] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
-    h stands in for it, unread)."""
-    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None))
+    h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
+    default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none)."""
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
+                      min_blocks)
     p = group.down
     hs = at_least_8(h)
     return st.spec([hs, p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
