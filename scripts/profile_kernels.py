@@ -86,6 +86,23 @@ def mla_launches(impl, T, act, attn_settings=()):
     return out, insts
 
 
+def rows_launches(impl, act):
+    """mla_rows at DeepSeek-V3's widths (q_a 1536, latent 512, rope 64), one decode row at
+    position 40000, with the position made on the host (as the model makes it each step) and
+    made by a GPU op: if reading a host-made array is what costs, the two differ."""
+    QL, R, ROPE = 1536, bench_mla_parts.R, bench_mla_parts.ROPE
+    ys = [mx.random.normal((1, QL + R + ROPE)).astype(act) for _ in range(CHAIN)]
+    qn, kn = mx.random.uniform(0.5, 1.5, (QL,)).astype(act), mx.random.uniform(0.5, 1.5, (R,)).astype(act)
+    inv = mx.array((1.0 / (10000.0 ** (np.arange(0, ROPE, 2) / ROPE))).astype(np.float32))
+    host_pos = mx.array(40000, dtype=mx.int32)
+    gpu_pos = mx.array(39999, dtype=mx.int32) + 1
+    mx.eval(ys, qn, kn, inv, host_pos, gpu_pos)
+    nbytes = (QL + R + ROPE) * act.size * 2
+    return [(f"mla_rows ({where} position)", nbytes,
+             [mla.rows_spec(y, QL, qn, kn, 1e-6, inv, pos, impl) for y in ys])
+            for where, pos in (("host", host_pos), ("gpu", gpu_pos))], [ys, qn, kn, inv]
+
+
 def qgemv_launches(impl, act, settings=()):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
     and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
@@ -171,6 +188,9 @@ def main():
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])
     launches += more
+    more, k4 = rows_launches(impl, act)
+    launches += more
+    keep += [k3, k4]
     launches = [ln for ln in launches if any(o in ln[0] for o in args.only)]
     for label, _, specs in launches:
         print(f"{label}: {specs[0].name} grid {specs[0].grid} tg {specs[0].threadgroup} "
