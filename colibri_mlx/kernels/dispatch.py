@@ -12,11 +12,11 @@ the stats line shows it. On the CPU backend the reference *is* the path, not a f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
 from collections import Counter
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
