@@ -22,6 +22,7 @@ settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -129,6 +130,90 @@ def qgemv_launches(impl, act, settings=()):
     return out, keep
 
 
+# A pure read of a buffer (uint4 loads, 4 in flight a thread, grid-stride), one XOR word
+# written a thread: what a kernel that only streams bytes gets out of HBM at a given size.
+READ_SOURCE = """
+  const size_t n = size_t(params[0]);
+  const uint4* p = reinterpret_cast<const uint4*>(buf);
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  uint32_t acc = 0u;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = p[i];
+    const uint4 b = p[i + stride];
+    const uint4 c = p[i + 2 * stride];
+    const uint4 d = p[i + 3 * stride];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = p[i];
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  out[size_t(blockIdx.x) * blockDim.x + threadIdx.x] = acc;
+"""
+SMS = 132        # H200
+
+
+def read_spec(buf, blocks, threads=256):
+    n16 = buf.size // 4
+    return dispatch.LaunchSpec(
+        name="read_ceiling", input_names=("buf", "params"), output_names=("out",), source=READ_SOURCE, header="",
+        inputs=[buf, dispatch.int_params(n16)], output_shapes=[(blocks * threads,)], output_dtypes=[mx.uint32],
+        grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1))
+
+
+def constant_shape(spec, qt):
+    """qgemv's launch with O, I, row bytes, scales a row and units a row compiled in (the body
+    reads them from `params` first, a dependent load before any weight load of every block)."""
+    from colibri_mlx.kernels.reference import row_bytes, scales_per_row
+
+    values = {"O": qt.O, "I": qt.I, "rb": row_bytes(qt.fmt, qt.I), "ng": scales_per_row(qt.fmt, qt.I, qt.gs),
+              "n_units": -(-qt.I // qgemv.UNIT_WEIGHTS[qt.fmt])}
+    src = spec.source
+    for k, (name, value) in enumerate(values.items()):
+        line = f"const int {name} = params[{k}];"
+        if line not in src:
+            raise SystemExit(f"constant_shape: qgemv's body no longer has {line!r}")
+        src = src.replace(line, f"constexpr int {name} = {value};")
+    return dataclasses.replace(spec, name="qgemv_kc", source=src)
+
+
+def ceiling_launches(impl, act):
+    """What bounds qgemv at the large shape: a pure read of its bytes (74 MB; and of the small
+    shapes' 8.3 MB) by a persistent
+    grid (8 blocks of 256 an SM) and by one block a 4 KB slice; qgemv itself at 4x the rows
+    (297 MB: its start and tail amortized); qgemv with its shape compiled in."""
+    from bench_qgemv import random_qtensors
+    from colibri_mlx.formats import scale_nbytes, weight_nbytes
+
+    out, keep = [], []
+    nbytes = weight_nbytes(4, 18432, 7168, 64) + scale_nbytes(4, 18432, 7168, 64)
+    bufs = [mx.random.randint(0, 2**31 - 1, (nbytes // 4,), dtype=mx.int32).view(mx.uint32) for _ in range(CHAIN)]
+    mx.eval(bufs)
+    n16 = bufs[0].size // 4
+    out.append(("read 74 MB persistent", nbytes, [read_spec(b, SMS * 8) for b in bufs]))
+    out.append(("read 74 MB one-shot", nbytes, [read_spec(b, -(-n16 // 1024)) for b in bufs]))
+    keep.append(bufs)
+    small = weight_nbytes(4, 7168, 2048, 64) + scale_nbytes(4, 7168, 2048, 64)
+    sbufs = [mx.random.randint(0, 2**31 - 1, (small // 4,), dtype=mx.int32).view(mx.uint32) for _ in range(CHAIN)]
+    mx.eval(sbufs)
+    out.append(("read 8.3 MB persistent", small, [read_spec(b, SMS * 8) for b in sbufs]))
+    out.append(("read 8.3 MB one-shot", small, [read_spec(b, -(-(sbufs[0].size // 4) // 1024)) for b in sbufs]))
+    keep.append(sbufs)
+    for O in (18432, 4 * 18432):
+        ws = random_qtensors(4, O, 7168, 64, CHAIN)
+        xs = [mx.random.normal((1, 7168)).astype(act) for _ in ws]
+        mx.eval(xs)
+        qb = weight_nbytes(4, O, 7168, 64) + scale_nbytes(4, O, 7168, 64) + 7168 * act.size
+        specs = [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]
+        if O == 18432:
+            out.append((f"qgemv {O}x7168 shape compiled in", qb, [constant_shape(s, w) for s, w in zip(specs, ws)]))
+        else:
+            out.append((f"qgemv {O}x7168", qb, specs))
+        keep.append((ws, xs))
+    return out, keep
+
+
 def run_round(impl, launches):
     """Every launch evaluated alone, one after another: a graph of independent launches may run
     them concurrently on the GPU, which stretches each one's start-to-end time."""
@@ -171,6 +256,8 @@ def main():
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
                     "bounds, blocks an SM), comma-separated")
+    ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
+                    "4x its rows and with its shape compiled in (what bounds the large shape)")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:
@@ -191,6 +278,10 @@ def main():
     more, k4 = rows_launches(impl, act)
     launches += more
     keep += [k3, k4]
+    if args.ceiling:
+        more, k5 = ceiling_launches(impl, act)
+        launches += more
+        keep.append(k5)
     launches = [ln for ln in launches if any(o in ln[0] for o in args.only)]
     for label, _, specs in launches:
         print(f"{label}: {specs[0].name} grid {specs[0].grid} tg {specs[0].threadgroup} "
