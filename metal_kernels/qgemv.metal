@@ -108,77 +108,84 @@ inline void qg_compute_units(const device T* x, const device uint* e8grid, int I
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int row0 = int(threadgroup_position_in_grid.x) * ROWS;
   threadgroup float red[NW * ROWS * S];
-
-  // Rows past O (the last threadgroup) re-read row O - 1 and are not written.
-  int rows[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = min(row0 + r, O - 1);
-  }
-  float acc[ROWS][S];
-  for (int r = 0; r < ROWS; ++r) {
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
+  // PERS 1: fewer threadgroups than row blocks; each loops over row blocks tg, tg + groups, ...
+  const int n_blocks = (O + ROWS - 1) / ROWS;
+  const int blk_step = PERS ? int(threadgroups_per_grid.x) : n_blocks;
+  for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
+    const int row0 = blk * ROWS;
+    // Rows past O (the last threadgroup) re-read row O - 1 and are not written.
+    int rows[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = min(row0 + r, O - 1);
     }
-  }
-  // PF 0: load UNROLL units x ROWS rows (weights and fmt 4/5 scales), then compute them.
-  // PF 1: two register buffers, the next step's loads issued before this step's arithmetic.
-  constexpr int W = qd_words(FMT);
-  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
-  constexpr int STEP = 32 * NW * UNROLL;
-  uint raw_a[UNROLL][ROWS][W];
-  float sc_a[UNROLL][ROWS][NSEG];
-  if (PF) {
-    uint raw_b[UNROLL][ROWS][W];
-    float sc_b[UNROLL][ROWS][NSEG];
-    qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, tid, raw_a, sc_a);
-    for (int base = tid; base < n_units; base += 2 * STEP) {
-      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base + STEP,
-                                                    raw_b, sc_b);
-      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
-                                                                 sc_a, acc);
-      if (base + STEP >= n_units) {
-        break;
+    float acc[ROWS][S];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] = 0.0f;
       }
-      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units,
-                                                    base + 2 * STEP, raw_a, sc_a);
-      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units,
-                                                                 base + STEP, raw_b, sc_b, acc);
     }
-  } else {
-    for (int base = tid; base < n_units; base += STEP) {
-      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base, raw_a,
-                                                    sc_a);
-      qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
-                                                                 sc_a, acc);
-    }
-  }
-  qd_simd_partials<ROWS, S>(acc, red, warp, lane);
-  if (NW > 1) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  // Thread r * S + s of the first SIMD group writes y[s, row0 + r].
-  if (tid < ROWS * S) {
-    const int r = tid / S;
-    const int s = tid % S;
-    float v = 0.0f;
-    if (NW > 1) {
-      for (int k = 0; k < NW; ++k) {
-        v += red[(k * ROWS + r) * S + s];
+    // PF 0: load UNROLL units x ROWS rows (weights and fmt 4/5 scales), then compute them.
+    // PF 1: two register buffers, the next step's loads issued before this step's arithmetic.
+    constexpr int W = qd_words(FMT);
+    constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+    constexpr int STEP = 32 * NW * UNROLL;
+    uint raw_a[UNROLL][ROWS][W];
+    float sc_a[UNROLL][ROWS][NSEG];
+    if (PF) {
+      uint raw_b[UNROLL][ROWS][W];
+      float sc_b[UNROLL][ROWS][NSEG];
+      qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, tid, raw_a, sc_a);
+      for (int base = tid; base < n_units; base += 2 * STEP) {
+        qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base + STEP,
+                                                      raw_b, sc_b);
+        qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
+                                                                   sc_a, acc);
+        if (base + STEP >= n_units) {
+          break;
+        }
+        qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units,
+                                                      base + 2 * STEP, raw_a, sc_a);
+        qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units,
+                                                                   base + STEP, raw_b, sc_b, acc);
       }
     } else {
-      for (int rr = 0; rr < ROWS; ++rr) {
-        for (int ss = 0; ss < S; ++ss) {
-          v = (rr == r && ss == s) ? acc[rr][ss] : v;
-        }
+      for (int base = tid; base < n_units; base += STEP) {
+        qg_load_units<FMT, GS, ROWS, NW, UNROLL, VEC>(w, scales, rows, rb, ng, n_units, base, raw_a,
+                                                      sc_a);
+        qg_compute_units<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, base, raw_a,
+                                                                   sc_a, acc);
       }
     }
-    const int row = row0 + r;
-    if (row < O) {
-      const float row_scale = qd_row_scale<FMT>(scales, row);
-      // RES 1: y = res + y, rounded as the separate add would round it (to T, then the sum).
-      const OT yv = static_cast<OT>(v * row_scale);
-      y[s * O + row] = RES ? static_cast<OT>(float(res[s * O + row]) + float(yv)) : yv;
+    qd_simd_partials<ROWS, S>(acc, red, warp, lane);
+    if (NW > 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    // Thread r * S + s of the first SIMD group writes y[s, row0 + r].
+    if (tid < ROWS * S) {
+      const int r = tid / S;
+      const int s = tid % S;
+      float v = 0.0f;
+      if (NW > 1) {
+        for (int k = 0; k < NW; ++k) {
+          v += red[(k * ROWS + r) * S + s];
+        }
+      } else {
+        for (int rr = 0; rr < ROWS; ++rr) {
+          for (int ss = 0; ss < S; ++ss) {
+            v = (rr == r && ss == s) ? acc[rr][ss] : v;
+          }
+        }
+      }
+      const int row = row0 + r;
+      if (row < O) {
+        const float row_scale = qd_row_scale<FMT>(scales, row);
+        // RES 1: y = res + y, rounded as the separate add would round it (to T, then the sum).
+        const OT yv = static_cast<OT>(v * row_scale);
+        y[s * O + row] = RES ? static_cast<OT>(float(res[s * O + row]) + float(yv)) : yv;
+      }
+    }
+    if (PERS && NW > 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);   // red is written again next block
     }
   }

@@ -39,16 +39,16 @@ def run_kernel(x, qt, **kw):
     return dispatch.launch(dispatch.CUDA, spec)[0]
 
 
-def check_epilogue(fmt, O, I, S, dtype, gs=None, seed=0):
+def check_epilogue(fmt, O, I, S, dtype, gs=None, seed=0, **launch):
     """RES 1 (residual add in the write) is bit for bit ``res + y``; OT float32 is the unrounded
     sum, whose rounding to x's dtype is the plain launch's output."""
-    label = f"qgemv RES / OT fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}"
+    label = f"qgemv RES / OT fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}" + _knobs(launch)
     qt = random_qtensor(fmt, O, I, gs=gs, seed=seed).to_mlx()
     x = random_x(S, I, dtype=dtype, seed=seed + 1)
     res = (random_x(S, O, seed=seed + 2) * 10).astype(dtype)
-    y = run_kernel(x, qt)
-    y_res = run_kernel(x, qt, residual=res)
-    y32 = run_kernel(x, qt, out_dtype=mx.float32)
+    y = run_kernel(x, qt, **launch)
+    y_res = run_kernel(x, qt, residual=res, **launch)
+    y32 = run_kernel(x, qt, out_dtype=mx.float32, **launch)
     mx.eval(y, y_res, y32)
     f32 = lambda a: np.asarray(a.astype(mx.float32))  # noqa: E731
     ok_res = np.array_equal(f32(y_res), f32(res + y))
@@ -58,13 +58,19 @@ def check_epilogue(fmt, O, I, S, dtype, gs=None, seed=0):
     return ok
 
 
-def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True, epilogue=False):
+def _knobs(launch: dict) -> str:
+    return "".join(f" {k}={v}" for k, v in launch.items())
+
+
+def check(fmt, O, I, S, dtype, gs=None, seed=0, oracle_f64=True, epilogue=False, **launch):
+    """``launch``: qgemv.launch_spec's tuning arguments (e.g. persistent=7: 7 blocks looping
+    over every row block)."""
     if epilogue:
-        return check_epilogue(fmt, O, I, S, dtype, gs, seed)
-    label = f"qgemv fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}" + (f" gs={gs}" if gs else "")
+        return check_epilogue(fmt, O, I, S, dtype, gs, seed, **launch)
+    label = f"qgemv fmt {fmt} {O}x{I} S={S} {str(dtype).split('.')[-1]}" + (f" gs={gs}" if gs else "") + _knobs(launch)
     qt = random_qtensor(fmt, O, I, gs=gs, seed=seed).to_mlx()
     x = random_x(S, I, dtype=dtype, seed=seed + 1)
-    y = run_kernel(x, qt)
+    y = run_kernel(x, qt, **launch)
     y_ref = reference.qmatmul(x, qt)
     mx.eval(y, y_ref)
     x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
@@ -100,6 +106,16 @@ def cases(quick: bool) -> list[dict]:
     for fmt, S, dtype in ((2, 1, mx.bfloat16), (4, 1, mx.bfloat16), (6, 1, mx.bfloat16), (4, 3, mx.float16)):
         out.append(dict(fmt=fmt, O=300, I=2048, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=7 + fmt,
                         epilogue=True))
+    # Persistent grids (PERS 1): a few blocks each looping over many row blocks, the last one
+    # partial. One SIMD group with PF 1 (fmt 2/4, S = 1) is CUDA's streamed loop (stream_rows);
+    # the others the plain loop, NW 2 with its barrier between row blocks.
+    for fmt, O, I, S, dtype, knobs in ((4, 301, 2048, 1, mx.bfloat16, dict(simdgroups=1, persistent=7)),
+                                       (2, 33, 1000, 1, mx.float32, dict(simdgroups=1, persistent=5)),
+                                       (4, 301, 2048, 3, mx.float16, dict(persistent=7)),
+                                       (6, 37, 512, 1, mx.bfloat16, dict(persistent=4))):
+        out.append(dict(fmt=fmt, O=O, I=I, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=O + S, **knobs))
+    out.append(dict(fmt=4, O=300, I=2048, S=1, dtype=mx.bfloat16, gs=64, seed=11, epilogue=True, simdgroups=1,
+                    persistent=7))
     if not quick:
         for fmt in (1, 2, 3, 4, 5, 6):
             for O, I in LARGE:

@@ -107,7 +107,8 @@ def rows_launches(impl, act):
 def qgemv_launches(impl, act, settings=()):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
     and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
-    large shape also at each ROWS:NW:UNROLL:NIB:PF setting asked for ("-": qgemv.py's choice)."""
+    large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB] setting asked for ("-": qgemv.py's choice;
+    PB: blocks of a persistent grid, 0 = one block a row block)."""
     from bench_moe_parts import parse
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
@@ -123,9 +124,10 @@ def qgemv_launches(impl, act, settings=()):
         nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size
         out.append((label, nbytes, [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]))
         for cfg in settings if O == 18432 else ():
-            rows, nw, unroll, nib, pf = parse(cfg, 5)
+            rows, nw, unroll, nib, pf, pb = parse(cfg, 6)
             out.append((f"{label} {cfg}", nbytes, [qgemv.launch_spec(x, w, impl, rows=rows, simdgroups=nw, unroll=unroll,
-                                                                     nib=nib, prefetch=pf) for x, w in zip(xs, ws)]))
+                                                                     nib=nib, prefetch=pf, persistent=pb)
+                                                   for x, w in zip(xs, ws)]))
         keep.append((ws, xs))
     return out, keep
 
@@ -180,9 +182,9 @@ def constant_shape(spec, qt):
 
 def ceiling_launches(impl, act):
     """What bounds qgemv at the large shape: a pure read of its bytes (74 MB; and of the small
-    shapes' 8.3 MB) by a persistent
-    grid (8 blocks of 256 an SM) and by one block a 4 KB slice; qgemv itself at 4x the rows
-    (297 MB: its start and tail amortized); qgemv with its shape compiled in."""
+    shapes' 8.3 MB) by a persistent grid (8 blocks of 256 an SM) and by one block a 4 KB slice;
+    qgemv itself at 4x the rows (297 MB: its start and tail amortized), with one block a row
+    block and by default; qgemv with its shape compiled in."""
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
 
@@ -209,6 +211,8 @@ def ceiling_launches(impl, act):
         if O == 18432:
             out.append((f"qgemv {O}x7168 shape compiled in", qb, [constant_shape(s, w) for s, w in zip(specs, ws)]))
         else:
+            out.append((f"qgemv {O}x7168 one block a row block", qb,
+                        [qgemv.launch_spec(x, w, impl, persistent=0) for x, w in zip(xs, ws)]))
             out.append((f"qgemv {O}x7168", qb, specs))
         keep.append((ws, xs))
     return out, keep
@@ -253,7 +257,8 @@ def main():
     ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB] (MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB]], comma-separated")
-    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF, comma-separated")
+    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB] (PB: blocks of a persistent grid, "
+                    "0: one a row block), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
                     "bounds, blocks an SM), comma-separated")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "

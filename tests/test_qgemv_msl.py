@@ -117,11 +117,16 @@ def test_low_precision_x(fmt, nib, dtype):
 LAUNCHES = [dict(rows=1, simdgroups=1, unroll=1), dict(rows=2, simdgroups=2, unroll=3),
             dict(rows=4, simdgroups=4, unroll=2), dict(rows=8, simdgroups=1, unroll=1),
             dict(rows=3, simdgroups=2, unroll=1), dict(rows=4, simdgroups=1, unroll=1, prefetch=1),
-            dict(rows=2, simdgroups=2, unroll=2, prefetch=1)]
+            dict(rows=2, simdgroups=2, unroll=2, prefetch=1),
+            # PERS 1: 2 / 3 threadgroups looping over the 4 / 7 row blocks (NW 2: the barrier
+            # between row blocks that reuse the partials' memory).
+            dict(rows=2, simdgroups=1, unroll=1, prefetch=1, persistent=2),
+            dict(rows=1, simdgroups=2, unroll=1, persistent=3)]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES,
-                         ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d) + f"PF{d.get('prefetch', 0)}")
+                         ids=lambda d: "R{rows}NW{simdgroups}U{unroll}".format(**d) + f"PF{d.get('prefetch', 0)}"
+                         + (f"P{d['persistent']}" if "persistent" in d else ""))
 @pytest.mark.parametrize("fmt,I", [(1, 264), (2, 272), (3, 352), (4, 2080), (5, 300), (6, 520)])
 def test_launch_variants(fmt, I, launch):
     S = 32 // launch["rows"] if launch["rows"] > 4 else 3
@@ -130,6 +135,18 @@ def test_launch_variants(fmt, I, launch):
     for nib in (NIBS if fmt in (2, 4) else [None]):
         y = simulate(qgemv.launch_spec(x, qt, nib=nib, **launch))
         assert_close(y, x, qt, f"fmt {fmt} 7x{I} {launch} nib={nib}")
+
+
+@pytest.mark.parametrize("fmt", [2, 4, 6])
+def test_persistent_grid_gives_the_same_bits(fmt):
+    """A row block's sums do not depend on which threadgroup computes it, or after which."""
+    qt = random_qtensor(fmt, 37, 520, gs=64, seed=fmt)
+    x = random_x(1, 520, seed=fmt + 1)
+    one_each = qgemv.launch_spec(x, qt, rows=4, simdgroups=1, prefetch=1, persistent=0)
+    looping = qgemv.launch_spec(x, qt, rows=4, simdgroups=1, prefetch=1, persistent=3)
+    assert dict(looping.template)["PERS"] == 1 and looping.grid[0] == 3 * 32
+    assert dict(one_each.template)["PERS"] == 0 and one_each.grid[0] == 10 * 32
+    np.testing.assert_array_equal(np.asarray(simulate(looping)), np.asarray(simulate(one_each)))
 
 
 def test_tiny_inputs_are_padded_into_device_space():

@@ -43,6 +43,23 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
     0 = load UNROLL units, then compute. CUDA fmt 2/4 (decode-heavy) with few rows of x."""
     return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
 
+# PERS 1 (CUDA's default for one row of x, fmt 2 / 4, one SIMD group a threadgroup): a fixed
+# grid of blocks that loop over the row blocks instead of one block each. Sized for what an
+# H100 / H200 keeps resident (132 SMs x 16 one-warp blocks of <= 128 registers); on the H200,
+# kernel alone, 18432x7168 fmt 4 (scripts/profile_kernels.py --ceiling): one block a row block
+# 27.7 us, this grid looping 26.0, with the next row block's loads in flight over a block's
+# epilogue (stream_rows) see docs/performance.md. A GPU of other size still computes every row.
+CUDA_PERSISTENT_BLOCKS = 132 * 16
+
+
+def default_persistent(fmt: int, S: int, backend: str, simdgroups: int, prefetch: int, n_blocks: int) -> int:
+    """Threadgroups of a persistent launch (0: one per row block)."""
+    if (backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch
+            and n_blocks > CUDA_PERSISTENT_BLOCKS):
+        return CUDA_PERSISTENT_BLOCKS
+    return 0
+
+
 INPUT_NAMES = ("x", "w", "scales", "e8grid", "params", "res")
 OUTPUT_NAMES = ("y",)
 
@@ -172,17 +189,19 @@ class _Static:
     header: str
 
 
-def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch, out_dtype) -> _Static:
+def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch, out_dtype,
+            persistent=None) -> _Static:
     """Built on the first call and kept on the weight (:func:`_per_weight`)."""
-    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
+    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent)
     cache = _per_weight(qt, "_qgemv_static")
     hit = cache.get(key)
     if hit is None:
-        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
+        hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype,
+                                         persistent)
     return hit
 
 
-def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype) -> _Static:
+def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent) -> _Static:
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
@@ -190,6 +209,10 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     unroll = unroll or (1 if prefetch else default_unroll(qt.fmt, S))
     n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
+    n_blocks = -(-qt.O // rows)
+    if persistent is None:
+        persistent = default_persistent(qt.fmt, S, backend, simdgroups, prefetch, n_blocks)
+    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
     rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
@@ -199,11 +222,11 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", prefetch), ("OT", out_dtype), ("RES", 0)]
+                ("PF", prefetch), ("PERS", int(blocks < n_blocks)), ("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[out_dtype],
-                   grid=(SIMD * simdgroups * (-(-qt.O // rows)), 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
+                   grid=(SIMD * simdgroups * blocks, 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
                    template=template, template_res=template[:-1] + [("RES", 1)],
                    source=dispatch.read_kernel_source(NAME, backend)[1],
                    header=kernel_header(backend))
@@ -213,14 +236,16 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
                 simdgroups: Optional[int] = None, nib: Optional[int] = None,
                 prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
-                out_dtype=None) -> dispatch.LaunchSpec:
+                out_dtype=None, persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8) in ``out_dtype`` (default x's; float32 for
     logits: no rounding to x's dtype and no cast launch), plus ``residual [S, O]`` (x's dtype,
-    output in x's dtype) when given; identical arguments for MLX and the simulator."""
+    output in x's dtype) when given; identical arguments for MLX and the simulator.
+    ``persistent``: threadgroups that loop over the row blocks (0: one a row block; None: the
+    backend's default, :func:`default_persistent`)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if residual is not None and out_dtype != x.dtype:
         raise ValueError(f"qgemv: a residual add writes x's dtype ({x.dtype}), not {out_dtype}")
-    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype)
+    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent)
     xs = at_least_8(x)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
