@@ -107,8 +107,8 @@ def cases(quick: bool) -> list[dict]:
         out.append(dict(fmt=fmt, O=300, I=2048, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=7 + fmt,
                         epilogue=True))
     # Persistent grids (PERS 1): a few blocks each looping over many row blocks, the last one
-    # partial. One SIMD group with PF 1 (fmt 2/4, S = 1) is CUDA's streamed loop (stream_rows);
-    # the others the plain loop, NW 2 with its barrier between row blocks.
+    # partial: one SIMD group with PF 1 (CUDA's default launch there), PF 0, and NW 2 with its
+    # barrier between row blocks.
     for fmt, O, I, S, dtype, knobs in ((4, 301, 2048, 1, mx.bfloat16, dict(simdgroups=1, persistent=7)),
                                        (2, 33, 1000, 1, mx.float32, dict(simdgroups=1, persistent=5)),
                                        (4, 301, 2048, 3, mx.float16, dict(persistent=7)),

@@ -44,11 +44,10 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
     return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
 
 # PERS 1 (CUDA's default for one row of x, fmt 2 / 4, one SIMD group a threadgroup): a fixed
-# grid of blocks that loop over the row blocks instead of one block each. Sized for what an
-# H100 / H200 keeps resident (132 SMs x 16 one-warp blocks of <= 128 registers); on the H200,
-# kernel alone, 18432x7168 fmt 4 (scripts/profile_kernels.py --ceiling): one block a row block
-# 27.7 us, this grid looping 26.0, with the next row block's loads in flight over a block's
-# epilogue (stream_rows) see docs/performance.md. A GPU of other size still computes every row.
+# grid of blocks that loop over the row blocks instead of one block each (no block launched
+# per row block). Sized for what an H100 / H200 keeps resident (132 SMs x 16 one-warp blocks of
+# <= 128 registers); a GPU of another size still computes every row. H200, kernel alone,
+# 18432x7168 fmt 4: docs/performance.md (ninth session).
 CUDA_PERSISTENT_BLOCKS = 132 * 16
 
 

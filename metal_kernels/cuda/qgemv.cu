@@ -134,114 +134,6 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
   }
 }
 
-// PERS 1, one warp a block, PF 1: the row blocks blk0, blk0 + G, ... of this warp as one
-// sequence of steps (spg steps of 32 * UNROLL units a row block) through rows_partial's two
-// register buffers, so the next row block's first loads are issued before this block's last
-// step and its epilogue (warp sum, write): a block boundary leaves no gap in the bytes a warp
-// keeps in flight. The epilogue is the kernel body's for NW 1.
-template <int FMT, int GS, int S, int ROWS, int UNROLL, int VEC, int XV, int NIB, int RES, typename T,
-          typename OT>
-__device__ __forceinline__ void stream_rows(const T* x, const uint8_t* w, const float* scales,
-                                            const uint32_t* e8grid, const T* res, OT* y, int O, int I,
-                                            int rb, int ng, int n_units, int lane, int blk0, int G) {
-  constexpr int W = qd::words(FMT);
-  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
-  constexpr int STEP = 32 * UNROLL;
-  const int spg = (n_units + STEP - 1) / STEP;
-  const int n_blocks = (O + ROWS - 1) / ROWS;
-  uint32_t raw_a[UNROLL][ROWS][W];
-  float sc_a[UNROLL][ROWS][NSEG];
-  uint32_t raw_b[UNROLL][ROWS][W];
-  float sc_b[UNROLL][ROWS][NSEG];
-  float acc[ROWS][S];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
-    }
-  }
-  int lb = blk0;      // the next step to load: row block, step within it
-  int lj = 0;
-  int cb = blk0;      // the next step to compute
-  int cj = 0;
-  int rows[ROWS];
-  if (lb >= n_blocks) {
-    return;
-  }
-  // Loads step (lb, lj) into raw / sc and moves to the next one.
-  auto load = [&](uint32_t (*raw)[ROWS][W], float (*sc)[ROWS][NSEG]) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      rows[r] = min(lb * ROWS + r, O - 1);
-    }
-    load_units<FMT, GS, ROWS, 1, UNROLL, VEC, true>(w, scales, rows, rb, ng, n_units, lane + lj * STEP, raw, sc);
-    if (++lj == spg) {
-      lj = 0;
-      lb += G;
-    }
-  };
-  // Computes step (cb, cj); after a row block's last step, its epilogue. False when done.
-  auto compute = [&](const uint32_t (*raw)[ROWS][W], const float (*sc)[ROWS][NSEG]) {
-    compute_units<FMT, GS, S, ROWS, 1, UNROLL, XV, NIB, T>(x, e8grid, I, n_units, lane + cj * STEP, raw, sc, acc);
-    if (++cj < spg) {
-      return true;
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-          acc[r][s] += __shfl_xor_sync(0xffffffffu, acc[r][s], off);
-        }
-      }
-    }
-    if (lane < ROWS * S) {
-      const int r = lane / S;
-      const int s = lane % S;
-      float v = 0.0f;
-#pragma unroll
-      for (int rr = 0; rr < ROWS; ++rr) {
-#pragma unroll
-        for (int ss = 0; ss < S; ++ss) {
-          v = (rr == r && ss == s) ? acc[rr][ss] : v;
-        }
-      }
-      const int row = cb * ROWS + r;
-      if (row < O) {
-        const OT yv = static_cast<OT>(v * qd::row_scale<FMT>(scales, row));
-        y[s * O + row] = RES ? static_cast<OT>(static_cast<float>(res[s * O + row]) + static_cast<float>(yv)) : yv;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] = 0.0f;
-      }
-    }
-    cj = 0;
-    cb += G;
-    return cb < n_blocks;
-  };
-  load(raw_a, sc_a);
-  while (true) {
-    if (lb < n_blocks) {
-      load(raw_b, sc_b);
-    }
-    if (!compute(raw_a, sc_a)) {
-      break;
-    }
-    if (lb < n_blocks) {
-      load(raw_a, sc_a);
-    }
-    if (!compute(raw_b, sc_b)) {
-      break;
-    }
-  }
-}
-
 }  // namespace colibri_qgemv
 
 // ==== kernel body ====
@@ -254,16 +146,8 @@ __device__ __forceinline__ void stream_rows(const T* x, const uint8_t* w, const 
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int n_blocks = (O + ROWS - 1) / ROWS;
-  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ... One
-  // warp a block with PF 1 and aligned buffers streams them (stream_rows: the next row block's
-  // loads in flight during this one's last step and epilogue).
-  if (PERS && NW == 1 && PF && (reinterpret_cast<uintptr_t>(w) & 15) == 0 &&
-      (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
-    colibri_qgemv::stream_rows<FMT, GS, S, ROWS, UNROLL, VEC, XV, NIB, RES, T, OT>(
-        x, w, scales, e8grid, res, y, O, I, rb, ng, n_units, lane, int(blockIdx.x), int(gridDim.x));
-    return;
-  }
   __shared__ float red[NW * ROWS * S];
+  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ...
   const int blk_step = PERS ? int(gridDim.x) : n_blocks;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
