@@ -48,13 +48,16 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
 # per row block). Sized for what an H100 / H200 keeps resident (132 SMs x 16 one-warp blocks of
 # <= 128 registers); a GPU of another size still computes every row. H200, kernel alone,
 # 18432x7168 fmt 4: docs/performance.md (ninth session).
+# Only up to a few waves of row blocks: at 73728x7168 (8.7 waves) the looping grid was slower
+# than one block a row block (88.9 against 84.7 us).
 CUDA_PERSISTENT_BLOCKS = 132 * 16
+CUDA_PERSISTENT_MAX_WAVES = 3
 
 
 def default_persistent(fmt: int, S: int, backend: str, simdgroups: int, prefetch: int, n_blocks: int) -> int:
     """Threadgroups of a persistent launch (0: one per row block)."""
     if (backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch
-            and n_blocks > CUDA_PERSISTENT_BLOCKS):
+            and CUDA_PERSISTENT_BLOCKS < n_blocks <= CUDA_PERSISTENT_MAX_WAVES * CUDA_PERSISTENT_BLOCKS):
         return CUDA_PERSISTENT_BLOCKS
     return 0
 
