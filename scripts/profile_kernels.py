@@ -215,6 +215,16 @@ def ceiling_launches(impl, act):
                         [qgemv.launch_spec(x, w, impl, persistent=0) for x, w in zip(xs, ws)]))
             out.append((f"qgemv {O}x7168", qb, specs))
         keep.append((ws, xs))
+    # The model's other GEMVs past one wave of row blocks: q_b (2.9 waves), lm_head (15.3).
+    for O, I in ((24576, 1536), (129280, 7168)):
+        ws = random_qtensors(4, O, I, 64, CHAIN)
+        xs = [mx.random.normal((1, I)).astype(act) for _ in ws]
+        mx.eval(xs)
+        qb = weight_nbytes(4, O, I, 64) + scale_nbytes(4, O, I, 64) + I * act.size
+        for pb in (0, qgemv.CUDA_PERSISTENT_BLOCKS):
+            out.append((f"qgemv {O}x{I} PB {pb}", qb, [qgemv.launch_spec(x, w, impl, persistent=pb)
+                                                      for x, w in zip(xs, ws)]))
+        keep.append((ws, xs))
     return out, keep
 
 
