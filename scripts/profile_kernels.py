@@ -107,8 +107,9 @@ def rows_launches(impl, act):
 def qgemv_launches(impl, act, settings=()):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
     and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
-    large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB] setting asked for ("-": qgemv.py's choice;
-    PB: blocks of a persistent grid, 0 = one block a row block)."""
+    large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] setting asked for ("-": qgemv.py's
+    choice; PB: blocks of a persistent grid, 0 = one block a row block; MINB: CUDA launch bounds,
+    blocks an SM)."""
     from bench_moe_parts import parse
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
@@ -124,10 +125,11 @@ def qgemv_launches(impl, act, settings=()):
         nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size
         out.append((label, nbytes, [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]))
         for cfg in settings if O == 18432 else ():
-            rows, nw, unroll, nib, pf, pb = parse(cfg, 6)
-            out.append((f"{label} {cfg}", nbytes, [qgemv.launch_spec(x, w, impl, rows=rows, simdgroups=nw, unroll=unroll,
-                                                                     nib=nib, prefetch=pf, persistent=pb)
-                                                   for x, w in zip(xs, ws)]))
+            rows, nw, unroll, nib, pf, pb, minb = parse(cfg, 7)
+            out.append((f"{label} {cfg}", nbytes,
+                        [dispatch.with_min_blocks(qgemv.launch_spec(x, w, impl, rows=rows, simdgroups=nw, unroll=unroll,
+                                                                    nib=nib, prefetch=pf, persistent=pb), minb)
+                         for x, w in zip(xs, ws)]))
         keep.append((ws, xs))
     return out, keep
 
@@ -267,8 +269,8 @@ def main():
     ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB] (MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB]], comma-separated")
-    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB] (PB: blocks of a persistent grid, "
-                    "0: one a row block), comma-separated")
+    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] (PB: blocks of a persistent "
+                    "grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
                     "bounds, blocks an SM), comma-separated")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
