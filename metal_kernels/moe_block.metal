@@ -311,7 +311,6 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int row0 = int(threadgroup_position_in_grid.x) * ROWS;
   const int hs = XP ? n_units * qd_wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   threadgroup int sl[moe_max_slots()];
   threadgroup int lead[moe_max_slots()];         // 1: first slot of its expert
@@ -364,64 +363,74 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int n_items = n_distinct[0] * n_units;
-  int rows[ROWS];
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = min(row0 + r, O - 1);
-  }
-  float acc[ROWS][S];
-  for (int r = 0; r < ROWS; ++r) {
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
+  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ... on the
+  // slot table above, built once a block.
+  const int n_blocks = (O + ROWS - 1) / ROWS;
+  const int blk_step = PERS ? int(threadgroups_per_grid.x) : n_blocks;
+  for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
+    const int row0 = blk * ROWS;
+    int rows[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = min(row0 + r, O - 1);
     }
-  }
-  // PF 0: load UNROLL items x ROWS rows, then compute them; PF 1: gate_up's two buffers, the
-  // next step's loads issued before this step's arithmetic.
-  constexpr int STEP = 32 * NW * UNROLL;
-  uint raw_a[UNROLL][ROWS][W];
-  float scl_a[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
-  if (PF) {
-    uint raw_b[UNROLL][ROWS][W];
-    float scl_b[UNROLL][ROWS][NSEG];
-    moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
-                                                  raw_a, scl_a);
-    for (int base = tid; base < n_items; base += 2 * STEP) {
-      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
-                                                    base + STEP, raw_b, scl_b);
-      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                  ng, I, hs, n_units, n_items, base, raw_a,
-                                                                  scl_a, acc);
-      if (base + STEP >= n_items) {
-        break;
+    float acc[ROWS][S];
+    for (int r = 0; r < ROWS; ++r) {
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] = 0.0f;
       }
-      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
-                                                    base + 2 * STEP, raw_a, scl_a);
-      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                  ng, I, hs, n_units, n_items, base + STEP,
-                                                                  raw_b, scl_b, acc);
     }
-  } else {
-    for (int base = tid; base < n_items; base += STEP) {
-      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+    // PF 0: load UNROLL items x ROWS rows, then compute them; PF 1: gate_up's two buffers, the
+    // next step's loads issued before this step's arithmetic.
+    constexpr int STEP = 32 * NW * UNROLL;
+    uint raw_a[UNROLL][ROWS][W];
+    float scl_a[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
+    if (PF) {
+      uint raw_b[UNROLL][ROWS][W];
+      float scl_b[UNROLL][ROWS][NSEG];
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
                                                     raw_a, scl_a);
-      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                  ng, I, hs, n_units, n_items, base, raw_a,
-                                                                  scl_a, acc);
+      for (int base = tid; base < n_items; base += 2 * STEP) {
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                      base + STEP, raw_b, scl_b);
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                    ng, I, hs, n_units, n_items, base, raw_a,
+                                                                    scl_a, acc);
+        if (base + STEP >= n_items) {
+          break;
+        }
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+                                                      base + 2 * STEP, raw_a, scl_a);
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                    ng, I, hs, n_units, n_items, base + STEP,
+                                                                    raw_b, scl_b, acc);
+      }
+    } else {
+      for (int base = tid; base < n_items; base += STEP) {
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+                                                      raw_a, scl_a);
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
+                                                                    ng, I, hs, n_units, n_items, base, raw_a,
+                                                                    scl_a, acc);
+      }
     }
-  }
-  qd_simd_partials<ROWS, S>(acc, red, warp, lane);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // Thread r * S + s writes y[s, row0 + r] (0 when no expert of this group serves token s).
-  if (tid < ROWS * S) {
-    const int r = tid / S;
-    const int s = tid % S;
-    float v = 0.0f;
-    for (int k = 0; k < NW; ++k) {
-      v += red[(k * ROWS + r) * S + s];
+    qd_simd_partials<ROWS, S>(acc, red, warp, lane);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Thread r * S + s writes y[s, row0 + r] (0 when no expert of this group serves token s).
+    if (tid < ROWS * S) {
+      const int r = tid / S;
+      const int s = tid % S;
+      float v = 0.0f;
+      for (int k = 0; k < NW; ++k) {
+        v += red[(k * ROWS + r) * S + s];
+      }
+      if (row0 + r < O) {
+        // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
+        const OT yv = static_cast<OT>(v);
+        const size_t at = size_t(s) * O + row0 + r;
+        y[at] = RES ? static_cast<OT>(float(res[at]) + float(yv)) : yv;
+      }
     }
-    if (row0 + r < O) {
-      // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
-      const OT yv = static_cast<OT>(v);
-      const size_t at = size_t(s) * O + row0 + r;
-      y[at] = RES ? static_cast<OT>(float(res[at]) + float(yv)) : yv;
+    if (PERS) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);                          // red is written again next row block
     }
   }

@@ -115,12 +115,12 @@ def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
 
 
 def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
-    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF[:MINB]] ("-": moe.py's;
-    MINB 0: no launch bounds)."""
-    rows, nw, unroll, nib, pf, minb = parse(cfg, 6)
+    """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB]]] ("-": moe.py's;
+    MINB 0: no launch bounds; PB: blocks of a persistent grid, 0: one a row block)."""
+    rows, nw, unroll, nib, pf, minb, pb = parse(cfg, 7)
     cuda_only(minb, impl)
     return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw, out_dtype=out_dtype,
-                                        prefetch=pf, min_blocks=minb), UNROLL=unroll, NIB=nib)
+                                        prefetch=pf, min_blocks=minb, persistent=pb), UNROLL=unroll, NIB=nib)
             for h, L, i, w in zip(hs, layers, ids, gw)]
 
 

@@ -171,6 +171,42 @@ def test_moe_down_prefetch(metal, monkeypatch, fmt):
     run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=81 + fmt)
 
 
+@pytest.mark.parametrize("fmt", [2, 4, 6])
+def test_moe_down_persistent_grid(metal, monkeypatch, fmt):
+    # PERS 1 (env COLIBRI_MOE_DOWN_PERSISTENT=3): 3 threadgroups loop over the 16 row blocks of
+    # D = 64 on one slot table each (NW 2: the barrier between row blocks reusing the partials).
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "3")
+    experts = make_experts([fmt] * 4, D=64, inter=768 if fmt != 6 else 1024, gs=32, seed=90 + fmt)
+    for nw, ids in ((1, [[0, 3], [3, 1]]), (2, [[2, 3], [1, 1]])):
+        monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units, nw=nw: nw)
+        run_moe(experts, N=2, K=2, ids=ids, seed=90 + fmt + nw)
+    group = moe.resident_bank(experts).groups[0]
+    spec = moe.down_spec(mx.zeros((4, moe.h_width(group))), group, mx.array([[0, 1], [2, 3]], dtype=mx.int32),
+                         mx.ones((2, 2)), 2, 2)
+    assert dict(spec.template)["PERS"] == 1 and spec.grid[0] == 3 * spec.threadgroup[0]
+
+
+@pytest.mark.parametrize("good,bad", [("blk += blk_step", "blk += n_blocks"),          # one row block each
+                                      ("    if (PERS) {\n      threadgroup_barrier", "    if (false) {\n      threadgroup_barrier")])
+def test_moe_down_persistent_planted_defect_is_caught(metal, monkeypatch, good, bad):
+    real = simulate
+
+    def planted(spec, sim):
+        if spec.name == "moe_down":
+            spec.source = spec.source.replace(good, bad)
+        return real(spec, sim)
+
+    assert moe.read_kernel_sections("moe_block", dispatch.METAL)[1]["moe_down"].count(good) == 1, \
+        f"defect {bad!r} no longer plants"
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "3")
+    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
+    experts = make_experts([4] * 4, D=64, inter=768, gs=32, seed=95)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=95)
+    assert "failed to compile" not in str(caught.value)
+
+
 # moe_down's PF 1 loop (run with COLIBRI_MOE_DOWN_PF=1): each defect must fail the oracle.
 MOE_DOWN_PF_DEFECTS = {
     "down prefetch: second buffer computed as the first's items": ("n_items, base + STEP,\n", "n_items, base,\n"),

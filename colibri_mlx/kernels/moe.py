@@ -388,12 +388,14 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 prefetch=None, res: int = 0, min_blocks=None) -> _Static:
+                 prefetch=None, res: int = 0, min_blocks=None, persistent=None) -> _Static:
     # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default: slower on
     # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
     # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks)
+    if persistent is None:
+        persistent = int(dispatch.getenv("COLIBRI_MOE_DOWN_PERSISTENT", "0"))
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -406,16 +408,21 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
     if min_blocks is None:
         min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 and not pf else 0
+    # PERS 1 (opt-in, not yet timed on a GPU; env COLIBRI_MOE_DOWN_PERSISTENT = blocks): that
+    # many blocks loop over the row blocks, each building the slot table once, not once a row block.
+    n_blocks = -(-p.O // rows)
+    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
     header = kernel_header("moe_block", backend)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params", "res"),
         output_names=("y",), source=bodies["moe_down"],
         header=dispatch.bounded_header(header, SIMD * nw, min_blocks) if min_blocks else header,
-        output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * (-(-p.O // rows)), 1, 1),
+        output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * blocks, 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res)]
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res),
+           ("PERS", int(blocks < n_blocks))]
         + ([("MINB", min_blocks)] if min_blocks else []),
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
@@ -435,13 +442,14 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
               simdgroups: Optional[int] = None, out_dtype=mx.float32,
               prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
-              min_blocks: Optional[int] = None) -> dispatch.LaunchSpec:
+              min_blocks: Optional[int] = None, persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
-    default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none)."""
+    default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
+    the row blocks (None / 0: one a row block)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
-                      min_blocks)
+                      min_blocks, persistent)
     p = group.down
     hs = at_least_8(h)
     return st.spec([hs, p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,

@@ -368,7 +368,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int row0 = int(blockIdx.x) * ROWS;
   const int hs = XP ? n_units * colibri_qd::wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   __shared__ int sl[colibri_moe::max_slots()];
   __shared__ int lead[colibri_moe::max_slots()];
@@ -420,42 +419,52 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   }
   __syncthreads();
   const int n_items = n_distinct[0] * n_units;
-  int rows[ROWS];
+  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ... on the
+  // slot table above, built once a block.
+  const int n_blocks = (O + ROWS - 1) / ROWS;
+  const int blk_step = PERS ? int(gridDim.x) : n_blocks;
+  for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
+    const int row0 = blk * ROWS;
+    int rows[ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = min(row0 + r, O - 1);
-  }
-  float acc[ROWS][S];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = min(row0 + r, O - 1);
     }
-  }
-  const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
-  const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
-  if (w16 && x16) {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
-        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
-  } else {
-    colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP, PF>(
-        h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
-  }
-  colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
-  __syncthreads();
-  if (tid < ROWS * S) {
-    const int r = tid / S;
-    const int s = tid % S;
-    float v = 0.0f;
+    float acc[ROWS][S];
 #pragma unroll
-    for (int k = 0; k < NW; ++k) {
-      v += red[(k * ROWS + r) * S + s];
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] = 0.0f;
+      }
     }
-    if (row0 + r < O) {
-      // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
-      const OT yv = static_cast<OT>(v);
-      const size_t at = size_t(s) * O + row0 + r;
-      y[at] = RES ? static_cast<OT>(static_cast<float>(res[at]) + static_cast<float>(yv)) : yv;
+    const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
+    const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
+    if (w16 && x16) {
+      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
+          h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
+    } else {
+      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP, PF>(
+          h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
+    }
+    colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
+    __syncthreads();
+    if (tid < ROWS * S) {
+      const int r = tid / S;
+      const int s = tid % S;
+      float v = 0.0f;
+#pragma unroll
+      for (int k = 0; k < NW; ++k) {
+        v += red[(k * ROWS + r) * S + s];
+      }
+      if (row0 + r < O) {
+        // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
+        const OT yv = static_cast<OT>(v);
+        const size_t at = size_t(s) * O + row0 + r;
+        y[at] = RES ? static_cast<OT>(static_cast<float>(res[at]) + static_cast<float>(yv)) : yv;
+      }
+    }
+    if (PERS) {
+      __syncthreads();                          // red is written again next row block
     }
   }
