@@ -98,6 +98,8 @@ def qgemv_specs(full: bool):
                 # float32 logits from bf16 x (OT float32: lm_head)
                 yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_f32out", qgemv.launch_spec(x, qt, dispatch.CUDA,
                                                                               out_dtype=mx.float32)
+                if fmt in (2, 4):   # a persistent grid (PERS 1: CUDA's default past one wave of row blocks)
+                    yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_pers", qgemv.launch_spec(x, qt, dispatch.CUDA, persistent=3)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
@@ -186,6 +188,9 @@ def moe_specs(full: bool):
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
             yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                    moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
+            if S == 1 and fmt in (2, 4, 6):   # moe_down's persistent grid (opt-in: COLIBRI_MOE_DOWN_PERSISTENT)
+                yield f"down_fmt{fmt}_S1_pers", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
+                                                             out_dtype=dtype, persistent=3)
             # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
             yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                   out_dtype=dtype, prefetch=1)

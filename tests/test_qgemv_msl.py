@@ -149,6 +149,25 @@ def test_persistent_grid_gives_the_same_bits(fmt):
     np.testing.assert_array_equal(np.asarray(simulate(looping)), np.asarray(simulate(one_each)))
 
 
+def test_cuda_persistent_grid_default():
+    """CUDA's default: a persistent grid for one row of x, fmt 2/4, one SIMD group, past one and
+    up to three waves of row blocks; Metal keeps one threadgroup a row block."""
+    from colibri_mlx.kernels import dispatch
+
+    def grid(fmt, O, I, S=1, backend=dispatch.CUDA):
+        spec = qgemv.launch_spec(mx.zeros((S, I), mx.bfloat16), random_qtensor(fmt, O, I, gs=64, seed=1), backend)
+        return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0]
+
+    assert grid(4, 18432, 256) == (1, qgemv.CUDA_PERSISTENT_BLOCKS)
+    assert grid(2, 18432, 256) == (1, qgemv.CUDA_PERSISTENT_BLOCKS)
+    assert grid(4, 18432, 256, backend=dispatch.METAL) == (0, 18432 // 4)
+    assert grid(4, 18432, 256, S=2) == (0, 18432 // 4)
+    assert grid(6, 18432, 256) == (0, 18432 // 4)
+    assert grid(4, 4 * qgemv.CUDA_PERSISTENT_BLOCKS, 256) == (0, qgemv.CUDA_PERSISTENT_BLOCKS)   # one wave
+    waves = qgemv.CUDA_PERSISTENT_MAX_WAVES
+    assert grid(4, 4 * waves * qgemv.CUDA_PERSISTENT_BLOCKS + 4, 256)[0] == 0                    # past the limit
+
+
 def test_tiny_inputs_are_padded_into_device_space():
     # O * rb < 8 bytes and S * I < 8 elements: the launch pads inputs to 8 elements.
     run_case(2, 1, 3, S=1, seed=3)
