@@ -192,7 +192,6 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int row0 = int(threadgroup_position_in_grid.x) * ROWS;
   const int a = int(threadgroup_position_in_grid.y);
   threadgroup int sl[moe_max_slots()];
   threadgroup float red[NW * R2 * S];
@@ -202,11 +201,18 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   // whole units in qd_xp_index's layout, which moe_down's lanes read coalesced.
   constexpr int HPU = HP > 0 ? HP : 1;
   const int hs = HP > 0 ? (O + HPU - 1) / HPU * HPU : O;
+  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ... of its
+  // slot on the slot table above, built once a block.
+  const int n_blocks = (O + ROWS - 1) / ROWS;
+  const int blk_step = PERS ? int(threadgroups_per_grid.x) : n_blocks;
   if (e < 0) {
-    if (tid < ROWS && row0 + tid < O) {
-      // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
-      for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
-        h[size_t(a) * hs + (HP > 0 ? qd_xp_index<HPU>(O, row) : row)] = 0.0f;
+    for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
+      const int row0 = blk * ROWS;
+      if (tid < ROWS && row0 + tid < O) {
+        // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
+        for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
+          h[size_t(a) * hs + (HP > 0 ? qd_xp_index<HPU>(O, row) : row)] = 0.0f;
+        }
       }
     }
     return;
@@ -222,78 +228,84 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       tokens |= 1u << (b / K);
     }
   }
-  // Bank rows: expert e holds its O gate rows then its O up rows. Rows past O re-read O - 1.
-  int rows[R2];
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = 2 * O * e + min(row0 + r, O - 1);
-    rows[ROWS + r] = rows[r] + O;
-  }
-  int xoff[S];
-  for (int s = 0; s < S; ++s) {
-    xoff[s] = s * I;
-  }
-  float acc[R2][S];
-  for (int r = 0; r < R2; ++r) {
+  for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
+    const int row0 = blk * ROWS;
+    // Bank rows: expert e holds its O gate rows then its O up rows. Rows past O re-read O - 1.
+    int rows[R2];
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = 2 * O * e + min(row0 + r, O - 1);
+      rows[ROWS + r] = rows[r] + O;
+    }
+    int xoff[S];
     for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
+      xoff[s] = s * I;
     }
-  }
-  // PF 0: load UNROLL units x R2 rows, then compute them. PF 1 (qgemv's): two register
-  // buffers, the next step's loads issued before this step's arithmetic, so a SIMD group keeps
-  // bytes in flight while it decodes (one load latency per threadgroup, not one per step).
-  constexpr int STEP = 32 * NW * UNROLL;
-  uint raw_a[UNROLL][R2][W];
-  float scl_a[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
-  if (PF) {
-    uint raw_b[UNROLL][R2][W];
-    float scl_b[UNROLL][R2][NSEG];
-    moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
-    for (int base = tid; base < n_units; base += 2 * STEP) {
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + STEP,
-                                                     raw_b, scl_b);
-      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                  I, n_units, base, raw_a, scl_a, acc);
-      if (base + STEP >= n_units) {
-        break;
+    float acc[R2][S];
+    for (int r = 0; r < R2; ++r) {
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] = 0.0f;
       }
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + 2 * STEP,
-                                                     raw_a, scl_a);
-      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                  I, n_units, base + STEP, raw_b, scl_b, acc);
     }
-  } else {
-    for (int base = tid; base < n_units; base += STEP) {
-      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
-      moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                  I, n_units, base, raw_a, scl_a, acc);
-    }
-  }
-  qd_simd_partials<R2, S>(acc, red, warp, lane);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // Thread r * S + s writes h of token s, row row0 + r, into every slot of s routed to e.
-  if (tid < ROWS * S) {
-    const int r = tid / S;
-    const int s = tid % S;
-    const int row = row0 + r;
-    if (row < O && ((tokens >> s) & 1u)) {
-      float gv = 0.0f;
-      float uv = 0.0f;
-      for (int k = 0; k < NW; ++k) {
-        gv += red[(k * R2 + r) * S + s];
-        uv += red[(k * R2 + ROWS + r) * S + s];
+    // PF 0: load UNROLL units x R2 rows, then compute them. PF 1 (qgemv's): two register
+    // buffers, the next step's loads issued before this step's arithmetic, so a SIMD group keeps
+    // bytes in flight while it decodes (one load latency per threadgroup, not one per step).
+    constexpr int STEP = 32 * NW * UNROLL;
+    uint raw_a[UNROLL][R2][W];
+    float scl_a[UNROLL][R2][NSEG];                 // fmt 4/5 scales, loaded with the weights
+    if (PF) {
+      uint raw_b[UNROLL][R2][W];
+      float scl_b[UNROLL][R2][NSEG];
+      moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, tid, raw_a, scl_a);
+      for (int base = tid; base < n_units; base += 2 * STEP) {
+        moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + STEP,
+                                                       raw_b, scl_b);
+        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                    I, n_units, base, raw_a, scl_a, acc);
+        if (base + STEP >= n_units) {
+          break;
+        }
+        moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + 2 * STEP,
+                                                       raw_a, scl_a);
+        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                    I, n_units, base + STEP, raw_b, scl_b, acc);
       }
-      gv *= qd_row_scale<FMT>(sgu, rows[r]);
-      uv *= qd_row_scale<FMT>(sgu, rows[ROWS + r]);
-      const float hv = gv / (1.0f + exp(-gv)) * uv;
-      const int hi = HP > 0 ? qd_xp_index<HPU>(O, row) : row;
-      for (int b = s * K; b < s * K + K; ++b) {
-        if (sl[b] == e) {
-          h[size_t(b) * hs + hi] = hv;
-          for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
-            h[size_t(b) * hs + qd_xp_index<HPU>(O, pad)] = 0.0f;
+    } else {
+      for (int base = tid; base < n_units; base += STEP) {
+        moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
+        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
+                                                                    I, n_units, base, raw_a, scl_a, acc);
+      }
+    }
+    qd_simd_partials<R2, S>(acc, red, warp, lane);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // Thread r * S + s writes h of token s, row row0 + r, into every slot of s routed to e.
+    if (tid < ROWS * S) {
+      const int r = tid / S;
+      const int s = tid % S;
+      const int row = row0 + r;
+      if (row < O && ((tokens >> s) & 1u)) {
+        float gv = 0.0f;
+        float uv = 0.0f;
+        for (int k = 0; k < NW; ++k) {
+          gv += red[(k * R2 + r) * S + s];
+          uv += red[(k * R2 + ROWS + r) * S + s];
+        }
+        gv *= qd_row_scale<FMT>(sgu, rows[r]);
+        uv *= qd_row_scale<FMT>(sgu, rows[ROWS + r]);
+        const float hv = gv / (1.0f + exp(-gv)) * uv;
+        const int hi = HP > 0 ? qd_xp_index<HPU>(O, row) : row;
+        for (int b = s * K; b < s * K + K; ++b) {
+          if (sl[b] == e) {
+            h[size_t(b) * hs + hi] = hv;
+            for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
+              h[size_t(b) * hs + qd_xp_index<HPU>(O, pad)] = 0.0f;
+            }
           }
         }
       }
+    }
+    if (PERS) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);                          // red is written again next row block
     }
   }
 // ==== kernel body: moe_down ====

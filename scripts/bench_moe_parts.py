@@ -105,12 +105,14 @@ def template_of(spec, *names) -> str:
 
 
 def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
-    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB] ("-": moe.py's;
-    MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks)."""
-    rows, nw, unroll, nib, pf, minb = parse(cfg, 6)
+    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] ("-": moe.py's;
+    MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks; PB: blocks a slot of a
+    persistent grid)."""
+    rows, nw, unroll, nib, pf, minb, pb = parse(cfg, 7)
     cuda_only(minb, impl)
     return [dispatch.with_min_blocks(with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw,
-                                                                    prefetch=pf), UNROLL=unroll, NIB=nib), minb)
+                                                                    prefetch=pf, persistent=pb),
+                                                   UNROLL=unroll, NIB=nib), minb)
             for x, L, i in zip(xs, layers, ids)]
 
 

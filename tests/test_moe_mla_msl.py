@@ -186,20 +186,45 @@ def test_moe_down_persistent_grid(metal, monkeypatch, fmt):
     assert dict(spec.template)["PERS"] == 1 and spec.grid[0] == 3 * spec.threadgroup[0]
 
 
-@pytest.mark.parametrize("good,bad", [("blk += blk_step", "blk += n_blocks"),          # one row block each
-                                      ("    if (PERS) {\n      threadgroup_barrier", "    if (false) {\n      threadgroup_barrier")])
-def test_moe_down_persistent_planted_defect_is_caught(metal, monkeypatch, good, bad):
+@pytest.mark.parametrize("fmt", [2, 4, 6])
+def test_moe_gate_up_persistent_grid(metal, monkeypatch, fmt):
+    # PERS 1 (env COLIBRI_MOE_GATE_UP_PERSISTENT=3): 3 threadgroups a slot loop over the 12 / 16
+    # row blocks of inter = 24 / 32 (ROWS 2), unused slots' zero rows included (ids -1).
+    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "3")
+    experts = make_experts([fmt] * 4, D=2080 if fmt != 6 else 2304, inter=24 if fmt != 6 else 32, gs=32,
+                           seed=100 + fmt)
+    for nw, ids in ((1, [[0, 3], [3, 1]]), (2, [[2, -1], [1, 1]])):
+        monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units, nw=nw: nw)
+        run_moe(experts, N=2, K=2, ids=ids, seed=100 + fmt + nw)
+    group = moe.resident_bank(experts).groups[0]
+    spec = moe.gate_up_spec(x_of(2, 2080 if fmt != 6 else 2304), group, mx.array([[0, 1], [2, 3]], dtype=mx.int32), 2)
+    assert dict(spec.template)["PERS"] == 1 and spec.grid[0] == 3 * spec.threadgroup[0]
+
+
+# The persistent loops (PERS 1): (kernel, text, planted replacement, its count in the kernel).
+PERSISTENT_DEFECTS = [
+    ("moe_down", "blk += blk_step", "blk += n_blocks", 1),                               # one row block each
+    ("moe_down", "    if (PERS) {\n      threadgroup_barrier", "    if (false) {\n      threadgroup_barrier", 1),
+    ("moe_gate_up", "blk += blk_step", "blk += 2 * blk_step", 2),                        # every other row block
+    # (moe_gate_up's barrier between row blocks is not planted: as for qgemv's, neither of the
+    # simulator's schedules lets a SIMD group write the partials before the first one read them.)
+]
+PERSISTENT_ENV = {"moe_down": "COLIBRI_MOE_DOWN_PERSISTENT", "moe_gate_up": "COLIBRI_MOE_GATE_UP_PERSISTENT"}
+
+
+@pytest.mark.parametrize("kernel,good,bad,count", PERSISTENT_DEFECTS)
+def test_moe_persistent_planted_defect_is_caught(metal, monkeypatch, kernel, good, bad, count):
     real = simulate
 
     def planted(spec, sim):
-        if spec.name == "moe_down":
+        if spec.name == kernel:
             spec.source = spec.source.replace(good, bad)
         return real(spec, sim)
 
-    assert moe.read_kernel_sections("moe_block", dispatch.METAL)[1]["moe_down"].count(good) == 1, \
+    assert moe.read_kernel_sections("moe_block", dispatch.METAL)[1][kernel].count(good) == count, \
         f"defect {bad!r} no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "3")
+    monkeypatch.setenv(PERSISTENT_ENV[kernel], "3")
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
     experts = make_experts([4] * 4, D=64, inter=768, gs=32, seed=95)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:

@@ -359,7 +359,7 @@ class _Static:
 
 
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
-                    prefetch=None) -> _Static:
+                    prefetch=None, persistent=None) -> _Static:
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
     # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
@@ -367,7 +367,11 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
     default = "1" if backend == dispatch.CUDA and S == 1 else "0"
     pf = int(dispatch.getenv("COLIBRI_MOE_PF", default)) if prefetch is None else int(prefetch)
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf)
+    # PERS 1 (opt-in, not yet timed; env COLIBRI_MOE_GATE_UP_PERSISTENT = blocks of a slot):
+    # moe_down's loop over row blocks on one slot table, for each slot's blocks (grid.y = slot).
+    if persistent is None:
+        persistent = int(dispatch.getenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "0"))
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -376,13 +380,16 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     rows = rows or gate_up_rows(S)
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
+    n_blocks = -(-p.O // rows)
+    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
         output_names=("h",), source=bodies["moe_gate_up"], header=kernel_header("moe_block", backend),
         output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
-        grid=(SIMD * nw * (-(-p.O // rows)), n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, S, rows, nw, x_dtype, backend, pf) + [("PF", pf), ("HP", h_unit(group))],
+        grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
+        template=_template(p, S, rows, nw, x_dtype, backend, pf)
+        + [("PF", pf), ("HP", h_unit(group)), ("PERS", int(blocks < n_blocks))],
         params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
@@ -432,10 +439,12 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
 
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
-                 simdgroups: Optional[int] = None, prefetch: Optional[int] = None) -> dispatch.LaunchSpec:
+                 simdgroups: Optional[int] = None, prefetch: Optional[int] = None,
+                 persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
-    in ``h_unit``'s layout."""
-    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch)
+    in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
+    (None: env COLIBRI_MOE_GATE_UP_PERSISTENT, default 0 = one a row block)."""
+    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 
@@ -449,7 +458,7 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
-    the row blocks (None / 0: one a row block)."""
+    the row blocks (None: env COLIBRI_MOE_DOWN_PERSISTENT, default 0 = one a row block)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
                       min_blocks, persistent)
     p = group.down

@@ -269,7 +269,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int row0 = int(blockIdx.x) * ROWS;
   const int a = int(blockIdx.y);
   __shared__ int sl[colibri_moe::max_slots()];
   __shared__ float red[NW * R2 * S];
@@ -279,11 +278,18 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   // whole units in xp_index's layout, which moe_down's lanes read coalesced.
   constexpr int HPU = HP > 0 ? HP : 1;
   const int hs = HP > 0 ? (O + HPU - 1) / HPU * HPU : O;
+  // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ... of its
+  // slot on the slot table above, built once a block.
+  const int n_blocks = (O + ROWS - 1) / ROWS;
+  const int blk_step = PERS ? int(gridDim.x) : n_blocks;
   if (e < 0) {
-    if (tid < ROWS && row0 + tid < O) {
-      // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
-      for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
-        h[size_t(a) * hs + (HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row)] = 0.0f;
+    for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
+      const int row0 = blk * ROWS;
+      if (tid < ROWS && row0 + tid < O) {
+        // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
+        for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
+          h[size_t(a) * hs + (HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row)] = 0.0f;
+        }
       }
     }
     return;
@@ -299,60 +305,66 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       tokens |= 1u << (b / K);
     }
   }
-  int rows[R2];
+  for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
+    const int row0 = blk * ROWS;
+    int rows[R2];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = 2 * O * e + min(row0 + r, O - 1);
-    rows[ROWS + r] = rows[r] + O;
-  }
-  int xoff[S];
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    xoff[s] = s * I;
-  }
-  float acc[R2][S];
-#pragma unroll
-  for (int r = 0; r < R2; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
+      rows[r] = 2 * O * e + min(row0 + r, O - 1);
+      rows[ROWS + r] = rows[r] + O;
+    }
+    int xoff[S];
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      acc[r][s] = 0.0f;
+      xoff[s] = s * I;
     }
-  }
-  const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
-  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
-  if (w16 && x16) {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
-        x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
-  } else {
-    colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
-        x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
-  }
-  colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
-  __syncthreads();
-  if (tid < ROWS * S) {
-    const int r = tid / S;
-    const int s = tid % S;
-    const int row = row0 + r;
-    if (row < O && ((tokens >> s) & 1u)) {
-      float gv = 0.0f;
-      float uv = 0.0f;
+    float acc[R2][S];
 #pragma unroll
-      for (int k = 0; k < NW; ++k) {
-        gv += red[(k * R2 + r) * S + s];
-        uv += red[(k * R2 + ROWS + r) * S + s];
+    for (int r = 0; r < R2; ++r) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] = 0.0f;
       }
-      gv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + row);
-      uv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + O + row);
-      const float hv = gv / (1.0f + expf(-gv)) * uv;
-      const int hi = HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row;
-      for (int b = s * K; b < s * K + K; ++b) {
-        if (sl[b] == e) {
-          h[size_t(b) * hs + hi] = hv;
-          for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
-            h[size_t(b) * hs + colibri_qd::xp_index<HPU>(O, pad)] = 0.0f;
+    }
+    const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
+    const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+    if (w16 && x16) {
+      colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
+          x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+    } else {
+      colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
+          x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+    }
+    colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
+    __syncthreads();
+    if (tid < ROWS * S) {
+      const int r = tid / S;
+      const int s = tid % S;
+      const int row = row0 + r;
+      if (row < O && ((tokens >> s) & 1u)) {
+        float gv = 0.0f;
+        float uv = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NW; ++k) {
+          gv += red[(k * R2 + r) * S + s];
+          uv += red[(k * R2 + ROWS + r) * S + s];
+        }
+        gv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + row);
+        uv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + O + row);
+        const float hv = gv / (1.0f + expf(-gv)) * uv;
+        const int hi = HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row;
+        for (int b = s * K; b < s * K + K; ++b) {
+          if (sl[b] == e) {
+            h[size_t(b) * hs + hi] = hv;
+            for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
+              h[size_t(b) * hs + colibri_qd::xp_index<HPU>(O, pad)] = 0.0f;
+            }
           }
         }
       }
+    }
+    if (PERS) {
+      __syncthreads();                          // red is written again next row block
     }
   }
 // ==== kernel body: moe_down ====
