@@ -265,8 +265,8 @@ def test_hadamard_matches_float64(n):
 # mix their error stays inside the (fmt 6 dominated) budget.
 FMT4_ONLY = [4, 4, 4, 4, 4]
 MOE_DEFECTS = {
-    "leader writes only its own slot": ("if (sl[b] == e) {\n          h[size_t(b) * hs + hi] = hv;",
-                                        "if (b == a) {\n          h[size_t(b) * hs + hi] = hv;"),
+    "leader writes only its own slot": ("if (sl[b] == e) {\n            h[size_t(b) * hs + hi] = hv;",
+                                        "if (b == a) {\n            h[size_t(b) * hs + hi] = hv;"),
     # h in qd_xp_index's layout (padded rows of 4-float chunks ordered chunk-major)
     # (fmt 4 only: fmt 6 rotates h in row order, and its large outputs would widen the budget)
     "h padding past O left unwritten": ("for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {",
@@ -282,8 +282,8 @@ MOE_DEFECTS = {
                                             "const int n_items = (n_distinct[0] - 1) * n_units;"),
     "down split-K partial sums overwritten": ("v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];"),
     "gate_up split-K up partial dropped": ("uv += red[(k * R2 + ROWS + r) * S + s];", "uv = red[(k * R2 + ROWS + r) * S + s];"),
-    "gate_up reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  // Thread r * S + s writes h",
-                                          "  // Thread r * S + s writes h"),
+    "gate_up reduction barrier missing": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    // Thread r * S + s writes h",
+                                          "    // Thread r * S + s writes h"),
     "down expert table barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  const int n_items",
                                           "  const int n_items"),
     "gate_up hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;",
@@ -300,8 +300,8 @@ MOE_PF_DEFECTS = {
     "prefetch: second buffer's step skipped": ("I, n_units, base + STEP, raw_b, scl_b, acc);",
                                                "I, n_units, base + 2 * STEP, raw_b, scl_b, acc);"),
     "prefetch: loop stops after the first buffer": ("if (base + STEP >= n_units) {", "if (base + STEP >= 0) {"),
-    "prefetch: next step loaded into the live buffer": ("base + 2 * STEP,\n                                                     raw_a, scl_a);",
-                                                        "base + 2 * STEP,\n                                                     raw_b, scl_b);"),
+    "prefetch: next step loaded into the live buffer": ("base + 2 * STEP,\n                                                       raw_a, scl_a);",
+                                                        "base + 2 * STEP,\n                                                       raw_b, scl_b);"),
 }
 
 
