@@ -162,6 +162,21 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     assert set(k.split("/")[1] for k in calls if k.startswith(("qgemv", "mla_decode"))) == {"reference"}
 
 
+def test_moe_loop_knobs_make_modes(monkeypatch):
+    """Each MoE loop knob (moe.py reads them when it builds a launch) is part of the mode: a
+    trace made under one setting is not replayed under another."""
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    for var in compiled.MOE_LOOP_VARS:
+        monkeypatch.delenv(var, raising=False)
+    block = compiled.CompiledBlock(lambda x: x * 2, "toy_modes")
+    x = mx.ones((4,))
+    block(x)
+    for n, var in enumerate(compiled.MOE_LOOP_VARS, start=2):
+        monkeypatch.setenv(var, "3")
+        block(x)
+        assert len(block._modes) == n, var
+
+
 def test_block_declines_with_reason_and_counts(monkeypatch):
     monkeypatch.setenv(compiled.ENV_VAR, "1")
     w = mx.random.normal((16, 16))

@@ -38,6 +38,12 @@ def test_bench_moe_rows():
         assert row in out, out
 
 
+def test_bench_mla_rows():
+    out = run_script("scripts/bench_moe_mla.py", "--tiny", "--only", "mla", "--iters", "1", "--cache", "16")
+    for row in ("mla_T16 ", "mla_T16_compiled"):
+        assert row in out, out
+
+
 def test_bench_build_reports_the_step_graph():
     out = run_script("scripts/bench_build.py", "--steps", "5")
     assert "decode step build (launches stubbed)" in out and "whole step (one compiled graph)" in out, out
