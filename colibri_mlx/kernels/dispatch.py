@@ -227,6 +227,13 @@ class LaunchSpec:
     init_value: Optional[float] = None
 
 
+def persistent_grid(n_blocks: int, persistent: Optional[int]) -> tuple[int, int]:
+    """``(threadgroups, PERS)`` of a launch over ``n_blocks`` row blocks: ``persistent``
+    threadgroups looping over them (template PERS 1) when that is fewer, else one a row block."""
+    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
+    return blocks, int(blocks < n_blocks)
+
+
 @functools.lru_cache(maxsize=None)
 def bounded_header(header: str, threads: int, min_blocks: int) -> str:
     """``header`` with CUDA launch bounds for the program's kernel (see :func:`with_min_blocks`).

@@ -379,9 +379,9 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     p = group.gate_up
     rows = rows or gate_up_rows(S)
     busy = min(n_slots, len(group.experts))          # distinct experts at most
-    nw = simdgroups or _simdgroups(-(-p.O // rows) * busy, p.n_units)
     n_blocks = -(-p.O // rows)
-    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
+    nw = simdgroups or _simdgroups(n_blocks * busy, p.n_units)
+    blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
@@ -389,7 +389,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, x_dtype, backend, pf)
-        + [("PF", pf), ("HP", h_unit(group)), ("PERS", int(blocks < n_blocks))],
+        + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers)],
         params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
@@ -419,8 +419,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # row blocks, each building the slot table once, not once a row block. H200, kernel alone, 8
     # experts of 2048 -> 7168 fmt 4, 924 blocks: 35.4 us against 38.0 (one run); off until its
     # correctness is checked on the GPU too (the simulator checks the Metal twin's loop).
-    n_blocks = -(-p.O // rows)
-    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
+    blocks, pers = dispatch.persistent_grid(-(-p.O // rows), persistent)
     header = kernel_header("moe_block", backend)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
@@ -431,7 +430,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
         + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res),
-           ("PERS", int(blocks < n_blocks))]
+           ("PERS", pers)]
         + ([("MINB", min_blocks)] if min_blocks else []),
         params=_params(p, K, S * K, group.n_layer_experts))
     return st

@@ -214,7 +214,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     n_blocks = -(-qt.O // rows)
     if persistent is None:
         persistent = default_persistent(qt.fmt, S, backend, simdgroups, prefetch, n_blocks)
-    blocks = min(int(persistent), n_blocks) if persistent else n_blocks
+    blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
@@ -224,7 +224,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", prefetch), ("PERS", int(blocks < n_blocks)), ("OT", out_dtype), ("RES", 0)]
+                ("PF", prefetch), ("PERS", pers), ("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[out_dtype],

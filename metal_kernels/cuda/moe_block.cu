@@ -305,6 +305,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       tokens |= 1u << (b / K);
     }
   }
+  const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
     int rows[R2];
@@ -326,8 +328,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
         acc[r][s] = 0.0f;
       }
     }
-    const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
-    const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
     if (w16 && x16) {
       colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
           x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
@@ -435,6 +435,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   // slot table above, built once a block.
   const int n_blocks = (O + ROWS - 1) / ROWS;
   const int blk_step = PERS ? int(gridDim.x) : n_blocks;
+  const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
     int rows[ROWS];
@@ -450,8 +452,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
         acc[r][s] = 0.0f;
       }
     }
-    const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
-    const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
     if (w16 && x16) {
       colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
           h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);

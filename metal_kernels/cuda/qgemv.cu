@@ -147,6 +147,9 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
   const int warp = tid >> 5;
   const int n_blocks = (O + ROWS - 1) / ROWS;
   __shared__ float red[NW * ROWS * S];
+  // A row slice of a larger array can start anywhere 8-aligned; vector loads of x need 16 bytes.
+  const bool w16 = (reinterpret_cast<uintptr_t>(w) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   // PERS 1: fewer blocks than row blocks; each loops over row blocks b, b + blocks, ...
   const int blk_step = PERS ? int(gridDim.x) : n_blocks;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
@@ -164,9 +167,6 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
         acc[r][s] = 0.0f;
       }
     }
-    // A row slice of a larger array can start anywhere 8-aligned; vector loads of x need 16 bytes.
-    const bool w16 = (reinterpret_cast<uintptr_t>(w) & 15) == 0;
-    const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
     if (w16 && x16) {
       colibri_qgemv::rows_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
           x, w, scales, e8grid, rows, rb, ng, I, n_units, tid, acc);
