@@ -99,7 +99,7 @@ for s in "${steps[@]}"; do
                      step "e2e_${env//=/_}" 150 env "$env" python3 scripts/bench_e2e.py --steps 16 --quick
                    done ;;
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
-    kernel_times)  step kernel_times 150 python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
+    kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;
