@@ -223,9 +223,8 @@ def ceiling_launches(impl, act):
         xs = [mx.random.normal((1, I)).astype(act) for _ in ws]
         mx.eval(xs)
         qb = weight_nbytes(4, O, I, 64) + scale_nbytes(4, O, I, 64) + I * act.size
-        for pb in (0, qgemv.CUDA_PERSISTENT_BLOCKS):
-            out.append((f"qgemv {O}x{I} PB {pb}", qb, [qgemv.launch_spec(x, w, impl, persistent=pb)
-                                                      for x, w in zip(xs, ws)]))
+        for name, kw in (("one block a row block", dict(rows=4, persistent=0)), ("default", {})):
+            out.append((f"qgemv {O}x{I} {name}", qb, [qgemv.launch_spec(x, w, impl, **kw) for x, w in zip(xs, ws)]))
         keep.append((ws, xs))
     return out, keep
 

@@ -201,6 +201,39 @@ def test_moe_gate_up_persistent_grid(metal, monkeypatch, fmt):
     assert dict(spec.template)["PERS"] == 1 and spec.grid[0] == 3 * spec.threadgroup[0]
 
 
+def test_cuda_persistent_grid_defaults(monkeypatch):
+    """CUDA, one token, fmt 4: moe_gate_up shares the resident one-warp blocks among the slots,
+    moe_down runs as many blocks as its launch bounds keep resident, both balanced (every block
+    as many row blocks); Metal and more tokens keep one threadgroup a row block; the env vars
+    override (0: off)."""
+    monkeypatch.delenv("COLIBRI_MOE_DOWN_PERSISTENT", raising=False)
+    monkeypatch.delenv("COLIBRI_MOE_GATE_UP_PERSISTENT", raising=False)
+    experts = make_experts([4] * 8, D=4096, inter=1024, gs=64, seed=5)
+    group = moe.resident_bank(experts).groups[0]
+    ids = mx.array([list(range(8))], dtype=mx.int32)
+
+    def gate_up(backend, N=1):
+        spec = moe.gate_up_spec(x_of(N, 4096, mx.bfloat16), group, mx.zeros((N, 8), mx.int32) + ids[:, :1], 8,
+                                backend)
+        return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0]
+
+    def down(backend, N=1):
+        spec = moe.down_spec(mx.zeros((N * 8, moe.h_width(group))), group, mx.zeros((N, 8), mx.int32) + ids[:, :1],
+                             mx.ones((N, 8)), N, 8, backend)
+        return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0], dict(spec.template).get("MINB")
+
+    # gate_up: 512 row blocks a slot, 2112 // 8 = 264 resident a slot -> two rounds of 256.
+    assert gate_up(dispatch.CUDA) == (1, 256)
+    assert gate_up(dispatch.METAL) == (0, 512)
+    assert gate_up(dispatch.CUDA, N=2) == (0, 512)
+    # down: 1024 row blocks, launch bounds of 7 blocks an SM (924 resident) -> two rounds of 512.
+    assert down(dispatch.CUDA) == (1, 512, 7)
+    assert down(dispatch.METAL)[:2] == (0, 1024)
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "0")
+    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "0")
+    assert down(dispatch.CUDA)[:2] == (0, 1024) and gate_up(dispatch.CUDA) == (0, 512)
+
+
 # The persistent loops (PERS 1): (kernel, text, planted replacement, its count in the kernel).
 PERSISTENT_DEFECTS = [
     ("moe_down", "blk += blk_step", "blk += n_blocks", 1),                               # one row block each

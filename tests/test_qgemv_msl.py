@@ -151,21 +151,42 @@ def test_persistent_grid_gives_the_same_bits(fmt):
 
 def test_cuda_persistent_grid_default():
     """CUDA's default: a persistent grid for one row of x, fmt 2/4, one SIMD group, past one and
-    up to three waves of row blocks; Metal keeps one threadgroup a row block."""
+    up to three waves of row blocks, with CUDA_PERSISTENT_ROWS rows a block and every block
+    as many row blocks; Metal keeps one threadgroup a row block."""
     from colibri_mlx.kernels import dispatch
 
     def grid(fmt, O, I, S=1, backend=dispatch.CUDA):
         spec = qgemv.launch_spec(mx.zeros((S, I), mx.bfloat16), random_qtensor(fmt, O, I, gs=64, seed=1), backend)
-        return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0]
+        t = dict(spec.template)
+        return t["PERS"], t["ROWS"], spec.grid[0] // spec.threadgroup[0]
 
-    assert grid(4, 18432, 256) == (1, qgemv.CUDA_PERSISTENT_BLOCKS)
-    assert grid(2, 18432, 256) == (1, qgemv.CUDA_PERSISTENT_BLOCKS)
-    assert grid(4, 18432, 256, backend=dispatch.METAL) == (0, 18432 // 4)
-    assert grid(4, 18432, 256, S=2) == (0, 18432 // 4)
-    assert grid(6, 18432, 256) == (0, 18432 // 4)
-    assert grid(4, 4 * qgemv.CUDA_PERSISTENT_BLOCKS, 256) == (0, qgemv.CUDA_PERSISTENT_BLOCKS)   # one wave
+    rows = qgemv.CUDA_PERSISTENT_ROWS
+    assert grid(4, 18432, 256) == (1, rows, 1536)      # 3072 row blocks, two rounds of 1536
+    assert grid(2, 18432, 256) == (1, rows, 1536)
+    assert grid(4, 24576, 256) == (1, rows, 1366)      # 4096 row blocks, three rounds (the last one short)
+    assert grid(4, 18432, 256, backend=dispatch.METAL) == (0, 4, 18432 // 4)
+    assert grid(4, 18432, 256, S=2) == (0, 4, 18432 // 4)
+    assert grid(6, 18432, 256) == (0, 4, 18432 // 4)
+    assert grid(4, 4 * qgemv.CUDA_PERSISTENT_BLOCKS, 256) == (0, 4, qgemv.CUDA_PERSISTENT_BLOCKS)   # one wave
     waves = qgemv.CUDA_PERSISTENT_MAX_WAVES
-    assert grid(4, 4 * waves * qgemv.CUDA_PERSISTENT_BLOCKS + 4, 256)[0] == 0                    # past the limit
+    assert grid(4, 4 * waves * qgemv.CUDA_PERSISTENT_BLOCKS + 4, 256)[0] == 0                       # past the limit
+    # Rows asked for keep their row blocks: the grid is balanced over them.
+    spec = qgemv.launch_spec(mx.zeros((1, 256), mx.bfloat16), random_qtensor(4, 18432, 256, gs=64, seed=1),
+                             dispatch.CUDA, rows=4)
+    assert dict(spec.template)["ROWS"] == 4 and spec.grid[0] // spec.threadgroup[0] == 1536   # 4608 in 3 rounds
+
+
+def test_balanced_blocks():
+    from colibri_mlx.kernels import dispatch
+
+    assert dispatch.balanced_blocks(4608, 2112) == 1536
+    assert dispatch.balanced_blocks(1792, 924) == 896
+    assert dispatch.balanced_blocks(1024, 264) == 256
+    assert dispatch.balanced_blocks(100, 2112) == 100
+    for n, cap in ((4097, 2112), (7, 3), (1, 1)):
+        b = dispatch.balanced_blocks(n, cap)
+        rounds = -(-n // cap)
+        assert b <= cap and -(-n // b) == rounds
 
 
 def test_tiny_inputs_are_padded_into_device_space():

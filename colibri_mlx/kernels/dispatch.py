@@ -227,6 +227,20 @@ class LaunchSpec:
     init_value: Optional[float] = None
 
 
+# Streaming multiprocessors of the GPU the CUDA launch defaults were measured on (H100 / H200).
+# Persistent grids are sized from it; on a GPU of another size they still cover every row block.
+CUDA_SMS = 132
+
+
+def balanced_blocks(n_blocks: int, capacity: int) -> int:
+    """Threadgroups of a persistent grid over ``n_blocks`` row blocks when at most ``capacity``
+    are resident: as many rounds as ``capacity`` needs, every threadgroup the same number of row
+    blocks (H200: 4608 row blocks over 2112 resident one-warp blocks leave 384 running a third
+    round alone; 1536 blocks run three rounds each)."""
+    rounds = -(-n_blocks // max(1, capacity))
+    return -(-n_blocks // rounds)
+
+
 def persistent_grid(n_blocks: int, persistent: Optional[int]) -> tuple[int, int]:
     """``(threadgroups, PERS)`` of a launch over ``n_blocks`` row blocks: ``persistent``
     threadgroups looping over them (template PERS 1) when that is fewer, else one a row block."""

@@ -330,6 +330,17 @@ def h_width(group: "ExpertGroup") -> int:
     return group.down.n_units * hp if hp else group.gate_up.O
 
 
+def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, prefetch: int,
+                               n_blocks: int, backend: str) -> int:
+    """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4, one-warp
+    blocks with PF 1 (<= 128 registers: qgemv's 16 an SM): the resident blocks shared by the
+    slots, balanced. H200, kernel alone, 8 experts of 7168 -> 2 x 2048 fmt 4: 256 blocks a slot
+    51.2 us, 264 51.7, 512 52.1, 128 71.8, one a row block (1024) 52.6."""
+    if backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch:
+        return dispatch.balanced_blocks(n_blocks, qgemv.CUDA_PERSISTENT_BLOCKS // max(1, n_slots))
+    return 0
+
+
 def gate_up_rows(S: int) -> int:
     """Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load; ROWS * S <= 32
     final writers and the accumulators of qgemv's ROWS = 4 (2 for S > 4)."""
@@ -367,10 +378,12 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
     default = "1" if backend == dispatch.CUDA and S == 1 else "0"
     pf = int(dispatch.getenv("COLIBRI_MOE_PF", default)) if prefetch is None else int(prefetch)
-    # PERS 1 (opt-in, not yet timed; env COLIBRI_MOE_GATE_UP_PERSISTENT = blocks of a slot):
-    # moe_down's loop over row blocks on one slot table, for each slot's blocks (grid.y = slot).
-    if persistent is None:
-        persistent = int(dispatch.getenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "0"))
+    # PERS 1: each slot's blocks (grid.y = slot) loop over its row blocks on one slot table.
+    # env COLIBRI_MOE_GATE_UP_PERSISTENT = blocks a slot (0: one a row block) overrides the
+    # default, :func:`default_gate_up_persistent`.
+    env_persistent = dispatch.getenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "")
+    if persistent is None and env_persistent:
+        persistent = int(env_persistent)
     key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
@@ -381,6 +394,8 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     busy = min(n_slots, len(group.experts))          # distinct experts at most
     n_blocks = -(-p.O // rows)
     nw = simdgroups or _simdgroups(n_blocks * busy, p.n_units)
+    if persistent is None:
+        persistent = default_gate_up_persistent(p.fmt, S, n_slots, nw, pf, n_blocks, backend)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
@@ -400,8 +415,9 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
     # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
-    if persistent is None:
-        persistent = int(dispatch.getenv("COLIBRI_MOE_DOWN_PERSISTENT", "0"))
+    env_persistent = dispatch.getenv("COLIBRI_MOE_DOWN_PERSISTENT", "")
+    if persistent is None and env_persistent:
+        persistent = int(env_persistent)
     key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent)
     hit = group.statics.get(key)
     if hit is not None:
@@ -415,11 +431,16 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
     if min_blocks is None:
         min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 and not pf else 0
-    # PERS 1 (opt-in; env COLIBRI_MOE_DOWN_PERSISTENT = blocks): that many blocks loop over the
-    # row blocks, each building the slot table once, not once a row block. H200, kernel alone, 8
-    # experts of 2048 -> 7168 fmt 4, 924 blocks: 35.4 us against 38.0 (one run); off until its
-    # correctness is checked on the GPU too (the simulator checks the Metal twin's loop).
-    blocks, pers = dispatch.persistent_grid(-(-p.O // rows), persistent)
+    # PERS 1: blocks loop over the row blocks, each building the slot table once, not once a row
+    # block. CUDA's default where launch bounds say how many blocks an SM keeps: that many a
+    # round, balanced (dispatch.balanced_blocks). H200, kernel alone, 8 experts of 2048 -> 7168
+    # fmt 4: 896 blocks 35.3 us, 924 35.5, 448 42.8, one a row block (1792) 38.0. env
+    # COLIBRI_MOE_DOWN_PERSISTENT = blocks (0: one a row block) overrides.
+    n_blocks = -(-p.O // rows)
+    if persistent is None:
+        persistent = (dispatch.balanced_blocks(n_blocks, dispatch.CUDA_SMS * min_blocks)
+                      if backend == dispatch.CUDA and S == 1 and min_blocks else 0)
+    blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     header = kernel_header("moe_block", backend)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(

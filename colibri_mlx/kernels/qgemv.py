@@ -46,19 +46,25 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
 # PERS 1 (CUDA's default for one row of x, fmt 2 / 4, one SIMD group a threadgroup): a fixed
 # grid of blocks that loop over the row blocks instead of one block each (no block launched
 # per row block). Sized for what an H100 / H200 keeps resident (132 SMs x 16 one-warp blocks of
-# <= 128 registers); a GPU of another size still computes every row. H200, kernel alone,
-# 18432x7168 fmt 4: docs/performance.md (ninth session).
-# Only up to a few waves of row blocks: at 73728x7168 (8.7 waves) the looping grid was slower
-# than one block a row block (88.9 against 84.7 us).
-CUDA_PERSISTENT_BLOCKS = 132 * 16
+# <= 128 registers) and balanced (dispatch.balanced_blocks: every block as many row blocks); a
+# GPU of another size still computes every row. Only up to a few waves of row blocks: at
+# 73728x7168 (8.7 waves) the looping grid was slower than one block a row block (88.9 against
+# 84.7 us). H200, kernel alone: docs/performance.md (ninth and tenth sessions).
+CUDA_PERSISTENT_BLOCKS = dispatch.CUDA_SMS * 16
 CUDA_PERSISTENT_MAX_WAVES = 3
+# Rows a block of the persistent grid (6 instead of 4: more bytes in flight a warp). H200,
+# 18432x7168, kernel alone: ROWS 6 over 1536 blocks 25.3 us (fmt 2: 23.7) against ROWS 4 over
+# 2112 26.1 (24.2); ROWS 3, 8, 12 were slower (28.9, 35.4, 33.1), ROWS 9 equal. Its blocks use
+# 166 registers a thread (fmt 4; compile_cuda_twins.py --ptxas): 12 resident an SM.
+CUDA_PERSISTENT_ROWS = 6
+CUDA_PERSISTENT_ROWS_BLOCKS = dispatch.CUDA_SMS * 12
 
 
 def default_persistent(fmt: int, S: int, backend: str, simdgroups: int, prefetch: int, n_blocks: int) -> int:
-    """Threadgroups of a persistent launch (0: one per row block)."""
+    """Threadgroups of a persistent launch over ``n_blocks`` row blocks (0: one per row block)."""
     if (backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch
             and CUDA_PERSISTENT_BLOCKS < n_blocks <= CUDA_PERSISTENT_MAX_WAVES * CUDA_PERSISTENT_BLOCKS):
-        return CUDA_PERSISTENT_BLOCKS
+        return dispatch.balanced_blocks(n_blocks, CUDA_PERSISTENT_BLOCKS)
     return 0
 
 
@@ -204,6 +210,7 @@ def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, pref
 
 
 def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent) -> _Static:
+    rows_asked = rows
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
@@ -214,6 +221,10 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     n_blocks = -(-qt.O // rows)
     if persistent is None:
         persistent = default_persistent(qt.fmt, S, backend, simdgroups, prefetch, n_blocks)
+        if persistent and rows_asked is None:
+            rows = CUDA_PERSISTENT_ROWS
+            n_blocks = -(-qt.O // rows)
+            persistent = dispatch.balanced_blocks(n_blocks, CUDA_PERSISTENT_ROWS_BLOCKS)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8)
