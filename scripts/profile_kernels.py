@@ -22,7 +22,6 @@ settings.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -166,27 +165,11 @@ def read_spec(buf, blocks, threads=256):
         grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1))
 
 
-def constant_shape(spec, qt):
-    """qgemv's launch with O, I, row bytes, scales a row and units a row compiled in (the body
-    reads them from `params` first, a dependent load before any weight load of every block)."""
-    from colibri_mlx.kernels.reference import row_bytes, scales_per_row
-
-    values = {"O": qt.O, "I": qt.I, "rb": row_bytes(qt.fmt, qt.I), "ng": scales_per_row(qt.fmt, qt.I, qt.gs),
-              "n_units": -(-qt.I // qgemv.UNIT_WEIGHTS[qt.fmt])}
-    src = spec.source
-    for k, (name, value) in enumerate(values.items()):
-        line = f"const int {name} = params[{k}];"
-        if line not in src:
-            raise SystemExit(f"constant_shape: qgemv's body no longer has {line!r}")
-        src = src.replace(line, f"constexpr int {name} = {value};")
-    return dataclasses.replace(spec, name="qgemv_kc", source=src)
-
-
 def ceiling_launches(impl, act):
     """What bounds qgemv at the large shape: a pure read of its bytes (74 MB; and of the small
     shapes' 8.3 MB) by a persistent grid (8 blocks of 256 an SM) and by one block a 4 KB slice;
     qgemv itself at 4x the rows (297 MB: its start and tail amortized), with one block a row
-    block and by default; qgemv with its shape compiled in."""
+    block and by default; qgemv with its shape read from params (the default compiles it in)."""
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
 
@@ -210,8 +193,9 @@ def ceiling_launches(impl, act):
         mx.eval(xs)
         qb = weight_nbytes(4, O, 7168, 64) + scale_nbytes(4, O, 7168, 64) + 7168 * act.size
         specs = [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]
-        if O == 18432:
-            out.append((f"qgemv {O}x7168 shape compiled in", qb, [constant_shape(s, w) for s, w in zip(specs, ws)]))
+        if O == 18432:   # the default compiles the shape in
+            out.append((f"qgemv {O}x7168 shape from params", qb,
+                        [qgemv.launch_spec(x, w, impl, shape_in=False) for x, w in zip(xs, ws)]))
         else:
             out.append((f"qgemv {O}x7168 one block a row block", qb,
                         [qgemv.launch_spec(x, w, impl, persistent=0) for x, w in zip(xs, ws)]))
@@ -274,7 +258,7 @@ def main():
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
                     "bounds, blocks an SM), comma-separated")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
-                    "4x its rows and with its shape compiled in (what bounds the large shape)")
+                    "4x its rows and with its shape read from params (what bounds the large shape)")
     args = ap.parse_args()
     impl = kernels.backend()
     if impl == dispatch.REFERENCE:

@@ -161,9 +161,19 @@ def test_cuda_persistent_grid_default():
         return t["PERS"], t["ROWS"], spec.grid[0] // spec.threadgroup[0]
 
     rows = qgemv.CUDA_PERSISTENT_ROWS
-    assert grid(4, 18432, 256) == (1, rows, 1536)      # 3072 row blocks, two rounds of 1536
-    assert grid(2, 18432, 256) == (1, rows, 1536)
-    assert grid(4, 24576, 256) == (1, rows, 1366)      # 4096 row blocks, three rounds (the last one short)
+    assert grid(4, 18432, 4096) == (1, rows, 1536)     # 3072 row blocks, two rounds of 1536
+    # The wide default compiles the shape in (CUDA's template only), other launches read params.
+    qt = random_qtensor(4, 18432, 4096, gs=64, seed=1)
+    x = mx.zeros((1, 4096), mx.bfloat16)
+    t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA).template)
+    assert [t[k] for k in ("KO", "KI", "KRB", "KNG", "KNU")] == [*qgemv.shape_values(qt)] == [18432, 4096, 2048, 64, 128]
+    t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, shape_in=False).template)
+    assert t["KO"] == 0 and t["ROWS"] == rows
+    assert dict(qgemv.launch_spec(x, qt, dispatch.CUDA, rows=4).template)["KO"] == 0
+    assert "KO" not in dict(qgemv.launch_spec(x, qt, dispatch.METAL).template)
+    assert grid(2, 18432, 4096) == (1, rows, 1536)
+    assert grid(4, 24576, 4096) == (1, rows, 1366)     # 4096 row blocks, three rounds (the last one short)
+    assert grid(4, 24576, 1536) == (1, 4, 2048)        # short rows keep 4 a block: 6144 in 3 rounds
     assert grid(4, 18432, 256, backend=dispatch.METAL) == (0, 4, 18432 // 4)
     assert grid(4, 18432, 256, S=2) == (0, 4, 18432 // 4)
     assert grid(6, 18432, 256) == (0, 4, 18432 // 4)

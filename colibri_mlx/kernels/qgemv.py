@@ -55,9 +55,13 @@ CUDA_PERSISTENT_MAX_WAVES = 3
 # Rows a block of the persistent grid (6 instead of 4: more bytes in flight a warp). H200,
 # 18432x7168, kernel alone: ROWS 6 over 1536 blocks 25.3 us (fmt 2: 23.7) against ROWS 4 over
 # 2112 26.1 (24.2); ROWS 3, 8, 12 were slower (28.9, 35.4, 33.1), ROWS 9 equal. Its blocks use
-# 166 registers a thread (fmt 4; compile_cuda_twins.py --ptxas): 12 resident an SM.
+# 166 registers a thread (fmt 4; compile_cuda_twins.py --ptxas): 12 resident an SM. Only for
+# long rows: at 24576x1536 (48 units a row) ROWS 6 took 13.3 us against ROWS 4's 12.5. The
+# launch also compiles the shape in (template KO..KNU): no params load ahead of the first weight
+# load, constant loop bounds (18432x7168 fmt 4: 24.5 us against 25.5).
 CUDA_PERSISTENT_ROWS = 6
 CUDA_PERSISTENT_ROWS_BLOCKS = dispatch.CUDA_SMS * 12
+CUDA_PERSISTENT_ROWS_MIN_UNITS = 128
 
 
 def default_persistent(fmt: int, S: int, backend: str, simdgroups: int, prefetch: int, n_blocks: int) -> int:
@@ -137,16 +141,19 @@ def _as_mx(a, dtype) -> mx.array:
     return a if a.dtype == dtype else a.view(dtype) if a.dtype.size == dtype.size else a.astype(dtype)
 
 
+def shape_values(qt) -> tuple:
+    """O, I, row bytes, scales or super-blocks per row, units per row: the kernel's params
+    (or, CUDA's persistent default, its template KO, KI, KRB, KNG, KNU)."""
+    per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (-(-qt.I // 256) if qt.fmt == 6 else 1)
+    return qt.O, qt.I, row_bytes(qt.fmt, qt.I), per_row, -(-qt.I // UNIT_WEIGHTS[qt.fmt])
+
+
 def params(qt) -> mx.array:
-    """O, I, row bytes, scales or super-blocks per row, units per row; cached per shape."""
+    """:func:`shape_values` as the kernel's params array; cached per shape."""
     key = (qt.fmt, qt.O, qt.I, qt.gs if qt.fmt == 4 else None)
     p = _params_mx.get(key)
     if p is None:
-        rb = row_bytes(qt.fmt, qt.I)
-        per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (
-            -(-qt.I // 256) if qt.fmt == 6 else 1)
-        n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
-        p = _params_mx[key] = mx.array([qt.O, qt.I, rb, per_row, n_units, 0, 0, 0], dtype=mx.int32)
+        p = _params_mx[key] = mx.array([*shape_values(qt), 0, 0, 0], dtype=mx.int32)
     return p
 
 
@@ -198,18 +205,19 @@ class _Static:
 
 
 def _static(qt, S: int, dtype, backend: str, unroll, rows, simdgroups, nib, prefetch, out_dtype,
-            persistent=None) -> _Static:
+            persistent=None, shape_in=None) -> _Static:
     """Built on the first call and kept on the weight (:func:`_per_weight`)."""
-    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent)
+    key = (S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent, shape_in)
     cache = _per_weight(qt, "_qgemv_static")
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype,
-                                         persistent)
+                                         persistent, shape_in)
     return hit
 
 
-def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent) -> _Static:
+def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent,
+                  shape_in) -> _Static:
     rows_asked = rows
     rows = rows or default_rows(S)
     if rows * S > SIMD:
@@ -219,12 +227,17 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     n_blocks = -(-qt.O // rows)
+    wide = False
     if persistent is None:
         persistent = default_persistent(qt.fmt, S, backend, simdgroups, prefetch, n_blocks)
-        if persistent and rows_asked is None:
+        wide = bool(persistent) and rows_asked is None and n_units >= CUDA_PERSISTENT_ROWS_MIN_UNITS
+        if wide:
             rows = CUDA_PERSISTENT_ROWS
             n_blocks = -(-qt.O // rows)
             persistent = dispatch.balanced_blocks(n_blocks, CUDA_PERSISTENT_ROWS_BLOCKS)
+    shape_in = wide if shape_in is None else bool(shape_in)
+    if shape_in and backend != dispatch.CUDA:
+        raise ValueError(f"qgemv: the shape is compiled in on CUDA only, not {backend}")
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8)
@@ -235,7 +248,10 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
-                ("PF", prefetch), ("PERS", pers), ("OT", out_dtype), ("RES", 0)]
+                ("PF", prefetch), ("PERS", pers)]
+    if backend == dispatch.CUDA:   # the shape compiled in (0: read from params)
+        template += list(zip(("KO", "KI", "KRB", "KNG", "KNU"), shape_values(qt) if shape_in else (0,) * 5))
+    template += [("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
     return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[out_dtype],
@@ -249,16 +265,19 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 unroll: Optional[int] = None, rows: Optional[int] = None,
                 simdgroups: Optional[int] = None, nib: Optional[int] = None,
                 prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
-                out_dtype=None, persistent: Optional[int] = None) -> dispatch.LaunchSpec:
+                out_dtype=None, persistent: Optional[int] = None,
+                shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
     """The launch for ``x[S, I] @ W.T`` (S <= 8) in ``out_dtype`` (default x's; float32 for
     logits: no rounding to x's dtype and no cast launch), plus ``residual [S, O]`` (x's dtype,
     output in x's dtype) when given; identical arguments for MLX and the simulator.
     ``persistent``: threadgroups that loop over the row blocks (0: one a row block; None: the
-    backend's default, :func:`default_persistent`)."""
+    backend's default, :func:`default_persistent`). ``shape_in``: the shape compiled into the CUDA
+    kernel (None: with the wide persistent default)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if residual is not None and out_dtype != x.dtype:
         raise ValueError(f"qgemv: a residual add writes x's dtype ({x.dtype}), not {out_dtype}")
-    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent)
+    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent,
+                 shape_in)
     xs = at_least_8(x)
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,

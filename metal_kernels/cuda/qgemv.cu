@@ -137,11 +137,13 @@ __device__ __forceinline__ void rows_partial(const T* x, const uint8_t* w, const
 }  // namespace colibri_qgemv
 
 // ==== kernel body ====
-  const int O = params[0];
-  const int I = params[1];
-  const int rb = params[2];
-  const int ng = params[3];
-  const int n_units = params[4];
+  // KO..KNU > 0: the shape compiled in (the persistent default: no params load ahead of the
+  // first weight load, constant loop bounds); 0: read from params.
+  const int O = KO > 0 ? KO : params[0];
+  const int I = KI > 0 ? KI : params[1];
+  const int rb = KRB > 0 ? KRB : params[2];
+  const int ng = KNG > 0 ? KNG : params[3];
+  const int n_units = KNU > 0 ? KNU : params[4];
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
