@@ -330,6 +330,12 @@ def h_width(group: "ExpertGroup") -> int:
     return group.down.n_units * hp if hp else group.gate_up.O
 
 
+def _env_blocks(name: str) -> Optional[int]:
+    """A persistent grid's blocks from env ``name`` (0: one a row block), None when unset."""
+    value = dispatch.getenv(name, "")
+    return int(value) if value else None
+
+
 def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, prefetch: int,
                                n_blocks: int, backend: str) -> int:
     """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4, one-warp
@@ -381,9 +387,8 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # PERS 1: each slot's blocks (grid.y = slot) loop over its row blocks on one slot table.
     # env COLIBRI_MOE_GATE_UP_PERSISTENT = blocks a slot (0: one a row block) overrides the
     # default, :func:`default_gate_up_persistent`.
-    env_persistent = dispatch.getenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "")
-    if persistent is None and env_persistent:
-        persistent = int(env_persistent)
+    if persistent is None:
+        persistent = _env_blocks("COLIBRI_MOE_GATE_UP_PERSISTENT")
     key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
@@ -415,9 +420,8 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
     # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
-    env_persistent = dispatch.getenv("COLIBRI_MOE_DOWN_PERSISTENT", "")
-    if persistent is None and env_persistent:
-        persistent = int(env_persistent)
+    if persistent is None:
+        persistent = _env_blocks("COLIBRI_MOE_DOWN_PERSISTENT")
     key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent)
     hit = group.statics.get(key)
     if hit is not None:

@@ -224,7 +224,8 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
     prefetch = default_prefetch(qt.fmt, S, backend) if prefetch is None else int(prefetch)
     unroll = unroll or (1 if prefetch else default_unroll(qt.fmt, S))
-    n_units = -(-qt.I // UNIT_WEIGHTS[qt.fmt])
+    shape = shape_values(qt)
+    _, _, rb, _, n_units = shape
     simdgroups = simdgroups or default_simdgroups(qt.O, rows, n_units)
     n_blocks = -(-qt.O // rows)
     wide = False
@@ -239,7 +240,6 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     if shape_in and backend != dispatch.CUDA:
         raise ValueError(f"qgemv: the shape is compiled in on CUDA only, not {backend}")
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
-    rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8)
     scales = _as_mx(qt.scales, mx.float32)
     vec = (2 if rb % 16 == 0 else 1 if rb % 8 == 0 else 0) if qt.fmt in (1, 2, 3, 4) else 0
@@ -250,7 +250,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
                 ("PF", prefetch), ("PERS", pers)]
     if backend == dispatch.CUDA:   # the shape compiled in (0: read from params)
-        template += list(zip(("KO", "KI", "KRB", "KNG", "KNU"), shape_values(qt) if shape_in else (0,) * 5))
+        template += list(zip(("KO", "KI", "KRB", "KNG", "KNU"), shape if shape_in else (0,) * 5))
     template += [("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
