@@ -191,7 +191,7 @@ def moe_specs(full: bool):
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
             yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                    moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
-            if S == 1 and fmt in (2, 4, 6):   # persistent grids (opt-in: COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT)
+            if S == 1 and fmt in (2, 4, 6):   # persistent grids (CUDA default for one token; COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT)
                 yield f"down_fmt{fmt}_S1_pers", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                              out_dtype=dtype, persistent=3)
                 yield f"gate_up_fmt{fmt}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
