@@ -108,12 +108,14 @@ def cases(quick: bool) -> list[dict]:
                         epilogue=True))
     # Persistent grids (PERS 1): a few blocks each looping over many row blocks, the last one
     # partial: one SIMD group with PF 1 (CUDA's default launch there), PF 0, and NW 2 with its
-    # barrier between row blocks.
+    # barrier between row blocks; 6 rows a block with the shape compiled in (CUDA's default past
+    # one wave), and the shape compiled into a one-block-a-row-block launch.
     for fmt, O, I, S, dtype, knobs in ((4, 301, 2048, 1, mx.bfloat16, dict(simdgroups=1, persistent=7)),
                                        (2, 33, 1000, 1, mx.float32, dict(simdgroups=1, persistent=5)),
                                        (4, 301, 2048, 3, mx.float16, dict(persistent=7)),
                                        (6, 37, 512, 1, mx.bfloat16, dict(persistent=4)),
-                                       (4, 301, 2048, 1, mx.bfloat16, dict(simdgroups=1, rows=6, persistent=9, shape_in=True))):
+                                       (4, 301, 2048, 1, mx.bfloat16, dict(simdgroups=1, rows=6, persistent=9, shape_in=True)),
+                                       (2, 301, 2048, 1, mx.bfloat16, dict(shape_in=True))):
         out.append(dict(fmt=fmt, O=O, I=I, S=S, dtype=dtype, gs=64 if fmt == 4 else None, seed=O + S, **knobs))
     out.append(dict(fmt=4, O=300, I=2048, S=1, dtype=mx.bfloat16, gs=64, seed=11, epilogue=True, simdgroups=1,
                     persistent=7))

@@ -103,6 +103,7 @@ def qgemv_specs(full: bool):
                     yield (f"fmt{fmt}_{O}x{I}_S1_{dtype}_pers_rows{qgemv.CUDA_PERSISTENT_ROWS}",
                            qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
                                              shape_in=True))
+                    yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_shape", qgemv.launch_spec(x, qt, dispatch.CUDA, shape_in=True)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):

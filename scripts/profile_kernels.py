@@ -103,7 +103,7 @@ def rows_launches(impl, act):
             for where, pos in (("host", host_pos), ("gpu", gpu_pos))], [ys, qn, kn, inv]
 
 
-def qgemv_launches(impl, act, settings=()):
+def qgemv_launches(impl, act, settings=(), shape_in=False):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
     and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
     large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] setting asked for ("-": qgemv.py's
@@ -123,6 +123,9 @@ def qgemv_launches(impl, act, settings=()):
         label = f"qgemv {O}x{I}" + ("" if fmt == 4 else f" fmt {fmt}")
         nbytes = weight_nbytes(fmt, O, I, gs) + scale_nbytes(fmt, O, I, gs) + I * act.size
         out.append((label, nbytes, [qgemv.launch_spec(x, w, impl) for x, w in zip(xs, ws)]))
+        if shape_in and O != 18432:   # (the large shape's default compiles it in already)
+            out.append((f"{label} shape compiled in", nbytes,
+                        [qgemv.launch_spec(x, w, impl, shape_in=True) for x, w in zip(xs, ws)]))
         for cfg in settings if O == 18432 else ():
             rows, nw, unroll, nib, pf, pb, minb = parse(cfg, 7)
             out.append((f"{label} {cfg}", nbytes,
@@ -257,6 +260,8 @@ def main():
                     "grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (MINB: CUDA launch "
                     "bounds, blocks an SM), comma-separated")
+    ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
+                    "the kernel (CUDA; the large shape's default has it)")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
                     "4x its rows and with its shape read from params (what bounds the large shape)")
     args = ap.parse_args()
@@ -274,7 +279,7 @@ def main():
         more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c])
         launches += more
         keep.append(k2)
-    more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c])
+    more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c], args.shape_in)
     launches += more
     more, k4 = rows_launches(impl, act)
     launches += more
