@@ -467,7 +467,8 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
     in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
-    (None: env COLIBRI_MOE_GATE_UP_PERSISTENT, default 0 = one a row block)."""
+    (0: one a row block; None: env COLIBRI_MOE_GATE_UP_PERSISTENT, else
+    :func:`default_gate_up_persistent`)."""
     st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
@@ -482,7 +483,8 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
-    the row blocks (None: env COLIBRI_MOE_DOWN_PERSISTENT, default 0 = one a row block)."""
+    the row blocks (0: one a row block; None: env COLIBRI_MOE_DOWN_PERSISTENT, else on CUDA for
+    one token under launch bounds: the resident blocks, balanced)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
                       min_blocks, persistent)
     p = group.down
