@@ -373,7 +373,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   threadgroup float diag_s[HT * 8];             // diag(alpha) per 8-head row tile
   threadgroup float o_s[NSG * 64];              // write-out of one tile per SIMD group
   const int H = params[0];
-  const int R = params[3];
+  constexpr int R = RL;                        // latent width (params[3]), compiled in
   const int rope = params[4];
   const int T = params[5];
   const int P = params[6];

@@ -227,7 +227,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
         attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope)]
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope), ("RL", R)]
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk

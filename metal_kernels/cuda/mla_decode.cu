@@ -115,7 +115,7 @@ __device__ __forceinline__ float tf32_round(float x) {
 
 // d[4] += A[16 x 8] . B[8 x 8] (fragments as above), float accumulation.
 __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -431,12 +431,17 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
+  // Whole tiles (DeepSeek-V3: 576 columns = 4 k-parts x 18 k-steps x 8, 512 latent columns =
+  // 8 warps x 8 column tiles x 8) need no per-step column test: straight-line mma sequences.
+  constexpr bool K_WHOLE = NK * KP == UPP;
+  constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
+  static_assert(NSG * NCT * 8 >= RL, "column tiles cover the latent width");
   __shared__ __align__(16) float lat_s[C * RWS];   // TF32-rounded
   __shared__ float sc_s[KP * HT * C];          // partial scores of each k-part
   __shared__ float p_s[HT * C];                // the chunk's softmax weights P[head][position]
   __shared__ float alpha_s[HT];                // the chunk's rescale per head
   const int H = params[0];
-  const int R = params[3];
+  constexpr int R = RL;                        // latent width (params[3]), compiled in
   const int rope = params[4];
   const int T = params[5];
   const int P = params[6];
@@ -476,6 +481,22 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   }
   // The chunk's units in flight: raw cache words, or zero past the tile (weight 0, no NaN).
   uint4 raw[NLU][2];
+  // This thread's staged units, the same every chunk: position c of the chunk, where the unit's
+  // row of the cache starts (latent or rope columns) and its row stride, and where it is staged.
+  int unit_c[NLU];
+  int unit_stride[NLU];
+  int unit_dst[NLU];
+  const TC* unit_src[NLU];
+  #pragma unroll
+  for (int j = 0; j < NLU; ++j) {
+    const int u = tid + j * NSG * 32;
+    const int c = u / UPP;
+    const int col = (u - c * UPP) * 8;
+    unit_c[j] = u < C * UPP ? c : C;             // C: no unit (past the chunk's units)
+    unit_stride[j] = col < R ? R : rope;
+    unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
+    unit_dst[j] = c * RWS + (u - c * UPP) * 8;
+  }
   // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
   uint32_t qf[NK][4];                          // A = Q': (head, k), TF32
   #pragma unroll
@@ -485,7 +506,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int qstride = RW;
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      qf[i][e] = k0 < RW ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_a_col(lane, e)]) : 0u;
+      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_a_col(lane, e)]) : 0u;
     }
   }
   for (int c0 = p0 - C; c0 < p1; c0 += C) {
@@ -494,9 +515,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       __syncthreads();   // the previous chunk is consumed
       #pragma unroll
       for (int j = 0; j < NLU; ++j) {
-        const int u = tid + j * NSG * 32;
-        if (u < C * UPP) {
-          const int c = u / UPP;
+        if ((j + 1) * NSG * 32 <= C * UPP || unit_c[j] < C) {
           float f[8];
           colibri_qd::widen8(raw[j], f, latent);
           if (sizeof(TC) == 4) {               // bf16 / f16 values are TF32 values already
@@ -505,7 +524,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
               f[k] = colibri_mla::tf32_round(f[k]);
             }
           }
-          float4* dst = reinterpret_cast<float4*>(lat_s + c * RWS + (u - c * UPP) * 8);
+          float4* dst = reinterpret_cast<float4*>(lat_s + unit_dst[j]);
           dst[0] = make_float4(f[0], f[1], f[2], f[3]);
           dst[1] = make_float4(f[4], f[5], f[6], f[7]);
         }
@@ -515,17 +534,10 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     if (cn < p1) {
       #pragma unroll
       for (int j = 0; j < NLU; ++j) {
-        const int u = tid + j * NSG * 32;
         raw[j][0] = raw[j][1] = make_uint4(0u, 0u, 0u, 0u);
-        const int c = u / UPP;
-        const int col = (u - c * UPP) * 8;
-        if (u < C * UPP && cn + c < p1) {
-          const int t = colibri_mla::mla_position(sel, has_sel, q, P, cn + c);
-          if (col < R) {
-            colibri_qd::load8_raw(latent + (size_t(b) * T + t) * R + col, raw[j]);
-          } else {
-            colibri_qd::load8_raw(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
-          }
+        if (cn + unit_c[j] < p1 && unit_c[j] < C) {
+          const int t = colibri_mla::mla_position(sel, has_sel, q, P, cn + unit_c[j]);
+          colibri_qd::load8_raw(unit_src[j] + size_t(t) * unit_stride[j], raw[j]);
         }
       }
     }
@@ -534,22 +546,24 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
     __syncthreads();
     // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Two accumulators (even / odd k-steps): two dependent mma chains of NK / 2 instead of one of NK.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_b_k(lane, 0);
     #pragma unroll
     for (int i = 0; i < NK; ++i) {
       const int k0 = (kp + i * KP) * 8;
-      if (k0 < RW) {
+      if (K_WHOLE || k0 < RW) {
         uint32_t kf[2];                        // B = chunk^T: (k, n = position)
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          kf[e] = __float_as_uint(lat_s[colibri_mla::frag_b_n(lane) * RWS + k0 + colibri_mla::frag_b_k(lane, e)]);
+          kf[e] = __float_as_uint(kb[i * KP * 8 + 4 * e]);
         }
-        colibri_mla::mma_tf32(s, qf[i], kf);
+        colibri_mla::mma_tf32(s[i & 1], qf[i], kf);
       }
     }
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[i];
+      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[0][i] + s[1][i];
     }
     __syncthreads();
     {
@@ -596,7 +610,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       #pragma unroll
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;
-        if (col0 < R) {
+        if (COLS_WHOLE || col0 < R) {
           uint32_t lf[2];                      // B = chunk: (k = position, n = column)
           #pragma unroll
           for (int i = 0; i < 2; ++i) {
@@ -619,7 +633,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     #pragma unroll
     for (int ct = 0; ct < NCT; ++ct) {
       const int col0 = (sg * NCT + ct) * 8;
-      if (col0 < R) {
+      if (COLS_WHOLE || col0 < R) {
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
