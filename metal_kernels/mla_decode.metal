@@ -357,7 +357,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     }
   }
 // ==== kernel body: mla_attn_mma ====
-  constexpr int C = mla_chunk();               // positions per chunk: the 8 of an 8x8 matrix
+  constexpr int C = MC;                        // positions per chunk: the 8 of an 8x8 matrix
+  static_assert(C == mla_chunk(), "Metal's chunk is one 8x8 matrix");
   constexpr int RWS = RW + mla_stage_pad();    // staged position: R latent + rope columns, pad
   constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
   constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile

@@ -534,6 +534,31 @@ def test_mla_mma_heads_choice(monkeypatch):
         mla.mma_heads(dispatch.METAL)
 
 
+def test_mla_mma_chunk_choice(monkeypatch):
+    # Metal's chunk is one 8x8 matrix; CUDA's two n8 fragments (COLIBRI_MLA_CHUNK: 8 or 16 there).
+    # The chunk reaches the kernel as template MC; mma tiles are multiples of 16 either way.
+    monkeypatch.delenv("COLIBRI_MLA_CHUNK", raising=False)
+    assert mla.mma_chunk(dispatch.METAL) == 8 and mla.mma_chunk(dispatch.CUDA) == 16
+    assert mla.mma_tile(40000, 4) == 640 and mla.mma_tile(100, 4) == 128
+    args, _ = mla_inputs(T=40, cache_dtype=mx.bfloat16, seed=3)
+    specs = []
+
+    def capture(spec):       # records the launch; zeros stand in for its outputs (no GPU here)
+        specs.append(spec)
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(spec.output_shapes, spec.output_dtypes)]
+
+    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(capture)
+    assert dict(specs[1].template)["MC"] == 16 and dict(specs[1].template)["RL"] == args[2].shape[-1]
+    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "8")
+    assert mla.mma_chunk(dispatch.CUDA) == 8 and mla.mma_chunk(dispatch.METAL) == 8
+    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "16")
+    with pytest.raises(ValueError, match="COLIBRI_MLA_CHUNK"):      # 32 KiB of threadgroup memory
+        mla.mma_chunk(dispatch.METAL)
+    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "32")
+    with pytest.raises(ValueError, match="not one of"):
+        mla.mma_chunk(dispatch.CUDA)
+
+
 @VARIANTS
 def test_mla_selected_positions(metal, variant):
     run_mla(metal, B=1, L=2, T=90, n_sel=20, tile=8, seed=4, variant=variant)

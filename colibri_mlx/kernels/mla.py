@@ -43,6 +43,11 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
+# mla_attn_mma's chunk (template MC): one 8x8 matrix on Metal (threadgroup memory: 32 KiB);
+# two n8 fragments on CUDA, which halves the barriers, softmax passes and rescales a position
+# (the staged chunk takes 37 KB of the 48 KB of static shared memory). Tiles are multiples of 16.
+MMA_CHUNK = {dispatch.METAL: 8, dispatch.CUDA: 16}
+MMA_TILE_MULTIPLE = 16
 VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
@@ -144,9 +149,20 @@ def default_tile(P: int) -> int:
 
 def mma_tile(P: int, head_blocks: int) -> int:
     """mla_attn_mma's positions per tile: about MMA_TARGET_BLOCKS threadgroups, at least
-    MMA_MIN_TILE positions (a tile pays one partial of R floats per head), a multiple of CHUNK."""
+    MMA_MIN_TILE positions (a tile pays one partial of R floats per head), a multiple of every
+    backend's chunk."""
     tt = max(MMA_MIN_TILE, _ceil_div(P * head_blocks, MMA_TARGET_BLOCKS))
-    return _ceil_div(tt, CHUNK) * CHUNK
+    return _ceil_div(tt, MMA_TILE_MULTIPLE) * MMA_TILE_MULTIPLE
+
+
+def mma_chunk(backend: str) -> int:
+    """mla_attn_mma's positions a chunk: env COLIBRI_MLA_CHUNK (CUDA: 8 or 16) or the backend's."""
+    want = int(dispatch.getenv("COLIBRI_MLA_CHUNK") or 0) or MMA_CHUNK.get(backend, CHUNK)
+    allowed = (8, 16) if backend == dispatch.CUDA else (CHUNK,)
+    if want not in allowed:
+        raise ValueError(f"mla_decode: a chunk of {want} positions (COLIBRI_MLA_CHUNK) is not one of {allowed} "
+                         f"on {backend}")
+    return want
 
 
 def mma_heads(backend: str, heads: Optional[int] = None) -> int:
@@ -205,7 +221,8 @@ class _Static:
 
 
 def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
+           mma_chunk(backend) if variant == "mma" else 0)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -227,7 +244,8 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
         attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope), ("RL", R)]
+                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope), ("RL", R),
+                         ("MC", mma_chunk(backend))]
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
