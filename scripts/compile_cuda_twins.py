@@ -141,11 +141,12 @@ def mla_specs(full: bool):
                 for spec in specs:
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
-    # mla_attn_mma with Metal's chunk (COLIBRI_MLA_CHUNK=8), and at a latent width whose column
-    # tiles and k-steps are not whole (R 136: the per-step tests stay in)
-    for label, chunk, width in (("chunk8", "8", R), ("R136", "", 136)):
-        saved = os.environ.get("COLIBRI_MLA_CHUNK")
-        os.environ["COLIBRI_MLA_CHUNK"] = chunk
+    # mla_attn_mma with 16-position chunks (COLIBRI_MLA_CHUNK=16), at a latent width whose column
+    # tiles and k-steps are not whole (R 136: the per-step tests stay in), with 16 warps a block
+    # (COLIBRI_MLA_WARPS=16: 8 k-parts)
+    for label, chunk, width, warps in (("chunk16", "16", R, ""), ("R136", "", 136, ""), ("warps16", "", R, "16")):
+        saved = os.environ.get("COLIBRI_MLA_CHUNK"), os.environ.get("COLIBRI_MLA_WARPS")
+        os.environ["COLIBRI_MLA_CHUNK"], os.environ["COLIBRI_MLA_WARPS"] = chunk, warps
         try:
             kv_b = random_qtensor(4, H * (nope + v), width, gs=8, seed=4)
             z = lambda *s: mx.zeros(s, mx.bfloat16)  # noqa: E731
@@ -156,10 +157,11 @@ def mla_specs(full: bool):
                                                                                      spec.output_dtypes)])
             yield f"mla_attn_mma_{label}", specs[1]
         finally:
-            if saved is None:
-                os.environ.pop("COLIBRI_MLA_CHUNK", None)
-            else:
-                os.environ["COLIBRI_MLA_CHUNK"] = saved
+            for name, value in zip(("COLIBRI_MLA_CHUNK", "COLIBRI_MLA_WARPS"), saved):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)

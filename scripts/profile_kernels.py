@@ -67,8 +67,9 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
 
 def mla_launches(impl, T, act, attn_settings=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
-    ``HEADS[:MINB[:CHUNK]]``, the heads a block (mla.MMA_HEAD_CHOICES), CUDA launch bounds (blocks
-    an SM, dispatch.with_min_blocks) and positions a chunk (COLIBRI_MLA_CHUNK)."""
+    ``HEADS[:MINB[:CHUNK[:WARPS]]]``, the heads a block (mla.MMA_HEAD_CHOICES), CUDA launch bounds
+    (blocks an SM, dispatch.with_min_blocks), positions a chunk (COLIBRI_MLA_CHUNK) and warps a
+    block (COLIBRI_MLA_WARPS)."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -77,10 +78,12 @@ def mla_launches(impl, T, act, attn_settings=()):
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
     for cfg in attn_settings:
-        heads, minb, chunk = (cfg.split(":") + ["", ""])[:3]
-        saved = os.environ.get("COLIBRI_MLA_CHUNK")
-        if chunk:
-            os.environ["COLIBRI_MLA_CHUNK"] = chunk
+        heads, minb, chunk, warps = (cfg.split(":") + ["", "", ""])[:4]
+        names = ("COLIBRI_MLA_CHUNK", "COLIBRI_MLA_WARPS")
+        saved = [os.environ.get(n) for n in names]
+        for n, value in zip(names, (chunk, warps)):
+            if value:
+                os.environ[n] = value
         try:
             specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads or 0) or None)[1][1]
                      for i in insts]
@@ -88,10 +91,11 @@ def mla_launches(impl, T, act, attn_settings=()):
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
         finally:
-            if saved is None:
-                os.environ.pop("COLIBRI_MLA_CHUNK", None)
-            else:
-                os.environ["COLIBRI_MLA_CHUNK"] = saved
+            for n, value in zip(names, saved):
+                if value is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = value
         out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, int(minb or 0)) for s in specs]))
     return out, insts
 
@@ -268,8 +272,9 @@ def main():
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB]]] (PB: blocks of a persistent grid), comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] (PB: blocks of a persistent "
                     "grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM), comma-separated")
-    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB[:CHUNK]] (HEADS empty: "
-                    "the default; MINB: CUDA launch bounds, blocks an SM; CHUNK: positions a chunk), comma-separated")
+    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB[:CHUNK[:WARPS]]] (HEADS "
+                    "empty: the default; MINB: CUDA launch bounds, blocks an SM; CHUNK: positions a chunk; WARPS: "
+                    "warps a block), comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
                     "the kernel (CUDA; the large shape's default has it)")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "

@@ -538,7 +538,7 @@ def test_mla_mma_chunk_choice(monkeypatch):
     # Metal's chunk is one 8x8 matrix; CUDA's two n8 fragments (COLIBRI_MLA_CHUNK: 8 or 16 there).
     # The chunk reaches the kernel as template MC; mma tiles are multiples of 16 either way.
     monkeypatch.delenv("COLIBRI_MLA_CHUNK", raising=False)
-    assert mla.mma_chunk(dispatch.METAL) == 8 and mla.mma_chunk(dispatch.CUDA) == 16
+    assert mla.mma_chunk(dispatch.METAL) == 8 and mla.mma_chunk(dispatch.CUDA) == 8
     assert mla.mma_tile(40000, 4) == 640 and mla.mma_tile(100, 4) == 128
     args, _ = mla_inputs(T=40, cache_dtype=mx.bfloat16, seed=3)
     specs = []
@@ -548,7 +548,7 @@ def test_mla_mma_chunk_choice(monkeypatch):
         return [mx.zeros(shape, dtype) for shape, dtype in zip(spec.output_shapes, spec.output_dtypes)]
 
     mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(capture)
-    assert dict(specs[1].template)["MC"] == 16 and dict(specs[1].template)["RL"] == args[2].shape[-1]
+    assert dict(specs[1].template)["MC"] == 8 and dict(specs[1].template)["RL"] == args[2].shape[-1]
     monkeypatch.setenv("COLIBRI_MLA_CHUNK", "8")
     assert mla.mma_chunk(dispatch.CUDA) == 8 and mla.mma_chunk(dispatch.METAL) == 8
     monkeypatch.setenv("COLIBRI_MLA_CHUNK", "16")
@@ -557,6 +557,24 @@ def test_mla_mma_chunk_choice(monkeypatch):
     monkeypatch.setenv("COLIBRI_MLA_CHUNK", "32")
     with pytest.raises(ValueError, match="not one of"):
         mla.mma_chunk(dispatch.CUDA)
+
+
+def test_mla_mma_warps_choice(monkeypatch):
+    # heads / 4 SIMD groups (4 k-parts a 16-head tile); CUDA may take heads / 2 (8 k-parts, half
+    # the column tiles a warp: ~120 registers instead of ~220), the first heads x 8 threads
+    # running the softmax.
+    monkeypatch.delenv("COLIBRI_MLA_WARPS", raising=False)
+    assert mla.mma_warps(dispatch.METAL, 32) == 8 and mla.mma_warps(dispatch.CUDA, 32) == 8
+    monkeypatch.setenv("COLIBRI_MLA_WARPS", "16")
+    assert mla.mma_warps(dispatch.CUDA, 32) == 16
+    with pytest.raises(ValueError, match="COLIBRI_MLA_WARPS"):
+        mla.mma_warps(dispatch.METAL, 32)
+    args, _ = mla_inputs(T=40, cache_dtype=mx.bfloat16, seed=3)
+    specs = []
+    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(
+        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    t = dict(specs[1].template)
+    assert (t["NSG"], t["NCT"]) == (16, 1) and specs[1].threadgroup == (512, 1, 1)
 
 
 @VARIANTS

@@ -46,7 +46,7 @@ CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kern
 # mla_attn_mma's chunk (template MC): one 8x8 matrix on Metal (threadgroup memory: 32 KiB);
 # two n8 fragments on CUDA, which halves the barriers, softmax passes and rescales a position
 # (the staged chunk takes 37 KB of the 48 KB of static shared memory). Tiles are multiples of 16.
-MMA_CHUNK = {dispatch.METAL: 8, dispatch.CUDA: 16}
+MMA_CHUNK = {dispatch.METAL: 8, dispatch.CUDA: 8}
 MMA_TILE_MULTIPLE = 16
 VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
@@ -165,6 +165,17 @@ def mma_chunk(backend: str) -> int:
     return want
 
 
+def mma_warps(backend: str, heads: int) -> int:
+    """SIMD groups of mla_attn_mma for ``heads`` a block: heads / 4 (4 k-parts a 16-head tile),
+    or on CUDA env COLIBRI_MLA_WARPS = heads / 2 (8 k-parts, half the column tiles a warp)."""
+    want = int(dispatch.getenv("COLIBRI_MLA_WARPS") or 0) or heads // 4
+    allowed = (heads // 4, heads // 2) if backend == dispatch.CUDA else (heads // 4,)
+    if want not in allowed:
+        raise ValueError(f"mla_decode: {want} SIMD groups for {heads} heads (COLIBRI_MLA_WARPS) is not one of "
+                         f"{allowed} on {backend}")
+    return want
+
+
 def mma_heads(backend: str, heads: Optional[int] = None) -> int:
     """HT of mla_attn_mma: ``heads``, env COLIBRI_MLA_HEADS, or the backend's default."""
     ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
@@ -222,7 +233,7 @@ class _Static:
 
 def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
-           mma_chunk(backend) if variant == "mma" else 0)
+           (mma_chunk(backend), mma_warps(backend, HT)) if variant == "mma" else 0)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -242,9 +253,9 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
-        attn_template = [("TC", cache_dtype), ("NSG", HT // 4), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * (HT // 4))), ("RW", R + rope), ("RL", R),
+        attn_name, attn_sg, attn_blocks = "mla_attn_mma", mma_warps(backend, HT), Hp // HT
+        attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
+                         ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R),
                          ("MC", mma_chunk(backend))]
     else:
         HB = _heads_per_block(H)

@@ -429,7 +429,10 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   constexpr int NLU = (C * UPP + NSG * 32 - 1) / (NSG * 32);  // staged units per thread
   constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   static_assert(C % 8 == 0, "the chunk is whole n8 / k8 fragments");
-  static_assert(NSG * 32 == HT * 8, "8 softmax threads a head, NF positions each");
+  static_assert(NSG * 32 >= HT * 8, "8 softmax threads a head, NF positions each");
+  // Softmax threads: the first HT x 8 (whole warps); more warps (CUDA: NSG up to HT / 2) only
+  // split the scores' k-steps and the combine's column tiles finer (fewer registers a thread).
+  constexpr int NSOFT = HT * 8;
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
   // Whole tiles (DeepSeek-V3: 576 columns = 4 k-parts x 18 k-steps x 8, 512 latent columns =
@@ -590,7 +593,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
     __syncthreads();
-    {
+    if (tid < NSOFT) {
       float sv[NF];
       int keep[NF];                            // 1 keep, 0 masked (-1e30), -1 past the tile
       float cmax = colibri_mla::neg_inf();
@@ -687,7 +690,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
   }
-  if (cs == 0 && hb * HT + hs < H) {
+  if (tid < NSOFT && cs == 0 && hb * HT + hs < H) {
     const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
     pml[2 * part + 1] = l;
