@@ -368,6 +368,10 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
   static_assert(RW % 8 == 0, "8x8 matrix tiles");
+  // Whole tiles (DeepSeek-V3: 576 columns = 4 k-parts x 18 k-steps x 8, 512 latent columns =
+  // 8 SIMD groups x 8 column tiles x 8) need no per-step column test.
+  constexpr bool K_WHOLE = NK * KP == UPP;
+  constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
   threadgroup float lat_s[C * RWS];
   threadgroup float sc_s[KP * HT * C];          // partial scores of each k-part
   threadgroup float p_s[HT * C];                // the chunk's softmax weights P[head][position]
@@ -415,7 +419,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     const int k0 = (kp + i * KP) * 8;
     for (int r = 0; r < 2; ++r) {
       const int row0 = ht * 16 + r * 8;
-      if (k0 < RW) {
+      if (K_WHOLE || k0 < RW) {
         simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
       } else {
         qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -464,7 +468,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     }
     for (int i = 0; i < NK; ++i) {
       const int k0 = (kp + i * KP) * 8;
-      if (k0 < RW) {
+      if (K_WHOLE || k0 < RW) {
         simdgroup_float8x8 kt;
         simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);     // [k][position]
         for (int r = 0; r < 2; ++r) {
@@ -512,7 +516,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       const bool rescale = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;
-        if (col0 < R) {
+        if (COLS_WHOLE || col0 < R) {
           simdgroup_float8x8 lt;
           simdgroup_load(lt, lat_s + col0, RWS);           // [position][column]
           if (rescale) {
@@ -527,7 +531,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   for (int rt = 0; rt < 2 * HTL; ++rt) {
     for (int ct = 0; ct < NCT; ++ct) {
       const int col0 = (sg * NCT + ct) * 8;
-      if (col0 < R) {
+      if (COLS_WHOLE || col0 < R) {
         simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
         simdgroup_barrier(mem_flags::mem_threadgroup);
         for (int e = lane; e < 64; e += 32) {

@@ -559,6 +559,15 @@ def test_mla_mma_chunk_choice(monkeypatch):
         mla.mma_chunk(dispatch.CUDA)
 
 
+@pytest.mark.parametrize("R,rope", [(120, 8), (64, 32)])
+def test_mla_mma_whole_and_partial_tiles(metal, R, rope):
+    # mla_attn_mma drops its per-step tests where the k-steps (k-parts x steps x 8 = R + rope)
+    # or the column tiles (SIMD groups x tiles x 8 = R) come out whole: 120 + 8 columns are 16
+    # whole k-steps but 2 column tiles a SIMD group cover 128 of 120; 64 + 32 the reverse of
+    # the usual 64 + 8 (whole column tiles, 9 k-steps over 12 slots).
+    run_mla(metal, fmt=0, R=R, rope=rope, T=45, tile=16, seed=R + rope)
+
+
 def test_mla_mma_warps_choice(monkeypatch):
     # heads / 4 SIMD groups (4 k-parts a 16-head tile); CUDA may take heads / 2 (8 k-parts, half
     # the column tiles a warp: ~120 registers instead of ~220), the first heads x 8 threads
