@@ -553,17 +553,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     // At least two independent mma chains: one a fragment of positions, or (one fragment) the
     // even and odd k-steps.
     constexpr int NCH = NF == 1 ? 2 : 1;
-    float s[NCH][NF][4];
-    #pragma unroll
-    for (int ch = 0; ch < NCH; ++ch) {
-      #pragma unroll
-      for (int nf = 0; nf < NF; ++nf) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[ch][nf][i] = 0.0f;
-        }
-      }
-    }
+    float s[NCH][NF][4] = {};                 // zeros
     const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_b_k(lane, 0);
     #pragma unroll
     for (int i = 0; i < NK; ++i) {
