@@ -22,7 +22,6 @@ settings.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -68,8 +67,8 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
 def mla_launches(impl, T, act, attn_settings=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
     ``HEADS[:MINB[:CHUNK[:WARPS]]]``, the heads a block (mla.MMA_HEAD_CHOICES), CUDA launch bounds
-    (blocks an SM, dispatch.with_min_blocks), positions a chunk (COLIBRI_MLA_CHUNK) and warps a
-    block (COLIBRI_MLA_WARPS)."""
+    (blocks an SM, dispatch.with_min_blocks), positions a chunk and warps a block (mla.mma_chunk,
+    mla.mma_warps); an empty field is the default."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -78,25 +77,14 @@ def mla_launches(impl, T, act, attn_settings=()):
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
     for cfg in attn_settings:
-        heads, minb, chunk, warps = (cfg.split(":") + ["", "", ""])[:4]
-        names = ("COLIBRI_MLA_CHUNK", "COLIBRI_MLA_WARPS")
-        saved = [os.environ.get(n) for n in names]
-        for n, value in zip(names, (chunk, warps)):
-            if value:
-                os.environ[n] = value
+        heads, minb, chunk, warps = [int(f or 0) or None for f in (cfg.split(":") + ["", "", ""])[:4]]
         try:
-            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=int(heads or 0) or None)[1][1]
+            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=heads, chunk=chunk, warps=warps)[1][1]
                      for i in insts]
         except (RuntimeError, ValueError) as e:     # e.g. a block too large to launch
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
-        finally:
-            for n, value in zip(names, saved):
-                if value is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = value
-        out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, int(minb or 0)) for s in specs]))
+        out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, minb or 0) for s in specs]))
     return out, insts
 
 

@@ -549,6 +549,8 @@ def test_mla_mma_chunk_choice(monkeypatch):
 
     mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(capture)
     assert dict(specs[1].template)["MC"] == 8 and dict(specs[1].template)["RL"] == args[2].shape[-1]
+    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma", chunk=16, warps=16)(capture)
+    assert [dict(specs[4].template)[k] for k in ("MC", "NSG")] == [16, 16]
     monkeypatch.setenv("COLIBRI_MLA_CHUNK", "8")
     assert mla.mma_chunk(dispatch.CUDA) == 8 and mla.mma_chunk(dispatch.METAL) == 8
     monkeypatch.setenv("COLIBRI_MLA_CHUNK", "16")
