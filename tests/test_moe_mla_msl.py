@@ -398,7 +398,9 @@ from moe_mla_oracle import assert_mla_close, assert_rows_close, rope_of, rotated
 
 
 def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dtype=mx.float32, seed=0,
-               masked=False, n_sel=None):
+               masked=False, n_sel=None, spikes=None):
+    """``spikes``: ``(positions, factor)``, cache rows scaled by ``factor`` (scores far above
+    those of earlier positions: heads whose running max jumps mid-tile)."""
     rng = np.random.default_rng(seed)
     f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=32, seed=seed) if fmt
@@ -409,8 +411,12 @@ def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dty
     sel = None
     if n_sel:
         sel = mx.array(np.stack([np.stack([rng.choice(T, n_sel, replace=False) for _ in range(L)]) for _ in range(B)]).astype(np.int32))
-    return (f(B, H, L, nope), f(B, H, L, rope), f(B, T, R).astype(cache_dtype), f(B, T, rope).astype(cache_dtype),
-            kv_b, 0.3, mask, nope, v), sel
+    q_nope, q_rope, latent, k_rope = f(B, H, L, nope), f(B, H, L, rope), f(B, T, R), f(B, T, rope)
+    if spikes is not None:
+        gain = np.ones((1, T, 1), np.float32)
+        gain[0, list(spikes[0])] = spikes[1]
+        latent, k_rope = latent * mx.array(gain), k_rope * mx.array(gain)
+    return (q_nope, q_rope, latent.astype(cache_dtype), k_rope.astype(cache_dtype), kv_b, 0.3, mask, nope, v), sel
 
 
 def run_mla(metal, tile=None, variant="mma", heads=None, **kw):
@@ -666,6 +672,8 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
                                         "          qd_load8_raw(latent + (size_t(b) * T + t) * R + col - R, raw[j]);"),
     "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                        "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
+    "weights against the chunk's max, not the reference": ("const float pw = keep >= 0 ? exp(sv - m_new) : 0.0f;",
+                                                           "const float pw = keep >= 0 ? exp(sv - cmax) : 0.0f;"),
     "combine without rescale": ("            simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);\n", ""),
     "rescale decided by one head of the tile": ("simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f)",
                                                 "simd_any(diag_s[rt * 64] != 1.0f)"),
@@ -673,8 +681,8 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "P loaded transposed": ("simdgroup_load(pt, p_s + rt * 8 * C, C);", "simdgroup_load(pt, p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
     "combine: column tile of the wrong SIMD group": ("simdgroup_load(lt, lat_s + col0, RWS);",
                                                      "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
-    "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
-                                           "      const float m_new"),
+    "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const bool move",
+                                           "      const bool move"),
     "mask ignored in the chunk": ("        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;\n      }\n      const float sv",
                                   "        keep = 1;\n      }\n      const float sv"),
     "write-out tile read before all lanes stored it": (
@@ -705,8 +713,11 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
     # simt: two SIMD groups share each chunk; mma: 32 heads a block (two 16-head tiles x four
     # k-parts), two head blocks, the second with 24 padding heads, rope k-steps (rope 16) in
     # k-parts 0 and 1 (k-steps 8 and 9 of 10).
+    # mma rescales lazily (a head's reference max moves when passed by more than
+    # mla_rescale_at()): rows scaled up mid-tile make the running max jump in many heads.
     H, rope = (8, 8) if variant == "simt" else (40, 16)
-    args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6)
+    spikes = None if variant == "simt" else ([p for p in range(70) if p % 20 in (9, 13, 18)], 6.0)
+    args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6, spikes=spikes)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         out = mla.launch_specs(*args, tile=12 if variant == "simt" else 20, variant=variant, heads=32)(planted)
         assert_mla_close(out, *args)

@@ -70,6 +70,14 @@ __device__ constexpr int mla_stage_pad() {
   return 8;
 }
 
+// mla_attn_mma's lazy rescale: a head's reference max moves only when a chunk's scores pass it
+// by more than this (natural-log units), so once a tile's first chunks are in, most chunks leave
+// the accumulators unscaled. The softmax is the same, referred to a max at most this far below
+// the true one: weights stay <= e^8 (~2981), far inside float32.
+__device__ constexpr float mla_rescale_at() {
+  return 8.0f;
+}
+
 // Cache position of entry `pos` of query row q's list: the DSA list or the identity.
 __device__ __forceinline__ int mla_position(const int32_t* sel, int has_sel, int q, int P, int pos) {
   return has_sel ? sel[size_t(q) * P + pos] : pos;
@@ -606,8 +614,9 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
       cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
       cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
-      const float m_new = max(m, cmax);
-      const float alpha = expf(m - m_new);
+      const bool move = cmax > m + colibri_mla::mla_rescale_at();   // same for the head's 8 lanes
+      const float m_new = move ? cmax : m;
+      const float alpha = move ? expf(m - m_new) : 1.0f;
       float psum = 0.0f;
       #pragma unroll
       for (int e = 0; e < NF; ++e) {
@@ -638,7 +647,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
         }
         al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
       }
-      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
+      // Unless a head's reference max moved, alpha is exactly 1: skip the rescale.
       const bool rescale = __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f);
       #pragma unroll
       for (int ct = 0; ct < NCT; ++ct) {
