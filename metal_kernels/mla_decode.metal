@@ -421,6 +421,22 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   }
   // The chunk's units in flight: raw cache words, or zero past the tile (weight 0, no NaN).
   uint4 raw[NLU][2];
+  // This thread's staged units, the same every chunk: position c of the chunk (>= C: no unit),
+  // where the unit's row of the cache starts (latent or rope columns) and its row stride, and
+  // where it is staged.
+  int unit_c[NLU];
+  int unit_stride[NLU];
+  int unit_dst[NLU];
+  const device TC* unit_src[NLU];
+  for (int j = 0; j < NLU; ++j) {
+    const int u = tid + j * NSG * 32;
+    const int c = u / UPP;
+    const int col = (u - c * UPP) * 8;
+    unit_c[j] = c;
+    unit_stride[j] = col < R ? R : rope;
+    unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
+    unit_dst[j] = c * RWS + (u - c * UPP) * 8;
+  }
   // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
   simdgroup_float8x8 qt[NK][2];
   for (int i = 0; i < NK; ++i) {
@@ -439,30 +455,21 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     if (c0 >= p0) {
       threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
       for (int j = 0; j < NLU; ++j) {
-        const int u = tid + j * NSG * 32;
-        if (u < C * UPP) {
-          const int c = u / UPP;
+        if ((j + 1) * NSG * 32 <= C * UPP || unit_c[j] < C) {
           float f[8];
           qd_widen8(raw[j], f, latent);
           for (int k = 0; k < 8; ++k) {
-            lat_s[c * RWS + (u - c * UPP) * 8 + k] = f[k];
+            lat_s[unit_dst[j] + k] = f[k];
           }
         }
       }
     }
     const int cn = c0 + C;                     // the chunk to load next
     for (int j = 0; j < NLU && cn < p1; ++j) {
-      const int u = tid + j * NSG * 32;
       raw[j][0] = raw[j][1] = uint4(0u);
-      const int c = u / UPP;
-      const int col = (u - c * UPP) * 8;
-      if (u < C * UPP && cn + c < p1) {
-        const int t = mla_position(sel, has_sel, q, P, cn + c);
-        if (col < R) {
-          qd_load8_raw(latent + (size_t(b) * T + t) * R + col, raw[j]);
-        } else {
-          qd_load8_raw(krope + (size_t(b) * T + t) * rope + col - R, raw[j]);
-        }
+      if (cn + unit_c[j] < p1 && unit_c[j] < C) {
+        const int t = mla_position(sel, has_sel, q, P, cn + unit_c[j]);
+        qd_load8_raw(unit_src[j] + size_t(t) * unit_stride[j], raw[j]);
       }
     }
     if (c0 < p0) {

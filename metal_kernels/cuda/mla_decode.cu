@@ -504,7 +504,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int u = tid + j * NSG * 32;
     const int c = u / UPP;
     const int col = (u - c * UPP) * 8;
-    unit_c[j] = u < C * UPP ? c : C;             // C: no unit (past the chunk's units)
+    unit_c[j] = c;                             // >= C: no unit (past the chunk's units)
     unit_stride[j] = col < R ? R : rope;
     unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
