@@ -541,7 +541,7 @@ def test_mla_mma_heads_choice(monkeypatch):
 
 
 def test_mla_mma_chunk_choice(monkeypatch):
-    # Metal's chunk is one 8x8 matrix; CUDA's two n8 fragments (COLIBRI_MLA_CHUNK: 8 or 16 there).
+    # The chunk is one 8x8 matrix; CUDA may take two n8 fragments (COLIBRI_MLA_CHUNK: 8 or 16 there).
     # The chunk reaches the kernel as template MC; mma tiles are multiples of 16 either way.
     monkeypatch.delenv("COLIBRI_MLA_CHUNK", raising=False)
     assert mla.mma_chunk(dispatch.METAL) == 8 and mla.mma_chunk(dispatch.CUDA) == 8

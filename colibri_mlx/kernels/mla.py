@@ -43,11 +43,10 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
-# mla_attn_mma's chunk (template MC): one 8x8 matrix (Metal: 32 KiB of threadgroup memory).
-# CUDA may take 16 (two n8 fragments: half the barriers, softmax passes and rescales a position,
-# 37 KB of the 48 KB of static shared memory) but holds 235-239 registers and was slower on the
-# H200 (190.2 against 180.0 us at a 32768 cache). Tiles are multiples of 16 either way.
-MMA_CHUNK = {dispatch.METAL: 8, dispatch.CUDA: 8}
+# mla_attn_mma's chunk (template MC) is CHUNK: one 8x8 matrix (Metal: 32 KiB of threadgroup
+# memory). CUDA may take 16 (two n8 fragments: half the barriers, softmax passes and rescales a
+# position, 37 KB of the 48 KB of static shared memory) but holds 235-239 registers and was
+# slower on the H200 (190.2 against 180.0 us at a 32768 cache). Tiles are multiples of 16 either way.
 MMA_TILE_MULTIPLE = 16
 VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
@@ -158,9 +157,9 @@ def mma_tile(P: int, head_blocks: int) -> int:
 
 def mma_chunk(backend: str, chunk: Optional[int] = None) -> int:
     """mla_attn_mma's positions a chunk: ``chunk``, env COLIBRI_MLA_CHUNK (CUDA: 8 or 16) or the
-    backend's."""
-    want = chunk or int(dispatch.getenv("COLIBRI_MLA_CHUNK") or 0) or MMA_CHUNK.get(backend, CHUNK)
-    allowed = (8, 16) if backend == dispatch.CUDA else (CHUNK,)
+    default (CHUNK)."""
+    want = chunk or int(dispatch.getenv("COLIBRI_MLA_CHUNK") or 0) or CHUNK
+    allowed = (CHUNK, 2 * CHUNK) if backend == dispatch.CUDA else (CHUNK,)
     if want not in allowed:
         raise ValueError(f"mla_decode: a chunk of {want} positions (COLIBRI_MLA_CHUNK) is not one of {allowed} "
                          f"on {backend}")
