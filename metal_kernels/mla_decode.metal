@@ -81,14 +81,6 @@ constexpr int mla_stage_pad() {
   return 8;
 }
 
-// mla_attn_mma's lazy rescale: a head's reference max moves only when a chunk's scores pass it
-// by more than this (natural-log units), so once a tile's first chunks are in, most chunks leave
-// the accumulators unscaled. The softmax is the same, referred to a max at most this far below
-// the true one: weights stay <= e^8 (~2981), far inside float32.
-constexpr float mla_rescale_at() {
-  return 8.0f;
-}
-
 // Cache position of entry `pos` of query row q's list: the DSA list or the identity.
 inline int mla_position(const device int32_t* sel, int has_sel, int q, int P, int pos) {
   return has_sel ? sel[size_t(q) * P + pos] : pos;
@@ -365,8 +357,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     }
   }
 // ==== kernel body: mla_attn_mma ====
-  constexpr int C = MC;                        // positions per chunk: the 8 of an 8x8 matrix
-  static_assert(C == mla_chunk(), "Metal's chunk is one 8x8 matrix");
+  constexpr int C = mla_chunk();               // positions per chunk: the 8 of an 8x8 matrix
   constexpr int RWS = RW + mla_stage_pad();    // staged position: R latent + rope columns, pad
   constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
   constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile
@@ -509,9 +500,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       float cmax = max(sv, simd_shuffle_xor(sv, ushort(1)));
       cmax = max(cmax, simd_shuffle_xor(cmax, ushort(2)));
       cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));
-      const bool move = cmax > m + mla_rescale_at();   // same for the head's 8 lanes
-      const float m_new = move ? cmax : m;
-      const float alpha = move ? exp(m - m_new) : 1.0f;
+      const float m_new = max(m, cmax);
+      const float alpha = exp(m - m_new);
       const float pw = keep >= 0 ? exp(sv - m_new) : 0.0f;
       float psum = pw + simd_shuffle_xor(pw, ushort(1));
       psum += simd_shuffle_xor(psum, ushort(2));
@@ -528,7 +518,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       simdgroup_float8x8 dt;
       simdgroup_load(pt, p_s + rt * 8 * C, C);
       simdgroup_load(dt, diag_s + rt * 64, 8);
-      // Unless a head's reference max moved, alpha is exactly 1: skip the rescale.
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
       const bool rescale = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;

@@ -66,9 +66,8 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
 
 def mla_launches(impl, T, act, attn_settings=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
-    ``HEADS[:MINB[:CHUNK[:WARPS]]]``, the heads a block (mla.MMA_HEAD_CHOICES), CUDA launch bounds
-    (blocks an SM, dispatch.with_min_blocks), positions a chunk and warps a block (mla.mma_chunk,
-    mla.mma_warps); an empty field is the default."""
+    ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
+    an SM, dispatch.with_min_blocks); an empty field is the default."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -77,9 +76,9 @@ def mla_launches(impl, T, act, attn_settings=()):
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
     for cfg in attn_settings:
-        heads, minb, chunk, warps = [int(f or 0) or None for f in (cfg.split(":") + ["", "", ""])[:4]]
+        heads, minb = [int(f or 0) or None for f in (cfg.split(":") + [""])[:2]]
         try:
-            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=heads, chunk=chunk, warps=warps)[1][1]
+            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=heads)[1][1]
                      for i in insts]
         except (RuntimeError, ValueError) as e:     # e.g. a block too large to launch
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
@@ -260,9 +259,8 @@ def main():
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB]]] (PB: blocks of a persistent grid), comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] (PB: blocks of a persistent "
                     "grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM), comma-separated")
-    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB[:CHUNK[:WARPS]]] (HEADS "
-                    "empty: the default; MINB: CUDA launch bounds, blocks an SM; CHUNK: positions a chunk; WARPS: "
-                    "warps a block), comma-separated")
+    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (HEADS empty: the "
+                    "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
                     "the kernel (CUDA; the large shape's default has it)")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "

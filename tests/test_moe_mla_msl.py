@@ -540,12 +540,10 @@ def test_mla_mma_heads_choice(monkeypatch):
         mla.mma_heads(dispatch.METAL)
 
 
-def test_mla_mma_chunk_choice(monkeypatch):
-    # The chunk is one 8x8 matrix; CUDA may take two n8 fragments (COLIBRI_MLA_CHUNK: 8 or 16 there).
-    # The chunk reaches the kernel as template MC; mma tiles are multiples of 16 either way.
-    monkeypatch.delenv("COLIBRI_MLA_CHUNK", raising=False)
-    assert mla.mma_chunk(dispatch.METAL) == 8 and mla.mma_chunk(dispatch.CUDA) == 8
-    assert mla.mma_tile(40000, 4) == 640 and mla.mma_tile(100, 4) == 128
+def test_mla_mma_templates():
+    # The latent width reaches the kernel as template RL (whole-tile guards fold on it); mma
+    # tiles are whole chunks of 8 positions.
+    assert mla.mma_tile(40000, 4) == 632 and mla.mma_tile(100, 4) == 128
     args, _ = mla_inputs(T=40, cache_dtype=mx.bfloat16, seed=3)
     specs = []
 
@@ -554,17 +552,8 @@ def test_mla_mma_chunk_choice(monkeypatch):
         return [mx.zeros(shape, dtype) for shape, dtype in zip(spec.output_shapes, spec.output_dtypes)]
 
     mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(capture)
-    assert dict(specs[1].template)["MC"] == 8 and dict(specs[1].template)["RL"] == args[2].shape[-1]
-    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma", chunk=16, warps=16)(capture)
-    assert [dict(specs[4].template)[k] for k in ("MC", "NSG")] == [16, 16]
-    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "8")
-    assert mla.mma_chunk(dispatch.CUDA) == 8 and mla.mma_chunk(dispatch.METAL) == 8
-    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "16")
-    with pytest.raises(ValueError, match="COLIBRI_MLA_CHUNK"):      # 32 KiB of threadgroup memory
-        mla.mma_chunk(dispatch.METAL)
-    monkeypatch.setenv("COLIBRI_MLA_CHUNK", "32")
-    with pytest.raises(ValueError, match="not one of"):
-        mla.mma_chunk(dispatch.CUDA)
+    t = dict(specs[1].template)
+    assert t["RL"] == args[2].shape[-1] and t["NSG"] == t["HT"] // 4 and t["RW"] == t["RL"] + args[1].shape[-1]
 
 
 @pytest.mark.parametrize("R,rope", [(120, 8), (64, 32)])
@@ -574,24 +563,6 @@ def test_mla_mma_whole_and_partial_tiles(metal, R, rope):
     # whole k-steps but 2 column tiles a SIMD group cover 128 of 120; 64 + 32 the reverse of
     # the usual 64 + 8 (whole column tiles, 9 k-steps over 12 slots).
     run_mla(metal, fmt=0, R=R, rope=rope, T=45, tile=16, seed=R + rope)
-
-
-def test_mla_mma_warps_choice(monkeypatch):
-    # heads / 4 SIMD groups (4 k-parts a 16-head tile); CUDA may take heads / 2 (8 k-parts, half
-    # the column tiles a warp: ~120 registers instead of ~220), the first heads x 8 threads
-    # running the softmax.
-    monkeypatch.delenv("COLIBRI_MLA_WARPS", raising=False)
-    assert mla.mma_warps(dispatch.METAL, 32) == 8 and mla.mma_warps(dispatch.CUDA, 32) == 8
-    monkeypatch.setenv("COLIBRI_MLA_WARPS", "16")
-    assert mla.mma_warps(dispatch.CUDA, 32) == 16
-    with pytest.raises(ValueError, match="COLIBRI_MLA_WARPS"):
-        mla.mma_warps(dispatch.METAL, 32)
-    args, _ = mla_inputs(T=40, cache_dtype=mx.bfloat16, seed=3)
-    specs = []
-    mla.launch_specs(*args, backend=dispatch.CUDA, variant="mma")(
-        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-    t = dict(specs[1].template)
-    assert (t["NSG"], t["NCT"]) == (16, 1) and specs[1].threadgroup == (512, 1, 1)
 
 
 @VARIANTS
@@ -682,8 +653,8 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "P loaded transposed": ("simdgroup_load(pt, p_s + rt * 8 * C, C);", "simdgroup_load(pt, p_s + rt * 8 * C, C, ulong2(0, 0), true);"),
     "combine: column tile of the wrong SIMD group": ("simdgroup_load(lt, lat_s + col0, RWS);",
                                                      "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
-    "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const bool move",
-                                           "      const bool move"),
+    "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
+                                           "      const float m_new"),
     "mask ignored in the chunk": ("        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;\n      }\n      const float sv",
                                   "        keep = 1;\n      }\n      const float sv"),
     "write-out tile read before all lanes stored it": (
@@ -714,8 +685,7 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
     # simt: two SIMD groups share each chunk; mma: 32 heads a block (two 16-head tiles x four
     # k-parts), two head blocks, the second with 24 padding heads, rope k-steps (rope 16) in
     # k-parts 0 and 1 (k-steps 8 and 9 of 10).
-    # mma rescales lazily (a head's reference max moves when passed by more than
-    # mla_rescale_at()): rows scaled up mid-tile make the running max jump in many heads.
+    # Rows scaled up mid-tile make the running max jump in many heads (the rescale paths run).
     H, rope = (8, 8) if variant == "simt" else (40, 16)
     spikes = None if variant == "simt" else ([p for p in range(70) if p % 20 in (9, 13, 18)], 6.0)
     args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6, spikes=spikes)

@@ -43,11 +43,6 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
-# mla_attn_mma's chunk (template MC) is CHUNK: one 8x8 matrix (Metal: 32 KiB of threadgroup
-# memory). CUDA may take 16 (two n8 fragments: half the barriers, softmax passes and rescales a
-# position, 37 KB of the 48 KB of static shared memory) but holds 235-239 registers and was
-# slower on the H200 (190.2 against 180.0 us at a 32768 cache). Tiles are multiples of 16 either way.
-MMA_TILE_MULTIPLE = 16
 VARIANTS = ("mma", "simt")
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
@@ -149,33 +144,9 @@ def default_tile(P: int) -> int:
 
 def mma_tile(P: int, head_blocks: int) -> int:
     """mla_attn_mma's positions per tile: about MMA_TARGET_BLOCKS threadgroups, at least
-    MMA_MIN_TILE positions (a tile pays one partial of R floats per head), a multiple of every
-    backend's chunk."""
+    MMA_MIN_TILE positions (a tile pays one partial of R floats per head), a multiple of CHUNK."""
     tt = max(MMA_MIN_TILE, _ceil_div(P * head_blocks, MMA_TARGET_BLOCKS))
-    return _ceil_div(tt, MMA_TILE_MULTIPLE) * MMA_TILE_MULTIPLE
-
-
-def mma_chunk(backend: str, chunk: Optional[int] = None) -> int:
-    """mla_attn_mma's positions a chunk: ``chunk``, env COLIBRI_MLA_CHUNK (CUDA: 8 or 16) or the
-    default (CHUNK)."""
-    want = chunk or int(dispatch.getenv("COLIBRI_MLA_CHUNK") or 0) or CHUNK
-    allowed = (CHUNK, 2 * CHUNK) if backend == dispatch.CUDA else (CHUNK,)
-    if want not in allowed:
-        raise ValueError(f"mla_decode: a chunk of {want} positions (COLIBRI_MLA_CHUNK) is not one of {allowed} "
-                         f"on {backend}")
-    return want
-
-
-def mma_warps(backend: str, heads: int, warps: Optional[int] = None) -> int:
-    """SIMD groups of mla_attn_mma for ``heads`` a block: heads / 4 (4 k-parts a 16-head tile),
-    or on CUDA (``warps`` or env COLIBRI_MLA_WARPS) heads / 2 (8 k-parts, half the column tiles a
-    warp)."""
-    want = warps or int(dispatch.getenv("COLIBRI_MLA_WARPS") or 0) or heads // 4
-    allowed = (heads // 4, heads // 2) if backend == dispatch.CUDA else (heads // 4,)
-    if want not in allowed:
-        raise ValueError(f"mla_decode: {want} SIMD groups for {heads} heads (COLIBRI_MLA_WARPS) is not one of "
-                         f"{allowed} on {backend}")
-    return want
+    return _ceil_div(tt, CHUNK) * CHUNK
 
 
 def mma_heads(backend: str, heads: Optional[int] = None) -> int:
@@ -233,12 +204,9 @@ class _Static:
     out_template: list
 
 
-def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
-            chunk=None, warps=None) -> _Static:
+def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
     mma = variant == "mma"
-    if mma:
-        chunk, warps = mma_chunk(backend, chunk), mma_warps(backend, HT, warps)
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, chunk, warps)
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -257,10 +225,9 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = "mla_attn_mma", warps, Hp // HT
+        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
-                         ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R),
-                         ("MC", chunk)]
+                         ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R)]
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
@@ -314,21 +281,19 @@ def params_signature(kv_b) -> tuple:
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
-                 chunk: Optional[int] = None, warps: Optional[int] = None,
                  q_rotation: Optional[tuple] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
     (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array).
-    ``chunk`` / ``warps``: mla_attn_mma's positions a chunk and warps a block (:func:`mma_chunk`,
-    :func:`mma_warps`). ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``:
-    q_rope arrives unrotated and mla_qabs rotates it (half-split, as mx.fast.rope)."""
+    ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
+    unrotated and mla_qabs rotates it (half-split, as mx.fast.rope)."""
     B, H, L, _ = q_nope.shape
     T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads), chunk, warps)
+                 mma_heads(backend, heads))
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)

@@ -70,14 +70,6 @@ __device__ constexpr int mla_stage_pad() {
   return 8;
 }
 
-// mla_attn_mma's lazy rescale: a head's reference max moves only when a chunk's scores pass it
-// by more than this (natural-log units), so once a tile's first chunks are in, most chunks leave
-// the accumulators unscaled. The softmax is the same, referred to a max at most this far below
-// the true one: weights stay <= e^8 (~2981), far inside float32.
-__device__ constexpr float mla_rescale_at() {
-  return 8.0f;
-}
-
 // Cache position of entry `pos` of query row q's list: the DSA list or the identity.
 __device__ __forceinline__ int mla_position(const int32_t* sel, int has_sel, int q, int P, int pos) {
   return has_sel ? sel[size_t(q) * P + pos] : pos;
@@ -428,19 +420,15 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
   }
 // ==== kernel body: mla_attn_mma ====
-  constexpr int C = MC;                        // positions per chunk: the mma's N (scores), K (combine)
-  constexpr int NF = C / 8;                    // n8 fragments (scores) / k8 steps (combine) a chunk
+  constexpr int C = colibri_mla::mla_chunk();  // positions per chunk: the mma's N (scores), K (combine)
   constexpr int RWS = RW + colibri_mla::mla_stage_pad();  // staged position: R + rope columns, pad
   constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
   constexpr int KP = NSG / HTL;                // scores: warps (k-parts) per head tile
   constexpr int UPP = RW / 8;                  // 8-value units per staged position
   constexpr int NLU = (C * UPP + NSG * 32 - 1) / (NSG * 32);  // staged units per thread
   constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
-  static_assert(C % 8 == 0, "the chunk is whole n8 / k8 fragments");
-  static_assert(NSG * 32 >= HT * 8, "8 softmax threads a head, NF positions each");
-  // Softmax threads: the first HT x 8 (whole warps); more warps (CUDA: NSG up to HT / 2) only
-  // split the scores' k-steps and the combine's column tiles finer (fewer registers a thread).
-  constexpr int NSOFT = HT * 8;
+  static_assert(C == 8, "the chunk is one n8 / k8 fragment");
+  static_assert(HT * C == NSG * 32, "one softmax thread per (head, position) of a chunk");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0, "k8 steps over the latent and rope columns");
   // Whole tiles (DeepSeek-V3: 576 columns = 4 k-parts x 18 k-steps x 8, 512 latent columns =
@@ -475,8 +463,8 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int p1 = min(P, p0 + TT);
   const int ht = sg % HTL;                     // scores: this warp's head tile
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
-  const int hs = tid / 8;                      // softmax thread: head hs of the block,
-  const int cs = tid % 8;                      // positions cs, cs + 8, ... of the chunk
+  const int hs = tid / C;                      // softmax thread: head hs of the block,
+  const int cs = tid % C;                      // position cs of the chunk
   const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
@@ -504,7 +492,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int u = tid + j * NSG * 32;
     const int c = u / UPP;
     const int col = (u - c * UPP) * 8;
-    unit_c[j] = c;                             // >= C: no unit (past the chunk's units)
+    unit_c[j] = u < C * UPP ? c : C;             // C: no unit (past the chunk's units)
     unit_stride[j] = col < R ? R : rope;
     unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
@@ -558,77 +546,50 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
     __syncthreads();
     // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
-    // At least two independent mma chains: one a fragment of positions, or (one fragment) the
-    // even and odd k-steps.
-    constexpr int NCH = NF == 1 ? 2 : 1;
-    float s[NCH][NF][4] = {};                 // zeros
+    // Two accumulators (even / odd k-steps): two dependent mma chains of NK / 2 instead of one of NK.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_b_k(lane, 0);
     #pragma unroll
     for (int i = 0; i < NK; ++i) {
       const int k0 = (kp + i * KP) * 8;
       if (K_WHOLE || k0 < RW) {
+        uint32_t kf[2];                        // B = chunk^T: (k, n = position)
         #pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
-          uint32_t kf[2];                      // B = chunk^T: (k, n = position)
-          #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            kf[e] = __float_as_uint(kb[nf * 8 * RWS + i * KP * 8 + 4 * e]);
-          }
-          colibri_mla::mma_tf32(s[i % NCH][nf], qf[i], kf);
+        for (int e = 0; e < 2; ++e) {
+          kf[e] = __float_as_uint(kb[i * KP * 8 + 4 * e]);
         }
+        colibri_mla::mma_tf32(s[i & 1], qf[i], kf);
       }
     }
     #pragma unroll
-    for (int nf = 0; nf < NF; ++nf) {
-      #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float v = s[0][nf][i];
-        #pragma unroll
-        for (int ch = 1; ch < NCH; ++ch) {
-          v += s[ch][nf][i];
-        }
-        sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + nf * 8 + colibri_mla::frag_c_col(lane, i)] = v;
-      }
+    for (int i = 0; i < 4; ++i) {
+      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[0][i] + s[1][i];
     }
     __syncthreads();
-    if (tid < NSOFT) {
-      float sv[NF];
-      int keep[NF];                            // 1 keep, 0 masked (-1e30), -1 past the tile
-      float cmax = colibri_mla::neg_inf();
+    {
+      float dot = 0.0f;
       #pragma unroll
-      for (int e = 0; e < NF; ++e) {
-        const int pc = cs + 8 * e;             // position of the chunk
-        float dot = 0.0f;
-        #pragma unroll
-        for (int g = 0; g < KP; ++g) {
-          dot += sc_s[(g * HT + hs) * C + pc];
-        }
-        keep[e] = -1;
-        if (c0 + pc < p1) {
-          const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + pc);
-          keep[e] = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
-        }
-        sv[e] = keep[e] > 0 ? dot * scale : (keep[e] == 0 ? -1e30f : colibri_mla::neg_inf());
-        cmax = max(cmax, sv[e]);
+      for (int g = 0; g < KP; ++g) {
+        dot += sc_s[(g * HT + hs) * C + cs];
       }
-      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
+      int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
+      if (c0 + cs < p1) {
+        const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs);
+        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+      }
+      const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : colibri_mla::neg_inf());
+      float cmax = max(sv, __shfl_xor_sync(0xffffffffu, sv, 1));
       cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
       cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
-      const bool move = cmax > m + colibri_mla::mla_rescale_at();   // same for the head's 8 lanes
-      const float m_new = move ? cmax : m;
-      const float alpha = move ? expf(m - m_new) : 1.0f;
-      float psum = 0.0f;
-      #pragma unroll
-      for (int e = 0; e < NF; ++e) {
-        const float pw = keep[e] >= 0 ? expf(sv[e] - m_new) : 0.0f;
-        psum += pw;
-        p_s[hs * C + cs + 8 * e] = pw;
-      }
-      psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+      const float m_new = max(m, cmax);
+      const float alpha = expf(m - m_new);
+      const float pw = keep >= 0 ? expf(sv - m_new) : 0.0f;
+      float psum = pw + __shfl_xor_sync(0xffffffffu, pw, 1);
       psum += __shfl_xor_sync(0xffffffffu, psum, 2);
       psum += __shfl_xor_sync(0xffffffffu, psum, 4);
       m = m_new;
       l = l * alpha + psum;
+      p_s[hs * C + cs] = pw;
       if (cs == 0) {
         alpha_s[hs] = alpha;
       }
@@ -637,37 +598,31 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads
     #pragma unroll
     for (int t16 = 0; t16 < HTL; ++t16) {
-      uint32_t pf[NF][4];                      // A = P: (head, position), a k8 step each
+      uint32_t pf[4];                          // A = P: (head, position)
       float al[4];                             // alpha of each C fragment element's row
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        #pragma unroll
-        for (int nf = 0; nf < NF; ++nf) {
-          pf[nf][i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + nf * 8 + colibri_mla::frag_a_col(lane, i)]);
-        }
+        pf[i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
         al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
       }
-      // Unless a head's reference max moved, alpha is exactly 1: skip the rescale.
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
       const bool rescale = __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f);
       #pragma unroll
       for (int ct = 0; ct < NCT; ++ct) {
         const int col0 = (sg * NCT + ct) * 8;
         if (COLS_WHOLE || col0 < R) {
+          uint32_t lf[2];                      // B = chunk: (k = position, n = column)
+          #pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
+          }
           if (rescale) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
               acc[t16][ct][i] *= al[i];
             }
           }
-          #pragma unroll
-          for (int nf = 0; nf < NF; ++nf) {
-            uint32_t lf[2];                    // B = chunk: (k = position, n = column)
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-              lf[i] = __float_as_uint(lat_s[(nf * 8 + colibri_mla::frag_b_k(lane, i)) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
-            }
-            colibri_mla::mma_tf32(acc[t16][ct], pf[nf], lf);
-          }
+          colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
         }
       }
     }
@@ -689,7 +644,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
   }
-  if (tid < NSOFT && cs == 0 && hb * HT + hs < H) {
+  if (cs == 0 && hb * HT + hs < H) {
     const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
     pml[2 * part + 1] = l;
