@@ -65,7 +65,8 @@ __device__ __forceinline__ float mla_reduce_scatter(float* v, int lane) {
 
 // Floats of padding after each staged position (R + rope floats), so the row stride is 8 mod
 // 32 banks: the combine's fragment reads of the chunk (rows t = lane % 4, columns g = lane / 4)
-// hit 32 distinct banks, the scores' (rows g, columns t) two lanes a bank (unpadded: 8).
+// hit 32 distinct banks, and so do the scores' 64-bit reads (rows g, columns 2t and 2t + 1, a
+// half-warp at a time); unpadded, 8 lanes a bank.
 __device__ constexpr int mla_stage_pad() {
   return 8;
 }
@@ -101,6 +102,12 @@ __device__ __forceinline__ int frag_c_row(int lane, int i) {
 }
 __device__ __forceinline__ int frag_c_col(int lane, int i) {
   return 2 * (lane & 3) + (i & 1);
+}
+// A dot product is the same over any order of its k terms: where both operands of an mma come
+// from memory laid out along k, the k8 step's slot t + 4 * j may hold column 2 * t + j of the
+// step, so a thread's two B values (slots t and t + 4) are adjacent: one 64-bit shared load.
+__device__ __forceinline__ int frag_k_paired(int slot) {
+  return 2 * (slot & 3) + (slot >> 2);
 }
 
 // x rounded to TF32 (round to nearest, ties away: cvt.rna), as the mma operand register.
@@ -437,7 +444,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
   static_assert(NSG * NCT * 8 >= RL, "column tiles cover the latent width");
   __shared__ __align__(16) float lat_s[C * RWS];   // TF32-rounded
-  __shared__ float sc_s[KP * HT * C];          // partial scores of each k-part
+  __shared__ __align__(8) float sc_s[KP * HT * C];   // partial scores of each k-part
   __shared__ float p_s[HT * C];                // the chunk's softmax weights P[head][position]
   __shared__ float alpha_s[HT];                // the chunk's rescale per head
   const int H = params[0];
@@ -506,7 +513,8 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int qstride = RW;
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_a_col(lane, e)]) : 0u;
+      // k slots paired as the chunk's B fragments below (frag_k_paired)
+      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_k_paired(colibri_mla::frag_a_col(lane, e))]) : 0u;
     }
   }
   for (int c0 = p0 - C; c0 < p1; c0 += C) {
@@ -548,22 +556,21 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     // S[16 heads of tile ht] over this k-part = Q' . chunk^T (latent k-steps, then rope)
     // Two accumulators (even / odd k-steps): two dependent mma chains of NK / 2 instead of one of NK.
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-    const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_b_k(lane, 0);
+    // B = chunk^T (k, n = position): slots t and t + 4 are columns 2t, 2t + 1 (frag_k_paired)
+    const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_k_paired(colibri_mla::frag_b_k(lane, 0));
     #pragma unroll
     for (int i = 0; i < NK; ++i) {
       const int k0 = (kp + i * KP) * 8;
       if (K_WHOLE || k0 < RW) {
-        uint32_t kf[2];                        // B = chunk^T: (k, n = position)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          kf[e] = __float_as_uint(kb[i * KP * 8 + 4 * e]);
-        }
+        const float2 kv = *reinterpret_cast<const float2*>(kb + i * KP * 8);
+        const uint32_t kf[2] = {__float_as_uint(kv.x), __float_as_uint(kv.y)};
         colibri_mla::mma_tf32(s[i & 1], qf[i], kf);
       }
     }
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sc_s[(kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)] = s[0][i] + s[1][i];
+    for (int i = 0; i < 4; i += 2) {           // columns 2t, 2t + 1 of rows g and g + 8
+      *reinterpret_cast<float2*>(sc_s + (kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * C + colibri_mla::frag_c_col(lane, i)) =
+          make_float2(s[0][i] + s[1][i], s[0][i + 1] + s[1][i + 1]);
     }
     __syncthreads();
     {
