@@ -512,23 +512,27 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads
+    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads: each column
+    // tile of the chunk is loaded once for every row tile.
+    simdgroup_float8x8 pt[2 * HTL];
+    simdgroup_float8x8 dt[2 * HTL];
+    bool rescale[2 * HTL];
     for (int rt = 0; rt < 2 * HTL; ++rt) {
-      simdgroup_float8x8 pt;
-      simdgroup_float8x8 dt;
-      simdgroup_load(pt, p_s + rt * 8 * C, C);
-      simdgroup_load(dt, diag_s + rt * 64, 8);
+      simdgroup_load(pt[rt], p_s + rt * 8 * C, C);
+      simdgroup_load(dt[rt], diag_s + rt * 64, 8);
       // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
-      const bool rescale = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
-      for (int ct = 0; ct < NCT; ++ct) {
-        const int col0 = (sg * NCT + ct) * 8;
-        if (COLS_WHOLE || col0 < R) {
-          simdgroup_float8x8 lt;
-          simdgroup_load(lt, lat_s + col0, RWS);           // [position][column]
-          if (rescale) {
-            simdgroup_multiply(acc[rt][ct], dt, acc[rt][ct]);
+      rescale[rt] = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
+    }
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        simdgroup_float8x8 lt;
+        simdgroup_load(lt, lat_s + col0, RWS);             // [position][column]
+        for (int rt = 0; rt < 2 * HTL; ++rt) {
+          if (rescale[rt]) {
+            simdgroup_multiply(acc[rt][ct], dt[rt], acc[rt][ct]);
           }
-          simdgroup_multiply_accumulate(acc[rt][ct], pt, lt, acc[rt][ct]);
+          simdgroup_multiply_accumulate(acc[rt][ct], pt[rt], lt, acc[rt][ct]);
         }
       }
     }

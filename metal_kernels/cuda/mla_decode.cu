@@ -519,6 +519,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   }
   for (int c0 = p0 - C; c0 < p1; c0 += C) {
     // Iteration c0 multiplies chunk c0 while chunk c0 + C is in flight (c0 = p0 - C: only loads).
+    float* const chunk = lat_s;
     if (c0 >= p0) {
       __syncthreads();   // the previous chunk is consumed
       #pragma unroll
@@ -532,7 +533,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
               f[k] = colibri_mla::tf32_round(f[k]);
             }
           }
-          float4* dst = reinterpret_cast<float4*>(lat_s + unit_dst[j]);
+          float4* dst = reinterpret_cast<float4*>(chunk + unit_dst[j]);
           dst[0] = make_float4(f[0], f[1], f[2], f[3]);
           dst[1] = make_float4(f[4], f[5], f[6], f[7]);
         }
@@ -557,7 +558,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     // Two accumulators (even / odd k-steps): two dependent mma chains of NK / 2 instead of one of NK.
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     // B = chunk^T (k, n = position): slots t and t + 4 are columns 2t, 2t + 1 (frag_k_paired)
-    const float* kb = lat_s + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_k_paired(colibri_mla::frag_b_k(lane, 0));
+    const float* kb = chunk + colibri_mla::frag_b_n(lane) * RWS + kp * 8 + colibri_mla::frag_k_paired(colibri_mla::frag_b_k(lane, 0));
     #pragma unroll
     for (int i = 0; i < NK; ++i) {
       const int k0 = (kp + i * KP) * 8;
@@ -602,34 +603,39 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       }
     }
     __syncthreads();
-    // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads
+    // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads: each column tile of
+    // the chunk is loaded once for every head tile.
+    uint32_t pf[HTL][4];                       // A = P: (head, position)
+    float al[HTL][4];                          // alpha of each C fragment element's row
+    bool rescale[HTL];
     #pragma unroll
     for (int t16 = 0; t16 < HTL; ++t16) {
-      uint32_t pf[4];                          // A = P: (head, position)
-      float al[4];                             // alpha of each C fragment element's row
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        pf[i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
-        al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
+        pf[t16][i] = colibri_mla::tf32_bits(p_s[(t16 * 16 + colibri_mla::frag_a_row(lane, i)) * C + colibri_mla::frag_a_col(lane, i)]);
+        al[t16][i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
       }
       // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
-      const bool rescale = __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f);
-      #pragma unroll
-      for (int ct = 0; ct < NCT; ++ct) {
-        const int col0 = (sg * NCT + ct) * 8;
-        if (COLS_WHOLE || col0 < R) {
-          uint32_t lf[2];                      // B = chunk: (k = position, n = column)
-          #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            lf[i] = __float_as_uint(lat_s[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
-          }
-          if (rescale) {
+      rescale[t16] = __any_sync(0xffffffffu, al[t16][0] != 1.0f || al[t16][1] != 1.0f || al[t16][2] != 1.0f || al[t16][3] != 1.0f);
+    }
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        uint32_t lf[2];                        // B = chunk: (k = position, n = column)
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          lf[i] = __float_as_uint(chunk[colibri_mla::frag_b_k(lane, i) * RWS + col0 + colibri_mla::frag_b_n(lane)]);
+        }
+        #pragma unroll
+        for (int t16 = 0; t16 < HTL; ++t16) {
+          if (rescale[t16]) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-              acc[t16][ct][i] *= al[i];
+              acc[t16][ct][i] *= al[t16][i];
             }
           }
-          colibri_mla::mma_tf32(acc[t16][ct], pf, lf);
+          colibri_mla::mma_tf32(acc[t16][ct], pf[t16], lf);
         }
       }
     }
