@@ -224,6 +224,12 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int has_mask = params[13];
   const int has_sel = params[14];
   const float scale = fparams[0];
+  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
+  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
+  const int joint = params[16];
+  const int ls = joint ? R + rope : R;         // latent / rope key row strides
+  const int ks = joint ? R + rope : rope;
+  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
   const int tid = int(thread_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
   const int sg = int(simdgroup_index_in_threadgroup);
@@ -264,9 +270,9 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
       if (c0 + c < p1) {
         const int t = has_sel ? sel[size_t(q) * P + c0 + c] : c0 + c;
         if (col < R) {
-          val = float(latent[(size_t(b) * T + t) * R + col]);
+          val = float(latent[(size_t(b) * T + t) * ls + col]);
         } else if (col >= CJ * 32 && col - CJ * 32 < rope) {
-          val = float(krope[(size_t(b) * T + t) * rope + col - CJ * 32]);
+          val = float(krope[(size_t(b) * T + t) * ks + rope0 + col - CJ * 32]);
         }
       }
       lat_s[k] = val;
@@ -388,6 +394,12 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   const int has_sel = params[14];
   const int Hp = params[15];
   const float scale = fparams[0];
+  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
+  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
+  const int joint = params[16];
+  const int ls = joint ? R + rope : R;         // latent / rope key row strides
+  const int ks = joint ? R + rope : rope;
+  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
   const int tid = int(thread_index_in_threadgroup);
   const int lane = int(thread_index_in_simdgroup);
   const int sg = int(simdgroup_index_in_threadgroup);
@@ -424,8 +436,8 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     const int c = u / UPP;
     const int col = (u - c * UPP) * 8;
     unit_c[j] = c;
-    unit_stride[j] = col < R ? R : rope;
-    unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
+    unit_stride[j] = col < R ? ls : ks;
+    unit_src[j] = col < R ? latent + size_t(b) * T * ls + col : krope + size_t(b) * T * ks + rope0 + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
   }
   // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
@@ -753,7 +765,7 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     qa[size_t(q) * QL + c] = static_cast<T>(float(qnorm[c]) * float(static_cast<T>(float(row[c]) * iq)));
   }
   for (int c = tid; c < R; c += NSG * 32) {
-    lat[size_t(q) * R + c] = static_cast<T>(float(knorm[c]) * float(static_cast<T>(float(row[QL + c]) * il)));
+    kv[size_t(q) * (R + rope) + c] = static_cast<T>(float(knorm[c]) * float(static_cast<T>(float(row[QL + c]) * il)));
   }
   const int half = rope / 2;
   const float position = float(pos[q]);
@@ -763,6 +775,6 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
     const float sn = metal::fast::sin(theta);
     const float x1 = float(row[QL + R + j]);
     const float x2 = float(row[QL + R + j + half]);
-    krow[size_t(q) * rope + j] = static_cast<T>(x1 * cs - x2 * sn);
-    krow[size_t(q) * rope + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+    kv[size_t(q) * (R + rope) + R + j] = static_cast<T>(x1 * cs - x2 * sn);
+    kv[size_t(q) * (R + rope) + R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
   }

@@ -217,8 +217,7 @@ def bench_mla(args, results):
         caches = []
         for _ in range(CHAIN):
             c = LayerCache()
-            c.append("latent", mx.random.normal((1, T, KV_LORA)).astype(act), 0)
-            c.append("k_rope", mx.random.normal((1, T, ROPE)).astype(act), 0)
+            c.append("kv", mx.random.normal((1, T, KV_LORA + ROPE)).astype(act), 0)   # latent | rope key
             caches.append(c)
         cos, sin = rope.cos_sin(mx.array([[T]]))
         # No mask: a decode row of an unpadded sequence sees every key (what Model passes, and

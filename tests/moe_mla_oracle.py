@@ -273,7 +273,10 @@ def rows_oracle(y, QL, qa_norm, kv_norm, eps, inv_freq, positions, angle_ulps=0)
 
 def assert_rows_close(got, y, QL, qa_norm, kv_norm, eps, rope, positions, label="", angle_ulps=0):
     want, bound = rows_oracle(y, QL, qa_norm, kv_norm, eps, rope.inv_freq, positions, angle_ulps)
-    for name, g, w, b in zip(("q_a", "latent", "rope key"), got, want, bound):
+    q_a, kv = got                              # kv: the cache row, the latent then the rope key
+    R = kv_norm.shape[0]
+    assert kv.shape == (y.shape[0], y.shape[1] - QL), f"{label}: kv row {kv.shape}"
+    for name, g, w, b in zip(("q_a", "latent", "rope key"), (q_a, kv[:, :R], kv[:, R:]), want, bound):
         g = np.asarray(g.astype(mx.float32)).astype(np.float64).reshape(w.shape)
         ratio = np.abs(g - w) / b
         assert ratio.max() <= 1.0, f"{label} {name}: error {np.abs(g - w).max():.3g}, ratio {ratio.max():.3g}"

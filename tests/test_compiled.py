@@ -220,11 +220,11 @@ def test_attention_block_step_equals_plain(containers, monkeypatch):
         monkeypatch.setenv(compiled.ENV_VAR, mode)
         compiled.clear()
         cache = LayerCache()
-        cache.append("latent", mx.array(rng.standard_normal((1, 5, attn.kv_lora_rank)).astype(np.float32)), 0)
-        cache.append("k_rope", mx.array(rng.standard_normal((1, 5, attn.rope_dim)).astype(np.float32)), 0)
+        width = attn.kv_lora_rank + attn.rope_dim
+        cache.append("kv", mx.array(rng.standard_normal((1, 5, width)).astype(np.float32)), 0)
         outs = [attn(x, None, None, None, cache, 5 + i, rope_offset=mx.array(5 + i, dtype=mx.int32))[0]
                 for i, x in enumerate(xs)]
-        return np.stack([np.array(o) for o in outs]), np.array(cache.read("latent", 11))
+        return np.stack([np.array(o) for o in outs]), np.array(cache.read("kv", 11))
 
     state = rng.bit_generator.state
     want, want_cache = run("0")
@@ -299,9 +299,9 @@ def _primitive_names(*arrays) -> list[str]:
 
 @pytest.mark.parametrize("scope", ["model", "layer"])
 def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
-    """A compiled decode step writes its latent and rope-key rows with one scatter each (a
-    slice_update at an array offset is two GPU launches) into the cache's own buffers: MLX
-    donates them, so no step copies the cache."""
+    """A compiled decode step writes its cache row (the latent, then the rope key) with one
+    scatter a layer (a slice_update at an array offset is two GPU launches) into the cache's own
+    buffer: MLX donates it, so no step copies the cache."""
     from colibri_mlx.models.loading import load_model
 
     monkeypatch.setenv(compiled.ENV_VAR, "1")
@@ -318,7 +318,7 @@ def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
         before = addresses()
         logits = model(mx.array([[token]]), cache)
         names = _primitive_names(logits, *[b for c in cache.layers for b in c.buffers.values()])
-        assert names.count("ScatterAxis") == 2 * len(model.layers), names
+        assert names.count("ScatterAxis") == len(model.layers), names
         assert "DynamicSliceUpdate" not in names and "SliceUpdate" not in names
         mx.eval(logits)
         assert addresses() == before

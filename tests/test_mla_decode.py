@@ -40,10 +40,13 @@ def inputs(B=1, H=2, L=1, T=37, nope=16, v=16, R=64, rope=16, fmt=4, gs=32, cach
     return args, sel
 
 
-def check(**kw):
+def check(joint=False, **kw):
+    """``joint``: the cache as one buffer ``[B, T, R + rope]`` (the model's layout), k_rope None."""
     args, sel = inputs(**kw)
     kernels.reset_counters()
-    out = kernels.mla_decode(*args, selected=sel)
+    q_nope, q_rope, latent, k_rope, *rest = args
+    run_args = (q_nope, q_rope, mx.concatenate([latent, k_rope], axis=-1), None, *rest) if joint else args
+    out = kernels.mla_decode(*run_args, selected=sel)
     mx.eval(out)
     c = kernels.counters()
     assert not c["fallbacks"], c
@@ -74,6 +77,15 @@ def test_batch_of_query_rows_bf16_cache_and_dsa_positions():
 @pytest.mark.parametrize("T", [1, 4095, 4096, 4097, 40000])
 def test_deepseek_heads(T):
     check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=T, cache=mx.bfloat16, seed=T)
+
+
+@pytest.mark.parametrize("deepseek", [False, pytest.param(True, marks=gpu_only)])
+def test_joint_cache(deepseek):
+    """The model's cache: one buffer, each row the latent then the rope key (mla_attn reads both
+    parts from it), at a batch with a bf16 cache and masks and at a DSA list."""
+    dims = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64) if deepseek else {}
+    check(joint=True, B=2, L=1, T=4097 if deepseek else 300, cache=mx.bfloat16, masked=True, seed=21, **dims)
+    check(joint=True, T=40000 if deepseek else 500, n_sel=2048 if deepseek else 64, seed=22, **dims)
 
 
 @gpu_only
@@ -112,9 +124,15 @@ def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
         k_rope_buf = mx.where(poison, mx.nan, k_rope).astype(k_rope.dtype)
         params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length)
         out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params)
+        # and over one joint buffer, as the model's decode step runs it
+        joint = mx.concatenate([latent_buf, k_rope_buf], axis=-1)
+        params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
+                                 joint=True)
+        out_joint = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
         tf32 = kernels.backend() == "cuda" and variant == "mma"
-        assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
-                         label=f"{shape} length {length} of {capacity}", rel_attn=REL_TF32 if tf32 else REL)
+        for o, how in ((out, "two buffers"), (out_joint, "joint buffer")):
+            assert_mla_close(o, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
+                             label=f"{shape} {how} length {length} of {capacity}", rel_attn=REL_TF32 if tf32 else REL)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
@@ -130,7 +148,7 @@ def test_mla_rows(dtype, position):
     got = kernels.mla_rows(y, 1536, qa_norm, kv_norm, 1e-6, rope, mx.array(position, dtype=mx.int32))
     c = kernels.counters()
     assert not c["fallbacks"] and c["calls"] == {f"mla_rows/{kernels.backend()}": 1}, c
-    assert [a.dtype for a in got] == [dtype] * 3
+    assert [a.dtype for a in got] == [dtype] * 2
     assert_rows_close(got, y, 1536, qa_norm, kv_norm, 1e-6, rope, [position], label=f"{dtype} @{position}",
                       angle_ulps=0 if GPU else 2)
 

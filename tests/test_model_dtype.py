@@ -169,7 +169,7 @@ def test_cache_holds_dtype_and_cached_decode_matches_full_recompute(checkpoints,
         steps.append(np.array(model(mx.array(tokens[:, i:i + 1]), cache)))
     assert relative_error(np.concatenate(steps, axis=1), full) <= BAR[dtype]
     streams = {s: b.dtype for layer in cache.layers for s, b in layer.buffers.items()}
-    expected = {"latent", "k_rope", "index_key"} if name.startswith("glm") else {"latent", "k_rope"}
+    expected = {"kv", "index_key"} if name.startswith("glm") else {"kv"}
     assert set(streams) == expected and set(streams.values()) == {DTYPES[dtype]}
     f32_cache = f32.make_cache()
     f32(mx.array(tokens), f32_cache)

@@ -419,9 +419,17 @@ def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dty
     return (q_nope, q_rope, latent.astype(cache_dtype), k_rope.astype(cache_dtype), kv_b, 0.3, mask, nope, v), sel
 
 
-def run_mla(metal, tile=None, variant="mma", heads=None, **kw):
+def joint_args(args):
+    """mla_inputs' arguments with the cache as one joint buffer (each row the latent, then the
+    rope key: the model's cache) and no separate k_rope."""
+    q_nope, q_rope, latent, k_rope, *rest = args
+    return (q_nope, q_rope, mx.concatenate([latent, k_rope], axis=-1), None, *rest)
+
+
+def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, **kw):
     args, sel = mla_inputs(**kw)
-    run = mla.launch_specs(*args, selected=sel, tile=tile, variant=variant, heads=heads)
+    run = mla.launch_specs(*(joint_args(args) if joint else args), selected=sel, tile=tile, variant=variant,
+                           heads=heads)
     assert run.variant == variant
     out = run(lambda spec: simulate(spec, simulator))
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
@@ -445,6 +453,18 @@ def test_mla_one_layer_across_decode_steps(metal, variant):
 
 
 @VARIANTS
+@pytest.mark.parametrize("kw", [dict(B=2, L=2, T=45, n_sel=20, cache_dtype=mx.bfloat16, seed=51),
+                                dict(B=2, L=1, T=90, masked=True, seed=52),
+                                dict(H=40, rope=16, T=70, heads=32, seed=53)])
+def test_mla_joint_cache(metal, variant, kw):
+    # One buffer [B, T, R + rope] (the model's cache: one row written a decode step) read as
+    # the latent and the rope key: batches (rows of another sequence), DSA lists, masks,
+    # bf16, padding heads and rope k-steps in both k-parts of the mma kernel.
+    kw = dict(kw)
+    run_mla(metal, variant=variant, joint=True, tile=16, heads=kw.pop("heads", None), **kw)
+
+
+@VARIANTS
 @pytest.mark.parametrize("length", [1, 40, 150])
 def test_mla_fixed_capacity_buffer_with_step_params(metal, monkeypatch, variant, length):
     """A compiled decode step's launch (kernels.mla.step_params): the whole 150-row buffer goes
@@ -463,6 +483,13 @@ def test_mla_fixed_capacity_buffer_with_step_params(metal, monkeypatch, variant,
     assert metal[-3:] == ["mla_qabs", {"mma": "mla_attn_mma", "simt": "mla_attn"}[variant], "mla_out"]
     assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                      label=f"length {length} of 150")
+    # the same over one joint buffer, as the model's decode step runs it
+    joint = mx.concatenate([latent_buf, k_rope_buf], axis=-1)
+    params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
+                             joint=True)
+    out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
+    assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
+                     label=f"joint, length {length} of 150")
 
 
 @VARIANTS
@@ -639,9 +666,9 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
         "      for (int j = 0; j < NLU"),
     "next chunk's positions from the current chunk": ("const int t = mla_position(sel, has_sel, q, P, cn + unit_c[j]);",
                                                       "const int t = mla_position(sel, has_sel, q, P, c0 + unit_c[j]);"),
-    "rope units read from the latent": (": krope + size_t(b) * T * rope + (col - R);",
-                                        ": latent + size_t(b) * T * R + (col - R);"),
-    "rope units with the latent's row stride": ("unit_stride[j] = col < R ? R : rope;", "unit_stride[j] = R;"),
+    "rope units read from the latent": (": krope + size_t(b) * T * ks + rope0 + (col - R);",
+                                        ": latent + size_t(b) * T * ks + rope0 + (col - R);"),
+    "rope units with the latent's row stride": ("unit_stride[j] = col < R ? ls : ks;", "unit_stride[j] = ls;"),
     "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                        "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
     "weights against the chunk's max, not the reference": ("const float pw = keep >= 0 ? exp(sv - m_new) : 0.0f;",
@@ -691,6 +718,29 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
     args, _ = mla_inputs(H=H, rope=rope, T=70, masked=True, seed=6, spikes=spikes)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         out = mla.launch_specs(*args, tile=12 if variant == "simt" else 20, variant=variant, heads=32)(planted)
+        assert_mla_close(out, *args)
+    assert "failed to compile" not in str(caught.value)
+
+
+JOINT_DEFECTS = {   # both variants, over a joint cache buffer
+    "joint: rope key read from the row's start": ("const int rope0 = joint ? R : 0;", "const int rope0 = 0;"),
+    "joint: latent rows at the latent's width": ("const int ls = joint ? R + rope : R;", "const int ls = R;"),
+    "joint: rope rows at the rope key's width": ("const int ks = joint ? R + rope : rope;", "const int ks = rope;"),
+}
+
+
+@pytest.mark.parametrize("variant,defect", [(v, d) for v in mla.VARIANTS for d in sorted(JOINT_DEFECTS)])
+def test_mla_joint_cache_planted_defect_is_caught(metal, variant, defect):
+    good, bad = JOINT_DEFECTS[defect]
+    assert _launched_text(variant).count(good) == 1, f"defect '{defect}' no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    args, _ = mla_inputs(B=2, T=40, seed=8)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        out = mla.launch_specs(*joint_args(args), tile=16, variant=variant)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
 

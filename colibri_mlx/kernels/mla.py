@@ -175,9 +175,9 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     return want
 
 
-def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp) -> mx.array:
+def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp, joint) -> mx.array:
     n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
-    return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp)
+    return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp, int(joint))
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,21 +254,23 @@ def _tiles(P: int, mma: bool, head_blocks: int, tile: Optional[int]) -> tuple[in
 
 
 def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, length: int,
-                backend: Optional[str] = None) -> mx.array:
+                backend: Optional[str] = None, joint: bool = False) -> mx.array:
     """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
-    (``latent`` its whole buffer, ``[B, capacity, R]``; positions ``0..length-1`` attended, no
-    mask, no list): the launches' shapes follow the capacity, so a compiled graph
-    (kernels.compiled) keeps them while ``length`` grows and only this array changes per step.
-    Made on the host, once per distinct value (layers of one format share it)."""
+    (``latent`` its whole buffer, ``[B, capacity, R]``, or with ``joint`` the whole joint buffer
+    ``[B, capacity, R + rope]``; positions ``0..length-1`` attended, no mask, no list): the
+    launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them while
+    ``length`` grows and only this array changes per step. Made on the host, once per distinct
+    value (layers of one format share it)."""
     backend = backend or dispatch.backend()
     if backend == dispatch.REFERENCE:
         backend = dispatch.METAL                  # the reference reads only P (index 6)
     B, T, R = latent.shape
+    R -= rope if joint else 0
     L = 1
     variant = choose_variant(R, rope, None, backend, q_dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant, mma_heads(backend))
     TT, NT = _tiles(T, variant == "mma", st.Hp // st.HT, None)
-    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp)
+    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
 
 
 def params_signature(kv_b) -> tuple:
@@ -283,13 +285,16 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
                  q_rotation: Optional[tuple] = None):
     """The three launches; returns a function running them with a given ``launch``
-    (``run.variant``: the attention variant chosen). ``params``: from :func:`step_params`
-    (a fixed-capacity cache: tiles follow the buffer's rows, the length is in the array).
+    (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
+    cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
+    :func:`step_params` (a fixed-capacity cache: tiles follow the buffer's rows, the length is
+    in the array; made with the same ``joint``).
     ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
     unrotated and mla_qabs rotates it (half-split, as mx.fast.rope)."""
     B, H, L, _ = q_nope.shape
-    T, R = latent.shape[1], latent.shape[2]
     rope = q_rope.shape[-1]
+    joint = k_rope is None
+    T, R = latent.shape[1], latent.shape[2] - (rope if joint else 0)
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
@@ -299,7 +304,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     if params is None:
-        params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp)
+        params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
     elif has_mask or has_sel:
         raise ValueError("mla_decode: step params are for an unmasked cache without a position list")
     fparams = dispatch.float_params(float(scale))
@@ -322,7 +327,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         return dispatch.LaunchSpec(
             name=st.attn_name, input_names=("qabs", "latent", "krope", "mask", "sel", "params", "fparams"),
             output_names=("pacc", "pml"), source=st.bodies[st.attn_name], header=st.header,
-            inputs=[qabs, latent, k_rope, mask_u8, sel, params, fparams],
+            inputs=[qabs, latent, latent if joint else k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
             grid=(st.attn_threads * st.attn_blocks, NT, BL), threadgroup=(st.attn_threads, 1, 1),
             template=st.attn_template)
@@ -351,7 +356,9 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
     the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``);
-    ``params`` (:func:`step_params`): ``latent``/``k_rope`` are a fixed-capacity buffer of
+    ``k_rope`` None: ``latent`` is the joint cache ``[B, T, R + rope]`` (each row the latent,
+    then the rope key: one buffer, one row written a decode step). ``params``
+    (:func:`step_params`, made with the same layout): the cache is a fixed-capacity buffer of
     which the first ``params[6]`` rows are attended. ``rope`` (models/rope.RoPE) and
     ``rope_offset`` (int32 array, the position of a single query row): ``q_rope`` arrives
     unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers)."""
@@ -372,6 +379,9 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
         else:
             dispatch.record_fallback("mla_decode", reason)
+        if k_rope is None:
+            R = latent.shape[-1] - q_rope.shape[-1]
+            latent, k_rope = latent[..., :R], latent[..., R:]
         if params is not None:               # rows past the length do not exist yet: not
             rows = mx.arange(latent.shape[1]) < params[6]            # attended, not summed
             latent = mx.where(rows[None, :, None], latent, 0).astype(latent.dtype)
@@ -456,23 +466,23 @@ def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, ba
     rope = W - q_rows - R
     return dispatch.LaunchSpec(
         name="mla_rows", input_names=("y", "qnorm", "knorm", "invf", "pos", "params", "fparams"),
-        output_names=("qa", "lat", "krow"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
+        output_names=("qa", "kv"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
         header=kernel_header("mla_decode", backend),
         inputs=[y, qa_norm, kv_norm, inv_freq, offset.reshape(BL),
                 _int32s(q_rows, R, rope, W), dispatch.float_params(eps, eps)],
-        output_shapes=[(BL, q_rows), (BL, R), (BL, rope)], output_dtypes=[y.dtype] * 3,
+        output_shapes=[(BL, q_rows), (BL, R + rope)], output_dtypes=[y.dtype] * 2,
         grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
         template=[("T", y.dtype), ("NSG", ROWS_NSG)])
 
 
 def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
-             offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """``(q_latent [BL, q_rows], latent [BL, R], k_rope [BL, rope])`` from ``y [BL, q_rows + R
-    + rope]``, the stacked q_a / kv_a projection of decode rows at position ``offset`` (int32
-    array, mx.fast.rope's offset): q_a and the latent RMS-normalized by ``qa_norm`` / ``kv_norm``
-    (eps), the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``,
-    ``fast_freqs`` for mx.fast.rope, ``attention_factor``). One launch on GPUs (``mla_rows``)
-    instead of two rms_norms and a rope."""
+             offset: mx.array) -> tuple[mx.array, mx.array]:
+    """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]``, the
+    stacked q_a / kv_a projection of decode rows at position ``offset`` (int32 array,
+    mx.fast.rope's offset): q_a and the latent RMS-normalized by ``qa_norm`` / ``kv_norm`` (eps),
+    the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``, ``fast_freqs``
+    for mx.fast.rope, ``attention_factor``), ``kv`` the joint cache row (the latent, then the
+    rope key). One launch on GPUs (``mla_rows``) instead of two rms_norms, a rope and a concat."""
     impl = dispatch.backend()
     factor = rope.attention_factor
     reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
@@ -483,8 +493,8 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
             dispatch.record_fallback("mla_rows", reason)
         return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
     dispatch.record_call("mla_rows", impl)
-    qa, lat, krow = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
-    return qa, lat, krow
+    qa, kv = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
+    return qa, kv
 
 
 def reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
@@ -494,4 +504,4 @@ def reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
     q_latent = rms_norm(y[:, :q_rows], qa_norm, eps) if q_rows else y[:, :0]
     latent = rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps)
     k_rope = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]   # [BL, 1, rope]: [..., L, dims]
-    return q_latent, latent, k_rope
+    return q_latent, mx.concatenate([latent, k_rope], axis=-1)

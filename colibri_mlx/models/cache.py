@@ -2,7 +2,8 @@
 
 Per layer and token the cache keeps what MLA needs to rebuild keys and values: the normalized
 latent (``kv_lora_rank`` floats, 512 for DeepSeek-V3/GLM-5) and the roped shared key
-(``qk_rope_head_dim``, 64), plus, on DSA "full" layers, the indexer key (``index_head_dim``).
+(``qk_rope_head_dim``, 64), side by side in one row of the ``kv`` stream, plus, on DSA "full"
+layers, the indexer key (``index_head_dim``) in ``index_key``.
 
 Buffers hold the model's activation dtype (bfloat16 on GPUs: half the bytes read per decode
 step of a float32 cache); each stream keeps the dtype of its first rows.
@@ -29,7 +30,7 @@ def capacity_for(end: int) -> int:
 
 
 class LayerCache:
-    """Growable ``[B, T, width]`` buffers, one per stream (latent, rope key, indexer key)."""
+    """Growable ``[B, T, width]`` buffers, one per stream (latent and rope key, indexer key)."""
 
     def __init__(self):
         self.buffers: dict[str, mx.array] = {}

@@ -44,6 +44,9 @@ ABSORBED_MAX_TOKENS = 4
 # The q/kv latent norms use a fixed epsilon in every reference implementation.
 LATENT_NORM_EPS = 1e-6
 INDEXER_NORM_EPS = 1e-6
+# The cache stream of MLA layers: each row the normalized latent, then the roped key (one
+# buffer: a decode step writes one row, and mla_decode reads both from it).
+CACHE_STREAM = "kv"
 
 ACTIVATION_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 FLOAT_DTYPES = tuple(ACTIVATION_DTYPES.values())
@@ -461,8 +464,9 @@ class Attention:
         return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
 
     def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True):
-        """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], latent
-        [B,L,R] (normed), k_rope [B,L,rope], q_latent [B*L,q_lora] or None)``.
+        """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], kv
+        [B,L,R+rope] (the cache rows: the normed latent, then the roped key), q_latent
+        [B*L,q_lora] or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of a single query row of a single
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
@@ -473,10 +477,10 @@ class Attention:
         if fast and B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None:
             # One decode row: both norms and the rope key from the stacked projection in one op.
             y = linear(x.reshape(1, D), self.x_proj, self.x_proj_bias)
-            q_latent, latent, k_rope = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
-                                                        LATENT_NORM_EPS, self.rope, rope_offset)
+            q_latent, kv = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
+                                            LATENT_NORM_EPS, self.rope, rope_offset)
             q = linear(q_latent, self.q_b_proj)
-            latent, k_rope = latent.reshape(1, 1, -1), k_rope.reshape(1, 1, -1)
+            kv = kv.reshape(1, 1, -1)
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
             q, q_latent = self.queries(q_x)
@@ -484,14 +488,14 @@ class Attention:
                 k_rope = self.rope.apply_fast(k_rope, rope_offset)
             else:
                 k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
-            latent = rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS)
+            kv = mx.concatenate([rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS), k_rope], axis=-1)
         q_nope = self._heads(q[:, : H * self.nope], B, L, self.nope)
         q_rope = self._heads(q[:, H * self.nope:], B, L, self.rope_dim)
         if fast:
             q_rope = self.rope.apply_fast(q_rope, rope_offset) if rotate_q else q_rope
         else:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
-        return q_nope, q_rope, latent, k_rope, q_latent
+        return q_nope, q_rope, kv, q_latent
 
     def _decode_rows(self, x, rope_offset):
         """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces); q_rope
@@ -507,18 +511,18 @@ class Attention:
         q_offset = None
         if rope_offset is not None and L == 1:
             # The same graph every decode step: compiled on GPUs (kernels.compiled).
-            q_nope, q_rope, latent, k_rope, *q_latent = self._compiled_rows(x, rope_offset)
+            q_nope, q_rope, kv, *q_latent = self._compiled_rows(x, rope_offset)
             q_latent = q_latent[0] if q_latent else None
             q_offset = rope_offset
         else:
-            q_nope, q_rope, latent, k_rope, q_latent = self.rows(x, cos, sin)
-        latent, k_rope = self.cached(latent, k_rope, layer_cache, start)
+            q_nope, q_rope, kv, q_latent = self.rows(x, cos, sin)
+        kv = self.cached(kv, layer_cache, start)
         selection = shared_selection
         if self.indexer is not None:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = selection if mask is None else mask & selection
-        attn = self.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=q_offset)
+        attn = self.attend(q_nope, q_rope, kv, mask, q_offset=q_offset)
         return self.output(attn).reshape(B, L, D), selection
 
     def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
@@ -538,54 +542,54 @@ class Attention:
         ``slot`` the same as an int32 array) as one compiled graph (``compiled``: a caller's
         graph around :meth:`step`, default this block's) over the cache's fixed-capacity
         buffers: shapes change only when they grow; slot and attended length are inputs."""
-        y, layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = (compiled or self._compiled_step)(
-            x, slot, *self.step_inputs(x, layer_cache, start))
+        step = compiled or self._compiled_step
+        y, layer_cache.buffers[CACHE_STREAM] = step(x, slot, *self.step_inputs(x, layer_cache, start))
         return y
 
     def step_inputs(self, x, layer_cache, start, made: dict | None = None):
-        """``(latent, k_rope, params)`` of :meth:`step` for the row at ``start``: the cache's
-        buffers, grown to hold it, and the attended length as kernels.mla.step_params.
+        """``(kv, params)`` of :meth:`step` for the row at ``start``: the cache's buffer, grown
+        to hold it, and the attended length as kernels.mla.step_params.
         ``made``: the params arrays other layers made this step, by what they depend on (layers
         alike share one; a whole-model step makes one, not one a layer)."""
         B, end = x.shape[0], start + 1
-        latent = layer_cache.reserve("latent", B, self.kv_lora_rank, x.dtype, end)
-        k_rope = layer_cache.reserve("k_rope", B, self.rope_dim, x.dtype, end)
+        kv = layer_cache.reserve(CACHE_STREAM, B, self.kv_lora_rank + self.rope_dim, x.dtype, end)
         if self._params_signature is None:
             self._params_signature = (kernels.mla.params_signature(self.kv_b_proj), self.n_heads, self.nope,
                                       self.rope_dim, self.v_dim)
-        key = (self._params_signature, latent.shape, latent.dtype, x.dtype, end)
+        key = (self._params_signature, kv.shape, kv.dtype, x.dtype, end)
         params = made.get(key) if made is not None else None
         if params is None:
-            params = kernels.mla.step_params(self.kv_b_proj, latent, self.n_heads, self.nope, self.rope_dim,
-                                             self.v_dim, x.dtype, end)
+            params = kernels.mla.step_params(self.kv_b_proj, kv, self.n_heads, self.nope, self.rope_dim,
+                                             self.v_dim, x.dtype, end, joint=True)
             if made is not None:
                 made[key] = params
-        return latent, k_rope, params
+        return kv, params
 
-    def step(self, x, slot, latent, k_rope, params, residual=None):
-        """``(output, latent, k_rope)``: this row's latent and rope key written at ``slot`` of the
-        whole buffers, attention over their first ``params[6]`` rows (kernels.mla.step_params);
-        the output added to ``residual`` (x's shape) when given."""
-        q_nope, q_rope, latent_row, k_rope_row = self._decode_rows(x, slot)
-        latent, k_rope = write_row(latent, latent_row, slot), write_row(k_rope, k_rope_row, slot)
-        attn = self.attend(q_nope, q_rope, latent, k_rope, None, params, q_offset=slot)
+    def step(self, x, slot, kv, params, residual=None):
+        """``(output, kv)``: this row's cache row (latent, rope key) written at ``slot`` of the
+        whole buffer, attention over its first ``params[6]`` rows (kernels.mla.step_params); the
+        output added to ``residual`` (x's shape) when given."""
+        q_nope, q_rope, kv_row = self._decode_rows(x, slot)
+        kv = write_row(kv, kv_row, slot)
+        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot)
         res = None if residual is None else residual.reshape(-1, residual.shape[-1])
-        return self.output(attn, res).reshape(x.shape), latent, k_rope
+        return self.output(attn, res).reshape(x.shape), kv
 
-    def cached(self, latent, k_rope, layer_cache, start):
-        """This step's latent and rope-key rows written to the cache; the whole cache so far."""
+    def cached(self, kv, layer_cache, start):
+        """This step's cache rows (latent, rope key) written to the cache; the whole cache so far."""
         if layer_cache is None:
-            return latent, k_rope
-        return layer_cache.append("latent", latent, start), layer_cache.append("k_rope", k_rope, start)
+            return kv
+        return layer_cache.append(CACHE_STREAM, kv, start)
 
-    def attend(self, q_nope, q_rope, latent, k_rope, mask, step_params=None, q_offset=None):
-        """The attention core over the cache: ``[B*L, H*v_dim]``, rows in (b, l) order.
-        ``step_params`` (kernels.mla.step_params): latent / k_rope are the cache's whole
-        fixed-capacity buffers, of which the array says how many rows are attended.
-        ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position."""
+    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None):
+        """The attention core over the cache ``kv [B, T, R + rope]`` (each row the latent, then
+        the rope key): ``[B*L, H*v_dim]``, rows in (b, l) order. ``step_params``
+        (kernels.mla.step_params): kv is the cache's whole fixed-capacity buffer, of which the
+        array says how many rows are attended. ``q_offset``: q_rope is unrotated
+        (:meth:`_decode_rows`), to be rotated at this position."""
         B, H, L, _ = q_nope.shape
         rope = None if q_offset is None else self.rope
-        out = latent_attention(q_nope, q_rope, latent, k_rope, self.kv_b_proj, self.scale, mask,
+        out = latent_attention(q_nope, q_rope, kv, self.kv_b_proj, self.scale, mask,
                                self.nope, self.v_dim, step_params, rope, q_offset)
         return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
 
@@ -595,16 +599,18 @@ class Attention:
         return linear(attn, self.o_proj, self.o_bias, residual)
 
 
-def latent_attention(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim, step_params=None,
+def latent_attention(q_nope, q_rope, kv, kv_b, scale, mask, nope, v_dim, step_params=None,
                      rope=None, rope_offset=None):
-    """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference).
-    ``rope``/``rope_offset``: q_rope arrives unrotated (one decode row; mla_decode rotates it)."""
+    """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference),
+    over the joint cache ``kv [B, T, R + rope]``. ``rope``/``rope_offset``: q_rope arrives
+    unrotated (one decode row; mla_decode rotates it)."""
     if step_params is not None or q_nope.shape[2] <= ABSORBED_MAX_TOKENS:
-        return kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim,
+        return kernels.mla_decode(q_nope, q_rope, kv, None, kv_b, scale, mask, nope, v_dim,
                                   params=step_params, rope=rope, rope_offset=rope_offset)
     if rope is not None:
         q_rope = rope.apply_fast(q_rope, rope_offset)
-    return mla_reference.mla_prefill(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v_dim)
+    R = kv.shape[-1] - q_rope.shape[-1]
+    return mla_reference.mla_prefill(q_nope, q_rope, kv[..., :R], kv[..., R:], kv_b, scale, mask, nope, v_dim)
 
 
 # ------------------------------------------------------------------------------ feed-forward
@@ -778,15 +784,14 @@ class DecoderLayer:
         reason = self.mlp.host_reason(x)
         if reason is None and self.self_attn.steps_compiled(x, mask, layer_cache, None, rope_offset):
             return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_step)
-        q_nope, q_rope, latent, k_rope = self._compiled_in(x, rope_offset)
-        latent, k_rope = self.self_attn.cached(latent, k_rope, layer_cache, start)
-        attn = self.self_attn.attend(q_nope, q_rope, latent, k_rope, mask, q_offset=rope_offset)
+        q_nope, q_rope, kv = self._compiled_in(x, rope_offset)
+        kv = self.self_attn.cached(kv, layer_cache, start)
+        attn = self.self_attn.attend(q_nope, q_rope, kv, mask, q_offset=rope_offset)
         return self._compiled_out(x, attn, static=reason)
 
-    def _step(self, x, slot, latent, k_rope, params):
-        x, latent, k_rope = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, latent, k_rope, params,
-                                                residual=x)
-        return self._feed_forward(x), latent, k_rope
+    def _step(self, x, slot, kv, params):
+        x, kv = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
+        return self._feed_forward(x), kv
 
     def _decode_in(self, x, rope_offset):
         return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
@@ -906,21 +911,21 @@ class Model:
         per capacity for the whole model)."""
         buffers, params, made = [], [], {}
         for layer, layer_cache in zip(self.layers, cache.layers):
-            latent, k_rope, p = layer.self_attn.step_inputs(x, layer_cache, start, made)
-            buffers += [latent, k_rope]
+            kv, p = layer.self_attn.step_inputs(x, layer_cache, start, made)
+            buffers.append(kv)
             params.append(p)
         logits, *buffers = self._compiled_model_step(x, slot, *buffers, *params)
-        for i, layer_cache in enumerate(cache.layers):
-            layer_cache.buffers["latent"], layer_cache.buffers["k_rope"] = buffers[2 * i: 2 * i + 2]
+        for layer_cache, kv in zip(cache.layers, buffers):
+            layer_cache.buffers[CACHE_STREAM] = kv
         return logits
 
     def _model_step(self, x, slot, *arrays):
         n = len(self.layers)
-        buffers, params = arrays[: 2 * n], arrays[2 * n:]
+        buffers, params = arrays[:n], arrays[n:]
         written = []
         for i, layer in enumerate(self.layers):
-            x, latent, k_rope = layer._step(x, slot, buffers[2 * i], buffers[2 * i + 1], params[i])
-            written += [latent, k_rope]
+            x, kv = layer._step(x, slot, buffers[i], params[i])
+            written.append(kv)
         return (self.head(x), *written)
 
     def _positions_and_mask(self, left_padding: mx.array, start: int, L: int, padded: bool = True):

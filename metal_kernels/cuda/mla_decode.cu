@@ -276,6 +276,12 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int has_mask = params[13];
   const int has_sel = params[14];
   const float scale = fparams[0];
+  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
+  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
+  const int joint = params[16];
+  const int ls = joint ? R + rope : R;         // latent / rope key row strides
+  const int ks = joint ? R + rope : rope;
+  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
   const int tid = int(threadIdx.x);
   const int lane = int(threadIdx.x & 31);
   const int sg = int(threadIdx.x >> 5);
@@ -319,9 +325,9 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       if (c0 + c < p1) {
         const int t = has_sel ? sel[size_t(q) * P + c0 + c] : c0 + c;
         if (col < R) {
-          val = static_cast<float>(latent[(size_t(b) * T + t) * R + col]);
+          val = static_cast<float>(latent[(size_t(b) * T + t) * ls + col]);
         } else if (col >= CJ * 32 && col - CJ * 32 < rope) {
-          val = static_cast<float>(krope[(size_t(b) * T + t) * rope + col - CJ * 32]);
+          val = static_cast<float>(krope[(size_t(b) * T + t) * ks + rope0 + col - CJ * 32]);
         }
       }
       lat_s[k] = val;
@@ -459,6 +465,12 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int has_sel = params[14];
   const int Hp = params[15];
   const float scale = fparams[0];
+  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
+  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
+  const int joint = params[16];
+  const int ls = joint ? R + rope : R;         // latent / rope key row strides
+  const int ks = joint ? R + rope : rope;
+  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
   const int tid = int(threadIdx.x);
   const int lane = int(threadIdx.x & 31);
   const int sg = int(threadIdx.x >> 5);
@@ -500,8 +512,8 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int c = u / UPP;
     const int col = (u - c * UPP) * 8;
     unit_c[j] = u < C * UPP ? c : C;             // C: no unit (past the chunk's units)
-    unit_stride[j] = col < R ? R : rope;
-    unit_src[j] = col < R ? latent + size_t(b) * T * R + col : krope + size_t(b) * T * rope + (col - R);
+    unit_stride[j] = col < R ? ls : ks;
+    unit_src[j] = col < R ? latent + size_t(b) * T * ls + col : krope + size_t(b) * T * ks + rope0 + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
   }
   // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
@@ -875,7 +887,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
                                             static_cast<float>(static_cast<T>(static_cast<float>(row[c]) * iq)));
   }
   for (int c = tid; c < R; c += NSG * 32) {
-    lat[size_t(q) * R + c] = static_cast<T>(static_cast<float>(knorm[c]) *
+    kv[size_t(q) * (R + rope) + c] = static_cast<T>(static_cast<float>(knorm[c]) *
                                             static_cast<float>(static_cast<T>(static_cast<float>(row[QL + c]) * il)));
   }
   const int half = rope / 2;
@@ -886,6 +898,6 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const float sn = sinf(theta);
     const float x1 = static_cast<float>(row[QL + R + j]);
     const float x2 = static_cast<float>(row[QL + R + j + half]);
-    krow[size_t(q) * rope + j] = static_cast<T>(x1 * cs - x2 * sn);
-    krow[size_t(q) * rope + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+    kv[size_t(q) * (R + rope) + R + j] = static_cast<T>(x1 * cs - x2 * sn);
+    kv[size_t(q) * (R + rope) + R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
   }
