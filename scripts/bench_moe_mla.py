@@ -141,6 +141,24 @@ def _routed(x, ids, weights, bank):
     return kernels.moe_block(x, bank, ids, weights)
 
 
+# The chain as one compiled graph: how the model's decode step runs its layers on a GPU
+# (Model._decode_model_step, COLIBRI_STEP_GRAPH=model: every layer and the head one graph, one
+# compiled call a step), against one compiled call a layer in the "_compiled" rows.
+def _routed_chain(banks, *arrays):
+    n = len(banks)
+    return tuple(_routed(x, i, w, b) for b, x, i, w in zip(banks, arrays[:n], arrays[n:2 * n], arrays[2 * n:]))
+
+
+def _moe_chain(blocks, *xs):
+    return tuple(m.forward(x) for m, x in zip(blocks, xs))
+
+
+def _mla_chain(layers, slot, *arrays):
+    n = len(layers)
+    steps = [a.step(x, slot, kv, p) for a, x, kv, p in zip(layers, arrays[:n], arrays[n:2 * n], arrays[2 * n:])]
+    return (*[y for y, _ in steps], *[kv for _, kv in steps])
+
+
 def bench_moe(args, results):
     from colibri_mlx.models.deepseek_v3 import MoE, ModelArgs
     from mlx_lm.models import deepseek_v3 as lm
@@ -166,7 +184,13 @@ def bench_moe(args, results):
     static = kernels.moe.host_reason(xs[0], ours[0].bank, 8)     # the CPU reference reads ids
     t_ours_routed_c = timeit(lambda: [routed[i](xs[i], ids[i], gw[i], static=static) for i in range(CHAIN)],
                              args.iters, "ours moe_routed_compiled") / CHAIN
+    routed_chain = compiled.CompiledBlock(functools.partial(_routed_chain, [m.bank for m in ours]), "bench_routed_chain")
+    t_ours_routed_chain = timeit(lambda: routed_chain(*xs, *ids, *gw, static=static), args.iters,
+                                 "ours moe_routed_chain") / CHAIN
     t_ours_block = timeit(lambda: [ours[i](xs[i][None]) for i in range(CHAIN)], args.iters, "ours moe_block") / CHAIN
+    moe_chain = compiled.CompiledBlock(functools.partial(_moe_chain, ours), "bench_moe_chain")
+    t_ours_block_chain = timeit(lambda: moe_chain(*[x[None] for x in xs], static=ours[0].host_reason(xs[0][None])),
+                                args.iters, "ours moe_block_chain") / CHAIN
 
     lm_args = lm.ModelArgs(**{k: v for k, v in config(experts=E).items() if k in lm.ModelArgs.__dataclass_fields__})
     switch = [mlxlm_quantize(SwitchGLU(D, INTER, E)) for _ in range(CHAIN)]
@@ -187,8 +211,12 @@ def bench_moe(args, results):
                                  floor_us=routed_bytes / COPY_BW * 1e6)
     results["moe_routed_compiled"] = dict(ours_us=t_ours_routed_c * 1e6, mlxlm_us=t_lm_routed * 1e6,
                                           bytes=routed_bytes, floor_us=routed_bytes / COPY_BW * 1e6)
+    results["moe_routed_chain"] = dict(ours_us=t_ours_routed_chain * 1e6, mlxlm_us=t_lm_routed * 1e6,
+                                       bytes=routed_bytes, floor_us=routed_bytes / COPY_BW * 1e6)
     results["moe_block"] = dict(ours_us=t_ours_block * 1e6, mlxlm_us=t_lm_block * 1e6, bytes=block_bytes,
                                 floor_us=block_bytes / COPY_BW * 1e6)
+    results["moe_block_chain"] = dict(ours_us=t_ours_block_chain * 1e6, mlxlm_us=t_lm_block * 1e6, bytes=block_bytes,
+                                      floor_us=block_bytes / COPY_BW * 1e6)
     del ours
     kernels.moe.clear_banks()
 
@@ -230,6 +258,19 @@ def bench_mla(args, results):
         # over the cache's fixed-capacity buffers (Attention.decode_step; plain on the CPU).
         t_ours_c = timeit(lambda: [ours[i].decode_step(xs[i], caches[i], T, pos) for i in range(CHAIN)],
                           args.iters, f"ours mla T{T}_compiled") / CHAIN
+        # The 8 layers as one compiled graph, as the model's whole-step graph runs them (the step
+        # params made once for all layers alike, Attention.step_inputs).
+        chain = compiled.CompiledBlock(functools.partial(_mla_chain, ours), f"bench_mla_chain_T{T}")
+
+        def ours_chain():
+            made = {}
+            inputs = [ours[i].step_inputs(xs[i], caches[i], T, made) for i in range(CHAIN)]
+            outs = chain(pos, *xs, *[kv for kv, _ in inputs], *[p for _, p in inputs])
+            for c, kv in zip(caches, outs[CHAIN:]):
+                c.buffers["kv"] = kv
+            return list(outs[:CHAIN])
+
+        t_ours_chain = timeit(ours_chain, args.iters, f"ours mla T{T}_chain") / CHAIN
         lm_caches = []
         for _ in range(CHAIN):
             c = KVCache()
@@ -247,7 +288,7 @@ def bench_mla(args, results):
         wbytes = sum(q.nbytes for q in (ours[0].q_a_proj, ours[0].q_b_proj, ours[0].kv_a_proj,
                                         ours[0].kv_b_proj, ours[0].o_proj))
         cache_bytes_ours = (T + 1) * (KV_LORA + ROPE) * act.size
-        for key, t in ((f"mla_T{T}", t_ours), (f"mla_T{T}_compiled", t_ours_c)):
+        for key, t in ((f"mla_T{T}", t_ours), (f"mla_T{T}_compiled", t_ours_c), (f"mla_T{T}_chain", t_ours_chain)):
             results[key] = dict(ours_us=t * 1e6, mlxlm_us=t_lm * 1e6, weight_bytes=wbytes, cache_bytes=cache_bytes_ours,
                                 floor_us=(wbytes + cache_bytes_ours) / COPY_BW * 1e6)
         del caches, lm_caches
