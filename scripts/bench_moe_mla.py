@@ -345,19 +345,20 @@ def print_table(results):
     """Per layer: total (the method: graph building + evaluation), the Python graph-building part, the
     primitives that launch kernels, and launches x the tiny-op cost as the launch-overhead estimate."""
     tiny = results.get("tiny_op_us", float("nan"))
-    print(f"{'per layer (chain of 8)':22s} {'ours us':>8s} {'build':>6s} {'launch':>7s} {'ovh us':>7s} "
+    print(f"{'per layer (chain of 8)':22s} {'ours us':>8s} {'build':>6s} {'nodes':>6s} {'launch':>7s} {'ovh us':>7s} "
           f"{'mlx-lm':>7s} {'build':>6s} {'launch':>7s} {'ratio':>6s} {'floor':>6s} {'BW frac':>7s}")
     for k, r in results.items():
         if not (isinstance(r, dict) and "ours_us" in r):
             continue
         lo, ll = _labels(k)
         bo, bl = BUILD.get(lo, float("nan")) * 1e6 / CHAIN, BUILD.get(ll, float("nan")) * 1e6 / CHAIN
-        no, nl = NODES.get(lo, (float("nan"),) * 2)[1], NODES.get(ll, (float("nan"),) * 2)[1]
-        r.update(ours_build_us=bo, mlxlm_build_us=bl, ours_launches=no, mlxlm_launches=nl,
+        (ao, no), nl = NODES.get(lo, (float("nan"),) * 2), NODES.get(ll, (float("nan"),) * 2)[1]
+        r.update(ours_build_us=bo, mlxlm_build_us=bl, ours_nodes=ao, ours_launches=no, mlxlm_launches=nl,
                  ours_launch_overhead_us=no * tiny)
-        print(f"{k:22s} {r['ours_us']:8.1f} {bo:6.0f} {no:7.1f} {no * tiny:7.0f} {r['mlxlm_us']:7.1f} {bl:6.0f} "
+        print(f"{k:22s} {r['ours_us']:8.1f} {bo:6.0f} {ao:6.1f} {no:7.1f} {no * tiny:7.0f} {r['mlxlm_us']:7.1f} {bl:6.0f} "
               f"{nl:7.1f} {r['mlxlm_us'] / r['ours_us']:6.2f} {r['floor_us']:6.1f} {r['floor_us'] / r['ours_us']:7.2f}")
-    print("build = Python graph building per layer (inside 'us'); launch = primitives that launch a kernel per layer;"
+    print("build = Python graph building per layer (inside 'us'); nodes = graph nodes per layer (views included: a "
+          "compiled call recreates each); launch = primitives that launch a kernel per layer;"
           " ovh = launch x tiny-op cost (estimate of the launch-overhead share); ratio = mlx-lm / ours")
 
 
