@@ -666,9 +666,10 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
         "      for (int j = 0; j < NLU"),
     "next chunk's positions from the current chunk": ("const int t = mla_position(sel, has_sel, q, P, cn + unit_c[j]);",
                                                       "const int t = mla_position(sel, has_sel, q, P, c0 + unit_c[j]);"),
-    "rope units read from the latent": (": krope + size_t(b) * T * ks + rope0 + (col - R);",
-                                        ": latent + size_t(b) * T * ks + rope0 + (col - R);"),
-    "rope units with the latent's row stride": ("unit_stride[j] = col < R ? ls : ks;", "unit_stride[j] = ls;"),
+    "rope units read from the latent": (": krope + size_t(b) * T * cache.ks + cache.rope0 + (col - R);",
+                                        ": latent + size_t(b) * T * cache.ks + cache.rope0 + (col - R);"),
+    "rope units with the latent's row stride": ("unit_stride[j] = col < R ? cache.ls : cache.ks;",
+                                                "unit_stride[j] = cache.ls;"),
     "weights read without a barrier": ("      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                        "      diag_s[hs * 8 + cs] = cs == hs % 8 ? alpha : 0.0f;\n    }"),
     "weights against the chunk's max, not the reference": ("const float pw = keep >= 0 ? exp(sv - m_new) : 0.0f;",
@@ -723,9 +724,10 @@ def test_mla_planted_defect_is_caught(metal, variant, defect):
 
 
 JOINT_DEFECTS = {   # both variants, over a joint cache buffer
-    "joint: rope key read from the row's start": ("const int rope0 = joint ? R : 0;", "const int rope0 = 0;"),
-    "joint: latent rows at the latent's width": ("const int ls = joint ? R + rope : R;", "const int ls = R;"),
-    "joint: rope rows at the rope key's width": ("const int ks = joint ? R + rope : rope;", "const int ks = rope;"),
+    "joint: rope key read from the row's start": ("joint ? R + rope : rope, joint ? R : 0}", "joint ? R + rope : rope, 0}"),
+    "joint: latent rows at the latent's width": ("MlaCacheRows{joint ? R + rope : R,", "MlaCacheRows{R,"),
+    "joint: rope rows at the rope key's width": ("joint ? R + rope : R, joint ? R + rope : rope,",
+                                                 "joint ? R + rope : R, rope,"),
 }
 
 
@@ -736,6 +738,7 @@ def test_mla_joint_cache_planted_defect_is_caught(metal, variant, defect):
 
     def planted(spec):
         spec.source = spec.source.replace(good, bad)
+        spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
     args, _ = mla_inputs(B=2, T=40, seed=8)

@@ -77,6 +77,19 @@ __device__ __forceinline__ int mla_position(const int32_t* sel, int has_sel, int
 }
 
 // Partial (tile) `tile` of head h of query row q in pacc [BL, H, NT, R] / pml [BL, H, NT, 2].
+// Where the cache's rows keep the latent and the rope key: one joint buffer (params[16] = 1:
+// each row the latent, then the rope key; the model's cache, one row written a decode step) or
+// two, [B, T, R] and [B, T, rope]. ls / ks: the latent's / the rope key's row strides; rope0:
+// the rope key's first column in its row.
+struct MlaCacheRows {
+  int ls;
+  int ks;
+  int rope0;
+};
+__device__ __forceinline__ MlaCacheRows mla_cache_rows(int joint, int R, int rope) {
+  return MlaCacheRows{joint ? R + rope : R, joint ? R + rope : rope, joint ? R : 0};
+}
+
 __device__ __forceinline__ size_t mla_part(int q, int H, int h, int NT, int tile) {
   return (size_t(q) * H + h) * size_t(NT) + tile;
 }
@@ -276,12 +289,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int has_mask = params[13];
   const int has_sel = params[14];
   const float scale = fparams[0];
-  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
-  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
-  const int joint = params[16];
-  const int ls = joint ? R + rope : R;         // latent / rope key row strides
-  const int ks = joint ? R + rope : rope;
-  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
+  const colibri_mla::MlaCacheRows cache = colibri_mla::mla_cache_rows(params[16], R, rope);
   const int tid = int(threadIdx.x);
   const int lane = int(threadIdx.x & 31);
   const int sg = int(threadIdx.x >> 5);
@@ -325,9 +333,9 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       if (c0 + c < p1) {
         const int t = has_sel ? sel[size_t(q) * P + c0 + c] : c0 + c;
         if (col < R) {
-          val = static_cast<float>(latent[(size_t(b) * T + t) * ls + col]);
+          val = static_cast<float>(latent[(size_t(b) * T + t) * cache.ls + col]);
         } else if (col >= CJ * 32 && col - CJ * 32 < rope) {
-          val = static_cast<float>(krope[(size_t(b) * T + t) * ks + rope0 + col - CJ * 32]);
+          val = static_cast<float>(krope[(size_t(b) * T + t) * cache.ks + cache.rope0 + col - CJ * 32]);
         }
       }
       lat_s[k] = val;
@@ -465,12 +473,7 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
   const int has_sel = params[14];
   const int Hp = params[15];
   const float scale = fparams[0];
-  // One joint cache buffer (params[16] = 1): each row holds the latent, then the rope key (the
-  // model's cache: one row written a decode step); else two buffers, [B, T, R] and [B, T, rope].
-  const int joint = params[16];
-  const int ls = joint ? R + rope : R;         // latent / rope key row strides
-  const int ks = joint ? R + rope : rope;
-  const int rope0 = joint ? R : 0;             // the rope key's first column in its row
+  const colibri_mla::MlaCacheRows cache = colibri_mla::mla_cache_rows(params[16], R, rope);
   const int tid = int(threadIdx.x);
   const int lane = int(threadIdx.x & 31);
   const int sg = int(threadIdx.x >> 5);
@@ -512,8 +515,8 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     const int c = u / UPP;
     const int col = (u - c * UPP) * 8;
     unit_c[j] = u < C * UPP ? c : C;             // C: no unit (past the chunk's units)
-    unit_stride[j] = col < R ? ls : ks;
-    unit_src[j] = col < R ? latent + size_t(b) * T * ls + col : krope + size_t(b) * T * ks + rope0 + (col - R);
+    unit_stride[j] = col < R ? cache.ls : cache.ks;
+    unit_src[j] = col < R ? latent + size_t(b) * T * cache.ls + col : krope + size_t(b) * T * cache.ks + cache.rope0 + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
   }
   // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
