@@ -107,9 +107,9 @@ def rows_launches(impl, act):
 def qgemv_launches(impl, act, settings=(), shape_in=False):
     """One GEMV alone at the model's small shapes (fmt 4 g64), and issue 4's large shape in fmt 4
     and fmt 2 (the kernel's own time: bench_qgemv.py's figures include MLX's host work), the
-    large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] setting asked for ("-": qgemv.py's
-    choice; PB: blocks of a persistent grid, 0 = one block a row block; MINB: CUDA launch bounds,
-    blocks an SM)."""
+    large shape also at each ROWS:NW:UNROLL:NIB:PF[:PB[:MINB[:SHAPE]]] setting asked for ("-":
+    qgemv.py's choice; PB: blocks of a persistent grid, 0 = one block a row block; MINB: CUDA
+    launch bounds, blocks an SM; SHAPE 1: the shape compiled in)."""
     from bench_moe_parts import parse
     from bench_qgemv import random_qtensors
     from colibri_mlx.formats import scale_nbytes, weight_nbytes
@@ -128,10 +128,11 @@ def qgemv_launches(impl, act, settings=(), shape_in=False):
             out.append((f"{label} shape compiled in", nbytes,
                         [qgemv.launch_spec(x, w, impl, shape_in=True) for x, w in zip(xs, ws)]))
         for cfg in settings if O == 18432 else ():
-            rows, nw, unroll, nib, pf, pb, minb = parse(cfg, 7)
+            rows, nw, unroll, nib, pf, pb, minb, shin = parse(cfg, 8)
             out.append((f"{label} {cfg}", nbytes,
                         [dispatch.with_min_blocks(qgemv.launch_spec(x, w, impl, rows=rows, simdgroups=nw, unroll=unroll,
-                                                                    nib=nib, prefetch=pf, persistent=pb), minb)
+                                                                    nib=nib, prefetch=pf, persistent=pb,
+                                                                    shape_in=None if shin is None else bool(shin)), minb)
                          for x, w in zip(xs, ws)]))
         keep.append((ws, xs))
     return out, keep
@@ -257,8 +258,9 @@ def main():
     ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] (MINB: CUDA launch bounds, blocks an SM; "
                     "PB: blocks a slot of a persistent grid), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB]]] (PB: blocks of a persistent grid), comma-separated")
-    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB]] (PB: blocks of a persistent "
-                    "grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM), comma-separated")
+    ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB[:SHAPE]]] (PB: blocks of a "
+                    "persistent grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM; SHAPE 1: the shape "
+                    "compiled in), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (HEADS empty: the "
                     "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
