@@ -160,6 +160,96 @@ MMA_SOURCE = """
   }
 """
 
+# The same fmt 2 GEMV as qgemv (its unit decode and accumulation, ROWS rows a warp, unit lane +
+# 32 k of each row), but the weights come through a shared-memory ring filled by cp.async: each
+# lane's 16 bytes of each row go global -> shared without registers, STAGES steps in flight a
+# warp, one flat stream of (row block, step) a warp so the pipeline runs on across its row
+# blocks. The register double buffer (PF 1) holds one step in flight; this holds STAGES - 1.
+RING_SOURCE = """
+  constexpr int NSTEP = (KNU + 31) / 32;
+  constexpr int NSEG = colibri_qd::wpu(FMT) / colibri_qd::seg(FMT, GS);
+  __shared__ uint4 ring[WPB][STAGES][ROWS][32];
+  const int lane = int(threadIdx.x) & 31;
+  const int warp = int(threadIdx.x) >> 5;
+  const int gw = int(blockIdx.x) * WPB + warp;
+  const int total = int(gridDim.x) * WPB;
+  constexpr int NRB = (KO + ROWS - 1) / ROWS;
+  const int mine = gw < NRB ? (NRB - gw + total - 1) / total : 0;
+  const int n_seq = mine * NSTEP;
+  const uint8_t* wb = reinterpret_cast<const uint8_t*>(w);
+  auto issue = [&](int s) {
+    if (s < n_seq) {
+      const int rbk = gw + (s / NSTEP) * total;
+      const int u = (s % NSTEP) * 32 + lane;
+      if (u < KNU) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const int row = min(rbk * ROWS + r, KO - 1);
+          const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&ring[warp][s % STAGES][r][lane]));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(wb + size_t(row) * KRB + 16 * size_t(u)));
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    issue(s);
+  }
+  float acc[ROWS][1];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r][0] = 0.0f;
+  }
+  float sc[ROWS][NSEG];
+  for (int s = 0; s < n_seq; ++s) {
+    issue(s + STAGES - 1);
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
+    const int step = s % NSTEP;
+    const int u = step * 32 + lane;
+    if (u < KNU) {
+      uint32_t raw[ROWS][colibri_qd::words(FMT)];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const uint4 v = ring[warp][s % STAGES][r][lane];
+        raw[r][0] = v.x; raw[r][1] = v.y; raw[r][2] = v.z; raw[r][3] = v.w;
+      }
+      colibri_qgemv::unit<FMT, GS, 1, ROWS, 2, colibri_qd::words(FMT), NIB, T>(raw, x, sc, e8grid, KI, u, acc);
+    }
+    if (step == NSTEP - 1) {
+      const int row0 = (gw + (s / NSTEP) * total) * ROWS;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r][0];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          v += __shfl_xor_sync(0xffffffffu, v, off);
+        }
+        if (lane == r && row0 + r < KO) {
+          y[row0 + r] = static_cast<OT>(v * scales[row0 + r]);
+        }
+        acc[r][0] = 0.0f;
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;");
+"""
+
+
+def ring_spec(x, qt, rows, stages, warps, wpb):
+    """qgemv fmt 2 S = 1 through the cp.async ring (RING_SOURCE) on ``warps`` warps in all."""
+    from colibri_mlx.kernels.qgemv import e8grid, kernel_header, shape_values
+
+    O, I, rb, _, n_units = shape_values(qt)
+    if qt.fmt != 2 or I % 32:
+        raise ValueError("probe: the ring takes fmt 2 with whole units")
+    return dispatch.LaunchSpec(
+        name="qgemv_ring_probe", input_names=("x", "w", "scales", "e8grid"), output_names=("y",),
+        source=RING_SOURCE, header=kernel_header(dispatch.CUDA), inputs=[x.reshape(-1), qt.packed, qt.scales, e8grid()],
+        output_shapes=[(1, O)], output_dtypes=[x.dtype], grid=(32 * warps, 1, 1), threadgroup=(32 * wpb, 1, 1),
+        template=[("T", x.dtype), ("FMT", 2), ("GS", 16), ("NIB", 1), ("KO", O), ("KI", I), ("KRB", rb),
+                  ("KNU", n_units), ("ROWS", rows), ("STAGES", stages), ("WPB", wpb), ("OT", x.dtype)])
+
 
 def mma_spec(x, qt, mt, u, wpb):
     O, I = qt.O, qt.I
@@ -180,6 +270,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="18432x7168")
     ap.add_argument("--settings", default="1:2:1,1:4:1,2:2:1,2:4:1,1:2:2,1:4:4,2:2:4")
+    ap.add_argument("--ring", default="6:4:1536:1,4:6:2304:1,6:6:1536:1,2:8:3072:2,4:4:2304:2",
+                    help="cp.async ring settings ROWS:STAGES:WARPS:WPB")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--chain", type=int, default=8)
     args = ap.parse_args()
@@ -199,6 +291,9 @@ def main():
             launches.append((f"mma {cfg}", [mma_spec(x, w, mt, u, wpb) for x, w in zip(xs, ws)]))
         except ValueError as e:
             print(e)
+    for cfg in [c for c in args.ring.split(",") if c]:
+        rows, stages, warps, wpb = map(int, cfg.split(":"))
+        launches.append((f"ring {cfg}", [ring_spec(x, w, rows, stages, warps, wpb) for x, w in zip(xs, ws)]))
     # Correctness of instance 0: against the qgemv kernel and a float64 reference, relative to
     # sum |w x| of each row (issue 4's tolerance is 1e-4).
     w64 = np.array(dequantize_rows(ws[0], 0, O).astype(mx.float32), dtype=np.float64)
