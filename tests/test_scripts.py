@@ -56,6 +56,14 @@ def test_profile_kernels_without_gpu():
     assert "no GPU backend" in out, out
 
 
+@pytest.mark.skipif(dispatch.gpu_backend() is not None, reason="on a GPU the probes measure for real")
+@pytest.mark.parametrize("probe", ["probe_qgemv_mma.py", "probe_moe_down_hsmem.py"])
+def test_probes_without_cuda(probe):
+    out = run_script(f"scripts/{probe}", "--help")
+    assert "usage" in out, out
+    assert "CUDA only" in run_script(f"scripts/{probe}"), probe
+
+
 def test_profile_step_without_gpu():
     out = run_script("scripts/profile_step.py", "--tiny", "--steps", "2")
     assert "needs the CUDA backend" in out, out
