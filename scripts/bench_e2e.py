@@ -144,10 +144,11 @@ def earlier_step_ops():
     from colibri_mlx.models import deepseek_v3 as model_file
 
     def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
-        R = kv_norm.shape[0]
+        R, lead = kv_norm.shape[0], y.shape[:-1]
+        y = y.reshape(-1, y.shape[-1])
         k = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]
-        return (mx.fast.rms_norm(y[:, :q_rows], qa_norm, eps),
-                mx.concatenate([mx.fast.rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps), k], axis=-1))
+        return (mx.fast.rms_norm(y[:, :q_rows], qa_norm, eps).reshape(*lead, -1),
+                mx.concatenate([mx.fast.rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps), k], axis=-1).reshape(*lead, -1))
 
     qmatmul, mla_decode = kernels.qmatmul, kernels.mla_decode
 

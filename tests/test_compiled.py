@@ -22,15 +22,24 @@ GPU = kernels.dispatch.gpu_backend() is not None
 
 @pytest.fixture(scope="module")
 def containers(tmp_path_factory):
-    """Two tiny quantized containers: all-dense layers, and the default MoE mix."""
+    """Tiny quantized containers: all-dense layers, the default MoE mix (every fmt: several expert
+    groups a layer), and a MoE of one expert format (one group, the shared expert in its slot)."""
     from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
 
+    from helpers_models import default_container_formats
+
+    def one_format(name, shape):   # every expert and the shared one fmt 4 g32: one expert group
+        choice = default_container_formats(name, shape)
+        return (4, 32) if choice is not None and ("experts" in name) else choice
+
     out = {}
-    for name, overrides in (("dense", dict(first_k_dense_replace=3)), ("moe", dict())):
+    for name, overrides, formats in (("dense", dict(first_k_dense_replace=3), default_container_formats),
+                                     ("moe", dict(), default_container_formats),
+                                     ("moe_one_group", dict(), one_format)):
         root = tmp_path_factory.mktemp(name)
         hf = build_hf_model("deepseek_v3", seed=3, **overrides)
         path = save_checkpoint(hf, str(root / "hf"))
-        write_container(state_dict_numpy(hf), path, str(root / "c"))
+        write_container(state_dict_numpy(hf), path, str(root / "c"), formats)
         out[name] = root / "c"
     return out
 
@@ -288,6 +297,10 @@ def test_layer_commit_policy(monkeypatch):
         compiled.layers_per_commit()
 
 
+# Non-launching primitives (views, reshapes) of one attention decode step on the GPU path.
+STEP_VIEW_NODES = 8
+
+
 def _primitive_names(*arrays) -> list[str]:
     import re
     import tempfile
@@ -328,3 +341,84 @@ def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
     mx.eval(model(mx.array([[4]]), cache))
     assert addresses() != before
     del held
+
+
+
+def _attention_step(model, start, whole_layer=False):
+    """One decode row through the second layer's ``Attention.step`` (what the compiled step
+    traces; ``whole_layer``: ``DecoderLayer._step``, the MLP or MoE block too), plain: the
+    output (with the residual adds) and the written cache buffer."""
+    from colibri_mlx.models.cache import LayerCache
+
+    layer = model.layers[1]
+    attn = layer.self_attn
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.standard_normal((1, 1, model.args.hidden_size)).astype(np.float32))
+    cache = LayerCache()
+    width = attn.kv_lora_rank + attn.rope_dim
+    cache.append("kv", mx.array(rng.standard_normal((1, start, width)).astype(np.float32)), 0)
+    kv, params = attn.step_inputs(x, cache, start, {})
+    slot = mx.array(start, dtype=mx.int32)
+    mx.eval(x, kv, params, slot, [v for v in vars(attn).values() if isinstance(v, mx.array)])
+    if whole_layer:
+        return layer._step(x, slot, kv, params)
+    return attn.step(x, slot, kv, params, residual=x)
+
+
+@pytest.mark.parametrize("kind, whole_layer", [("dense", False), ("dense", True), ("moe", True),
+                                               ("moe_one_group", True)])
+def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer):
+    """The decode step's glue around the kernels (views, the row write, the residual adds; the
+    MLP / MoE block), run with every launch in the MSL simulator as on a Mac, equals the
+    reference path: what changes the graph between kernels is checked here, not first on a GPU."""
+    simulator = pytest.importorskip("msl.simulator")
+    if not simulator.clang_available():
+        pytest.skip("clang not available for the MSL simulator")
+    from colibri_mlx.models.loading import load_model
+    from moe_mla_oracle import route_launches_to_simulator
+
+    model = load_model(containers[kind], dtype="float32")
+    want, want_kv = _attention_step(model, 7, whole_layer)
+    launched = route_launches_to_simulator(monkeypatch, simulator)
+    got, got_kv = _attention_step(model, 7, whole_layer)
+    assert {"qgemv", "mla_rows", "mla_qabs", "mla_out"} <= set(launched), launched
+    if kind.startswith("moe"):
+        assert {"moe_gate_up", "moe_down"} <= set(launched), launched
+    if kind == "moe_one_group":       # moe_down wrote the block's output with the residual added
+        assert launched.count("moe_down") == 1 and model.layers[1].mlp.shared_slot is not None, launched
+    assert got.shape == want.shape and got_kv.shape == want_kv.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4 * np.abs(np.array(want)).max())
+    np.testing.assert_allclose(np.array(got_kv), np.array(want_kv), rtol=0,
+                               atol=1e-5 * np.abs(np.array(want_kv)).max())
+
+
+def test_attention_step_graph_nodes(containers, monkeypatch):
+    """The GPU path's decode step of an attention block: each primitive is a node MLX recreates
+    on every compiled call and schedules on every evaluation (~1-2 us of host time each on the
+    H200's host), so the views between the kernels are counted and bounded. Launches stubbed
+    (one ``mx.depends`` node each, no kernel runs): 8 launching primitives (the x projection,
+    mla_rows, q_b, the row write, the three attention launches, o_proj with the residual)."""
+    from colibri_mlx.kernels import dispatch
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["dense"], dtype="float32")
+    outputs = {}
+
+    def launch(backend, spec):
+        outs = []
+        for shape, dtype in zip(spec.output_shapes, spec.output_dtypes):
+            key = (tuple(shape), dtype)
+            if key not in outputs:
+                outputs[key] = mx.zeros(shape, dtype)
+                mx.eval(outputs[key])
+            outs.append(outputs[key])
+        return mx.depends(outs, [a for a in spec.inputs if isinstance(a, mx.array)])
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.CUDA)
+    y, kv = _attention_step(model, 7)
+    names = _primitive_names(y, kv)
+    launching = [n for n in names if n in ("Depends", "ScatterAxis")]
+    others = [n for n in names if n not in ("Depends", "ScatterAxis")]
+    assert len(launching) == 8, names
+    assert len(others) <= STEP_VIEW_NODES, f"{len(others)} others: {' '.join(others)}"

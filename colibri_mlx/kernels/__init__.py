@@ -65,9 +65,21 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtyp
                          f"{(*shape[:-1], w.O)} {x.dtype} of {w.name or 'weight'}")
     if len(shape) == 2:   # MLX records even a no-op reshape as a graph node
         return _qmatmul_2d(x, w, shape[0], residual, out_dtype)
+    S = x.size // shape[-1]
+    if _gemv_takes(x, w, S):
+        # The kernel reads x and the residual as flat rows and writes [..., O] as asked: no
+        # reshape nodes around it (each one a primitive MLX recreates and schedules per call).
+        dispatch.record_call("qgemv", backend())
+        return _qgemv.qgemv(x, w, backend(), residual, out_dtype)
     x2 = x.reshape(-1, w.I)
     y = _qmatmul_2d(x2, w, x2.shape[0], None if residual is None else residual.reshape(-1, w.O), out_dtype)
     return y.reshape(*shape[:-1], w.O)
+
+
+def _gemv_takes(x: mx.array, qt: QTensor, S: int) -> bool:
+    """Whether the qgemv kernel runs these ``S`` rows (a decline is counted by _qmatmul_2d)."""
+    return (qt.fmt != 0 and S <= _qgemv.MAX_ROWS and backend() != REFERENCE
+            and _qgemv.decline_reason_for(qt, S, x.dtype) is None)
 
 
 def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = None, out_dtype=None) -> mx.array:

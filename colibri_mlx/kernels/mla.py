@@ -92,6 +92,7 @@ def kv_b_projection(kv_b) -> Projection:
     else:
         O, I = kv_b.shape
         proj = Projection(0, None, O, I, kv_b.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((8,), mx.float32))
+    mx.eval(proj.packed, proj.scales)   # made once: no view / cast nodes in the graphs that use it
     _kvb[key] = (kv_b, proj)
     return proj
 
@@ -101,8 +102,11 @@ _kvb: dict = {}
 
 @functools.lru_cache(maxsize=None)
 def _no_mask() -> mx.array:
-    """The mask input when there is none (never read): made once, not a fill launch per call."""
-    return mx.zeros((8,), mx.uint8)
+    """The mask input when there is none (never read): made once, not a fill launch per call
+    (evaluated here: a lazy zeros would put its Full / Broadcast nodes into a traced graph)."""
+    m = mx.zeros((8,), mx.uint8)
+    mx.eval(m)
+    return m
 
 
 def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
@@ -310,8 +314,14 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
     # row per head (padding heads zero), so no cast or pad launch runs per layer.
-    qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope)
-    qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope)
+    # One query row a sequence: [B, H, 1, d] is already [B * L, H, d] in memory order (the
+    # kernel reads a flat pointer), so no transpose / reshape nodes (MLX copies an input that
+    # is not row-contiguous, as the reshape would).
+    if L == 1:
+        qn, qr = q_nope, q_rope
+    else:
+        qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope)
+        qr = q_rope.transpose(0, 2, 1, 3).reshape(BL, H, rope)
     if mask is not None:
         mask_u8 = mx.broadcast_to(mask, (B, 1, L, T)).reshape(BL, T).astype(mx.uint8)
     else:
@@ -337,14 +347,15 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
             source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
-            output_shapes=[(BL, H, v)], output_dtypes=[q_nope.dtype],
+            output_shapes=[(B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_nope.dtype],
             grid=(SIMD * NSG, H, BL), threadgroup=(SIMD * NSG, 1, 1), template=st.out_template)
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
         pacc, pml = launch(attn_spec(qabs))
         (out,) = launch(out_spec(pacc, pml))
-        return out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
+        # [B * L, H, v] rows; with L == 1 that is [B, H, 1, v] already (written so: no views)
+        return out if L == 1 else out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
 
     run.variant = variant
     return run
@@ -369,7 +380,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         kernels_run = impl != dispatch.REFERENCE and reason is None
         why = rotation_decline_reason(q_rope, rope) if kernels_run else None
         if kernels_run and why is None:
-            q_rotation = (rope.inv_freq, rope_offset.reshape(1))
+            q_rotation = (rope.inv_freq, rope_offset if rope_offset.shape == (1,) else rope_offset.reshape(1))
         else:
             if why is not None:
                 dispatch.record_fallback("mla_qabs rope", why)
@@ -443,7 +454,7 @@ ROWS_NSG = 4              # SIMD groups of mla_rows' threadgroup (one per row)
 
 def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float) -> Optional[str]:
     """Why :func:`mla_rows` runs the reference on a GPU, or None."""
-    if y.ndim != 2 or y.shape[0] != 1:
+    if y.size != y.shape[-1]:
         return f"rows of shape {tuple(y.shape)}: one decode row of one sequence only"
     if y.dtype not in CACHE_DTYPES:
         return f"rows in {y.dtype}"
@@ -451,7 +462,7 @@ def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: floa
         return "no q_a projection"
     if qa_norm.dtype != y.dtype or kv_norm.dtype != y.dtype:
         return f"norm weights in {qa_norm.dtype} / {kv_norm.dtype} with rows in {y.dtype}"
-    rope = y.shape[1] - q_rows - kv_norm.shape[0]
+    rope = y.shape[-1] - q_rows - kv_norm.shape[0]
     if rope < 2 or rope % 2:
         return f"rope width {rope}"
     if factor != 1.0:
@@ -460,25 +471,27 @@ def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: floa
 
 
 def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, backend: str) -> dispatch.LaunchSpec:
-    """mla_rows' launch: one threadgroup per row of ``y``; ``inv_freq`` float32 ``[rope / 2]``."""
-    BL, W = y.shape
+    """mla_rows' launch: one threadgroup per row of ``y [..., W]`` (outputs ``[..., q_rows]`` and
+    ``[..., R + rope]``: y's leading shape, no reshape nodes); ``inv_freq`` float32 ``[rope / 2]``."""
+    W = y.shape[-1]
+    BL, lead = y.size // W, y.shape[:-1]
     R = kv_norm.shape[0]
     rope = W - q_rows - R
     return dispatch.LaunchSpec(
         name="mla_rows", input_names=("y", "qnorm", "knorm", "invf", "pos", "params", "fparams"),
         output_names=("qa", "kv"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
         header=kernel_header("mla_decode", backend),
-        inputs=[y, qa_norm, kv_norm, inv_freq, offset.reshape(BL),
+        inputs=[y, qa_norm, kv_norm, inv_freq, offset if offset.shape == (BL,) else offset.reshape(BL),
                 _int32s(q_rows, R, rope, W), dispatch.float_params(eps, eps)],
-        output_shapes=[(BL, q_rows), (BL, R + rope)], output_dtypes=[y.dtype] * 2,
+        output_shapes=[(*lead, q_rows), (*lead, R + rope)], output_dtypes=[y.dtype] * 2,
         grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
         template=[("T", y.dtype), ("NSG", ROWS_NSG)])
 
 
 def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
              offset: mx.array) -> tuple[mx.array, mx.array]:
-    """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]``, the
-    stacked q_a / kv_a projection of decode rows at position ``offset`` (int32 array,
+    """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]`` (any
+    leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at position ``offset`` (int32 array,
     mx.fast.rope's offset): q_a and the latent RMS-normalized by ``qa_norm`` / ``kv_norm`` (eps),
     the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``, ``fast_freqs``
     for mx.fast.rope, ``attention_factor``), ``kv`` the joint cache row (the latent, then the
@@ -491,7 +504,10 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
             dispatch.record_call("mla_rows", dispatch.REFERENCE)
         else:
             dispatch.record_fallback("mla_rows", reason)
-        return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
+        if y.ndim == 2:
+            return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
+        qa, kv = reference_rows(y.reshape(-1, y.shape[-1]), q_rows, qa_norm, kv_norm, eps, rope, offset)
+        return qa.reshape(*y.shape[:-1], -1), kv.reshape(*y.shape[:-1], -1)
     dispatch.record_call("mla_rows", impl)
     qa, kv = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
     return qa, kv

@@ -369,9 +369,9 @@ class _Static:
     template: list
     params: mx.array
 
-    def spec(self, inputs: list) -> dispatch.LaunchSpec:
+    def spec(self, inputs: list, output_shapes: Optional[list] = None) -> dispatch.LaunchSpec:
         return dispatch.LaunchSpec(self.name, self.input_names, self.output_names, self.source, self.header,
-                                   inputs, self.output_shapes, self.output_dtypes, self.grid,
+                                   inputs, output_shapes or self.output_shapes, self.output_dtypes, self.grid,
                                    self.threadgroup, self.template)
 
 
@@ -489,8 +489,11 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
                       min_blocks, persistent)
     p = group.down
     hs = at_least_8(h)
+    # With a residual of another rank ([..., D] holding the S rows), y takes its shape: the
+    # kernel reads and writes flat rows, so no reshape nodes around it.
+    shapes = None if residual is None or residual.ndim == 2 else [residual.shape]
     return st.spec([hs, p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut,
-                    _as_input(weights, mx.float32), st.params, hs if residual is None else residual])
+                    _as_input(weights, mx.float32), st.params, hs if residual is None else residual], shapes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -585,15 +588,16 @@ def host_reason(x: mx.array, experts: Sequence, K: int) -> Optional[str]:
 def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array,
               residual: Optional[mx.array] = None) -> mx.array:
     """``[N, D]``: ``sum_k weights[n, k] * down_e(silu(gate_e x_n) * up_e x_n)``, e = ids[n, k],
-    added to ``residual`` (``[N, D]``, x's dtype) when given: in moe_down's write when a layer is
-    one expert group, as a separate add otherwise (the same numbers).
+    added to ``residual`` (``[N, D]`` or any shape of N rows, which the result then takes; x's
+    dtype) when given: in moe_down's write when a layer is one expert group, as a separate add
+    otherwise (the same numbers).
 
     ``experts[e] = (gate, up, down)`` (float ``mx.array [O, I]`` or QTensor, any fmt, per
     expert); ids < 0 are slots dropped by router top-p. A streamed layer (``experts.prepare``)
     is told the ids first and its selected experts are stacked per call.
     """
     y, added = _moe_block(x, experts, ids, weights, residual)
-    return y if residual is None or added else residual + y
+    return y if residual is None or added else residual + y.reshape(residual.shape)
 
 
 def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:

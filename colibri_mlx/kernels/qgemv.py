@@ -267,7 +267,8 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
                 prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
                 out_dtype=None, persistent: Optional[int] = None,
                 shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
-    """The launch for ``x[S, I] @ W.T`` (S <= 8) in ``out_dtype`` (default x's; float32 for
+    """The launch for ``x[S, I] @ W.T`` (S <= 8; or ``x [..., I]`` holding S rows, y then
+    ``[..., O]``) in ``out_dtype`` (default x's; float32 for
     logits: no rounding to x's dtype and no cast launch), plus ``residual [S, O]`` (x's dtype,
     output in x's dtype) when given; identical arguments for MLX and the simulator.
     ``persistent``: threadgroups that loop over the row blocks (0: one a row block; None: the
@@ -276,13 +277,16 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if residual is not None and out_dtype != x.dtype:
         raise ValueError(f"qgemv: a residual add writes x's dtype ({x.dtype}), not {out_dtype}")
-    st = _static(qt, x.shape[0], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent,
+    S = x.shape[0] if x.ndim == 2 else x.size // x.shape[-1]
+    st = _static(qt, S, x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent,
                  shape_in)
     xs = at_least_8(x)
+    # x [..., I] of any rank: the kernel reads S flat rows and y takes x's leading shape.
+    out_shapes = st.output_shapes if x.ndim == 2 else [(*x.shape[:-1], qt.O)]
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
         inputs=[xs, *st.weight_inputs, xs if residual is None else at_least_8(residual)],
-        output_shapes=st.output_shapes, output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup,
+        output_shapes=out_shapes, output_dtypes=st.output_dtypes, grid=st.grid, threadgroup=st.threadgroup,
         template=st.template if residual is None else st.template_res)
 
 

@@ -264,6 +264,13 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return kernels.reference.rms_norm(x, weight, eps)
 
 
+def stream_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """RMSNorm of residual-stream rows: whole rows (never a slice of a wider array), so
+    ``mx.fast.rms_norm`` takes them as they are, where :func:`rms_norm` views a single row as
+    1-D and back (two graph nodes a norm in a compiled decode step)."""
+    return mx.fast.rms_norm(x, weight, eps)
+
+
 def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
     """``buffer [1, T, W]`` with ``row [1, 1, W]`` at time ``slot`` (an int32 array): a scatter
     along the time axis is one kernel on GPUs, where a slice_update at an offset held in an array
@@ -466,7 +473,7 @@ class Attention:
     def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True):
         """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], kv
         [B,L,R+rope] (the cache rows: the normed latent, then the roped key), q_latent
-        [B*L,q_lora] or None)``.
+        [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of a single query row of a single
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
@@ -476,11 +483,12 @@ class Attention:
         fast = rope_offset is not None and L == 1
         if fast and B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None:
             # One decode row: both norms and the rope key from the stacked projection in one op.
-            y = linear(x.reshape(1, D), self.x_proj, self.x_proj_bias)
+            # Rows stay [1, 1, width] throughout (the kernels take any leading shape): every
+            # reshape would be a graph node of the compiled step.
+            y = linear(x, self.x_proj, self.x_proj_bias)
             q_latent, kv = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
                                             LATENT_NORM_EPS, self.rope, rope_offset)
             q = linear(q_latent, self.q_b_proj)
-            kv = kv.reshape(1, 1, -1)
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
             q, q_latent = self.queries(q_x)
@@ -489,8 +497,8 @@ class Attention:
             else:
                 k_rope = apply_rope(k_rope[:, None], cos, sin, interleaved=False)[:, 0]
             kv = mx.concatenate([rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS), k_rope], axis=-1)
-        q_nope = self._heads(q[:, : H * self.nope], B, L, self.nope)
-        q_rope = self._heads(q[:, H * self.nope:], B, L, self.rope_dim)
+        q_nope = self._heads(q[..., : H * self.nope], B, L, self.nope)
+        q_rope = self._heads(q[..., H * self.nope:], B, L, self.rope_dim)
         if fast:
             q_rope = self.rope.apply_fast(q_rope, rope_offset) if rotate_q else q_rope
         else:
@@ -569,11 +577,13 @@ class Attention:
         """``(output, kv)``: this row's cache row (latent, rope key) written at ``slot`` of the
         whole buffer, attention over its first ``params[6]`` rows (kernels.mla.step_params); the
         output added to ``residual`` (x's shape) when given."""
+        slot = slot if slot.shape == (1,) else slot.reshape(1)   # as each kernel reads it: one view
         q_nope, q_rope, kv_row = self._decode_rows(x, slot)
         kv = write_row(kv, kv_row, slot)
-        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot)
-        res = None if residual is None else residual.reshape(-1, residual.shape[-1])
-        return self.output(attn, res).reshape(x.shape), kv
+        # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
+        # shape itself, with no reshape nodes around the kernel.
+        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1])
+        return self.output(attn, residual), kv
 
     def cached(self, kv, layer_cache, start):
         """This step's cache rows (latent, rope key) written to the cache; the whole cache so far."""
@@ -581,17 +591,19 @@ class Attention:
             return kv
         return layer_cache.append(CACHE_STREAM, kv, start)
 
-    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None):
+    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None, rows=None):
         """The attention core over the cache ``kv [B, T, R + rope]`` (each row the latent, then
-        the rope key): ``[B*L, H*v_dim]``, rows in (b, l) order. ``step_params``
-        (kernels.mla.step_params): kv is the cache's whole fixed-capacity buffer, of which the
-        array says how many rows are attended. ``q_offset``: q_rope is unrotated
-        (:meth:`_decode_rows`), to be rotated at this position."""
+        the rope key): ``[B*L, H*v_dim]``, rows in (b, l) order (one query row a sequence and
+        ``rows``: ``[*rows, H*v_dim]``). ``step_params`` (kernels.mla.step_params): kv is the
+        cache's whole fixed-capacity buffer, of which the array says how many rows are attended.
+        ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position."""
         B, H, L, _ = q_nope.shape
         rope = None if q_offset is None else self.rope
         out = latent_attention(q_nope, q_rope, kv, self.kv_b_proj, self.scale, mask,
                                self.nope, self.v_dim, step_params, rope, q_offset)
-        return out.reshape(B, H * self.v_dim) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
+        if L == 1:
+            return out.reshape(*(rows or (B,)), H * self.v_dim)
+        return out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
 
     def output(self, attn, residual=None):
         """o_proj of the attention core's ``[B*L, H*v]`` rows (+ ``residual [B*L, D]``: the
@@ -725,6 +737,8 @@ class MoE:
             kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
             y = y + self.shared.forward(x)
             return y if residual is None else residual + y
+        if residual is not None and residual.shape == x.shape:
+            return routed_experts(flat, self.bank, ids, weights, residual)   # written in x's shape
         res = None if residual is None else residual.reshape(flat.shape)
         return routed_experts(flat, self.bank, ids, weights, res).reshape(x.shape)
 
@@ -790,18 +804,18 @@ class DecoderLayer:
         return self._compiled_out(x, attn, static=reason)
 
     def _step(self, x, slot, kv, params):
-        x, kv = self.self_attn.step(rms_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
+        x, kv = self.self_attn.step(stream_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
         return self._feed_forward(x), kv
 
     def _decode_in(self, x, rope_offset):
-        return self.self_attn._decode_rows(rms_norm(x, self.input_norm, self.eps), rope_offset)
+        return self.self_attn._decode_rows(stream_norm(x, self.input_norm, self.eps), rope_offset)
 
     def _decode_out(self, x, attn):
         return self._feed_forward(self.self_attn.output(attn, x.reshape(-1, x.shape[-1])).reshape(x.shape))
 
     def _feed_forward(self, x):
         """``x + mlp(norm(x))`` of decode rows, the add in the MLP's last kernel where it has one."""
-        return self.mlp.forward(rms_norm(x, self.post_attention_norm, self.eps), residual=x)
+        return self.mlp.forward(stream_norm(x, self.post_attention_norm, self.eps), residual=x)
 
 
 class MTPLayer:
@@ -922,6 +936,7 @@ class Model:
     def _model_step(self, x, slot, *arrays):
         n = len(self.layers)
         buffers, params = arrays[:n], arrays[n:]
+        slot = slot.reshape(1)        # once for every layer (Attention.step reads it so)
         written = []
         for i, layer in enumerate(self.layers):
             x, kv = layer._step(x, slot, buffers[i], params[i])
