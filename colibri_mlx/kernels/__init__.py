@@ -63,14 +63,11 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtyp
                                  or residual.dtype != x.dtype):
         raise ValueError(f"qmatmul: residual {residual.shape} {residual.dtype} does not match the output "
                          f"{(*shape[:-1], w.O)} {x.dtype} of {w.name or 'weight'}")
-    if len(shape) == 2:   # MLX records even a no-op reshape as a graph node
-        return _qmatmul_2d(x, w, shape[0], residual, out_dtype)
     S = x.size // shape[-1]
-    if _gemv_takes(x, w, S):
-        # The kernel reads x and the residual as flat rows and writes [..., O] as asked: no
-        # reshape nodes around it (each one a primitive MLX recreates and schedules per call).
-        dispatch.record_call("qgemv", backend())
-        return _qgemv.qgemv(x, w, backend(), residual, out_dtype)
+    if len(shape) == 2 or _gemv_takes(x, w, S):
+        # MLX records even a no-op reshape as a graph node; the kernel reads x and the residual
+        # as flat rows and writes [..., O] itself, so rows of any rank go to it as they are.
+        return _qmatmul_2d(x, w, S, residual, out_dtype)
     x2 = x.reshape(-1, w.I)
     y = _qmatmul_2d(x2, w, x2.shape[0], None if residual is None else residual.reshape(-1, w.O), out_dtype)
     return y.reshape(*shape[:-1], w.O)
@@ -83,6 +80,7 @@ def _gemv_takes(x: mx.array, qt: QTensor, S: int) -> bool:
 
 
 def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = None, out_dtype=None) -> mx.array:
+    """``S`` rows of x: ``[S, I]``, or any rank when the GEMV kernel takes them (_gemv_takes)."""
     impl = backend()
     # The reference computes in float32: float32 logits skip the rounding to x's dtype there too.
     xr = x.astype(mx.float32) if out_dtype is not None and out_dtype == mx.float32 and residual is None else x

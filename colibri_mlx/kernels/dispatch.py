@@ -203,6 +203,12 @@ def int_params(*values: int) -> mx.array:
     return mx.array(list(values) + [0] * (8 - len(values)), dtype=mx.int32)
 
 
+def reshaped(a: mx.array, *shape: int) -> mx.array:
+    """``a`` in ``shape``, with no graph node when it already has it (MLX records even a no-op
+    reshape as a primitive, which a compiled step recreates on every call)."""
+    return a if a.shape == shape else a.reshape(shape)
+
+
 @functools.lru_cache(maxsize=None)
 def float_params(*values: float) -> mx.array:
     """The float32[8] counterpart of :func:`int_params`."""

@@ -380,7 +380,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         kernels_run = impl != dispatch.REFERENCE and reason is None
         why = rotation_decline_reason(q_rope, rope) if kernels_run else None
         if kernels_run and why is None:
-            q_rotation = (rope.inv_freq, rope_offset if rope_offset.shape == (1,) else rope_offset.reshape(1))
+            q_rotation = (rope.inv_freq, dispatch.reshaped(rope_offset, 1))
         else:
             if why is not None:
                 dispatch.record_fallback("mla_qabs rope", why)
@@ -481,7 +481,7 @@ def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, ba
         name="mla_rows", input_names=("y", "qnorm", "knorm", "invf", "pos", "params", "fparams"),
         output_names=("qa", "kv"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
         header=kernel_header("mla_decode", backend),
-        inputs=[y, qa_norm, kv_norm, inv_freq, offset if offset.shape == (BL,) else offset.reshape(BL),
+        inputs=[y, qa_norm, kv_norm, inv_freq, dispatch.reshaped(offset, BL),
                 _int32s(q_rows, R, rope, W), dispatch.float_params(eps, eps)],
         output_shapes=[(*lead, q_rows), (*lead, R + rope)], output_dtypes=[y.dtype] * 2,
         grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
@@ -491,8 +491,9 @@ def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, ba
 def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
              offset: mx.array) -> tuple[mx.array, mx.array]:
     """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]`` (any
-    leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at position ``offset`` (int32 array,
-    mx.fast.rope's offset): q_a and the latent RMS-normalized by ``qa_norm`` / ``kv_norm`` (eps),
+    leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at
+    position ``offset`` (int32 array, mx.fast.rope's offset): q_a and the latent RMS-normalized
+    by ``qa_norm`` / ``kv_norm`` (eps),
     the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``, ``fast_freqs``
     for mx.fast.rope, ``attention_factor``), ``kv`` the joint cache row (the latent, then the
     rope key). One launch on GPUs (``mla_rows``) instead of two rms_norms, a rope and a concat."""

@@ -577,7 +577,7 @@ class Attention:
         """``(output, kv)``: this row's cache row (latent, rope key) written at ``slot`` of the
         whole buffer, attention over its first ``params[6]`` rows (kernels.mla.step_params); the
         output added to ``residual`` (x's shape) when given."""
-        slot = slot if slot.shape == (1,) else slot.reshape(1)   # as each kernel reads it: one view
+        slot = kernels.dispatch.reshaped(slot, 1)   # as each kernel reads it: one view (or none)
         q_nope, q_rope, kv_row = self._decode_rows(x, slot)
         kv = write_row(kv, kv_row, slot)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
@@ -936,7 +936,7 @@ class Model:
     def _model_step(self, x, slot, *arrays):
         n = len(self.layers)
         buffers, params = arrays[:n], arrays[n:]
-        slot = slot.reshape(1)        # once for every layer (Attention.step reads it so)
+        slot = kernels.dispatch.reshaped(slot, 1)   # once for every layer (Attention.step reads it so)
         written = []
         for i, layer in enumerate(self.layers):
             x, kv = layer._step(x, slot, buffers[i], params[i])
