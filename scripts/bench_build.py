@@ -35,8 +35,10 @@ import bench_moe_mla as B  # noqa: E402
 from colibri_mlx.kernels import dispatch  # noqa: E402
 
 
-def stub_launches():
-    """Route every custom-kernel launch to a cached output of its shape, and report a GPU backend."""
+def stub_launch(keep_inputs: bool = False):
+    """A ``dispatch.launch`` stand-in: each launch returns cached outputs of its shapes (no kernel
+    runs). ``keep_inputs``: the outputs come through one ``mx.depends`` node on the launch's
+    inputs, so a graph keeps a node a launch and everything upstream (to count nodes)."""
     outputs = {}
 
     def launch(backend, spec):
@@ -47,9 +49,16 @@ def stub_launches():
                 outputs[key] = mx.zeros(shape, dtype)
                 mx.eval(outputs[key])
             result.append(outputs[key])
+        if keep_inputs:
+            return mx.depends(result, [a for a in spec.inputs if isinstance(a, mx.array)])
         return result
 
-    dispatch.launch = launch
+    return launch
+
+
+def stub_launches():
+    """Route every custom-kernel launch to a cached output of its shape, and report a GPU backend."""
+    dispatch.launch = stub_launch()
     dispatch.backend = lambda: dispatch.CUDA
     dispatch.gpu_backend = lambda: dispatch.CUDA
 

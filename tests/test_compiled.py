@@ -9,6 +9,8 @@ default compiles every block, MoE kernels included.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -402,19 +404,10 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     from colibri_mlx.models.loading import load_model
 
     model = load_model(containers["dense"], dtype="float32")
-    outputs = {}
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_build import stub_launch
 
-    def launch(backend, spec):
-        outs = []
-        for shape, dtype in zip(spec.output_shapes, spec.output_dtypes):
-            key = (tuple(shape), dtype)
-            if key not in outputs:
-                outputs[key] = mx.zeros(shape, dtype)
-                mx.eval(outputs[key])
-            outs.append(outputs[key])
-        return mx.depends(outs, [a for a in spec.inputs if isinstance(a, mx.array)])
-
-    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "launch", stub_launch(keep_inputs=True))
     monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.CUDA)
     y, kv = _attention_step(model, 7)
     names = _primitive_names(y, kv)
