@@ -104,6 +104,10 @@ for s in "${steps[@]}"; do
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;
+    probes)        # what bounds the GEMV-shaped kernels (CUDA-only experiments, each checked
+                   # against the production kernel; docs/performance.md, thirteenth session)
+                   step probe_qgemv 200 python3 scripts/probe_qgemv_mma.py
+                   step probe_moe_down 120 python3 scripts/probe_moe_down_hsmem.py ;;
     ncu)           # Nsight Compute on one launch of each kernel (profile_kernels.py --once); its
                    # details come back as ncu.log. Needs the hardware counters (Firecracker hosts).
                    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
