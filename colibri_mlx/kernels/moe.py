@@ -597,7 +597,7 @@ def moe_block(x: mx.array, experts: Sequence, ids: mx.array, weights: mx.array,
     is told the ids first and its selected experts are stacked per call.
     """
     y, added = _moe_block(x, experts, ids, weights, residual)
-    return y if residual is None or added else residual + y.reshape(residual.shape)
+    return y if residual is None or added else residual + dispatch.reshaped(y, *residual.shape)
 
 
 def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:

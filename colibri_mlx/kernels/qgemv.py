@@ -194,7 +194,6 @@ class _Static:
     """Everything of a launch but x, for one (weight, S, x dtype, backend, tuning)."""
 
     weight_inputs: tuple        # packed, scales, e8grid, params
-    output_shapes: list
     output_dtypes: list
     grid: tuple
     threadgroup: tuple
@@ -254,7 +253,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     template += [("OT", out_dtype), ("RES", 0)]
     weight_inputs = (at_least_8(packed), at_least_8(scales), e8grid(), params(qt))
     mx.eval(*weight_inputs)   # views and pads made once, not re-recorded in every step's graph
-    return _Static(weight_inputs=weight_inputs, output_shapes=[(S, qt.O)], output_dtypes=[out_dtype],
+    return _Static(weight_inputs=weight_inputs, output_dtypes=[out_dtype],
                    grid=(SIMD * simdgroups * blocks, 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
                    template=template, template_res=template[:-1] + [("RES", 1)],
                    source=dispatch.read_kernel_source(NAME, backend)[1],
@@ -277,12 +276,11 @@ def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if residual is not None and out_dtype != x.dtype:
         raise ValueError(f"qgemv: a residual add writes x's dtype ({x.dtype}), not {out_dtype}")
-    S = x.shape[0] if x.ndim == 2 else x.size // x.shape[-1]
-    st = _static(qt, S, x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype, persistent,
-                 shape_in)
+    st = _static(qt, x.size // x.shape[-1], x.dtype, backend, unroll, rows, simdgroups, nib, prefetch, out_dtype,
+                 persistent, shape_in)
     xs = at_least_8(x)
     # x [..., I] of any rank: the kernel reads S flat rows and y takes x's leading shape.
-    out_shapes = st.output_shapes if x.ndim == 2 else [(*x.shape[:-1], qt.O)]
+    out_shapes = [(*x.shape[:-1], qt.O)]
     return dispatch.LaunchSpec(
         name=NAME, input_names=INPUT_NAMES, output_names=OUTPUT_NAMES, source=st.source, header=st.header,
         inputs=[xs, *st.weight_inputs, xs if residual is None else at_least_8(residual)],
