@@ -99,6 +99,13 @@ for s in "${steps[@]}"; do
                    for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=20; do
                      step "e2e_${env//=/_}" 150 env "$env" python3 scripts/bench_e2e.py --steps 16 --quick
                    done ;;
+    moe_mla_graphs) # the per-layer chains under MLX's other CUDA graph settings (each a process
+                   # of its own; ours and mlx-lm alike): direct launches let the GPU start while
+                   # the rest of the chain is encoded, smaller graphs do so a graph at a time
+                   for env in MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=10; do
+                     step "bench_moe_mla_${env//=/_}" 150 env "$env" python3 scripts/bench_moe_mla.py \
+                       --iters 10 --cache 4096 32768
+                   done ;;
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
