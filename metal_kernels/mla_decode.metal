@@ -104,6 +104,61 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   return (size_t(q) * H + h) * size_t(NT) + tile;
 }
 
+// One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`.
+// Each is computed as MLX computes it, so the step keeps MLX's numbers: mx.fast.rms_norm is
+// T(w * T(x * rsqrt(mean(x^2) + eps))), mx.fast.rope (half-split, freqs) theta = position *
+// inv_freq with metal::fast::cos / sin. The q_a part goes to qa_row, the cache row (latent, then
+// rope key) to kv_row (if write_kv): mla_rows' output, or (mla_rows_into) the cache's own buffer
+// at the row's slot.
+// (Inputs of fewer than 8 values arrive in the constant address space, so the input pointers'
+// types are the caller's.)
+template <typename T, int NSG, typename RowP, typename QNormP, typename KNormP, typename InvFP>
+inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, float position, int QL, int R, int rope,
+                              float eps_q, float eps_l, device T* qa_row, device T* kv_row,
+                              bool write_kv, threadgroup float* sums, int tid, int sg, int lane) {
+  float sq = 0.0f;                             // sums of squares: q_a part, latent part
+  float sl = 0.0f;
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = float(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = float(row[QL + c]);
+    sl += x * x;
+  }
+  sq = simd_sum(sq);
+  sl = simd_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  sq = 0.0f;
+  sl = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    sq += sums[g];
+    sl += sums[NSG + g];
+  }
+  const float iq = metal::precise::rsqrt(sq / float(QL) + eps_q);
+  const float il = metal::precise::rsqrt(sl / float(R) + eps_l);
+  for (int c = tid; c < QL; c += NSG * 32) {
+    qa_row[c] = static_cast<T>(float(qnorm[c]) * float(static_cast<T>(float(row[c]) * iq)));
+  }
+  for (int c = tid; c < (write_kv ? R : 0); c += NSG * 32) {
+    kv_row[c] = static_cast<T>(float(knorm[c]) * float(static_cast<T>(float(row[QL + c]) * il)));
+  }
+  const int half = rope / 2;
+  for (int j = tid; j < (write_kv ? half : 0); j += NSG * 32) {
+    const float theta = position * invf[j];
+    const float cs = metal::fast::cos(theta);
+    const float sn = metal::fast::sin(theta);
+    const float x1 = float(row[QL + R + j]);
+    const float x2 = float(row[QL + R + j + half]);
+    kv_row[R + j] = static_cast<T>(x1 * cs - x2 * sn);
+    kv_row[R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+  }
+}
+
 // ==== kernel body: mla_qabs ====
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
@@ -726,58 +781,35 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
   // The small ops between the stacked x projection and the cache write, for the decode rows of
   // one sequence, as one launch: one threadgroup per row q of y = [q_a (QL) | latent (R) | rope
   // key (rope)] normalizes q_a (q_a_norm, for q_b) and the latent (kv_a_norm) and rotates the
-  // rope key at the row's position. Each is computed as MLX computes it, so the step keeps
-  // MLX's numbers: mx.fast.rms_norm is T(w * T(x * rsqrt(mean(x^2) + eps))), mx.fast.rope
-  // (half-split, freqs) theta = position * inv_freq with metal::fast::cos / sin.
+  // rope key at the row's position (mla_norm_rope_row).
   threadgroup float sums[2 * NSG];
   const int QL = params[0];
   const int R = params[1];
   const int rope = params[2];
-  const int W = params[3];                     // y's row stride
   const int q = int(threadgroup_position_in_grid.z);
-  const int tid = int(thread_index_in_threadgroup);
-  const int sg = int(simdgroup_index_in_threadgroup);
-  const int lane = int(thread_index_in_simdgroup);
-  const device auto* row = y + size_t(q) * W;
-  float sq = 0.0f;                             // sums of squares: q_a part, latent part
-  float sl = 0.0f;
-  for (int c = tid; c < QL; c += NSG * 32) {
-    const float x = float(row[c]);
-    sq += x * x;
-  }
-  for (int c = tid; c < R; c += NSG * 32) {
-    const float x = float(row[QL + c]);
-    sl += x * x;
-  }
-  sq = simd_sum(sq);
-  sl = simd_sum(sl);
-  if (lane == 0) {
-    sums[sg] = sq;
-    sums[NSG + sg] = sl;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  sq = 0.0f;
-  sl = 0.0f;
-  for (int g = 0; g < NSG; ++g) {
-    sq += sums[g];
-    sl += sums[NSG + g];
-  }
-  const float iq = metal::precise::rsqrt(sq / float(QL) + fparams[0]);
-  const float il = metal::precise::rsqrt(sl / float(R) + fparams[1]);
-  for (int c = tid; c < QL; c += NSG * 32) {
-    qa[size_t(q) * QL + c] = static_cast<T>(float(qnorm[c]) * float(static_cast<T>(float(row[c]) * iq)));
-  }
-  for (int c = tid; c < R; c += NSG * 32) {
-    kv[size_t(q) * (R + rope) + c] = static_cast<T>(float(knorm[c]) * float(static_cast<T>(float(row[QL + c]) * il)));
-  }
-  const int half = rope / 2;
-  const float position = float(pos[q]);
-  for (int j = tid; j < half; j += NSG * 32) {
-    const float theta = position * invf[j];
-    const float cs = metal::fast::cos(theta);
-    const float sn = metal::fast::sin(theta);
-    const float x1 = float(row[QL + R + j]);
-    const float x2 = float(row[QL + R + j + half]);
-    kv[size_t(q) * (R + rope) + R + j] = static_cast<T>(x1 * cs - x2 * sn);
-    kv[size_t(q) * (R + rope) + R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
-  }
+  mla_norm_rope_row<T, NSG>(y + size_t(q) * params[3], qnorm, knorm, invf, float(pos[q]), QL, R, rope,
+                            fparams[0], fparams[1], qa + size_t(q) * QL, kv + size_t(q) * (R + rope), true,
+                            sums, int(thread_index_in_threadgroup), int(simdgroup_index_in_threadgroup),
+                            int(thread_index_in_simdgroup));
+// ==== kernel body: mla_rows_into ====
+  // mla_rows with the cache row written into the cache's buffer [1, capacity, R + rope] at the
+  // row's slot (its position: one sequence, no padding), the input `cache`, in place. Why: MLX
+  // keeps every input of a submitted kernel alive until the kernel has run, and donates a
+  // buffer to an op only when nothing else holds it, so a scatter of the next step's row could
+  // not take the buffer this step's attention reads while this step runs (a pipelined decode
+  // loop builds step n + 1 then) and would copy the whole cache, a layer at a time, every step.
+  // Writing the row past everything this step's readers read, and ordering the step's own
+  // readers after this launch through its q_a output, needs no donation. A slot past the
+  // capacity (params[4]) writes nothing.
+  threadgroup float sums[2 * NSG];
+  const int QL = params[0];
+  const int R = params[1];
+  const int rope = params[2];
+  const int q = int(threadgroup_position_in_grid.z);
+  const int slot = pos[q];
+  const bool inside = slot >= 0 && slot < params[4];
+  device T* kv_row = const_cast<device T*>(cache) + size_t(inside ? slot : 0) * (R + rope);
+  mla_norm_rope_row<T, NSG>(y + size_t(q) * params[3], qnorm, knorm, invf, float(slot), QL, R, rope,
+                            fparams[0], fparams[1], qa + size_t(q) * QL, kv_row, inside, sums,
+                            int(thread_index_in_threadgroup), int(simdgroup_index_in_threadgroup),
+                            int(thread_index_in_simdgroup));

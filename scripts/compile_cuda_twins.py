@@ -166,6 +166,9 @@ def mla_specs(full: bool):
         yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
                                                   mx.ones((rope // 2,), mx.float32), mx.array(5, dtype=mx.int32),
                                                   dispatch.CUDA))
+        yield (f"mla_rows_into_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
+                                                       mx.ones((rope // 2,), mx.float32), mx.array(5, dtype=mx.int32),
+                                                       dispatch.CUDA, cache=mx.zeros((1, 16, R + rope), dtype)))
 
 
 def moe_specs(full: bool):

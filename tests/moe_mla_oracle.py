@@ -118,7 +118,16 @@ def simulate(spec, simulator):
         output_dtypes=[np_dtype(d) for d in spec.output_dtypes], grid=spec.grid,
         threadgroup=spec.threadgroup,
         template=[(n, np_dtype(v) if isinstance(v, mx.Dtype) else v) for n, v in spec.template],
-        init_value=spec.init_value)
+        init_value=spec.init_value, written_inputs=spec.written_inputs)
+    # Inputs written in place (mla_rows_into's cache) go back into the MLX arrays' own memory
+    # (an evaluated array's numpy view writes through on the CPU), as the GPU would leave them.
+    n_out = len(spec.output_names)
+    for name, data in zip(spec.written_inputs, outs[n_out:]):
+        a = spec.inputs[list(spec.input_names).index(name)]
+        mx.eval(a)
+        view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+        view[...] = np.asarray(data).view(view.dtype).reshape(view.shape)
+    outs = outs[:n_out]
     res = []
     for o, d in zip(outs, spec.output_dtypes):
         o = np.asarray(o)
@@ -232,6 +241,41 @@ def rows_case(QL=48, R=160, rope=16, dtype=mx.float32, BL=1, seed=0):
     qa_norm = mx.array(rng.uniform(0.5, 1.5, QL).astype(np.float32)).astype(dtype)
     kv_norm = mx.array(rng.uniform(0.5, 1.5, R).astype(np.float32)).astype(dtype)
     return y, qa_norm, kv_norm
+
+
+def check_rows_into(shape, dtype, slot: int, capacity: int, kernel_path: bool):
+    """kernels.mla_rows given the cache buffer: on the kernel path (``kernel_path``) the row goes
+    into the buffer at ``slot`` in place (mla_rows_into) and ``kv`` comes back None: q_a and the
+    written row equal mla_rows' own outputs bit for bit, every other row keeps its bytes. The
+    reference path ignores the buffer and returns the row. Returns the launch counters."""
+    from colibri_mlx import kernels
+    from colibri_mlx.kernels import dispatch
+
+    QL, R, rope_w = shape
+    y, qa_norm, kv_norm = rows_case(QL, R, rope_w, dtype, seed=slot)
+    rope = rope_of(rope_w)
+    pos = mx.array(slot, dtype=mx.int32)
+    want_qa, want_kv = kernels.mla_rows(y, QL, qa_norm, kv_norm, 1e-6, rope, pos)
+    rng = np.random.default_rng(slot + 1)
+    cache = mx.array(rng.standard_normal((1, capacity, R + rope_w)).astype(np.float32)).astype(dtype)
+    mx.eval(want_qa, want_kv, cache)
+    before = np.array(cache.view(mx.uint16) if dtype == mx.bfloat16 else cache)
+    dispatch.reset_counters()
+    got_qa, got_kv = kernels.mla_rows(y, QL, qa_norm, kv_norm, 1e-6, rope, pos, cache)
+    counters = dispatch.counters()
+    mx.eval(got_qa)
+    bits = (lambda a: np.array(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.array
+    if not kernel_path:
+        assert got_kv is not None and np.array_equal(bits(got_kv), bits(want_kv))
+        assert np.array_equal(bits(got_qa), bits(want_qa))
+        return counters
+    assert got_kv is None
+    after = bits(cache)
+    assert np.array_equal(bits(got_qa), bits(want_qa)), "q_a differs from mla_rows'"
+    assert np.array_equal(after[0, slot], bits(want_kv).reshape(-1)), f"row {slot} differs from mla_rows' kv"
+    others = np.arange(capacity) != slot
+    assert np.array_equal(after[:, others], before[:, others]), "rows other than the slot changed"
+    return counters
 
 
 def rotated_f64(x: np.ndarray, inv_freq, position) -> tuple[np.ndarray, np.ndarray]:

@@ -153,6 +153,18 @@ def test_mla_rows(dtype, position):
                       angle_ulps=0 if GPU else 2)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("slot, capacity", [(0, 16), (4095, 4096), (40000, 40192)])
+def test_mla_rows_into(dtype, slot, capacity):
+    """kernels.mla_rows writing the row into the cache buffer (mla_rows_into: the CUDA twin on
+    the H200) at DeepSeek-V3's widths: q_a and the row equal mla_rows' bit for bit, every other
+    row keeps its bytes; the reference path returns the row instead."""
+    from moe_mla_oracle import check_rows_into
+
+    counters = check_rows_into((1536, 512, 64), dtype, slot, capacity, kernel_path=GPU)
+    assert not counters["fallbacks"], counters
+
+
 @pytest.mark.parametrize("position", [3, 40000])
 def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
     """mla_decode(rope=, rope_offset=) rotates q_rope in mla_qabs (ROPEQ 1): on the GPU the same

@@ -822,6 +822,27 @@ def test_mla_rows_matches_float64(metal, dtype, shape, position):
     assert_rows_close(want, y, QL, qa_norm, kv_norm, 1e-6, rope, [position], label="reference", angle_ulps=2)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("slot", [0, 5, 9])
+def test_mla_rows_into_writes_the_cache_row_in_place(metal, dtype, slot):
+    from moe_mla_oracle import check_rows_into
+
+    counters = check_rows_into((48, 160, 16), dtype, slot, 10, kernel_path=True)
+    assert metal == ["mla_rows", "mla_rows_into"] and not counters["fallbacks"], (metal, counters)
+
+
+def test_mla_rows_into_declines_visibly(metal):
+    """A cache buffer of another dtype or row width: the row comes back for the caller to write."""
+    y, qa_norm, kv_norm = rows_case(dtype=mx.float32)
+    pos = mx.array(3, dtype=mx.int32)
+    for cache in (mx.zeros((1, 8, 176), mx.float16), mx.zeros((1, 8, 170), mx.float32)):
+        _, kv = kernels.mla_rows(y, 48, qa_norm, kv_norm, 1e-6, rope_of(16), pos, cache)
+        assert kv is not None and kv.shape == (1, 176)
+    fallbacks = kernels.counters()["fallbacks"]
+    assert metal == ["mla_rows", "mla_rows"] and sum(fallbacks.values()) == 2, fallbacks
+    assert all(k.startswith("mla_rows_into") and "expected [1, capacity, 176]" in k for k in fallbacks), fallbacks
+
+
 def test_mla_rows_declines_visibly(metal):
     y, qa_norm, kv_norm = rows_case(dtype=mx.float32)
     pos = mx.array(3, dtype=mx.int32)
@@ -855,10 +876,10 @@ def test_mla_rows_decode_step_in_the_model(metal, tmp_path):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
-ROWS_DEFECTS = {  # name: (text in mla_rows' body, replacement)
-    "rows read at the wrong stride": ("y + size_t(q) * W;", "y + size_t(q) * (W - 1);"),
+ROWS_DEFECTS = {  # name: (text in mla_rows' body or mla_norm_rope_row, replacement)
+    "rows read at the wrong stride": ("y + size_t(q) * params[3],", "y + size_t(q) * (params[3] - 1),"),
     "q_a normalized by the latent's sum": ("rsqrt(sq / float(QL)", "rsqrt(sl / float(QL)"),
-    "eps dropped": (" + fparams[1]);", ");"),
+    "eps dropped": (" + eps_l);", ");"),
     "sums read before every SIMD group wrote": (
         "    sums[NSG + sg] = sl;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);", "    sums[NSG + sg] = sl;\n  }"),
     "rotation the wrong way": ("x1 * cs - x2 * sn", "x1 * cs + x2 * sn"),
@@ -869,16 +890,18 @@ ROWS_DEFECTS = {  # name: (text in mla_rows' body, replacement)
 @pytest.mark.parametrize("defect", sorted(ROWS_DEFECTS))
 def test_mla_rows_planted_defect_is_caught(defect):
     good, bad = ROWS_DEFECTS[defect]
-    spec_source = mla.read_kernel_sections("mla_decode", dispatch.METAL)[1]["mla_rows"]
-    assert spec_source.count(good) == 1, f"defect '{defect}' no longer plants"
     # two rows at different positions; eps 0.5 (so a dropped eps shows); the large shape has
     # every SIMD group write a partial sum
     y, qa_norm, kv_norm = rows_case(1536, 512, 64, mx.float32, BL=2, seed=9)
     rope = rope_of(64)
     positions = mx.array([3, 901], dtype=mx.int32)
     spec = mla.rows_spec(y, 1536, qa_norm, kv_norm, 0.5, rope.inv_freq, positions, dispatch.METAL)
+    helper = spec.header[spec.header.index("inline void mla_norm_rope_row("):]
+    helper = helper[:helper.index("\n}\n")]
+    assert spec.source.count(good) + helper.count(good) == 1, f"defect '{defect}' no longer plants"
     assert_rows_close(simulate(spec, simulator), y, 1536, qa_norm, kv_norm, 0.5, rope, [3, 901], label="clean")
     spec.source = spec.source.replace(good, bad)
+    spec.header = spec.header.replace(helper, helper.replace(good, bad))
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         assert_rows_close(simulate(spec, simulator), y, 1536, qa_norm, kv_norm, 0.5, rope, [3, 901], label=defect)
     assert "failed to compile" not in str(caught.value)

@@ -231,6 +231,10 @@ class LaunchSpec:
     threadgroup: tuple[int, int, int]
     template: list = field(default_factory=list)
     init_value: Optional[float] = None
+    # Inputs the kernel also writes, in place (mla_rows_into's cache): MLX does not know, so
+    # the caller orders every reader after the launch through its outputs; the MSL simulator
+    # copies them back.
+    written_inputs: Sequence[str] = ()
 
 
 # Streaming multiprocessors of the GPU the CUDA launch defaults were measured on (H100 / H200).

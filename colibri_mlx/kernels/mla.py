@@ -470,33 +470,58 @@ def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: floa
     return None
 
 
-def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, backend: str) -> dispatch.LaunchSpec:
+def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, backend: str,
+              cache: Optional[mx.array] = None) -> dispatch.LaunchSpec:
     """mla_rows' launch: one threadgroup per row of ``y [..., W]`` (outputs ``[..., q_rows]`` and
-    ``[..., R + rope]``: y's leading shape, no reshape nodes); ``inv_freq`` float32 ``[rope / 2]``."""
+    ``[..., R + rope]``: y's leading shape, no reshape nodes); ``inv_freq`` float32 ``[rope / 2]``.
+    ``cache`` (``[1, capacity, R + rope]``): ``mla_rows_into``, which writes the cache row into
+    that buffer at slot ``offset`` instead (output q_a only)."""
     W = y.shape[-1]
     BL, lead = y.size // W, y.shape[:-1]
     R = kv_norm.shape[0]
     rope = W - q_rows - R
+    names = ("y", "qnorm", "knorm", "invf", "pos", "params", "fparams")
+    inputs = [y, qa_norm, kv_norm, inv_freq, dispatch.reshaped(offset, BL)]
+    into = cache is not None
     return dispatch.LaunchSpec(
-        name="mla_rows", input_names=("y", "qnorm", "knorm", "invf", "pos", "params", "fparams"),
-        output_names=("qa", "kv"), source=read_kernel_sections("mla_decode", backend)[1]["mla_rows"],
+        name="mla_rows_into" if into else "mla_rows",
+        input_names=names + (("cache",) if into else ()),
+        output_names=("qa",) if into else ("qa", "kv"),
+        source=read_kernel_sections("mla_decode", backend)[1]["mla_rows_into" if into else "mla_rows"],
         header=kernel_header("mla_decode", backend),
-        inputs=[y, qa_norm, kv_norm, inv_freq, dispatch.reshaped(offset, BL),
-                _int32s(q_rows, R, rope, W), dispatch.float_params(eps, eps)],
-        output_shapes=[(*lead, q_rows), (*lead, R + rope)], output_dtypes=[y.dtype] * 2,
+        inputs=inputs + [_int32s(q_rows, R, rope, W, *((cache.shape[1],) if into else ())),
+                         dispatch.float_params(eps, eps)] + ([cache] if into else []),
+        output_shapes=[(*lead, q_rows)] + ([] if into else [(*lead, R + rope)]),
+        output_dtypes=[y.dtype] * (1 if into else 2),
         grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
-        template=[("T", y.dtype), ("NSG", ROWS_NSG)])
+        template=[("T", y.dtype), ("NSG", ROWS_NSG)], written_inputs=("cache",) if into else ())
+
+
+def into_decline_reason(y: mx.array, q_rows: int, cache: mx.array) -> Optional[str]:
+    """Why :func:`mla_rows` cannot write its row into ``cache`` in place, or None."""
+    width = y.shape[-1] - q_rows
+    if cache.size < 8:      # Metal: MLX passes inputs of fewer than 8 values as constant memory
+        return f"cache of {cache.size} values"
+    if cache.ndim != 3 or cache.shape[0] != 1 or cache.shape[2] != width or cache.dtype != y.dtype:
+        return (f"cache of shape {tuple(cache.shape)} in {cache.dtype}: expected [1, capacity, {width}] "
+                f"in {y.dtype}")
+    return None
 
 
 def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
-             offset: mx.array) -> tuple[mx.array, mx.array]:
+             offset: mx.array, cache: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
     """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]`` (any
     leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at
     position ``offset`` (int32 array, mx.fast.rope's offset): q_a and the latent RMS-normalized
     by ``qa_norm`` / ``kv_norm`` (eps),
     the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``, ``fast_freqs``
     for mx.fast.rope, ``attention_factor``), ``kv`` the joint cache row (the latent, then the
-    rope key). One launch on GPUs (``mla_rows``) instead of two rms_norms, a rope and a concat."""
+    rope key). One launch on GPUs (``mla_rows``) instead of two rms_norms, a rope and a concat.
+
+    ``cache`` (the joint cache's whole buffer ``[1, capacity, R + rope]``, one sequence whose
+    position is its slot): on the kernel path the row is written into that buffer at slot
+    ``offset`` in place and ``kv`` is None (``mla_rows_into``: no scatter, and no copy of the
+    cache when MLX could not donate it); otherwise the caller writes ``kv``."""
     impl = dispatch.backend()
     factor = rope.attention_factor
     reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
@@ -509,9 +534,14 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
             return reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
         qa, kv = reference_rows(y.reshape(-1, y.shape[-1]), q_rows, qa_norm, kv_norm, eps, rope, offset)
         return qa.reshape(*y.shape[:-1], -1), kv.reshape(*y.shape[:-1], -1)
+    if cache is not None:
+        reason = into_decline_reason(y, q_rows, cache)
+        if reason is not None:
+            dispatch.record_fallback("mla_rows_into", reason)
+            cache = None
     dispatch.record_call("mla_rows", impl)
-    qa, kv = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl))
-    return qa, kv
+    out = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl, cache))
+    return (out[0], None) if cache is not None else (out[0], out[1])
 
 
 def reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):

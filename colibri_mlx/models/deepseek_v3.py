@@ -470,14 +470,16 @@ class Attention:
             return part.reshape(B, self.n_heads, 1, width)
         return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
 
-    def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True):
+    def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True, cache=None):
         """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], kv
         [B,L,R+rope] (the cache rows: the normed latent, then the roped key), q_latent
         [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of a single query row of a single
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
-        ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate."""
+        ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate.
+        ``cache`` (the joint cache's buffer, with ``rope_offset`` the row's slot): the kernel
+        path writes the row into it in place (kernels.mla_rows) and ``kv`` is None."""
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None and L == 1
@@ -487,7 +489,7 @@ class Attention:
             # reshape would be a graph node of the compiled step.
             y = linear(x, self.x_proj, self.x_proj_bias)
             q_latent, kv = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
-                                            LATENT_NORM_EPS, self.rope, rope_offset)
+                                            LATENT_NORM_EPS, self.rope, rope_offset, cache)
             q = linear(q_latent, self.q_b_proj)
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
@@ -505,10 +507,10 @@ class Attention:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
         return q_nope, q_rope, kv, q_latent
 
-    def _decode_rows(self, x, rope_offset):
+    def _decode_rows(self, x, rope_offset, cache=None):
         """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces); q_rope
         unrotated (:meth:`attend` with ``q_offset`` rotates it in mla_decode's first launch)."""
-        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False)
+        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False, cache=cache)
         return tuple(parts) if q_latent is None or self.indexer is None else (*parts, q_latent)
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
@@ -578,8 +580,12 @@ class Attention:
         whole buffer, attention over its first ``params[6]`` rows (kernels.mla.step_params); the
         output added to ``residual`` (x's shape) when given."""
         slot = kernels.dispatch.reshaped(slot, 1)   # as each kernel reads it: one view (or none)
-        q_nope, q_rope, kv_row = self._decode_rows(x, slot)
-        kv = write_row(kv, kv_row, slot)
+        # The kernel path writes the row into kv itself (kv_row None): a scatter could take the
+        # buffer in place only when no earlier step's kernels still hold it (MLX keeps a
+        # step's inputs alive until it has run), so a pipelined loop would copy the cache.
+        q_nope, q_rope, kv_row = self._decode_rows(x, slot, kv)
+        if kv_row is not None:
+            kv = write_row(kv, kv_row, slot)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
         # shape itself, with no reshape nodes around the kernel.
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1])

@@ -142,6 +142,62 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`
+// (as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin). The q_a part goes to
+// qa_row, the cache row (latent, then rope key) to kv_row (if write_kv): mla_rows' output, or
+// (mla_rows_into) the cache's own buffer at the row's slot.
+template <typename T, int NSG>
+__device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, const T* knorm, const float* invf,
+                                              float position, int QL, int R, int rope, float eps_q,
+                                              float eps_l, T* qa_row, T* kv_row, bool write_kv, float* sums) {
+  const int tid = int(threadIdx.x);
+  const int sg = int(threadIdx.x >> 5);
+  const int lane = int(threadIdx.x & 31);
+  float sq = 0.0f;                             // sums of squares: q_a part, latent part
+  float sl = 0.0f;
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = static_cast<float>(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = static_cast<float>(row[QL + c]);
+    sl += x * x;
+  }
+  sq = warp_sum(sq);
+  sl = warp_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
+  }
+  __syncthreads();
+  sq = 0.0f;
+  sl = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    sq += sums[g];
+    sl += sums[NSG + g];
+  }
+  const float iq = rsqrtf(sq / float(QL) + eps_q);
+  const float il = rsqrtf(sl / float(R) + eps_l);
+  for (int c = tid; c < QL; c += NSG * 32) {
+    qa_row[c] = static_cast<T>(static_cast<float>(qnorm[c]) *
+                               static_cast<float>(static_cast<T>(static_cast<float>(row[c]) * iq)));
+  }
+  for (int c = tid; c < (write_kv ? R : 0); c += NSG * 32) {
+    kv_row[c] = static_cast<T>(static_cast<float>(knorm[c]) *
+                               static_cast<float>(static_cast<T>(static_cast<float>(row[QL + c]) * il)));
+  }
+  const int half = rope / 2;
+  for (int j = tid; j < (write_kv ? half : 0); j += NSG * 32) {
+    const float theta = position * invf[j];
+    const float cs = cosf(theta);
+    const float sn = sinf(theta);
+    const float x1 = static_cast<float>(row[QL + R + j]);
+    const float x2 = static_cast<float>(row[QL + R + j + half]);
+    kv_row[R + j] = static_cast<T>(x1 * cs - x2 * sn);
+    kv_row[R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
+  }
+}
+
 }  // namespace colibri_mla
 
 // ==== kernel body: mla_qabs ====
@@ -848,59 +904,28 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
     }
   }
 // ==== kernel body: mla_rows ====
-  // The .metal kernel of that name (one block per decode row: q_a and latent normalized, the
-  // rope key rotated, as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin).
+  // The .metal kernel of that name: one block per decode row q of y (colibri_mla::norm_rope_row).
   __shared__ float sums[2 * NSG];
   const int QL = params[0];
   const int R = params[1];
   const int rope = params[2];
-  const int W = params[3];                     // y's row stride
   const int q = int(blockIdx.z);
-  const int tid = int(threadIdx.x);
-  const int sg = int(threadIdx.x >> 5);
-  const int lane = int(threadIdx.x & 31);
-  const T* row = y + size_t(q) * W;
-  float sq = 0.0f;                             // sums of squares: q_a part, latent part
-  float sl = 0.0f;
-  for (int c = tid; c < QL; c += NSG * 32) {
-    const float x = static_cast<float>(row[c]);
-    sq += x * x;
-  }
-  for (int c = tid; c < R; c += NSG * 32) {
-    const float x = static_cast<float>(row[QL + c]);
-    sl += x * x;
-  }
-  sq = colibri_mla::warp_sum(sq);
-  sl = colibri_mla::warp_sum(sl);
-  if (lane == 0) {
-    sums[sg] = sq;
-    sums[NSG + sg] = sl;
-  }
-  __syncthreads();
-  sq = 0.0f;
-  sl = 0.0f;
-  for (int g = 0; g < NSG; ++g) {
-    sq += sums[g];
-    sl += sums[NSG + g];
-  }
-  const float iq = rsqrtf(sq / float(QL) + fparams[0]);
-  const float il = rsqrtf(sl / float(R) + fparams[1]);
-  for (int c = tid; c < QL; c += NSG * 32) {
-    qa[size_t(q) * QL + c] = static_cast<T>(static_cast<float>(qnorm[c]) *
-                                            static_cast<float>(static_cast<T>(static_cast<float>(row[c]) * iq)));
-  }
-  for (int c = tid; c < R; c += NSG * 32) {
-    kv[size_t(q) * (R + rope) + c] = static_cast<T>(static_cast<float>(knorm[c]) *
-                                            static_cast<float>(static_cast<T>(static_cast<float>(row[QL + c]) * il)));
-  }
-  const int half = rope / 2;
-  const float position = static_cast<float>(pos[q]);
-  for (int j = tid; j < half; j += NSG * 32) {
-    const float theta = position * invf[j];
-    const float cs = cosf(theta);
-    const float sn = sinf(theta);
-    const float x1 = static_cast<float>(row[QL + R + j]);
-    const float x2 = static_cast<float>(row[QL + R + j + half]);
-    kv[size_t(q) * (R + rope) + R + j] = static_cast<T>(x1 * cs - x2 * sn);
-    kv[size_t(q) * (R + rope) + R + j + half] = static_cast<T>(x1 * sn + x2 * cs);
-  }
+  colibri_mla::norm_rope_row<T, NSG>(y + size_t(q) * params[3], qnorm, knorm, invf, static_cast<float>(pos[q]),
+                                     QL, R, rope, fparams[0], fparams[1], qa + size_t(q) * QL,
+                                     kv + size_t(q) * (R + rope), true, sums);
+// ==== kernel body: mla_rows_into ====
+  // mla_rows with the cache row written into the cache's buffer [1, capacity, R + rope] at the
+  // row's slot (its position: one sequence, no padding), the input `cache`, in place: MLX keeps a
+  // step's inputs alive until its kernels finish, so the next step could not donate the buffer
+  // to a scatter while this one runs and would copy the whole cache (the .metal kernel says
+  // more). A slot past the capacity (params[4]) writes nothing.
+  __shared__ float sums[2 * NSG];
+  const int QL = params[0];
+  const int R = params[1];
+  const int rope = params[2];
+  const int q = int(blockIdx.z);
+  const int slot = pos[q];
+  const bool inside = slot >= 0 && slot < params[4];
+  colibri_mla::norm_rope_row<T, NSG>(y + size_t(q) * params[3], qnorm, knorm, invf, static_cast<float>(slot), QL, R,
+                                     rope, fparams[0], fparams[1], qa + size_t(q) * QL,
+                                     const_cast<T*>(cache) + size_t(inside ? slot : 0) * (R + rope), inside, sums);

@@ -437,8 +437,12 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
                      grid: tuple[int, int, int], threadgroup: tuple[int, int, int], template=None,
                      init_value=None, atomic_outputs: bool = False, allow_unwritten: bool = False,
                      schedules: Sequence[str] = ("forward", "reverse"), timeout: float = 120.0,
-                     return_source: bool = False) -> list[np.ndarray]:
+                     return_source: bool = False, written_inputs: Sequence[str] = ()) -> list[np.ndarray]:
     """Simulate `mx.fast.metal_kernel(name, input_names, output_names, source, header)(...)`.
+
+    written_inputs: inputs the kernel writes in place (through a cast-away const); their contents
+    after the run are returned after the outputs, in that order, and must agree across schedules
+    too.
 
     The kernel runs once per schedule (thread/threadgroup order); outputs must agree bit for bit
     across schedules (a race such as a missing barrier makes them differ) unless atomic_outputs.
@@ -509,6 +513,9 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
                                          f"at byte offset {bad} (buffer is {b.nbytes} bytes)")
             outs = [out_bufs[i].view().view(out_dtypes[i]).copy().reshape(output_shapes[i])
                     for i in range(len(out_bufs))]
+            for wname in written_inputs:
+                data = arg_data[wname]
+                outs.append(by_name[wname].view().copy().view(data.dtype).reshape(data.shape))
         finally:
             for b in bufs:
                 b.close()
@@ -516,7 +523,13 @@ def run_metal_kernel(name: str, input_names: Sequence[str], output_names: Sequen
     if init_value is None and not allow_unwritten:
         _check_written(name, output_names, results, output_dtypes)
 
+    unknown = [w for w in written_inputs if w not in input_names]
+    if unknown:
+        raise SimulatorError(f"written_inputs {unknown} are not inputs of kernel '{name}'")
     for sched, outs in zip(schedules[1:], results[1:]):
+        for wname, a, b in zip(written_inputs, results[0][len(output_names):], outs[len(output_names):]):
+            if not np.array_equal(_bytes_per_element(a), _bytes_per_element(b)):
+                raise SimulatorError(f"kernel '{name}': written input '{wname}' depends on the thread schedule")
         for oname, a, b, dt0 in zip(output_names, results[0], outs, output_dtypes):
             if atomic_outputs:
                 continue  # float atomics legitimately depend on the order
