@@ -1044,7 +1044,7 @@ def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_p
                         lambda self, *args, static=None: steps.append(self.name) or self.fn(*args))
     got = decode()
     assert steps.count("model_step") == 6, steps
-    for name in ("mla_rows", "mla_qabs", "qgemv", "moe_down"):
+    for name in ("mla_rows_into", "mla_qabs", "qgemv", "moe_down"):
         assert name in metal, (name, set(metal))
     assert not kernels.counters()["fallbacks"], kernels.counters()["fallbacks"]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
