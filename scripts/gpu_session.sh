@@ -90,6 +90,8 @@ for s in "${steps[@]}"; do
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
+    bench_long_context) # decode at 4096 / 32768 positions: the row written in place vs the scatter
+                   step bench_long_context 200 python3 scripts/bench_long_context.py --context 4096 32768 ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/profile_decode.py --experts 64 --steps 8 ;;
     e2e_graphs)    # MLX's CUDA backend records a step's launches into one CUDA graph (up to 100

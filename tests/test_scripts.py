@@ -44,6 +44,12 @@ def test_bench_mla_rows():
         assert row in out, out
 
 
+def test_bench_long_context_rows():
+    out = run_script("scripts/bench_long_context.py", "--tiny", "--context", "40", "--steps", "2")
+    for row in ("      40  in place", "      40   scatter", "buffer moved"):
+        assert row in out, out
+
+
 def test_bench_build_reports_the_step_graph():
     out = run_script("scripts/bench_build.py", "--steps", "5")
     assert "decode step build (launches stubbed)" in out and "whole step (one compiled graph)" in out, out
