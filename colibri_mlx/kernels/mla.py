@@ -521,7 +521,10 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
     ``cache`` (the joint cache's whole buffer ``[1, capacity, R + rope]``, one sequence whose
     position is its slot): on the kernel path the row is written into that buffer at slot
     ``offset`` in place and ``kv`` is None (``mla_rows_into``: no scatter, and no copy of the
-    cache when MLX could not donate it); otherwise the caller writes ``kv``."""
+    cache when MLX could not donate it); otherwise the caller writes ``kv``. The buffer must own
+    row-contiguous memory (LayerCache's buffers do: made by ``mx.zeros`` and slice updates, then
+    passed from step to step), or MLX would hand the kernel a contiguous copy to write into; and
+    every reader of the row must depend on q_a (the attention does, through q_b)."""
     impl = dispatch.backend()
     factor = rope.attention_factor
     reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
