@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Decode at a long context: the cache row written in place (mla_rows_into) against the scatter
-that wrote it before, on bench_e2e's model (4 layers, DeepSeek-V3-shaped, ours only).
+that wrote it before, on bench_e2e's model (4 layers, DeepSeek-V3-shaped), and mlx-lm 0.32.2
+on the same model in the same process.
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_long_context.py [--context 4096 32768]
 
@@ -14,13 +15,15 @@ Method (PERF.md): the cache is filled to --context positions with random rows (n
 content does not change the time), then ms/token = median over --steps greedy decode steps, each
 evaluated and synchronized, and the same pipelined (bench_e2e.decode_times_pipelined). Each
 variant runs once unrecorded first. "buffer moved": whether any layer's buffer changed address
-over a pipelined run (a copy; the cache does not grow during it).
+over a pipelined run (a copy; the cache does not grow during it; mlx-lm's KVCache writes its
+rows with a slice update, which is in the same position as our scatter).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -56,7 +59,7 @@ def scatter_row_write():
 
 
 def cache_at(model, context: int, room: int):
-    """A cache holding ``context`` positions of random rows, with room for ``room`` more."""
+    """Ours: a cache holding ``context`` positions of random rows, with room for ``room`` more."""
     from colibri_mlx.models.cache import capacity_for
 
     cache = model.make_cache()
@@ -71,25 +74,50 @@ def cache_at(model, context: int, room: int):
     return cache
 
 
-def addresses(cache):
-    return [np.asarray(c.buffers[CACHE_STREAM].view(mx.uint16) if c.buffers[CACHE_STREAM].dtype == mx.bfloat16 else c.buffers[CACHE_STREAM])
-            .__array_interface__["data"][0] for c in cache.layers]
+def lm_cache_at(model, context: int, room: int):
+    """mlx-lm's: each layer's KVCache (keys: the latent [1, 1, T, R], values: the rope key) holding
+    ``context`` positions of random rows, in buffers of its 256-row steps with room for more."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    rng = np.random.default_rng(0)
+    rows = -(-(context + room) // 256) * 256
+    for c in cache:
+        c.keys = mx.array(rng.standard_normal((1, 1, rows, E.B.KV_LORA), np.float32)).astype(mx.bfloat16)
+        c.values = mx.array(rng.standard_normal((1, 1, rows, E.B.ROPE), np.float32)).astype(mx.bfloat16)
+        c.offset = context
+    mx.eval([(c.keys, c.values) for c in cache])
+    return cache
 
 
-def run(model, context: int, steps: int) -> dict:
+def address(a: mx.array) -> int:
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).__array_interface__["data"][0]
+
+
+def ours_buffers(cache):
+    return [c.buffers[CACHE_STREAM] for c in cache.layers]
+
+
+def lm_buffers(cache):
+    return [c.keys for c in cache] + [c.values for c in cache]
+
+
+def run(step, make_cache, buffers, context: int, steps: int) -> dict:
+    """Synchronized and pipelined ms/token of ``step(tokens, cache)`` from ``make_cache(context,
+    room)``, and whether a buffer moved (was copied) over the pipelined run."""
     first = mx.array([[1]], dtype=mx.int32)    # one decode row: the first call is a decode step too
     out = {}
     for label, pipelined in (("sync", False), ("pipelined", True)):
         timer = E.decode_times_pipelined if pipelined else E.decode_times
-        cache = cache_at(model, context, 2 * steps + 8)
-        timer(lambda t: model(t, cache), first, steps)                      # unrecorded
-        cache = cache_at(model, context, 2 * steps + 8)
+        cache = make_cache(context, 2 * steps + 8)
+        timer(lambda t: step(t, cache), first, steps)                      # unrecorded
+        cache = make_cache(context, 2 * steps + 8)
         mx.synchronize()
-        before = addresses(cache)
-        out[label] = timer(lambda t: model(t, cache), first, steps) * 1e3
+        before = [address(b) for b in buffers(cache)]
+        out[label] = timer(lambda t: step(t, cache), first, steps) * 1e3
         mx.synchronize()
         if pipelined:
-            out["moved"] = addresses(cache) != before
+            out["moved"] = [address(b) for b in buffers(cache)] != before
     return out
 
 
@@ -98,25 +126,35 @@ def main():
     E.add_model_args(ap)
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--no-mlxlm", action="store_true")
     args = ap.parse_args()
     cfg = E.model_config(args)
     t0 = time.perf_counter()
     model = E.our_model(cfg)
-    rows = []
+    ours = lambda t, cache: model(t, cache)                                   # noqa: E731
+    results = {}
     for context in args.context:
-        in_place = run(model, context, args.steps)
+        results[context, "in place"] = run(ours, functools.partial(cache_at, model), ours_buffers, context, args.steps)
         with scatter_row_write():
-            scatter = run(model, context, args.steps)
-        rows.append((context, in_place, scatter))
-        print(f"[context {context}: {time.perf_counter() - t0:.0f} s]", flush=True)
-    width = model.layers[0].self_attn.kv_lora_rank + model.layers[0].self_attn.rope_dim
-    print(f"{'context':>8s} {'write':>9s} {'sync ms':>8s} {'pipelined ms':>13s} {'buffer moved':>13s} "
-          f"{'cache MB a layer':>17s}")
-    for context, in_place, scatter in rows:
-        mb = context * width * E.B.ACT.size / 1e6
-        for label, r in (("in place", in_place), ("scatter", scatter)):
-            print(f"{context:8d} {label:>9s} {r['sync']:8.2f} {r['pipelined']:13.2f} {str(r['moved']):>13s} {mb:17.1f}")
-    print(f"backend {kernels.backend()}; counters: fallbacks {kernels.counters()['fallbacks'] or 0}")
+            results[context, "scatter"] = run(ours, functools.partial(cache_at, model), ours_buffers, context,
+                                              args.steps)
+        print(f"[ours, context {context}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    del model
+    kernels.moe.clear_banks()
+    kernels.compiled.clear()
+    if not args.no_mlxlm:
+        lm = E.lm_model(cfg)
+        theirs = lambda t, cache: lm(t, cache=cache)                          # noqa: E731
+        for context in args.context:
+            results[context, "mlx-lm"] = run(theirs, functools.partial(lm_cache_at, lm), lm_buffers, context,
+                                             args.steps)
+            print(f"[mlx-lm, context {context}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    print(f"{'context':>8s} {'model / row write':>20s} {'sync ms':>8s} {'pipelined ms':>13s} {'buffer moved':>13s}")
+    for (context, label), r in sorted(results.items(), key=lambda kv: kv[0][0]):
+        name = label if label == "mlx-lm" else f"ours, {label}"
+        print(f"{context:8d} {name:>20s} {r['sync']:8.2f} {r['pipelined']:13.2f} {str(r['moved']):>13s}")
+    print(f"backend {kernels.backend()}; fallbacks {kernels.counters()['fallbacks'] or 0}; a layer's cache at "
+          f"{max(args.context)} positions: {max(args.context) * (E.B.KV_LORA + E.B.ROPE) * 2 / 1e6:.1f} MB in bf16")
     return 0
 
 
