@@ -300,7 +300,7 @@ def test_layer_commit_policy(monkeypatch):
 
 
 # Non-launching primitives (views, reshapes) of one attention decode step on the GPU path.
-STEP_VIEW_NODES = 8
+STEP_VIEW_NODES = 6
 
 
 def _primitive_names(*arrays) -> list[str]:
