@@ -480,20 +480,18 @@ def rows_spec(y, q_rows: int, qa_norm, kv_norm, eps: float, inv_freq, offset, ba
     BL, lead = y.size // W, y.shape[:-1]
     R = kv_norm.shape[0]
     rope = W - q_rows - R
-    names = ("y", "qnorm", "knorm", "invf", "pos", "params", "fparams")
-    inputs = [y, qa_norm, kv_norm, inv_freq, dispatch.reshaped(offset, BL)]
-    into = cache is not None
+    into = cache is not None        # mla_rows_into: the buffer's capacity bounds the slot
+    name = "mla_rows_into" if into else "mla_rows"
+    names = ("y", "qnorm", "knorm", "invf", "pos", "params", "fparams") + (("cache",) if into else ())
+    ints = (q_rows, R, rope, W) + ((cache.shape[1],) if into else ())
+    inputs = [y, qa_norm, kv_norm, inv_freq, dispatch.reshaped(offset, BL), _int32s(*ints),
+              dispatch.float_params(eps, eps)] + ([cache] if into else [])
+    outputs = [("qa", q_rows)] + ([] if into else [("kv", R + rope)])
     return dispatch.LaunchSpec(
-        name="mla_rows_into" if into else "mla_rows",
-        input_names=names + (("cache",) if into else ()),
-        output_names=("qa",) if into else ("qa", "kv"),
-        source=read_kernel_sections("mla_decode", backend)[1]["mla_rows_into" if into else "mla_rows"],
-        header=kernel_header("mla_decode", backend),
-        inputs=inputs + [_int32s(q_rows, R, rope, W, *((cache.shape[1],) if into else ())),
-                         dispatch.float_params(eps, eps)] + ([cache] if into else []),
-        output_shapes=[(*lead, q_rows)] + ([] if into else [(*lead, R + rope)]),
-        output_dtypes=[y.dtype] * (1 if into else 2),
-        grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
+        name=name, input_names=names, output_names=tuple(o for o, _ in outputs),
+        source=read_kernel_sections("mla_decode", backend)[1][name], header=kernel_header("mla_decode", backend),
+        inputs=inputs, output_shapes=[(*lead, width) for _, width in outputs],
+        output_dtypes=[y.dtype] * len(outputs), grid=(SIMD * ROWS_NSG, 1, BL), threadgroup=(SIMD * ROWS_NSG, 1, 1),
         template=[("T", y.dtype), ("NSG", ROWS_NSG)], written_inputs=("cache",) if into else ())
 
 
