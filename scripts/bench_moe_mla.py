@@ -314,6 +314,33 @@ def bench_launch_cost(args, results):
         return [y]
 
     results["tiny_op_us"] = timeit(chain, args.iters) / n * 1e6
+    results.update(bench_commit_cost(args.iters))
+
+
+def bench_commit_cost(iters: int, n: int = 64) -> dict:
+    """What a launch costs when MLX commits after it. MLX's GPU backends commit (CUDA: launch the
+    recorded graph; Metal: the command buffer) once the inputs recorded since the last commit pass
+    MLX_MAX_MB_PER_BUFFER (CUDA sm_90: 1000 MB; Metal: 40-50 MB), and a resident weight counts
+    in full every time it is an input: an MoE bank (8 layers of 64 experts here: 1.06 GB for
+    gate_up) makes every launch reading it a commit. Two chains of n dependent 8-element
+    gathers, from an 8-element table and from one of 1.2 GB (n commits): the difference a
+    launch is the commit's host cost plus the GPU's wait for it."""
+    small = mx.arange(8, dtype=mx.int32)
+    big = mx.zeros((300 * 2**20,), dtype=mx.int32)   # 1.2 GB: past CUDA's and Metal's limits
+    mx.eval(small, big)
+
+    def gathers(table):
+        def chain():
+            y = mx.zeros((8,), dtype=mx.int32)
+            for _ in range(n):
+                y = mx.take(table, y)
+            return [y]
+        return chain
+
+    out = {"gather_us": timeit(gathers(small), iters) / n * 1e6,
+           "gather_commit_us": timeit(gathers(big), iters) / n * 1e6}
+    del big
+    return out
 
 
 def main():
@@ -338,7 +365,8 @@ def main():
     print_table(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; {format_line()}")
+    print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; gather {results.get('gather_us', float('nan')):.2f} us, "
+          f"committed after each {results.get('gather_commit_us', float('nan')):.2f} us; {format_line()}")
 
 
 def _labels(key: str) -> tuple[str, str]:

@@ -110,6 +110,14 @@ for s in "${steps[@]}"; do
                      step "bench_moe_mla_${env//=/_}" 150 env "$env" python3 scripts/bench_moe_mla.py \
                        --iters 10 --cache 4096 32768
                    done ;;
+    mb_graphs)     # MLX also commits its graph once the inputs recorded since the last commit pass
+                   # MLX_MAX_MB_PER_BUFFER (1000 MB on sm_90), counting a resident MoE bank in full
+                   # each time a launch reads it: the chains and the decode step commit after their
+                   # MoE launches. Without that limit (each a process of its own; mlx-lm alike):
+                   for b in bench_moe_mla bench_e2e; do
+                     args="--iters 10 --cache 4096 32768"; [ $b = bench_e2e ] && args="--steps 16 --quick"
+                     step "${b}_mb" 200 env MLX_MAX_MB_PER_BUFFER=1000000 python3 scripts/$b.py $args
+                   done ;;
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
