@@ -118,6 +118,9 @@ for s in "${steps[@]}"; do
                      args="--iters 10 --cache 4096 32768"; [ $b = bench_e2e ] && args="--steps 16 --quick"
                      step "${b}_mb" 200 env MLX_MAX_MB_PER_BUFFER=1000000 python3 scripts/$b.py $args
                    done ;;
+    probe_build)   # where a compiled chain's per-call host time goes (CompiledBlock, the trace alone,
+                   # plain ops, backend queries; cProfile)
+                   step probe_build 150 python3 scripts/probe_build.py ;;
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
