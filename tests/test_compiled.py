@@ -205,6 +205,32 @@ def test_block_declines_with_reason_and_counts(monkeypatch):
     assert len(block._deltas) == 1                          # warm-up, trace, replay
 
 
+def test_replays_count_what_their_trace_counted(monkeypatch):
+    """Every call counts what the plain call would, through warm-up, traces and replays, also
+    when a block's traces count different things (by shape here); while its traces agree a
+    replay does not read the inputs' shapes (host time on a GPU: compiled.CompiledBlock)."""
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+
+    def fn(x):
+        kernels.dispatch.record_call("toy_shapes", f"n{x.shape[0]}")
+        return x * 2
+
+    signatures = []
+    real_signature = compiled._signature
+    monkeypatch.setattr(compiled, "_signature", lambda args: signatures.append(1) or real_signature(args))
+    block = compiled.CompiledBlock(fn, "toy_shapes")
+    small, large = mx.ones((2,)), mx.ones((3,))
+    kernels.reset_counters()
+    for _ in range(4):                                      # warm-up, trace, replays
+        y = block(small)
+    assert len(signatures) == 1                             # the trace's own, none a replay
+    np.testing.assert_array_equal(np.array(y), [2.0, 2.0])
+    for x in (large, large, small, large, small):           # a second trace counting otherwise
+        block(x)
+    assert kernels.counters()["calls"] == {"toy_shapes/n2": 6, "toy_shapes/n3": 3}
+    assert len(block._deltas) == 2 and block._counted == {next(iter(block._modes)): None}
+
+
 def test_policy_values(monkeypatch):
     monkeypatch.setenv(compiled.ENV_VAR, "auto")
     assert compiled.enabled(kernels.CUDA) and compiled.enabled(kernels.METAL)

@@ -95,23 +95,44 @@ def clear() -> None:
         block.clear()
 
 
+def _signature(args) -> tuple:
+    """What mx.compile tells traces apart by: the inputs' shapes and dtypes."""
+    return (*[a.shape for a in args], *[a.dtype for a in args])
+
+
 class CompiledBlock:
     """``fn(*arrays)`` (arrays in, an array or a tuple of arrays out) compiled per dispatch mode.
 
     ``block(*args, static=None)`` runs the compiled graph when compiling is enabled and
     ``static`` is None; a string ``static`` is the reason the graph depends on values and the
-    call runs plainly (counted)."""
+    call runs plainly (counted).
+
+    A replay must count what its trace counted. The trace runs our Python, so it records its
+    counters itself (:meth:`_trace`); a replay adds them again. Which trace MLX replays depends
+    on the inputs' shapes and dtypes, but reading them costs ~1.5 µs an input on a GPU host
+    (two nanobind properties; 50 µs a call for the 24 inputs of an 8-layer MoE chain on the
+    H200, scripts/probe_build.py, against 39 µs for MLX's whole compiled call), so they are read
+    only while a mode's traces counted different things."""
 
     def __init__(self, fn: Callable, name: str):
         self.fn = fn
         self.name = name
         self._modes: dict = {}      # mode -> mx.compile'd fn, or None while warming up
-        self._deltas: dict = {}     # (mode, shapes) -> counters a trace recorded
-        _blocks.add(self)
+        self._deltas: dict = {}     # (mode, signature) -> counters a trace recorded
+        self._counted: dict = {}    # mode -> the counters of all its traces when they agree, else None
+        self._traced = None         # (signature, counters) of the trace the current call made
 
     def clear(self) -> None:
         self._modes.clear()
         self._deltas.clear()
+        self._counted.clear()
+
+    def _trace(self, *args):
+        """``fn`` as mx.compile traces it: runs only when MLX (re)traces."""
+        before = dispatch.snapshot()
+        out = self.fn(*args)
+        self._traced = (_signature(args), dispatch.since(before))
+        return out
 
     def __call__(self, *args, static: Optional[str] = None):
         backend = dispatch.backend()
@@ -127,14 +148,18 @@ class CompiledBlock:
             return self.fn(*args)                      # warm-up: caches filled outside a trace
         compiled = self._modes[mode]
         if compiled is None:
-            compiled = self._modes[mode] = mx.compile(self.fn)
-        key = (mode, *[a.shape for a in args], *[a.dtype for a in args])
-        delta = self._deltas.get(key)
-        if delta is None:                              # this call traces: record what it counts
-            before = dispatch.snapshot()
-            out = compiled(*args)
-            self._deltas[key] = dispatch.since(before)
-            return out
+            compiled = self._modes[mode] = mx.compile(self._trace)
+        self._traced = None
         out = compiled(*args)
+        if self._traced is not None:                   # this call traced: it counted itself
+            signature, delta = self._traced
+            self._traced = None
+            self._deltas[(mode, signature)] = delta
+            known = self._counted.get(mode, delta)
+            self._counted[mode] = delta if known == delta else None
+            return out
+        delta = self._counted[mode]
+        if delta is None:
+            delta = self._deltas[(mode, _signature(args))]
         dispatch.replay(delta)
         return out
