@@ -181,8 +181,12 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
   const int ul = lane % LW;
   const int Hp = params[15];
   const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
+  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
+  const int cp = int(threadgroup_position_in_grid.x);
+  const int u0 = cp * UPP;
   if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; c < QW; c += NSG * 32) {
+    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
       qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
     }
     return;
@@ -203,8 +207,8 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
       const int row = h * (nope + v) + min(n, nope - 1);
       xq[i] = n < nope ? float(qh[n]) * qd_row_scale<FMT>(scales, row) : 0.0f;
       for (int j = 0; j < NU; ++j) {
-        const int u = ul + LW * j;
-        if (n < nope && u < n_units) {
+        const int u = u0 + ul + LW * j;
+        if (n < nope && ul + LW * j < UPP && u < n_units) {
           qd_load<FMT, VEC>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
           for (int g = 0; g < NSEG; ++g) {
             scl[i][j][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
@@ -216,8 +220,8 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
       const int n = n0 + (i * NSG + sg) * RPS + sub;
       const int row = h * (nope + v) + min(n, nope - 1);
       for (int j = 0; j < NU; ++j) {
-        const int u = ul + LW * j;
-        if (n < nope && u < n_units) {
+        const int u = u0 + ul + LW * j;
+        if (n < nope && ul + LW * j < UPP && u < n_units) {
           for (int g = 0; g < NSEG; ++g) {
             const float sc = qd_scales_in_memory(FMT) ? scl[i][j][g] : qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]);
             const float us = sc * xq[i];
@@ -240,18 +244,19 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
     }
   }
   for (int j = 0; j < NU; ++j) {
-    const int u = ul + LW * j;
-    if (sub == 0 && u < n_units) {
+    const int u = u0 + ul + LW * j;
+    if (sub == 0 && ul + LW * j < UPP && u < n_units) {
       for (int k = 0; k < WPU; ++k) {
-        red[(sg * NU * LW + u) * WPU + k] = acc[j * WPU + k];
+        red[(sg * NU * LW + u - u0) * WPU + k] = acc[j * WPU + k];
       }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int c = tid; c < R; c += NSG * 32) {
+  const int c1 = min(R, (u0 + UPP) * WPU);     // this part's columns: u0 * WPU .. c1 - 1
+  for (int c = u0 * WPU + tid; c < c1; c += NSG * 32) {
     float s = 0.0f;
     for (int g = 0; g < NSG; ++g) {
-      s += red[g * NU * LW * WPU + c];
+      s += red[g * NU * LW * WPU + c - u0 * WPU];
     }
     qabs[(size_t(q) * Hp + h) * QW + c] = s;
   }
@@ -263,7 +268,7 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
   if (ROPEQ) {
     const int half = (QW - R) / 2;
     const float position = float(qpos[q]);
-    for (int j = tid; j < half; j += NSG * 32) {
+    for (int j = tid; cp == 0 && j < half; j += NSG * 32) {
       const float theta = position * invf[j];
       const float cs = metal::fast::cos(theta);
       const float sn = metal::fast::sin(theta);
@@ -273,7 +278,7 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
       qa_rope[j + half] = float(static_cast<TQ>(x1 * sn + x2 * cs));
     }
   } else {
-    for (int c = tid; c < QW - R; c += NSG * 32) {
+    for (int c = tid; cp == 0 && c < QW - R; c += NSG * 32) {
       qa_rope[c] = float(qr[c]);
     }
   }

@@ -426,10 +426,10 @@ def joint_args(args):
     return (q_nope, q_rope, mx.concatenate([latent, k_rope], axis=-1), None, *rest)
 
 
-def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, **kw):
+def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts=None, **kw):
     args, sel = mla_inputs(**kw)
     run = mla.launch_specs(*(joint_args(args) if joint else args), selected=sel, tile=tile, variant=variant,
-                           heads=heads)
+                           heads=heads, qabs_parts=qabs_parts)
     assert run.variant == variant
     out = run(lambda spec: simulate(spec, simulator))
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
@@ -538,6 +538,33 @@ def test_mla_kv_b_rows_split_over_lanes(metal, fmt, R, nope, v):
     run_mla(metal, fmt=fmt, R=R, nope=nope, v=v, T=20, tile=8, seed=fmt + R, variant="simt")
 
 
+@pytest.mark.parametrize("fmt,R,parts", [(4, 512, 4), (4, 512, 3), (4, 512, 1), (0, 136, 5), (5, 128, 2)])
+def test_mla_qabs_column_parts(metal, fmt, R, parts):
+    # mla_qabs splits a head's kv_b units over `parts` threadgroups (uneven where they do not
+    # divide: 16 units in 3 parts of 6, 6, 4; fmt 0's 17 units in 5 of 4, the last 1); q_rope and
+    # the padding heads (mma pads 12 heads to 16) belong to part 0.
+    assert mla.qabs_parts(16, 3) == (6, 3) and mla.qabs_parts(17, 5) == (4, 5) and mla.qabs_parts(2, 4) == (1, 2)
+    run_mla(metal, fmt=fmt, R=R, H=12, nope=24, v=8, T=20, tile=8, seed=fmt + R + parts, qabs_parts=parts)
+
+
+def test_mla_qabs_parts_planted_defect_is_caught(metal, monkeypatch):
+    # Each part must read and write its own units: a part that reads part 0's units (u0 dropped
+    # from the unit index) writes part 0's sums into its columns.
+    good, bad = "const int u = u0 + ul + LW * j;", "const int u = ul + LW * j;"
+    assert _launched_text("mma").count(good) == 3, "defect no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    args, sel = mla_inputs(fmt=4, R=128, H=4, nope=16, v=8, T=12, seed=77)
+    run = mla.launch_specs(*args, tile=8, qabs_parts=2)
+    assert_mla_close(run(lambda spec: simulate(spec, simulator)), *args, label="clean")
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_mla_close(run(planted), *args)
+    assert "failed to compile" not in str(caught.value)
+
+
 @VARIANTS
 def test_mla_tiles_capped_for_the_merge(metal, variant):
     # mla_out keeps one weight per tile in threadgroup memory (MAX_TILES of them): a forced
@@ -638,8 +665,8 @@ MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
     "qabs rows of a SIMD group not folded": ("acc[k] += simd_shuffle_xor(acc[k], ushort(s));", ""),
     "W_UV row summed over half its lanes": ("for (int m = LW / 2; m >= 1; m >>= 1) {", "for (int m = LW / 4; m >= 1; m >>= 1) {"),
     "rope part dropped": ("d[i * C + c] += qr[i][j] * kv;", "d[i * C + c] += 0.0f;"),
-    "qabs reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g",
-                                       "  for (int c = tid; c < R; c += NSG * 32) {\n    float s = 0.0f;\n    for (int g"),
+    "qabs reduction barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  const int c1 = min(R, (u0 + UPP) * WPU);",
+                                       "  const int c1 = min(R, (u0 + UPP) * WPU);"),
     "chunk staged without a barrier": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (active) {", "    if (active) {"),
     "reduce-scatter keeps the wrong half": ("const float keep = upper ? v[k + w] : v[k];", "const float keep = upper ? v[k] : v[k + w];"),
     "chunk sum misses half the head's lanes": ("psum += simd_shuffle_xor(psum, ushort(4));", ""),

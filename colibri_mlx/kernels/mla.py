@@ -67,6 +67,12 @@ MMA_TARGET_BLOCKS = 256
 # mla_out keeps one weight per tile in threadgroup memory (NTMAX floats): longer caches get
 # longer tiles instead of more. A multiple of 32 * NSG (whole passes of the weight loop).
 MAX_TILES = 512
+# mla_qabs' column parts: threadgroups a head, each computing q' over an equal share of kv_b's
+# units (latent columns) from every nope row; part 0 also writes q_rope. One threadgroup a head
+# was 128 on DeepSeek-V3, 0.19 waves of the H200, two dependent load steps each (kernel alone
+# 8.3 us for 4.7 MB); 4 parts make 512 threadgroups of one load step. Env
+# COLIBRI_MLA_QABS_PARTS overrides (1: one a head). Both twins, as every knob.
+QABS_PARTS = 4
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
 UNITS_IN_FLIGHT = 8
@@ -133,6 +139,13 @@ def unit_lanes(n_units: int) -> tuple:
     lw = min(SIMD, 1 << max(0, n_units - 1).bit_length())
     nu = _ceil_div(n_units, lw)
     return lw, nu, max(1, UNITS_IN_FLIGHT // nu)
+
+
+def qabs_parts(n_units: int, parts: int) -> tuple:
+    """(units a part, parts) of mla_qabs: ``parts`` shares of n_units, as even as whole units
+    allow (fewer where n_units is small)."""
+    upp = _ceil_div(n_units, max(1, min(parts, n_units)))
+    return upp, _ceil_div(n_units, upp)
 
 
 def _template(p: Projection, **extra) -> list:
@@ -208,9 +221,11 @@ class _Static:
     out_template: list
 
 
-def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT) -> _Static:
+def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
+            qabs_parts_asked: Optional[int] = None) -> _Static:
     mma = variant == "mma"
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT)
+    qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -221,13 +236,16 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     BL = B * L
     header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
-    LW, NU, RU = unit_lanes(_ceil_div(R, UNIT_WEIGHTS[p.fmt]))
+    n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
+    LW, NU, RU = unit_lanes(n_units)
+    UPP, parts = qabs_parts(n_units, qabs_parts_asked)
+    LWq, NUq, RUq = unit_lanes(UPP)
     tg = (SIMD * NSG, 1, 1)
     qabs = dict(name="mla_qabs", input_names=("qn", "qrope", "w", "scales", "e8grid", "params", "qpos", "invf"),
                 output_names=("qabs",), source=bodies["mla_qabs"], header=header,
                 output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
-                grid=(SIMD * NSG, Hp, BL), threadgroup=tg)
-    qabs_templates = [_template(p, NSG=NSG, LW=LW, NU=NU, RU=RU, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
+                grid=(SIMD * NSG * parts, Hp, BL), threadgroup=tg)
+    qabs_templates = [_template(p, NSG=NSG, LW=LWq, NU=NUq, RU=RUq, UPP=UPP, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
         attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
@@ -287,14 +305,15 @@ def params_signature(kv_b) -> tuple:
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
-                 q_rotation: Optional[tuple] = None):
+                 q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
     cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
     :func:`step_params` (a fixed-capacity cache: tiles follow the buffer's rows, the length is
     in the array; made with the same ``joint``).
     ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
-    unrotated and mla_qabs rotates it (half-split, as mx.fast.rope)."""
+    unrotated and mla_qabs rotates it (half-split, as mx.fast.rope). ``qabs_parts``: mla_qabs'
+    threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS)."""
     B, H, L, _ = q_nope.shape
     rope = q_rope.shape[-1]
     joint = k_rope is None
@@ -302,7 +321,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads))
+                 mma_heads(backend, heads), qabs_parts)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)

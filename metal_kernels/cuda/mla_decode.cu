@@ -222,8 +222,12 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
   const int ul = lane % LW;
   const int Hp = params[15];
   const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
+  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
+  const int cp = int(blockIdx.x);
+  const int u0 = cp * UPP;
   if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; c < QW; c += NSG * 32) {
+    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
       qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
     }
     return;
@@ -247,8 +251,8 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
       xq[i] = n < nope ? static_cast<float>(qh[n]) * colibri_qd::row_scale<FMT>(scales, row) : 0.0f;
       #pragma unroll
       for (int j = 0; j < NU; ++j) {
-        const int u = ul + LW * j;
-        if (n < nope && u < n_units) {
+        const int u = u0 + ul + LW * j;
+        if (n < nope && ul + LW * j < UPP && u < n_units) {
           colibri_qd::load<FMT, VEC, false>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
           #pragma unroll
           for (int g = 0; g < NSEG; ++g) {
@@ -263,8 +267,8 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
       const int row = h * (nope + v) + min(n, nope - 1);
       #pragma unroll
       for (int j = 0; j < NU; ++j) {
-        const int u = ul + LW * j;
-        if (n < nope && u < n_units) {
+        const int u = u0 + ul + LW * j;
+        if (n < nope && ul + LW * j < UPP && u < n_units) {
           #pragma unroll
           for (int g = 0; g < NSEG; ++g) {
             const float sc = colibri_qd::scales_in_memory(FMT) ? scl[i][j][g] : colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]);
@@ -293,20 +297,21 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
   }
   #pragma unroll
   for (int j = 0; j < NU; ++j) {
-    const int u = ul + LW * j;
-    if (sub == 0 && u < n_units) {
+    const int u = u0 + ul + LW * j;
+    if (sub == 0 && ul + LW * j < UPP && u < n_units) {
       #pragma unroll
       for (int k = 0; k < WPU; ++k) {
-        red[(sg * NU * LW + u) * WPU + k] = acc[j * WPU + k];
+        red[(sg * NU * LW + u - u0) * WPU + k] = acc[j * WPU + k];
       }
     }
   }
   __syncthreads();
-  for (int c = tid; c < R; c += NSG * 32) {
+  const int c1 = min(R, (u0 + UPP) * WPU);     // this part's columns: u0 * WPU .. c1 - 1
+  for (int c = u0 * WPU + tid; c < c1; c += NSG * 32) {
     float s = 0.0f;
     #pragma unroll
     for (int g = 0; g < NSG; ++g) {
-      s += red[g * NU * LW * WPU + c];
+      s += red[g * NU * LW * WPU + c - u0 * WPU];
     }
     qabs[(size_t(q) * Hp + h) * QW + c] = s;
   }
@@ -316,7 +321,7 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
   if (ROPEQ) {
     const int half = (QW - R) / 2;
     const float position = static_cast<float>(qpos[q]);
-    for (int j = tid; j < half; j += NSG * 32) {
+    for (int j = tid; cp == 0 && j < half; j += NSG * 32) {
       const float theta = position * invf[j];
       const float cs = cosf(theta);
       const float sn = sinf(theta);
@@ -326,7 +331,7 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
       qa_rope[j + half] = static_cast<float>(static_cast<TQ>(x1 * sn + x2 * cs));
     }
   } else {
-    for (int c = tid; c < QW - R; c += NSG * 32) {
+    for (int c = tid; cp == 0 && c < QW - R; c += NSG * 32) {
       qa_rope[c] = static_cast<float>(qr[c]);
     }
   }
