@@ -78,6 +78,10 @@ for s in "${steps[@]}"; do
     compiled_tests) step compiled_tests 300 python3 -m pytest -q $(xdist_args) tests/test_compiled.py \
                      tests/test_attention_glue.py tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
+    mla_compiled_tests) # compiled_tests and the mla_decode kernel tests in one worker pool
+                   step mla_compiled_tests 480 python3 -m pytest -q $(xdist_args) tests/test_compiled.py \
+                     tests/test_attention_glue.py tests/test_model_parity.py tests/test_mla_decode.py \
+                     tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
     pending_tests) step pending_tests 200 python3 -m pytest -q $(xdist_args) \
                      tests/test_moe_block.py::test_bank_of_uint32_words \
                      tests/test_mla_decode.py::test_fixed_capacity_buffer_with_step_params tests/test_compiled.py; reap ;;

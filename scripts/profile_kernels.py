@@ -64,7 +64,7 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     return out, layers
 
 
-def mla_launches(impl, T, act, attn_settings=()):
+def mla_launches(impl, T, act, attn_settings=(), qabs_parts=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
     ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
     an SM, dispatch.with_min_blocks); an empty field is the default."""
@@ -84,6 +84,9 @@ def mla_launches(impl, T, act, attn_settings=()):
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
         out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, minb or 0) for s in specs]))
+    for parts in qabs_parts:      # mla_qabs with other threadgroups a head (mla.QABS_PARTS)
+        out.append((f"mla_qabs T={T} parts {parts}", nbytes[0],
+                    [bench_mla_parts.specs_of(i, impl, qabs_parts=parts)[1][0] for i in insts]))
     return out, insts
 
 
@@ -263,6 +266,7 @@ def main():
                     "compiled in), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (HEADS empty: the "
                     "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
+    ap.add_argument("--qabs-parts", default="", help="mla_qabs also at these threadgroups a head, comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
                     "the kernel (CUDA; the large shape's default has it)")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
@@ -279,7 +283,8 @@ def main():
     launches, keep = moe_launches(impl, args.experts, args.k, act, [c for c in args.gate_up.split(",") if c],
                                   [c for c in args.down.split(",") if c])
     for T in args.cache:
-        more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c])
+        more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c],
+                                [int(c) for c in args.qabs_parts.split(",") if c])
         launches += more
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c], args.shape_in)
