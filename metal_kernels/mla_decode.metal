@@ -641,7 +641,7 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
   constexpr int RPS = 32 / LW;                 // W_UV rows side by side in a SIMD group
   constexpr int TPT = NTMAX / (NSG * 32);      // tiles per thread in the weight pass
   constexpr int CPT = (RMAX + NSG * 32 - 1) / (NSG * 32);   // context columns per thread
-  constexpr int TU = 8;                        // tiles per batch of context loads
+  // TU (template): tiles per batch of context loads, CPT x TU loads in flight a thread
   static_assert(NTMAX % (NSG * 32) == 0 && NTMAX % TU == 0, "whole weight passes and batches");
   threadgroup float ctx[RMAX];
   threadgroup float wt[NTMAX];                 // exp(m_t - max) of tile t; 0 past NT

@@ -64,7 +64,7 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     return out, layers
 
 
-def mla_launches(impl, T, act, attn_settings=(), qabs_parts=()):
+def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
     ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
     an SM, dispatch.with_min_blocks); an empty field is the default."""
@@ -87,6 +87,9 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=()):
     for parts in qabs_parts:      # mla_qabs with other threadgroups a head (mla.QABS_PARTS)
         out.append((f"mla_qabs T={T} parts {parts}", nbytes[0],
                     [bench_mla_parts.specs_of(i, impl, qabs_parts=parts)[1][0] for i in insts]))
+    for warps in out_warps:       # mla_out with other SIMD groups (mla.OUT_WARPS)
+        out.append((f"mla_out T={T} warps {warps}", nbytes[2],
+                    [bench_mla_parts.specs_of(i, impl, out_warps=warps)[1][2] for i in insts]))
     return out, insts
 
 
@@ -266,6 +269,7 @@ def main():
                     "compiled in), comma-separated")
     ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (HEADS empty: the "
                     "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
+    ap.add_argument("--out-warps", default="", help="mla_out also with these SIMD groups (4, 8, 16), comma-separated")
     ap.add_argument("--qabs-parts", default="", help="mla_qabs also at these threadgroups a head, comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
                     "the kernel (CUDA; the large shape's default has it)")
@@ -284,7 +288,8 @@ def main():
                                   [c for c in args.down.split(",") if c])
     for T in args.cache:
         more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c],
-                                [int(c) for c in args.qabs_parts.split(",") if c])
+                                [int(c) for c in args.qabs_parts.split(",") if c],
+                                [int(c) for c in args.out_warps.split(",") if c])
         launches += more
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c], args.shape_in)

@@ -426,10 +426,10 @@ def joint_args(args):
     return (q_nope, q_rope, mx.concatenate([latent, k_rope], axis=-1), None, *rest)
 
 
-def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts=None, **kw):
+def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts=None, out_warps=None, **kw):
     args, sel = mla_inputs(**kw)
     run = mla.launch_specs(*(joint_args(args) if joint else args), selected=sel, tile=tile, variant=variant,
-                           heads=heads, qabs_parts=qabs_parts)
+                           heads=heads, qabs_parts=qabs_parts, out_warps=out_warps)
     assert run.variant == variant
     out = run(lambda spec: simulate(spec, simulator))
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
@@ -545,6 +545,17 @@ def test_mla_qabs_column_parts(metal, fmt, R, parts):
     # the padding heads (mma pads 12 heads to 16) belong to part 0.
     assert mla.qabs_parts(16, 3) == (6, 3) and mla.qabs_parts(17, 5) == (4, 5) and mla.qabs_parts(2, 4) == (1, 2)
     run_mla(metal, fmt=fmt, R=R, H=12, nope=24, v=8, T=20, tile=8, seed=fmt + R + parts, qabs_parts=parts)
+
+
+@pytest.mark.parametrize("warps,T,tile", [(8, 300, 4), (16, 1100, 2), (16, 20, 8)])
+def test_mla_out_simdgroups(metal, warps, T, tile):
+    # mla_out with 8 / 16 SIMD groups: batches of 2 x warps tiles (16 / 32), the tile weights in
+    # whole passes of 256 / 512; 300 / 4 = 75 tiles (partial batches), 1100 / 2 capped at
+    # MAX_TILES (367 tiles of 3), 3 tiles (one partial batch).
+    run_mla(metal, fmt=4, R=128, H=4, nope=16, v=40, T=T, tile=tile, seed=warps + T, variant="simt",
+            out_warps=warps)
+    with pytest.raises(ValueError, match="SIMD groups"):
+        mla.out_simdgroups(32)
 
 
 def test_mla_qabs_parts_planted_defect_is_caught(metal, monkeypatch):

@@ -73,6 +73,10 @@ MAX_TILES = 512
 # 8.3 us for 4.7 MB); 4 parts make 512 threadgroups of one load step. Env
 # COLIBRI_MLA_QABS_PARTS overrides (1: one a head). Both twins, as every knob.
 QABS_PARTS = 4
+# mla_out's SIMD groups a threadgroup (one threadgroup a head). Its context sum loads TU = 2 x
+# warps tiles of partials a batch (CPT x TU = 32 loads in flight a thread at any width), so
+# more warps take the merge in fewer dependent batches. Env COLIBRI_MLA_OUT_WARPS overrides.
+OUT_WARPS = 4
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
 UNITS_IN_FLIGHT = 8
@@ -219,13 +223,25 @@ class _Static:
     attn_blocks: int      # threadgroups along x
     attn_template: list
     out_template: list
+    out_threads: int      # threads of mla_out's threadgroup
+
+
+def out_simdgroups(warps: Optional[int] = None) -> int:
+    """mla_out's SIMD groups: ``warps``, env COLIBRI_MLA_OUT_WARPS or OUT_WARPS (4, 8 or 16:
+    its tile weights take whole passes of MAX_TILES)."""
+    w = warps or int(dispatch.getenv("COLIBRI_MLA_OUT_WARPS", "0")) or OUT_WARPS
+    if w not in (4, 8, 16):
+        raise ValueError(f"mla_out: {w} SIMD groups (4, 8 or 16)")
+    return w
 
 
 def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
-            qabs_parts_asked: Optional[int] = None) -> _Static:
+            qabs_parts_asked: Optional[int] = None, out_warps_asked: Optional[int] = None) -> _Static:
     mma = variant == "mma"
     qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
-    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked)
+    out_nsg = out_simdgroups(out_warps_asked)
+    key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
+           out_nsg)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -256,10 +272,10 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
         attn_name, attn_blocks = "mla_attn", _ceil_div(H, HB * attn_sg)
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HB", HB), ("CJ", _ceil_div(R, SIMD)),
                          ("RJ", max(1, _ceil_div(rope, SIMD)))]
-    out_template = _template(p, T=q_dtype, NSG=NSG, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
-                             NTMAX=MAX_TILES)
+    out_template = _template(p, T=q_dtype, NSG=out_nsg, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
+                             NTMAX=MAX_TILES, TU=2 * out_nsg)
     st = _Static(p, header, bodies, Hp, HT, qabs, qabs_templates, attn_name, SIMD * attn_sg, attn_blocks,
-                 attn_template, out_template)
+                 attn_template, out_template, SIMD * out_nsg)
     _statics[key] = (kv_b, st)
     return st
 
@@ -305,7 +321,8 @@ def params_signature(kv_b) -> tuple:
 def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
-                 q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None):
+                 q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None,
+                 out_warps: Optional[int] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
     cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
@@ -313,7 +330,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     in the array; made with the same ``joint``).
     ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
     unrotated and mla_qabs rotates it (half-split, as mx.fast.rope). ``qabs_parts``: mla_qabs'
-    threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS)."""
+    threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS); ``out_warps``:
+    mla_out's SIMD groups (:func:`out_simdgroups`)."""
     B, H, L, _ = q_nope.shape
     rope = q_rope.shape[-1]
     joint = k_rope is None
@@ -321,7 +339,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     BL = B * L
     variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads), qabs_parts)
+                 mma_heads(backend, heads), qabs_parts, out_warps)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)
@@ -367,7 +385,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
             output_shapes=[(B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_nope.dtype],
-            grid=(SIMD * NSG, H, BL), threadgroup=(SIMD * NSG, 1, 1), template=st.out_template)
+            grid=(st.out_threads, H, BL), threadgroup=(st.out_threads, 1, 1), template=st.out_template)
 
     def run(launch):
         (qabs,) = launch(qabs_spec)
