@@ -112,7 +112,8 @@ class CompiledBlock:
     on the inputs' shapes and dtypes, but reading them costs ~1.5 µs an input on a GPU host
     (two nanobind properties; 50 µs a call for the 24 inputs of an 8-layer MoE chain on the
     H200, scripts/probe_build.py, against 39 µs for MLX's whole compiled call), so they are read
-    only while a mode's traces counted different things."""
+    only while a mode's traces counted different things. Not thread-safe (a call's trace is
+    reported through the block): callers serialize decoding, as `colibri serve` does."""
 
     def __init__(self, fn: Callable, name: str):
         self.fn = fn
