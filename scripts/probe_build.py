@@ -18,9 +18,7 @@ import argparse
 import cProfile
 import functools
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -31,23 +29,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_moe_mla as B  # noqa: E402
+from bench_timing import median_times  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import compiled, dispatch  # noqa: E402
 
 
 def call_time(fn, calls: int) -> float:
     """Median µs of fn() alone; its outputs are evaluated after each timed call."""
-    for _ in range(5):
-        mx.eval(fn())
-    mx.synchronize()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-        mx.eval(out)
-        mx.synchronize()
-    return statistics.median(times) * 1e6
+    return median_times(fn, calls)[1] * 1e6
 
 
 def plain_chain(*arrays):

@@ -231,6 +231,19 @@ def test_replays_count_what_their_trace_counted(monkeypatch):
     assert len(block._deltas) == 2 and block._counted == {next(iter(block._modes)): None}
 
 
+def test_clear_drops_every_blocks_traces(monkeypatch):
+    """compiled.clear() reaches every live block: the benchmarks swap functions the traces call
+    and clear, and a kept trace would replay the old graph."""
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    block = compiled.CompiledBlock(lambda x: x + 1, "toy_clear")
+    x = mx.ones((3,))
+    block(x)
+    block(x)                                                # warm-up, trace
+    assert block._modes and block._deltas
+    compiled.clear()
+    assert not block._modes and not block._deltas and not block._counted
+
+
 def test_policy_values(monkeypatch):
     monkeypatch.setenv(compiled.ENV_VAR, "auto")
     assert compiled.enabled(kernels.CUDA) and compiled.enabled(kernels.METAL)

@@ -122,6 +122,7 @@ class CompiledBlock:
         self._deltas: dict = {}     # (mode, signature) -> counters a trace recorded
         self._counted: dict = {}    # mode -> the counters of all its traces when they agree, else None
         self._traced = None         # (signature, counters) of the trace the current call made
+        _blocks.add(self)
 
     def clear(self) -> None:
         self._modes.clear()
