@@ -234,6 +234,29 @@ def test_cuda_persistent_grid_defaults(monkeypatch):
     assert down(dispatch.CUDA)[:2] == (0, 1024) and gate_up(dispatch.CUDA) == (0, 512)
 
 
+def test_cuda_down_shape_compiled_in(monkeypatch):
+    """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) under
+    COLIBRI_MOE_DOWN_SHAPE=1 or shape_in=True, zeros otherwise (read from params); Metal has
+    no such template. tests/test_moe_block.py runs it on a GPU."""
+    monkeypatch.delenv("COLIBRI_MOE_DOWN_SHAPE", raising=False)
+    experts = make_experts([4] * 4, D=512, inter=128, gs=64, seed=8)
+    group = moe.resident_bank(experts).groups[0]
+    ids = mx.array([[0, 2]], dtype=mx.int32)
+
+    def shape(backend, **kw):
+        spec = moe.down_spec(mx.zeros((2, moe.h_width(group))), group, ids, mx.ones((1, 2)), 1, 2, backend, **kw)
+        t = dict(spec.template)
+        return tuple(t.get(k) for k in ("KO", "KRB", "KNG", "KNU"))
+
+    p = group.down
+    assert (p.O, p.rb, p.ng, p.n_units) == (512, 64, 2, 4)
+    assert shape(dispatch.CUDA) == (0, 0, 0, 0)
+    assert shape(dispatch.CUDA, shape_in=True) == (512, 64, 2, 4)
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "1")
+    assert shape(dispatch.CUDA) == (512, 64, 2, 4)
+    assert shape(dispatch.METAL) == (None,) * 4
+
+
 # The persistent loops (PERS 1): (kernel, text, planted replacement, its count in the kernel).
 PERSISTENT_DEFECTS = [
     ("moe_down", "blk += blk_step", "blk += n_blocks", 1),                               # one row block each

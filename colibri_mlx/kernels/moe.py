@@ -415,14 +415,20 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 prefetch=None, res: int = 0, min_blocks=None, persistent=None) -> _Static:
+                 prefetch=None, res: int = 0, min_blocks=None, persistent=None, shape_in=None) -> _Static:
     # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default: slower on
     # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
     # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
     pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
     if persistent is None:
         persistent = _env_blocks("COLIBRI_MOE_DOWN_PERSISTENT")
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent)
+    # CUDA: the projection's shape compiled in (template KO, KRB, KNG, KNU; qgemv's large-shape
+    # default does so): a work item's expert and unit without a runtime division. Off by
+    # default until timed; env COLIBRI_MOE_DOWN_SHAPE=1 turns it on.
+    if shape_in is None:
+        shape_in = dispatch.getenv("COLIBRI_MOE_DOWN_SHAPE", "0") == "1"
+    shape_in = bool(shape_in) and backend == dispatch.CUDA
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent, shape_in)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -456,6 +462,8 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
         + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res),
            ("PERS", pers)]
+        + (list(zip(("KO", "KRB", "KNG", "KNU"), (p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 4))
+           if backend == dispatch.CUDA else [])
         + ([("MINB", min_blocks)] if min_blocks else []),
         params=_params(p, K, S * K, group.n_layer_experts))
     return st
@@ -478,15 +486,17 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
               simdgroups: Optional[int] = None, out_dtype=mx.float32,
               prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
-              min_blocks: Optional[int] = None, persistent: Optional[int] = None) -> dispatch.LaunchSpec:
+              min_blocks: Optional[int] = None, persistent: Optional[int] = None,
+              shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
     the row blocks (0: one a row block; None: env COLIBRI_MOE_DOWN_PERSISTENT, else on CUDA for
-    one token under launch bounds: the resident blocks, balanced)."""
+    one token under launch bounds: the resident blocks, balanced). ``shape_in``: CUDA, the
+    projection's shape compiled in (None: env COLIBRI_MOE_DOWN_SHAPE)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
-                      min_blocks, persistent)
+                      min_blocks, persistent, shape_in)
     p = group.down
     hs = at_least_8(h)
     # With a residual of another rank ([..., D] holding the S rows), y takes its shape: the
