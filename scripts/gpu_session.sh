@@ -44,7 +44,7 @@ xdist_args() {  # 12 workers when pytest-xdist imports (the JIT of each kernel s
 }
 
 reap() {  # test workers a timeout left behind (xdist) would compile and run beside the timings
-  pkill -f "python3 -m pytest" 2>/dev/null
+  pkill -f "^python3 -m pytest" 2>/dev/null   # anchored: not a shell whose command line mentions it
   pkill -f "execnet" 2>/dev/null
   sleep 1
 }
