@@ -107,7 +107,8 @@ def main():
         layer.self_attn.attend = Timed(layer.self_attn.attend, "attention core (mla_decode)", totals)
         layer._compiled_out = Timed(layer._compiled_out, "layer out (o_proj, MLP / MoE)", totals)
         layer._compiled_step = Timed(layer._compiled_step, "whole layer (one compiled graph)", totals)
-    model._compiled_model_step = Timed(model._compiled_model_step, "whole step (one compiled graph)", totals)
+    for which, block in model._compiled_model_steps.items():
+        model._compiled_model_steps[which] = Timed(block, "whole step (one compiled graph)", totals)
     for _ in range(args.steps):
         step()
     layers = cfg["num_hidden_layers"]

@@ -4,6 +4,7 @@ bench_moe_mla.py: 16 µs a layer of the routed-experts chain on the H200, 128 µ
 launches, where a compiled call of a similar graph of plain ops takes ~15 µs on a CPU host).
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/probe_build.py [--experts 16] [--calls 200]
+    python3 scripts/probe_build.py --inputs     # any machine: a compiled call's cost by input count
 
 Times, each the median of --calls calls (the outputs evaluated and synchronized outside the timed
 part): the routed chain through CompiledBlock, the same trace called directly (mx.compile's
@@ -45,12 +46,26 @@ def plain_chain(*arrays):
                  zip(arrays[:n], arrays[n:2 * n], arrays[2 * n:]))
 
 
+def inputs_cost(calls: int) -> None:
+    """A compiled call's cost by its number of inputs, the graph fixed (one op on the first and
+    the last input): what passing a decode step's per-layer arrays costs (any backend)."""
+    for n in (2, 8, 32, 64, 128):
+        args = [mx.ones((4,)) for _ in range(n)]
+        mx.eval(args)
+        fn = mx.compile(lambda *a: a[0] * 2 + a[-1])
+        print(f"{call_time(lambda: fn(*args), calls):9.1f} us  compiled call of {n} inputs")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run of the script")
+    ap.add_argument("--inputs", action="store_true", help="only the compiled call's cost by its number of inputs")
     args = ap.parse_args()
+    if args.inputs:
+        inputs_cost(args.calls)
+        return
     if args.tiny:
         B.shrink()
     from colibri_mlx.models.deepseek_v3 import MoE, ModelArgs

@@ -91,13 +91,13 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
     moe_layers = [layer for layer in layers if hasattr(layer.mlp, "router")]
     if (kind == "dense" or GPU) and scope == "model":
         # The whole step (every layer and the head) is one graph, traced and replayed.
-        assert model._compiled_model_step._deltas
+        assert [bool(b._deltas) for b in model._compiled_model_steps.values()] == [True]
         assert not any(layer._compiled_step._deltas for layer in layers)
         assert not declined
     elif kind == "dense" or GPU:
         # Every layer is one compiled graph over the fixed-capacity cache, traced and replayed.
         assert all(layer._compiled_step._deltas for layer in layers)
-        assert not model._compiled_model_step._deltas
+        assert not any(b._deltas for b in model._compiled_model_steps.values())
         assert not declined
     else:
         # CPU MoE layers: the reference groups tokens on the host, so the MoE layers compile what
@@ -126,7 +126,8 @@ def test_compiled_decode_across_cache_growth(containers, monkeypatch, scope):
     got, got_tokens, _ = _run(model, monkeypatch, "1", steps=20)
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    block = model._compiled_model_step if scope == "model" else model.layers[0]._compiled_step
+    block = (next(iter(model._compiled_model_steps.values())) if scope == "model"
+             else model.layers[0]._compiled_step)
     assert len(block._deltas) == 3       # capacities 8, 16, 24
 
 
@@ -147,10 +148,10 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     from colibri_mlx.models.loading import load_model
 
     model = load_model(containers["dense"], dtype="float32")
-    block = model._compiled_model_step
     monkeypatch.setenv(compiled.ENV_VAR, "1")
     compiled.clear()
     _decode(model, [5, 9, 17, 3], 4)                      # warm-up, trace, replays
+    (block,) = model._compiled_model_steps.values()       # layers alike: one params array
     assert len(block._modes) == 1
     with kernels.force_reference():
         kernels.reset_counters()

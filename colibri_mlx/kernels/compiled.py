@@ -110,10 +110,10 @@ class CompiledBlock:
 
     A replay must count what its trace counted. The trace runs our Python, so it records its
     counters itself (:meth:`_trace`); a replay adds them again. Which trace MLX replays depends
-    on the inputs' shapes and dtypes, but reading them costs ~1.5 µs an input on a GPU host
-    (two nanobind properties; 50 µs a call for the 24 inputs of an 8-layer MoE chain on the
-    H200, scripts/probe_build.py, against 39 µs for MLX's whole compiled call), so they are read
-    only while a mode's traces counted different things. Not thread-safe (a call's trace is
+    on the inputs' shapes and dtypes, but reading them (two nanobind properties an input) was
+    most of the 50 µs this wrapper added to a 24-input call on the H200's host, against 39 µs
+    for MLX's whole compiled call (scripts/probe_build.py), so they are read only while a mode's
+    traces counted different things. Not thread-safe (a call's trace is
     reported through the block): callers serialize decoding, as `colibri serve` does."""
 
     def __init__(self, fn: Callable, name: str):

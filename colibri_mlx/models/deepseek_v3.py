@@ -18,6 +18,8 @@ and absorbed decode attention through :func:`latent_attention` — the three hot
 
 from __future__ import annotations
 
+import functools
+
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -867,7 +869,7 @@ class Model:
         self.rope = make_rope(args.rope, args.qk_rope_head_dim, args.max_position_embeddings, args.rope_interleave)
         self.max_length = args.max_position_embeddings
         self._compiled_head = kernels.compiled.CompiledBlock(self.head, "head")
-        self._compiled_model_step = kernels.compiled.CompiledBlock(self._model_step, "model_step")
+        self._compiled_model_steps: dict = {}   # which params array each layer reads -> its graph
 
     def _mtp_indices(self, weights):
         n = self.args.num_hidden_layers
@@ -934,18 +936,30 @@ class Model:
             kv, p = layer.self_attn.step_inputs(x, layer_cache, start, made)
             buffers.append(kv)
             params.append(p)
-        logits, *buffers = self._compiled_model_step(x, slot, *buffers, *params)
+        # Layers alike share one params array (made): it is passed once, not once a layer, so 61
+        # layers make a call of 64 inputs instead of 124 (MLX's compiled call grows with its
+        # inputs: 12.5 against 20.9-24.8 us on a CPU host, scripts/probe_build.py --inputs).
+        # Which array each layer reads is part of the graph: one compiled block per mapping.
+        shared = list({id(p): p for p in params}.values())
+        which = tuple(next(j for j, q in enumerate(shared) if q is p) for p in params)
+        step = self._compiled_model_steps.get(which)
+        if step is None:
+            step = self._compiled_model_steps[which] = kernels.compiled.CompiledBlock(
+                functools.partial(self._model_step, which), "model_step")
+        logits, *buffers = step(x, slot, *buffers, *shared)
         for layer_cache, kv in zip(cache.layers, buffers):
             layer_cache.buffers[CACHE_STREAM] = kv
         return logits
 
-    def _model_step(self, x, slot, *arrays):
+    def _model_step(self, which, x, slot, *arrays):
+        """Logits and every layer's written cache buffer; ``arrays``: the layers' buffers, then
+        the distinct params arrays, layer i reading ``which[i]`` of them."""
         n = len(self.layers)
         buffers, params = arrays[:n], arrays[n:]
         slot = kernels.dispatch.reshaped(slot, 1)   # once for every layer (Attention.step reads it so)
         written = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer._step(x, slot, buffers[i], params[i])
+            x, kv = layer._step(x, slot, buffers[i], params[which[i]])
             written.append(kv)
         return (self.head(x), *written)
 
