@@ -141,6 +141,30 @@ def test_step_graph_policy(containers, monkeypatch):
         model(mx.array([[5, 9]]), model.make_cache())
 
 
+def test_step_graph_reads_each_layers_own_params(containers, monkeypatch):
+    """Layers alike pass one params array to the step graph; a layer with its own (here: an
+    equal copy for layer 1) gets a graph of its own mapping, and the numbers stay the plain
+    path's."""
+    from colibri_mlx.models.deepseek_v3 import Attention
+    from colibri_mlx.models.loading import load_model
+
+    model = load_model(containers["dense"], dtype="float32")
+    want, want_tokens, _ = _run(model, monkeypatch, "0", steps=6)
+    own = model.layers[1].self_attn
+    step_inputs = Attention.step_inputs
+
+    def copied_for_layer_1(self, x, layer_cache, start, made=None):
+        kv, params = step_inputs(self, x, layer_cache, start, made)
+        return kv, (params + 0 if self is own else params)
+
+    monkeypatch.setattr(Attention, "step_inputs", copied_for_layer_1)
+    got, got_tokens, _ = _run(model, monkeypatch, "1", steps=6)
+    n = len(model.layers)
+    assert list(model._compiled_model_steps) == [(0, 1) + (0,) * (n - 2)]
+    assert got_tokens == want_tokens
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     """A trace made in one dispatch mode is not replayed in another: forcing the reference
     (on a GPU: other kernels) or changing COLIBRI_MOE_PF (the MoE loop a trace bakes in) makes a
