@@ -84,12 +84,12 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=()):
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
         out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, minb or 0) for s in specs]))
-    for parts in qabs_parts:      # mla_qabs with other threadgroups a head (mla.QABS_PARTS)
-        out.append((f"mla_qabs T={T} parts {parts}", nbytes[0],
-                    [bench_mla_parts.specs_of(i, impl, qabs_parts=parts)[1][0] for i in insts]))
-    for warps in out_warps:       # mla_out with other SIMD groups (mla.OUT_WARPS)
-        out.append((f"mla_out T={T} warps {warps}", nbytes[2],
-                    [bench_mla_parts.specs_of(i, impl, out_warps=warps)[1][2] for i in insts]))
+    # mla_qabs with other threadgroups a head (mla.QABS_PARTS), mla_out with other SIMD groups
+    # (mla.OUT_WARPS): launch j of the three, made with launch_specs(**{arg: value})
+    for j, arg, label, values in ((0, "qabs_parts", "parts", qabs_parts), (2, "out_warps", "warps", out_warps)):
+        for value in values:
+            out.append((f"{names[j]} T={T} {label} {value}", nbytes[j],
+                        [bench_mla_parts.specs_of(i, impl, **{arg: value})[1][j] for i in insts]))
     return out, insts
 
 

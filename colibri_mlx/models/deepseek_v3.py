@@ -19,7 +19,6 @@ and absorbed decode attention through :func:`latent_attention` — the three hot
 from __future__ import annotations
 
 import functools
-
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -940,8 +939,9 @@ class Model:
         # layers make a call of 64 inputs instead of 124 (MLX's compiled call grows with its
         # inputs: 12.5 against 20.9-24.8 us on a CPU host, scripts/probe_build.py --inputs).
         # Which array each layer reads is part of the graph: one compiled block per mapping.
+        index: dict = {}                       # id of a distinct array -> its place in shared
+        which = tuple(index.setdefault(id(p), len(index)) for p in params)
         shared = list({id(p): p for p in params}.values())
-        which = tuple(next(j for j, q in enumerate(shared) if q is p) for p in params)
         step = self._compiled_model_steps.get(which)
         if step is None:
             step = self._compiled_model_steps[which] = kernels.compiled.CompiledBlock(
