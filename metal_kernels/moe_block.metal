@@ -105,13 +105,18 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
   }
 }
 
-// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). The weights and
-// (fmt 4/5) scales of items base, base + 32 * NW, ... (UNROLL of them) of the ROWS rows; items
-// past n_items are not read.
+// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). Where an item's
+// bytes are: ewo / eso[je], the offsets of the distinct expert's first down row and of its
+// scales (a table built once a threadgroup), plus the row block's offsets, the same for every
+// item: woff (row0 * rb), soff (row0 * ng) and the rows' deltas rd[r] (r, or O - 1 - row0 for
+// rows past O in the last block). So an item costs one threadgroup load and adds, not two
+// dependent threadgroup loads and 64-bit products a row. The weights and (fmt 4/5) scales of
+// items base, base + 32 * NW, ... (UNROLL of them) of the ROWS rows; items past n_items are
+// not read.
 template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC>
-inline void moe_down_load(const device uint8_t* wd8, const device float* sd, threadgroup const int* sl,
-                          threadgroup const int* elead, thread const int* rows, int O, int rb, int ng,
-                          int n_units, int n_items, int base, thread uint (*raw)[ROWS][qd_words(FMT)],
+inline void moe_down_load(const device uint8_t* wd8, const device float* sd, threadgroup const ulong* ewo,
+                          threadgroup const ulong* eso, thread const int* rd, size_t woff, size_t soff, int rb,
+                          int ng, int n_units, int n_items, int base, thread uint (*raw)[ROWS][qd_words(FMT)],
                           thread float (*scl)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)]) {
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
   for (int j = 0; j < UNROLL; ++j) {
@@ -119,11 +124,12 @@ inline void moe_down_load(const device uint8_t* wd8, const device float* sd, thr
     if (item < n_items) {
       const int je = item / n_units;
       const int u = item - je * n_units;
-      const size_t erow = size_t(sl[elead[je]]) * size_t(O);
+      const device uint8_t* w0 = wd8 + (size_t(ewo[je]) + woff);
+      const device float* s0 = sd + (size_t(eso[je]) + soff);
       for (int r = 0; r < ROWS; ++r) {
-        qd_load<FMT, VEC>(wd8 + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+        qd_load<FMT, VEC>(w0 + rd[r] * rb, rb, u, raw[j][r]);
         for (int g = 0; g < NSEG; ++g) {
-          scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(s0, rd[r], ng, u, g, raw[j][r]) : 1.0f;
         }
       }
     }
@@ -132,22 +138,25 @@ inline void moe_down_load(const device uint8_t* wd8, const device float* sd, thr
 
 // acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
 // (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+// XP 1: h rows are padded with zeros to whole units (moe_gate_up writes every element), so x
+// is read without bounds tests (XV 2) over the padded width hs.
 template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
 inline void moe_down_compute(const device float* h, const device float* sd, const device uint* e8grid,
-                             threadgroup const int* sl, threadgroup const int* elead,
-                             threadgroup const int* eslot, threadgroup const float* ewt,
-                             thread const int* rows, int O, int ng, int I, int hs, int n_units, int n_items,
-                             int base, thread const uint (*raw)[ROWS][qd_words(FMT)],
+                             threadgroup const ulong* eso, threadgroup const int* eslot,
+                             threadgroup const float* ewt, thread const int* rd, int row0, size_t soff, int ng,
+                             int I, int hs, int n_units, int n_items, int base,
+                             thread const uint (*raw)[ROWS][qd_words(FMT)],
                              thread const float (*scl)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)],
                              thread float (*acc)[S]) {
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  constexpr int XVD = (XP && XV) ? 2 : XV;
   for (int j = 0; j < UNROLL; ++j) {
     const int item = base + 32 * NW * j;
     if (item < n_items) {
       const int je = item / n_units;
       const int u = item - je * n_units;
-      const device float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
+      const device float* se = sd + size_t(eso[je]);
       int xoff[S];
       float wt[S];
       uint tokens = 0;
@@ -159,13 +168,13 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       }
       float rs[ROWS];
       for (int r = 0; r < ROWS; ++r) {
-        rs[r] = qd_row_scale<FMT>(se, rows[r]);
+        rs[r] = qd_row_scale<FMT>(se, row0 + rd[r]);
       }
       for (int g = 0; g < NSEG; ++g) {
         float d[ROWS][S];
-        qd_seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+        qd_seg_dots<FMT, GS, S, ROWS, XVD, W, float, NIB, XP>(raw[j], h, xoff, tokens, XP ? hs : I, u, g, e8grid, d);
         for (int r = 0; r < ROWS; ++r) {
-          const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
+          const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se + soff, rd[r], ng, u, g, raw[j][r])) * rs[r];
           for (int s = 0; s < S; ++s) {
             acc[r][s] += d[r][s] * (sc * wt[s]);
           }
@@ -331,6 +340,8 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   threadgroup float ewt[moe_max_slots() * S];    // ... and the summed gate weight
   threadgroup float swt[moe_max_slots()];        // gate weight of every slot
   threadgroup int n_distinct[1];
+  threadgroup ulong ewo[moe_max_slots()];        // distinct expert: its first down row (bytes)
+  threadgroup ulong eso[moe_max_slots()];        // ... and its first scale (floats)
   threadgroup float red[NW * ROWS * S];
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
@@ -353,6 +364,8 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
         j += lead[c];
       }
       elead[j] = b;
+      ewo[j] = ulong(sl[b]) * ulong(O) * ulong(rb);
+      eso[j] = ulong(sl[b]) * ulong(O) * ulong(ng);
       for (int s = 0; s < S; ++s) {
         eslot[j * S + s] = -1;
         ewt[j * S + s] = 0.0f;
@@ -381,10 +394,12 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int blk_step = PERS ? int(threadgroups_per_grid.x) : n_blocks;
   for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
-    int rows[ROWS];
+    int rd[ROWS];                                // row r of the block: row0 + rd[r]
     for (int r = 0; r < ROWS; ++r) {
-      rows[r] = min(row0 + r, O - 1);
+      rd[r] = min(r, O - 1 - row0);
     }
+    const size_t woff = size_t(row0) * size_t(rb);
+    const size_t soff = size_t(row0) * size_t(ng);
     float acc[ROWS][S];
     for (int r = 0; r < ROWS; ++r) {
       for (int s = 0; s < S; ++s) {
@@ -399,29 +414,29 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     if (PF) {
       uint raw_b[UNROLL][ROWS][W];
       float scl_b[UNROLL][ROWS][NSEG];
-      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, tid,
                                                     raw_a, scl_a);
       for (int base = tid; base < n_items; base += 2 * STEP) {
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
                                                       base + STEP, raw_b, scl_b);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                    ng, I, hs, n_units, n_items, base, raw_a,
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
+                                                                    soff, ng, I, hs, n_units, n_items, base, raw_a,
                                                                     scl_a, acc);
         if (base + STEP >= n_items) {
           break;
         }
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
                                                       base + 2 * STEP, raw_a, scl_a);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                    ng, I, hs, n_units, n_items, base + STEP,
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
+                                                                    soff, ng, I, hs, n_units, n_items, base + STEP,
                                                                     raw_b, scl_b, acc);
       }
     } else {
       for (int base = tid; base < n_items; base += STEP) {
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
                                                       raw_a, scl_a);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O,
-                                                                    ng, I, hs, n_units, n_items, base, raw_a,
+        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
+                                                                    soff, ng, I, hs, n_units, n_items, base, raw_a,
                                                                     scl_a, acc);
       }
     }

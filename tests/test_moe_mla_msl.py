@@ -344,8 +344,10 @@ MOE_DEFECTS = {
                                           "  const int n_items"),
     "gate_up hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;",
                                                "qd_seg_scale<FMT, GS>(sgu, rows[0], ng, u, g, raw[j][r]) : 1.0f;", FMT4_ONLY),
-    "down hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r]",
-                                            "qd_seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[0]", FMT4_ONLY),
+    "down hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(s0, rd[r]", "qd_seg_scale<FMT, GS>(s0, rd[0]",
+                                            FMT4_ONLY),
+    "down expert table: weights of the first expert": ("ewo[j] = ulong(sl[b])", "ewo[j] = ulong(sl[0])"),
+    "down expert table: scales of the first expert": ("eso[j] = ulong(sl[b])", "eso[j] = ulong(sl[0])", FMT4_ONLY),
     "hadamard missing barrier": ("buf[i + hs] = u - v;\n    }\n    threadgroup_barrier(mem_flags::mem_threadgroup);",
                                  "buf[i + hs] = u - v;\n    }"),
 }

@@ -129,12 +129,17 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
   }
 }
 
-// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). The weights and
-// (fmt 4/5) scales of items base, base + 32 * NW, ... (UNROLL of them) of the ROWS rows; items
-// past n_items are not read.
+// moe_down's work item i = (distinct expert i / n_units, unit i % n_units). Where an item's
+// bytes are: ewo / eso[je], the offsets of the distinct expert's first down row and of its
+// scales (a table built once a block), plus the row block's offsets, the same for every item: woff (row0 * rb), soff
+// (row0 * ng) and the rows' deltas rd[r] (r, or O - 1 - row0 for rows past O in the last
+// block). So an item costs one shared load and adds, not two dependent shared loads and 64-bit
+// products a row. The weights and (fmt 4/5) scales of items base, base + 32 * NW, ...
+// (UNROLL of them) of the ROWS rows; items past n_items are not read.
 template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC, bool W16>
-__device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, const int* sl, const int* elead,
-                                          const int* rows, int O, int rb, int ng, int n_units, int n_items,
+__device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, const size_t* ewo,
+                                          const size_t* eso, const int* rd,
+                                          size_t woff, size_t soff, int rb, int ng, int n_units, int n_items,
                                           int base, uint32_t (*raw)[ROWS][qd::words(FMT)],
                                           float (*scl)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)]) {
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
@@ -144,13 +149,14 @@ __device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, co
     if (item < n_items) {
       const int je = item / n_units;
       const int u = item - je * n_units;
-      const size_t erow = size_t(sl[elead[je]]) * size_t(O);
+      const uint8_t* w0 = wd + (ewo[je] + woff);
+      const float* s0 = sd + (eso[je] + soff);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        qd::load<FMT, VEC, W16>(wd + (erow + size_t(rows[r])) * size_t(rb), rb, u, raw[j][r]);
+        qd::load<FMT, VEC, W16>(w0 + rd[r] * rb, rb, u, raw[j][r]);
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
-          scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sd + erow * size_t(ng), rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(s0, rd[r], ng, u, g, raw[j][r]) : 1.0f;
         }
       }
     }
@@ -159,23 +165,25 @@ __device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, co
 
 // acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
 // (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+// XP 1: h rows are padded with zeros to whole units (moe_gate_up writes every element), so x
+// is read without bounds tests (XV 2) over the padded width hs.
 template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
-__device__ __forceinline__ void down_compute(const float* h, const float* sd, const uint32_t* e8grid,
-                                             const int* sl, const int* elead, const int* eslot,
-                                             const float* ewt, const int* rows, int O, int ng, int I, int hs,
-                                             int n_units, int n_items, int base,
-                                             const uint32_t (*raw)[ROWS][qd::words(FMT)],
+__device__ __forceinline__ void down_compute(const float* h, const float* sd, const uint32_t* e8grid, const size_t* eso,
+                                             const int* eslot, const float* ewt, const int* rd, int row0,
+                                             size_t soff, int ng, int I, int hs, int n_units, int n_items,
+                                             int base, const uint32_t (*raw)[ROWS][qd::words(FMT)],
                                              const float (*scl)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)],
                                              float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+  constexpr int XVD = (XP && XV) ? 2 : XV;
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
     const int item = base + 32 * NW * j;
     if (item < n_items) {
       const int je = item / n_units;
       const int u = item - je * n_units;
-      const float* se = sd + size_t(sl[elead[je]]) * size_t(O) * size_t(ng);
+      const float* se = sd + eso[je];
       int xoff[S];
       float wt[S];
       uint32_t tokens = 0;
@@ -189,15 +197,15 @@ __device__ __forceinline__ void down_compute(const float* h, const float* sd, co
       float rs[ROWS];
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        rs[r] = qd::row_scale<FMT>(se, rows[r]);
+        rs[r] = qd::row_scale<FMT>(se, row0 + rd[r]);
       }
 #pragma unroll
       for (int g = 0; g < NSEG; ++g) {
         float d[ROWS][S];
-        qd::seg_dots<FMT, GS, S, ROWS, XV, W, float, NIB, XP>(raw[j], h, xoff, tokens, I, u, g, e8grid, d);
+        qd::seg_dots<FMT, GS, S, ROWS, XVD, W, float, NIB, XP>(raw[j], h, xoff, tokens, XP ? hs : I, u, g, e8grid, d);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-          const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se, rows[r], ng, u, g, raw[j][r])) * rs[r];
+          const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se + soff, rd[r], ng, u, g, raw[j][r])) * rs[r];
 #pragma unroll
           for (int s = 0; s < S; ++s) {
             acc[r][s] += d[r][s] * (sc * wt[s]);
@@ -214,40 +222,41 @@ __device__ __forceinline__ void down_compute(const float* h, const float* sd, co
 template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP,
           int PF>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
-                                             const uint32_t* e8grid, const int* sl,
-                                             const int* elead, const int* eslot, const float* ewt,
-                                             const int* rows, int O, int rb, int ng, int I, int hs,
+                                             const uint32_t* e8grid, const size_t* ewo, const size_t* eso,
+                                             const int* eslot, const float* ewt,
+                                             const int* rd, int row0, int rb, int ng, int I, int hs,
                                              int n_units, int n_items, int tid, float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   constexpr int STEP = 32 * NW * UNROLL;
+  const size_t woff = size_t(row0) * size_t(rb);
+  const size_t soff = size_t(row0) * size_t(ng);
   uint32_t raw_a[UNROLL][ROWS][W];
   float scl_a[UNROLL][ROWS][NSEG];             // fmt 4/5 scales, loaded with the weights
   if (PF) {
     uint32_t raw_b[UNROLL][ROWS][W];
     float scl_b[UNROLL][ROWS][NSEG];
-    down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items, tid,
+    down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, tid,
                                                    raw_a, scl_a);
     for (int base = tid; base < n_items; base += 2 * STEP) {
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
                                                      base + STEP, raw_b, scl_b);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
-                                                              I, hs, n_units, n_items, base, raw_a, scl_a, acc);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                              hs, n_units, n_items, base, raw_a, scl_a, acc);
       if (base + STEP >= n_items) {
         break;
       }
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items,
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
                                                      base + 2 * STEP, raw_a, scl_a);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
-                                                              I, hs, n_units, n_items, base + STEP, raw_b, scl_b,
-                                                              acc);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                              hs, n_units, n_items, base + STEP, raw_b, scl_b, acc);
     }
   } else {
     for (int base = tid; base < n_items; base += STEP) {
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, sl, elead, rows, O, rb, ng, n_units, n_items, base,
+      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
                                                      raw_a, scl_a);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, sl, elead, eslot, ewt, rows, O, ng,
-                                                              I, hs, n_units, n_items, base, raw_a, scl_a, acc);
+      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                              hs, n_units, n_items, base, raw_a, scl_a, acc);
     }
   }
 }
@@ -390,6 +399,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   __shared__ float ewt[colibri_moe::max_slots() * S];
   __shared__ float swt[colibri_moe::max_slots()];        // gate weight of every slot
   __shared__ int n_distinct[1];
+  __shared__ size_t ewo[colibri_moe::max_slots()];   // distinct expert: its first down row (bytes)
+  __shared__ size_t eso[colibri_moe::max_slots()];   // ... and its first scale (floats)
   __shared__ float red[NW * ROWS * S];
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
@@ -412,6 +423,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
         j += lead[c];
       }
       elead[j] = b;
+      ewo[j] = size_t(sl[b]) * size_t(O) * size_t(rb);
+      eso[j] = size_t(sl[b]) * size_t(O) * size_t(ng);
       for (int s = 0; s < S; ++s) {
         eslot[j * S + s] = -1;
         ewt[j * S + s] = 0.0f;
@@ -441,10 +454,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
-    int rows[ROWS];
+    int rd[ROWS];                               // row r of the block: row0 + rd[r]
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      rows[r] = min(row0 + r, O - 1);
+      rd[r] = min(r, O - 1 - row0);
     }
     float acc[ROWS][S];
 #pragma unroll
@@ -456,10 +469,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     }
     if (w16 && x16) {
       colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
-          h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
+          h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     } else {
       colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP, PF>(
-          h, wd8, sd, e8grid, sl, elead, eslot, ewt, rows, O, rb, ng, I, hs, n_units, n_items, tid, acc);
+          h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     }
     colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
     __syncthreads();
