@@ -78,7 +78,30 @@ inline void moe_gate_up_load(const device uint8_t* wgu, const device float* sgu,
   }
 }
 
+// acc[r][s] += unit u of the rows (loaded as raw / scl) against the tokens in `tokens`.
+template <int FMT, int GS, int S, int R2, int XV, int NIB, typename T>
+inline void moe_gate_up_unit(const device T* x, const device float* sgu, const device uint* e8grid,
+                             thread const int* rows, thread const int* xoff, uint tokens, int ng, int I, int u,
+                             thread const uint (*raw)[qd_words(FMT)],
+                             thread const float (*scl)[qd_wpu(FMT) / qd_seg(FMT, GS)],
+                             thread float (*acc)[S]) {
+  constexpr int W = qd_words(FMT);
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  for (int g = 0; g < NSEG; ++g) {
+    float d[R2][S];
+    qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw, x, xoff, tokens, I, u, g, e8grid, d);
+    for (int r = 0; r < R2; ++r) {
+      const float sc = qd_scales_in_memory(FMT) ? scl[r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[r]);
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] += d[r][s] * sc;
+      }
+    }
+  }
+}
+
 // acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+// A unit wholly inside x's row (aligned) reads x without per-8 bounds tests (XV 2), as
+// qgemv's units do; the guarded copy only for S <= 4 (qgemv's register reason).
 template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
 inline void moe_gate_up_compute(const device T* x, const device float* sgu,
                                 const device uint* e8grid, thread const int* rows,
@@ -86,21 +109,13 @@ inline void moe_gate_up_compute(const device T* x, const device float* sgu,
                                 int base, thread const uint (*raw)[R2][qd_words(FMT)],
                                 thread const float (*scl)[R2][qd_wpu(FMT) / qd_seg(FMT, GS)],
                                 thread float (*acc)[S]) {
-  constexpr int W = qd_words(FMT);
-  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  constexpr bool FULL_UNITS = S <= 4;
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (u < n_units) {
-      for (int g = 0; g < NSEG; ++g) {
-        float d[R2][S];
-        qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
-        for (int r = 0; r < R2; ++r) {
-          const float sc = qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
-          for (int s = 0; s < S; ++s) {
-            acc[r][s] += d[r][s] * sc;
-          }
-        }
-      }
+    if (XV && FULL_UNITS && qd_wpu(FMT) * (u + 1) <= I) {
+      moe_gate_up_unit<FMT, GS, S, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+    } else if (u < n_units) {
+      moe_gate_up_unit<FMT, GS, S, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
     }
   }
 }

@@ -212,6 +212,8 @@ def moe_specs(full: bool):
                 # the shape compiled in (env COLIBRI_MOE_DOWN_SHAPE=1)
                 yield f"down_fmt{fmt}_S1_shape", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                               out_dtype=dtype, persistent=3, shape_in=True)
+                yield f"gate_up_fmt{fmt}_S1_shape", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3,
+                                                                    shape_in=True)
             # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
             yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                   out_dtype=dtype, prefetch=1)

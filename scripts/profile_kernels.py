@@ -261,8 +261,8 @@ def main():
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
-    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] (MINB: CUDA launch bounds, blocks an SM; "
-                    "PB: blocks a slot of a persistent grid), comma-separated")
+    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB[:PB[:SHAPE]]] (MINB: CUDA launch bounds, blocks an SM; "
+                    "PB: blocks a slot of a persistent grid; SHAPE 1: the shape compiled in), comma-separated")
     ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB[:SHAPE]]]] (PB: blocks of a persistent grid; SHAPE 1: the shape compiled in), comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB[:SHAPE]]] (PB: blocks of a "
                     "persistent grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM; SHAPE 1: the shape "

@@ -14,7 +14,7 @@ What a trace fixes, and how it stays right:
 * Shapes and dtypes: each distinct set of input shapes/dtypes gets its own trace (mx.compile).
 * The dispatch mode: traces are kept per backend and MoE loop knob (``COLIBRI_MOE_PF``,
   ``COLIBRI_MOE_DOWN_PF``, ``COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT``,
-  ``COLIBRI_MOE_DOWN_SHAPE``): forcing the reference or
+  ``COLIBRI_MOE_{DOWN,GATE_UP}_SHAPE``): forcing the reference or
   changing a MoE loop is a different graph. Other kernel knobs
   (``COLIBRI_MLA_*``) are read by launches outside the compiled blocks; :func:`clear` drops every
   trace (after changing a knob).
@@ -46,7 +46,7 @@ MODES = ("auto", "0", "1")
 _blocks: "weakref.WeakSet[CompiledBlock]" = weakref.WeakSet()
 # The MoE kernels' loop knobs (kernels/moe.py): each setting is a different graph.
 MOE_LOOP_VARS = ("COLIBRI_MOE_PF", "COLIBRI_MOE_DOWN_PF", "COLIBRI_MOE_DOWN_PERSISTENT",
-                 "COLIBRI_MOE_GATE_UP_PERSISTENT", "COLIBRI_MOE_DOWN_SHAPE")
+                 "COLIBRI_MOE_GATE_UP_PERSISTENT", "COLIBRI_MOE_DOWN_SHAPE", "COLIBRI_MOE_GATE_UP_SHAPE")
 
 
 def policy() -> str:

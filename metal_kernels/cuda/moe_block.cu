@@ -57,7 +57,33 @@ __device__ __forceinline__ void gate_up_load(const uint8_t* wgu, const float* sg
   }
 }
 
+// acc[r][s] += unit u of the rows (loaded as raw / scl) against the tokens in `tokens`.
+template <int FMT, int GS, int S, int R2, int XV, int NIB, typename T>
+__device__ __forceinline__ void gate_up_unit(const T* x, const float* sgu, const uint32_t* e8grid, const int* rows,
+                                             const int* xoff, uint32_t tokens, int ng, int I, int u,
+                                             const uint32_t (*raw)[qd::words(FMT)],
+                                             const float (*scl)[qd::wpu(FMT) / qd::seg(FMT, GS)],
+                                             float (*acc)[S]) {
+  constexpr int W = qd::words(FMT);
+  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+#pragma unroll
+  for (int g = 0; g < NSEG; ++g) {
+    float d[R2][S];
+    qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw, x, xoff, tokens, I, u, g, e8grid, d);
+#pragma unroll
+    for (int r = 0; r < R2; ++r) {
+      const float sc = qd::scales_in_memory(FMT) ? scl[r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[r]);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        acc[r][s] += d[r][s] * sc;
+      }
+    }
+  }
+}
+
 // acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+// A unit wholly inside x's row (aligned) reads x without per-8 bounds tests (XV 2), as
+// qgemv's units do; the guarded copy only for S <= 4 (qgemv's register reason).
 template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
 __device__ __forceinline__ void gate_up_compute(const T* x, const float* sgu, const uint32_t* e8grid,
                                                 const int* rows, const int* xoff, uint32_t tokens,
@@ -65,25 +91,14 @@ __device__ __forceinline__ void gate_up_compute(const T* x, const float* sgu, co
                                                 const uint32_t (*raw)[R2][qd::words(FMT)],
                                                 const float (*scl)[R2][qd::wpu(FMT) / qd::seg(FMT, GS)],
                                                 float (*acc)[S]) {
-  constexpr int W = qd::words(FMT);
-  constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
+  constexpr bool FULL_UNITS = S <= 4;
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (u < n_units) {
-#pragma unroll
-      for (int g = 0; g < NSEG; ++g) {
-        float d[R2][S];
-        qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw[j], x, xoff, tokens, I, u, g, e8grid, d);
-#pragma unroll
-        for (int r = 0; r < R2; ++r) {
-          const float sc = qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]);
-#pragma unroll
-          for (int s = 0; s < S; ++s) {
-            acc[r][s] += d[r][s] * sc;
-          }
-        }
-      }
+    if (XV && FULL_UNITS && qd::wpu(FMT) * (u + 1) <= I) {
+      gate_up_unit<FMT, GS, S, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+    } else if (u < n_units) {
+      gate_up_unit<FMT, GS, S, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
     }
   }
 }
@@ -267,11 +282,13 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   // The stacked bank is uint8, or uint32 words past 2^31 bytes (moe.py: MLX shapes are 32-bit).
   const uint8_t* wgu8 = reinterpret_cast<const uint8_t*>(wgu);
   constexpr int R2 = 2 * ROWS;
-  const int I = params[0];
-  const int O = params[1];
-  const int rb = params[2];
-  const int ng = params[3];
-  const int n_units = params[4];
+  // KI, KO, KRB, KNG, KNU > 0: the projection's shape compiled in (moe.py, env
+  // COLIBRI_MOE_GATE_UP_SHAPE): constant loop bounds and row offsets, as qgemv's large shapes.
+  const int I = KI > 0 ? KI : params[0];
+  const int O = KO > 0 ? KO : params[1];
+  const int rb = KRB > 0 ? KRB : params[2];
+  const int ng = KNG > 0 ? KNG : params[3];
+  const int n_units = KNU > 0 ? KNU : params[4];
   const int K = params[5];
   const int n_slots = params[6];
   const int E = params[7];
