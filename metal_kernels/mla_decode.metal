@@ -159,45 +159,27 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
   }
 }
 
-// ==== kernel body: mla_qabs ====
+// ---- mla_qabs / mla_qb_qabs: q' = W_UK^h^T q_nope over a part's kv_b units, and q_rope ----
+
+// q' of head h over kv_b units u0 .. u0 + UPP - 1 (the latent columns they hold) into qrow
+// [0, R), from the head's nope values qh[0 .. nope) (the q_b GEMV's q_nope, or mla_qb_qabs'
+// rows in threadgroup memory). RU rows a lane per step, all their loads (units, scales, q)
+// issued before any math: one row at a time is a chain of dependent global-load latencies,
+// the bytes themselves are few. red: NSG * NU * LW * WPU floats of threadgroup memory.
+template <int FMT, int GS, int VEC, int NSG, int LW, int NU, int RU, int UPP, typename QP>
+inline void mla_qabs_columns(QP qh, const device uint8_t* w, const device float* scales, const device uint* e8grid,
+                             int h, int nope, int v, int R, int rb, int ng, int n_units, int u0,
+                             threadgroup float* red, device float* qrow, int tid, int sg, int lane) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
   constexpr int NSEG = WPU / SEG;
   constexpr int RPS = 32 / LW;                 // rows side by side in a SIMD group
-  threadgroup float red[NSG * NU * LW * WPU];
-  const int H = params[0];
-  const int nope = params[1];
-  const int v = params[2];
-  const int R = params[3];
-  const int rb = params[10];
-  const int ng = params[11];
-  const int n_units = params[12];
-  const int h = int(threadgroup_position_in_grid.y);
-  const int q = int(threadgroup_position_in_grid.z);
-  const int sg = int(simdgroup_index_in_threadgroup);
-  const int lane = int(thread_index_in_simdgroup);
-  const int tid = int(thread_index_in_threadgroup);
   const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
   const int ul = lane % LW;
-  const int Hp = params[15];
-  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
-  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
-  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
-  const int cp = int(threadgroup_position_in_grid.x);
-  const int u0 = cp * UPP;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
-      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
-    }
-    return;
-  }
-  const device auto* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
   }
-  // RU rows a lane per step, all their loads (units, scales, q) issued before any math: one
-  // row at a time is a chain of dependent global-load latencies, the bytes themselves are few.
   for (int n0 = 0; n0 < nope; n0 += NSG * RPS * RU) {
     uint raw[RU][NU][qd_words(FMT)];
     float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
@@ -258,17 +240,18 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * LW * WPU + c - u0 * WPU];
     }
-    qabs[(size_t(q) * Hp + h) * QW + c] = s;
+    qrow[c] = s;
   }
-  // q_rope as float beside q' (no cast launch). ROPEQ 1: rotated here (half-split, at the row's
-  // position qpos[q], inv_freq invf) and rounded to q's dtype as mx.fast.rope would round it,
-  // so the numbers are those of the separate rope launch this replaces.
-  const device auto* qr = qrope + (size_t(q) * H + h) * (QW - R);
-  device float* qa_rope = qabs + (size_t(q) * Hp + h) * QW + R;
+}
+
+// q_rope (width values qr[0 .. width)) as float beside q' (no cast launch). ROPEQ 1: rotated
+// here (half-split, at position, inv_freq invf) and rounded to q's dtype as mx.fast.rope would
+// round it, so the numbers are those of the separate rope launch this replaces.
+template <int ROPEQ, typename TQ, int NSG, typename RP, typename InvFP>
+inline void mla_qabs_rope(RP qr, device float* qa_rope, int width, float position, InvFP invf, int tid) {
   if (ROPEQ) {
-    const int half = (QW - R) / 2;
-    const float position = float(qpos[q]);
-    for (int j = tid; cp == 0 && j < half; j += NSG * 32) {
+    const int half = width / 2;
+    for (int j = tid; j < half; j += NSG * 32) {
       const float theta = position * invf[j];
       const float cs = metal::fast::cos(theta);
       const float sn = metal::fast::sin(theta);
@@ -278,10 +261,137 @@ inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, 
       qa_rope[j + half] = float(static_cast<TQ>(x1 * sn + x2 * cs));
     }
   } else {
-    for (int c = tid; cp == 0 && c < QW - R; c += NSG * 32) {
+    for (int c = tid; c < width; c += NSG * 32) {
       qa_rope[c] = float(qr[c]);
     }
   }
+}
+
+// mla_qb_qabs' first phase: head h's q_b rows (its nope rows h * nope + n, then its rope rows
+// H * nope + h * rope + j: the model's [all nope | all rope] row order) against the q_a row x,
+// each rounded to TQ as the q_b GEMV writes it, into qsh[0 .. nope + rope). QR rows a SIMD group
+// pass, lanes over the units (NUB a lane, every load issued before any math); fmt 1-3 row
+// scales after the lane sum, fmt 4/5 segment scales loaded with the weights (qgemv's rules).
+template <int FMT, int GS, int VEC, int XV, int NIB, int NSG, int QR, int NUB, typename TQ>
+inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, const device float* sqb,
+                             const device uint* e8grid, int h, int H, int nope, int rope, int I, int rb, int ng,
+                             int n_units, threadgroup float* qsh, int sg, int lane) {
+  constexpr int W = qd_words(FMT);
+  constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
+  const int nq = nope + rope;
+  const int xoff[1] = {0};
+  for (int r0 = sg * QR; r0 < nq; r0 += NSG * QR) {
+    int rows[QR];
+    for (int r = 0; r < QR; ++r) {
+      const int n = min(r0 + r, nq - 1);
+      rows[r] = n < nope ? h * nope + n : H * nope + h * rope + (n - nope);
+    }
+    uint raw[NUB][QR][W];
+    float scl[NUB][QR][NSEG];
+    for (int j = 0; j < NUB; ++j) {
+      const int u = lane + 32 * j;
+      if (u < n_units) {
+        for (int r = 0; r < QR; ++r) {
+          qd_load<FMT, VEC>(wqb + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
+        }
+      }
+    }
+    float acc[QR][1];
+    for (int r = 0; r < QR; ++r) {
+      acc[r][0] = 0.0f;
+    }
+    for (int j = 0; j < NUB; ++j) {
+      const int u = lane + 32 * j;
+      if (u < n_units) {
+        for (int g = 0; g < NSEG; ++g) {
+          float d[QR][1];
+          qd_seg_dots<FMT, GS, 1, QR, XV, W, TQ, NIB>(raw[j], x, xoff, 1u, I, u, g, e8grid, d);
+          for (int r = 0; r < QR; ++r) {
+            const float sc = qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]);
+            acc[r][0] += d[r][0] * sc;
+          }
+        }
+      }
+    }
+    for (int r = 0; r < QR; ++r) {
+      const float t = simd_sum(acc[r][0]);
+      if (lane == r && r0 + r < nq) {
+        qsh[r0 + r] = float(static_cast<TQ>(t * qd_row_scale<FMT>(sqb, rows[r])));
+      }
+    }
+  }
+}
+
+// ==== kernel body: mla_qabs ====
+  constexpr int WPU = qd_wpu(FMT);
+  threadgroup float red[NSG * NU * LW * WPU];
+  const int H = params[0];
+  const int nope = params[1];
+  const int R = params[3];
+  const int h = int(threadgroup_position_in_grid.y);
+  const int q = int(threadgroup_position_in_grid.z);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const int tid = int(thread_index_in_threadgroup);
+  const int Hp = params[15];
+  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
+  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
+  const int cp = int(threadgroup_position_in_grid.x);
+  device float* qrow = qabs + (size_t(q) * Hp + h) * QW;
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
+      qrow[c] = 0.0f;
+    }
+    return;
+  }
+  mla_qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(qn + (size_t(q) * H + h) * nope, w, scales, e8grid, h, nope,
+                                                       params[2], R, params[10], params[11], params[12], cp * UPP,
+                                                       red, qrow, tid, sg, lane);
+  if (cp == 0) {
+    mla_qabs_rope<ROPEQ, TQ, NSG>(qrope + (size_t(q) * H + h) * (QW - R), qrow + R, QW - R,
+                                  ROPEQ ? float(qpos[q]) : 0.0f, invf, tid);
+  }
+// ==== kernel body: mla_qb_qabs ====
+  // mla_qabs with the q_b projection folded in (one decode row, mla.py): this head's q_nope and
+  // q_rope rows of q_b against the q_a row first (mla_qb_head_rows, into threadgroup memory),
+  // then q' over all of kv_b's units (one threadgroup a head) and q_rope, as mla_qabs. One
+  // launch and q's round trip through memory fewer than q_b's GEMV followed by mla_qabs.
+  constexpr int WPU = qd_wpu(FMT);
+  threadgroup float red[NSG * NU * LW * WPU];
+  threadgroup float qsh[QMAX];                 // this head's q_nope, then q_rope (rounded to TQ)
+  const int H = params[0];
+  const int nope = params[1];
+  const int R = params[3];
+  const int rope = params[4];
+  const int h = int(threadgroup_position_in_grid.y);
+  const int q = int(threadgroup_position_in_grid.z);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const int tid = int(thread_index_in_threadgroup);
+  const int Hp = params[15];
+  const int QW = R + rope;
+  device float* qrow = qabs + (size_t(q) * Hp + h) * QW;
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; c < QW; c += NSG * 32) {
+      qrow[c] = 0.0f;
+    }
+    return;
+  }
+  const int Ib = qbp[0];
+  mla_qb_head_rows<FMTB, GSB, VECB, XVB, NIB, NSG, QR, NUB, TQ>(qa + size_t(q) * Ib,
+                                                               reinterpret_cast<const device uint8_t*>(wqb), sqb,
+                                                               e8grid, h, H, nope, rope, Ib, qbp[2], qbp[3], qbp[4],
+                                                               qsh, sg, lane);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  mla_qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(static_cast<threadgroup const float*>(qsh), w, scales, e8grid,
+                                                       h, nope, params[2], R, params[10], params[11], params[12], 0,
+                                                       red, qrow, tid, sg, lane);
+  mla_qabs_rope<ROPEQ, TQ, NSG>(static_cast<threadgroup const float*>(qsh + nope), qrow + R, rope,
+                                ROPEQ ? float(qpos[q]) : 0.0f, invf, tid);
 // ==== kernel body: mla_attn ====
   constexpr int C = mla_chunk();
   constexpr int RW = (CJ + RJ) * 32;           // a staged position: latent columns, then rope

@@ -161,6 +161,15 @@ def mla_specs(full: bool):
     rotated = []
     run(lambda spec: rotated.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
     yield "mla_qabs_fmt4_ropeq", rotated[0]
+    # mla_qb_qabs: q_b's projection folded in (one decode row), q_b in each fmt 1-5 and dtype
+    for qfmt, dtype in ((4, mx.bfloat16), (1, mx.float16), (2, mx.float32), (3, mx.bfloat16), (5, mx.bfloat16)):
+        q_b = random_qtensor(qfmt, H * (nope + rope), 1536, gs=64, seed=qfmt)
+        fused = []
+        mla.launch_specs(None, None, mx.zeros((1, T, R + rope), mx.bfloat16), None, kv_b, 0.1, None, nope, v,
+                         backend=dispatch.CUDA, q_proj=(mx.zeros((1, 1, 1536), dtype), q_b),
+                         q_rotation=(mx.ones((rope // 2,), mx.float32), mx.array([7], dtype=mx.int32)))(
+            lambda spec: fused.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+        yield f"mla_qb_qabs_qb{qfmt}_{dtype}", fused[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,

@@ -84,12 +84,34 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=()):
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
             continue
         out.append((f"mla_attn T={T} {cfg}", nbytes[1], [dispatch.with_min_blocks(s, minb or 0) for s in specs]))
+    # q_b's GEMV (H x (nope + rope) rows of q_lora 1536, fmt 4 g64) then mla_qabs, against
+    # mla_qb_qabs doing both in one launch (the model's decode step: mla.mla_decode's q_proj)
+    from bench_qgemv import random_qtensors
+
+    QL = 1536
+    q_bs = random_qtensors(4, H * (bench_mla_parts.NOPE + ROPE), QL, 64, CHAIN)
+    q_lats = [mx.random.normal((1, 1, QL)).astype(act) for _ in q_bs]
+    mx.eval(q_lats)
+    qb_bytes = q_bs[0].O * (QL // 2 + QL // 64 * 4)
+    out.append(("qgemv q_b " + f"{q_bs[0].O}x{QL}", qb_bytes,
+                [qgemv.launch_spec(ql.reshape(1, QL), qb, impl) for ql, qb in zip(q_lats, q_bs)]))
+
+    def first_launch(inst, ql, qb):
+        _, _, latent, k_rope, kv_b = inst
+        specs = []
+        mla.launch_specs(None, None, latent, k_rope, kv_b, bench_mla_parts.NOPE ** -0.5, None, bench_mla_parts.NOPE,
+                         bench_mla_parts.V, backend=impl, q_proj=(ql, qb))(
+            lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+        return specs[0]
+
+    out.append((f"mla_qb_qabs T={T}", qb_bytes + nbytes[0], [first_launch(i, ql, qb) for i, ql, qb in zip(insts, q_lats, q_bs)]))
+    insts = [insts, q_bs, q_lats]
     # mla_qabs with other threadgroups a head (mla.QABS_PARTS), mla_out with other SIMD groups
     # (mla.OUT_WARPS): launch j of the three, made with launch_specs(**{arg: value})
     for j, arg, label, values in ((0, "qabs_parts", "parts", qabs_parts), (2, "out_warps", "warps", out_warps)):
         for value in values:
             out.append((f"{names[j]} T={T} {label} {value}", nbytes[j],
-                        [bench_mla_parts.specs_of(i, impl, **{arg: value})[1][j] for i in insts]))
+                        [bench_mla_parts.specs_of(i, impl, **{arg: value})[1][j] for i in insts[0]]))
     return out, insts
 
 

@@ -187,3 +187,31 @@ def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
     assert not kernels.counters()["fallbacks"]
     separate = kernels.mla_decode(q_nope, rope.apply_fast(q_rope, pos), *rest)
     assert np.array_equal(np.array(fused.astype(mx.float32)), np.array(separate.astype(mx.float32)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_q_proj_folded_equals_the_q_b_gemv_first(dtype):
+    """mla_decode(q_proj=(q_latent, q_b)): the queries projected inside the first launch
+    (mla_qb_qabs on a GPU; q_b's GEMV first on the CPU reference) against the float64 oracle
+    on the reference projection's queries. float32: the same queries to REL; bf16: a query may
+    round to the neighbouring bf16 value (the two sums differ in their last float32 bits), so
+    half an ulp of bf16 more. DeepSeek-V3's shapes (q_lora 1536, 128 heads) on a GPU."""
+    kw = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=4096, cache=mx.bfloat16) if GPU else {}
+    args, _ = inputs(seed=11, **kw)
+    _, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    H, rope = args[0].shape[1], q_rope.shape[-1]
+    q_lora = 1536 if GPU else 96
+    q_b = random_qtensor(4, H * (nope + rope), q_lora, gs=64, seed=12).to_mlx()
+    q_latent = mx.array(np.random.default_rng(13).standard_normal((1, 1, q_lora)).astype(np.float32)).astype(dtype)
+    kernels.reset_counters()
+    out = kernels.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b))
+    mx.eval(out)
+    c = kernels.counters()
+    assert not c["fallbacks"], c
+    assert c["calls"].get(f"mla_qb_qabs/{kernels.backend()}", 0) == int(GPU), c
+    with kernels.force_reference():
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, H, nope)
+    variant = mla.choose_variant(latent.shape[-1], rope, backend=kernels.backend(), dtype=dtype)
+    tf32 = kernels.backend() == "cuda" and variant == "mma"
+    assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v,
+                     rel_attn=REL_TF32 if tf32 else REL, extra_rel=0.0 if dtype == mx.float32 else 2.0**-8)

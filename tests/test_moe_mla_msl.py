@@ -442,7 +442,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
 # mla_decode
 
 from colibri_mlx.kernels import mla  # noqa: E402
-from moe_mla_oracle import assert_mla_close, assert_rows_close, rope_of, rotated_f64, rows_case  # noqa: E402
+from moe_mla_oracle import REL, assert_mla_close, assert_rows_close, rope_of, rotated_f64, rows_case, weight_f64  # noqa: E402
 
 
 def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dtype=mx.float32, seed=0,
@@ -614,6 +614,7 @@ def test_mla_qabs_parts_planted_defect_is_caught(metal, monkeypatch):
 
     def planted(spec):
         spec.source = spec.source.replace(good, bad)
+        spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
     args, sel = mla_inputs(fmt=4, R=128, H=4, nope=16, v=8, T=12, seed=77)
@@ -775,7 +776,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);"),
     "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < Hp) {\n            pacc"),
-    "padding heads of q' left unwritten": ("      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;", ""),
+    "padding heads of q' left unwritten": ("      qrow[c] = 0.0f;", ""),
 }
 
 
@@ -1073,12 +1074,13 @@ def test_mla_q_rope_declines_visibly(metal):
 def test_mla_q_rope_planted_defect_is_caught(metal, monkeypatch, defect):
     good, bad = {"rotated the wrong way": ("float(static_cast<TQ>(x1 * cs - x2 * sn))",
                                            "float(static_cast<TQ>(x1 * cs + x2 * sn))"),
-                 "unrotated": ("  if (ROPEQ) {\n    const int half = (QW - R) / 2;", "  if (false) {\n    const int half = (QW - R) / 2;"),
-                 "position of row 0": ("const float position = float(qpos[q]);", "const float position = float(qpos[0]);")}[defect]
+                 "unrotated": ("  if (ROPEQ) {\n    const int half = width / 2;", "  if (false) {\n    const int half = width / 2;"),
+                 "position of row 0": ("ROPEQ ? float(qpos[q]) : 0.0f", "ROPEQ ? float(qpos[0]) : 0.0f")}[defect]
     assert _launched_text("mma").count(good) == 1, f"defect '{defect}' no longer plants"
 
     def planted(spec):
         spec.source = spec.source.replace(good, bad)
+        spec.header = spec.header.replace(good, bad)
         return simulate(spec, simulator)
 
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec))
@@ -1093,6 +1095,138 @@ def test_mla_q_rope_planted_defect_is_caught(metal, monkeypatch, defect):
                      None, nope, v, label="clean")
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         assert_mla_close(run(planted), q_nope, rotated, latent, k_rope, kv_b, scale, None, nope, v)
+    assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# mla_qb_qabs: the q_b projection folded into mla_qabs (one decode row)
+
+EPS = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}   # half an ulp, relative
+
+
+def qb_case(H=4, nope=16, v=8, R=64, rope=8, q_lora=96, qfmt=4, dtype=mx.float32, seed=0):
+    args, _ = mla_inputs(H=H, T=20, nope=nope, v=v, R=R, rope=rope, seed=seed)
+    q_b = random_qtensor(qfmt, H * (nope + rope), q_lora, gs=32, seed=seed + 50)
+    rng = np.random.default_rng(seed + 7)
+    q_latent = mx.array(rng.standard_normal((1, 1, q_lora)).astype(np.float32)).astype(dtype)
+    return args, q_b, q_latent
+
+
+def qb_qabs_launch(args, q_b, q_latent, rotation=None):
+    """The first launch mla_decode makes for (q_latent, q_b), and the launches' count."""
+    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
+    specs = []
+    mla.launch_specs(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b),
+                     q_rotation=rotation)(
+        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    return specs[0], len(specs)
+
+
+def qb_qabs_oracle(args, q_b, q_latent, rotation=None):
+    """(q' | q_rope rows [H, R + rope] in float64, error bound): q = q_b . q_latent rounded to
+    q's dtype (the GEMV's write), q' = W_UK^h^T q_nope, q_rope rotated at the position."""
+    *_, kv_b, _, _, nope, v = args
+    eps = EPS[q_latent.dtype]
+    x = np.asarray(q_latent.astype(mx.float32)).astype(np.float64).reshape(-1)
+    wq = weight_f64(q_b)
+    H = wq.shape[0] // (nope + args[1].shape[-1])
+    q64, dq = wq @ x, REL * (np.abs(wq) @ np.abs(x))
+    dq = dq + eps * (np.abs(q64) + dq)                        # the float32 dot, then its rounding
+    qn, dqn = q64[: H * nope].reshape(H, nope), dq[: H * nope].reshape(H, nope)
+    qr, dqr = q64[H * nope:].reshape(H, -1), dq[H * nope:].reshape(H, -1)
+    w = weight_f64(kv_b).reshape(H, nope + v, -1)[:, :nope]   # W_UK [H, nope, R]
+    qa = np.einsum("hn,hnr->hr", qn, w)
+    dqa = np.einsum("hn,hnr->hr", dqn + REL * np.abs(qn), np.abs(w))
+    if rotation is not None:
+        qr, _ = rotated_f64(qr, np.asarray(rotation[0]), int(rotation[1][0]))
+        half = qr.shape[-1] // 2
+        spread = np.concatenate([dqr[:, :half] + dqr[:, half:]] * 2, axis=-1)
+        dqr = spread + (eps + REL) * np.abs(qr) + REL * np.concatenate([np.abs(qr[:, :half]) + np.abs(qr[:, half:])] * 2, -1)
+    return np.concatenate([qa, qr], axis=-1), np.concatenate([dqa, dqr], axis=-1)
+
+
+@pytest.mark.parametrize("qfmt,dtype", [(4, mx.float32), (1, mx.float32), (2, mx.bfloat16), (3, mx.float16),
+                                        (5, mx.float32), (4, mx.bfloat16)])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_mla_qb_qabs_matches_float64(metal, qfmt, dtype, rotate):
+    """mla_qb_qabs' raw output (q' | q_rope a head, before any softmax) against float64: the
+    head's q_b rows in the model's [H x nope | H x rope] order, each rounded as the GEMV writes
+    it; padding heads (the mma variant's Hp) zero."""
+    args, q_b, q_latent = qb_case(qfmt=qfmt, dtype=dtype, seed=qfmt)
+    rotation = (rope_of(8).inv_freq, mx.array([41], dtype=mx.int32)) if rotate else None
+    spec, n = qb_qabs_launch(args, q_b, q_latent, rotation)
+    assert spec.name == "mla_qb_qabs" and n == 3
+    (got,) = simulate(spec, simulator)
+    got = np.asarray(got)[0]
+    assert_qb_qabs_close(got, args, q_b, q_latent, rotation)
+
+
+def assert_qb_qabs_close(got, args, q_b, q_latent, rotation=None):
+    """Within the float64 bound, q_rope (written as its rounded q values) representable in q's
+    dtype, padding heads zero."""
+    want, bound = qb_qabs_oracle(args, q_b, q_latent, rotation)
+    H, R = want.shape[0], args[2].shape[-1]
+    err = np.abs(got[:H] - want)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)} at {np.unravel_index(np.argmax(err - bound), err.shape)}"
+    rope = got[:H, R:]
+    assert np.array_equal(np.asarray(mx.array(rope).astype(q_latent.dtype).astype(mx.float32)), rope), \
+        "q_rope not rounded to q's dtype"
+    assert np.all(got[H:] == 0.0), "padding heads not zero"
+
+
+@pytest.mark.parametrize("variant", mla.VARIANTS)
+def test_mla_decode_with_q_proj_equals_projected_queries(metal, variant):
+    """mla_decode given (q_latent, q_b): one launch fewer (no q_b GEMV), and the attention output
+    as mla_decode's on the GEMV's queries (float32: the same q to the oracle's bound)."""
+    args, q_b, q_latent = qb_case(H=8, R=64, seed=3)
+    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
+    kernels.reset_counters()
+    out = mla.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, variant=variant,
+                         q_proj=(q_latent, q_b))
+    assert metal[0] == "mla_qb_qabs" and not kernels.counters()["fallbacks"], (metal, kernels.counters())
+    with kernels.force_reference():
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, 8, nope)
+    assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v, extra_rel=1e-4)
+
+
+def test_mla_qb_qabs_declines_visibly(metal):
+    """q_b in fmt 6 (its input is rotated first) or two query rows: q_b's GEMV and mla_qabs
+    run, counted under the reason."""
+    args, q_b6, q_latent = qb_case(qfmt=6, q_lora=256, seed=4)
+    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
+    kernels.reset_counters()
+    mla.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b6))
+    assert any("q_b fmt 6" in k for k in kernels.counters()["fallbacks"]), kernels.counters()
+    args, q_b, _ = qb_case(seed=5)
+    two = mx.zeros((2, 1, 96), mx.float32)
+    assert "2 query rows" in mla.qb_decline_reason(two, q_b, 4, 16)
+
+
+MLA_QB_DEFECTS = {
+    "rope rows of head 0": ("rows[r] = n < nope ? h * nope + n : H * nope + h * rope + (n - nope);",
+                            "rows[r] = n < nope ? h * nope + n : H * nope + (n - nope);"),
+    "no rounding to q's dtype": ("qsh[r0 + r] = float(static_cast<TQ>(t * qd_row_scale<FMT>(sqb, rows[r])));",
+                                 "qsh[r0 + r] = t * qd_row_scale<FMT>(sqb, rows[r]);"),
+    "barrier before q' missing": ("qsh, sg, lane);\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+                                  "qsh, sg, lane);"),
+    "last lane unit skipped": ("const int u = lane + 32 * j;\n      if (u < n_units) {\n        for (int r = 0; r < QR; ++r) {",
+                               "const int u = lane + 32 * j;\n      if (u + 1 < n_units) {\n        for (int r = 0; r < QR; ++r) {"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(MLA_QB_DEFECTS))
+def test_mla_qb_qabs_planted_defect_is_caught(metal, defect):
+    good, bad = MLA_QB_DEFECTS[defect]
+    dtype = mx.bfloat16 if "rounding" in defect else mx.float32
+    args, q_b, q_latent = qb_case(qfmt=4, dtype=dtype, seed=6, q_lora=1088)   # 34 units: lanes 0-1 take two
+    spec, _ = qb_qabs_launch(args, q_b, q_latent)
+    assert (spec.header + spec.source).count(good) == 1, f"defect '{defect}' no longer plants"
+    (got,) = simulate(spec, simulator)
+    assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
+    spec.source, spec.header = spec.source.replace(good, bad), spec.header.replace(good, bad)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        (got,) = simulate(spec, simulator)
+        assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
     assert "failed to compile" not in str(caught.value)
 
 
@@ -1130,7 +1264,7 @@ def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_p
                         lambda self, *args, static=None: steps.append(self.name) or self.fn(*args))
     got = decode()
     assert steps.count("model_step") == 6, steps
-    for name in ("mla_rows_into", "mla_qabs", "qgemv", "moe_down"):
+    for name in ("mla_rows_into", "mla_qb_qabs", "qgemv", "moe_down"):
         assert name in metal, (name, set(metal))
     assert not kernels.counters()["fallbacks"], kernels.counters()["fallbacks"]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

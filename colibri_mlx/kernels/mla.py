@@ -31,7 +31,7 @@ import numpy as np
 from ..formats.qtensor import QTensor
 from . import dispatch
 from .moe import UNIT_WEIGHTS, Projection, kernel_header, read_kernel_sections, weight_format
-from .qgemv import at_least_8, e8grid
+from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 from .reference import rms_norm
 
 MAX_QUERY_ROWS = 4
@@ -77,6 +77,13 @@ QABS_PARTS = 4
 # warps tiles of partials a batch (CPT x TU = 32 loads in flight a thread at any width), so
 # more warps take the merge in fewer dependent batches. Env COLIBRI_MLA_OUT_WARPS overrides.
 OUT_WARPS = 4
+# mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
+# its SIMD groups and the q_b rows a SIMD group takes a pass (every unit of them loaded before
+# any math; DeepSeek-V3's 192 rows a head are three passes of 8 x 8). q_b in fmt 1-5 (fmt 6
+# rotates its input first, a float q_b has no units).
+QB_SIMDGROUPS = 8
+QB_ROWS = 8
+QB_FMTS = (1, 2, 3, 4, 5)
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
 UNITS_IN_FLIGHT = 8
@@ -87,7 +94,7 @@ def _ceil_div(a, b):
 
 
 def kv_b_projection(kv_b) -> Projection:
-    """kv_b as the kernels read it (bytes + scales), cached on first use."""
+    """kv_b (or q_b) as the kernels read it (bytes + scales), cached on first use."""
     key = id(kv_b)
     hit = _kvb.get(key)
     if hit is not None and hit[0] is kv_b:
@@ -120,16 +127,54 @@ def _no_mask() -> mx.array:
 
 
 def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
+    return decline_reason_shapes(q_nope.shape[2], latent, kv_b)
+
+
+def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
+    """decline_reason for ``L`` query rows a sequence."""
     fmt, gs = weight_format(kv_b)
     if fmt not in KV_B_FMTS:
         return f"kv_b fmt {fmt} (fmt 0-5 only)"
     if fmt == 4 and (not gs or gs % 16):
         return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
-    if q_nope.shape[2] > MAX_QUERY_ROWS:
-        return f"{q_nope.shape[2]} query rows (absorbed path takes <= {MAX_QUERY_ROWS})"
+    if L > MAX_QUERY_ROWS:
+        return f"{L} query rows (absorbed path takes <= {MAX_QUERY_ROWS})"
     if latent.dtype not in CACHE_DTYPES:
         return f"cache dtype {latent.dtype}"
     return None
+
+
+def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[str]:
+    """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
+    if not isinstance(q_b, QTensor):
+        return "q_b is a float weight"
+    fmt, gs = weight_format(q_b)
+    if fmt not in QB_FMTS:
+        return f"q_b fmt {fmt} (fmt 1-5: fmt 6 rotates its input first)"
+    if fmt == 4 and (not gs or gs % 16):
+        return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
+    rows = 1
+    for d in q_latent.shape[:-1]:
+        rows *= d
+    if rows != 1:
+        return f"{rows} query rows (one decode row only)"
+    if q_latent.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        return f"q_latent dtype {q_latent.dtype}"
+    if q_b.I != q_latent.shape[-1] or q_b.O % H or q_b.O // H <= nope:
+        return f"q_b is {q_b.O}x{q_b.I} for {H} heads of {nope} nope columns and a q_latent of {q_latent.shape[-1]}"
+    return None
+
+
+def project_queries(q_latent: mx.array, q_b, H: int, nope: int) -> tuple[mx.array, mx.array]:
+    """``(q_nope [B, H, 1, nope], q_rope [B, H, 1, rope])`` of one decode row: q_b's GEMV, its
+    rows in the model's order ``[H x nope | H x rope]`` (what mla_qb_qabs computes itself)."""
+    from . import qmatmul
+
+    width = q_latent.shape[-1]
+    B = q_latent.size // width
+    q = qmatmul(q_latent.reshape(B, width), q_b)
+    rope = q.shape[-1] // H - nope
+    return q[:, : H * nope].reshape(B, H, 1, nope), q[:, H * nope:].reshape(B, H, 1, rope)
 
 
 def _heads_per_block(H: int) -> int:
@@ -322,7 +367,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
                  q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None,
-                 out_warps: Optional[int] = None):
+                 out_warps: Optional[int] = None, q_proj: Optional[tuple] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
     cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
@@ -331,14 +376,21 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
     unrotated and mla_qabs rotates it (half-split, as mx.fast.rope). ``qabs_parts``: mla_qabs'
     threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS); ``out_warps``:
-    mla_out's SIMD groups (:func:`out_simdgroups`)."""
-    B, H, L, _ = q_nope.shape
-    rope = q_rope.shape[-1]
+    mla_out's SIMD groups (:func:`out_simdgroups`). ``q_proj``: ``(q_latent, q_b)`` of one decode
+    row instead of q_nope / q_rope (None): mla_qb_qabs projects them itself (first launch)."""
+    if q_proj is None:
+        B, H, L, _ = q_nope.shape
+        rope, q_dtype = q_rope.shape[-1], q_nope.dtype
+    else:
+        q_latent, q_b = q_proj
+        B, L, q_dtype = q_latent.size // q_latent.shape[-1], 1, q_latent.dtype
+        H = kv_b_projection(kv_b).O // (nope + v)
+        rope = q_b.O // H - nope
     joint = k_rope is None
     T, R = latent.shape[1], latent.shape[2] - (rope if joint else 0)
     BL = B * L
-    variant = choose_variant(R, rope, variant, backend, q_nope.dtype)
-    st = _static(kv_b, B, L, H, nope, v, R, rope, q_nope.dtype, latent.dtype, backend, variant,
+    variant = choose_variant(R, rope, variant, backend, q_dtype)
+    st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, heads), qabs_parts, out_warps)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
@@ -354,7 +406,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     # One query row a sequence: [B, H, 1, d] is already [B * L, H, d] in memory order (the
     # kernel reads a flat pointer), so no transpose / reshape nodes (MLX copies an input that
     # is not row-contiguous, as the reshape would).
-    if L == 1:
+    if q_proj is not None:
+        qn = qr = None
+    elif L == 1:
         qn, qr = q_nope, q_rope
     else:
         qn = q_nope.transpose(0, 2, 1, 3).reshape(BL, H, nope)
@@ -366,9 +420,12 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     sel = selected.reshape(BL, P).astype(mx.int32) if selected is not None else dispatch.int_params()
     # without a rotation, qpos / invf are stand-ins (params, fparams), never read
     qpos, invf = (params, fparams) if q_rotation is None else (q_rotation[1], q_rotation[0])
-    qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params,
-                                            qpos, invf],
-                                    template=st.qabs_templates[int(q_rotation is not None)], **st.qabs)
+    if q_proj is None:
+        qabs_spec = dispatch.LaunchSpec(inputs=[at_least_8(qn), at_least_8(qr), p.packed, p.scales, e8grid(), params,
+                                                qpos, invf],
+                                        template=st.qabs_templates[int(q_rotation is not None)], **st.qabs)
+    else:
+        qabs_spec = _qb_qabs_spec(st, q_latent, q_b, nope, rope, backend, params, qpos, invf, q_rotation is not None)
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
@@ -384,7 +441,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
             source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
-            output_shapes=[(B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_nope.dtype],
+            output_shapes=[(B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_dtype],
             grid=(st.out_threads, H, BL), threadgroup=(st.out_threads, 1, 1), template=st.out_template)
 
     def run(launch):
@@ -398,9 +455,42 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     return run
 
 
+def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str, params, qpos, invf,
+                  rotate: bool) -> dispatch.LaunchSpec:
+    """mla_qb_qabs: mla_qabs (one threadgroup a head, all kv_b units) with this head's q_b rows
+    computed first from the q_latent row."""
+    pb = kv_b_projection(q_b)
+    key = (id(q_b), id(st), q_latent.dtype, backend, rotate)
+    hit = _qb_statics.get(key)
+    if hit is None or hit[0] is not q_b:
+        n_units = _ceil_div(st.p.I, UNIT_WEIGHTS[st.p.fmt])
+        LW, NU, RU = unit_lanes(n_units)
+        whole = pb.I % UNIT_WEIGHTS[pb.fmt] == 0
+        x_vec = (2 if whole else 1) if pb.I * q_latent.dtype.size % 16 == 0 else 0
+        template = _template(st.p, NSG=QB_SIMDGROUPS, LW=LW, NU=NU, RU=RU, UPP=n_units, TQ=q_latent.dtype,
+                             ROPEQ=int(rotate), QMAX=nope + rope, QR=QB_ROWS, NUB=_ceil_div(pb.n_units, SIMD),
+                             FMTB=pb.fmt, GSB=int(pb.gs) if pb.fmt == 4 else 16, VECB=pb.vec, XVB=x_vec,
+                             NIB=DEFAULT_NIB[backend])
+        fields = dict(name="mla_qb_qabs",
+                      input_names=("qa", "wqb", "sqb", "w", "scales", "e8grid", "params", "qbp", "qpos", "invf"),
+                      output_names=("qabs",), source=st.bodies["mla_qb_qabs"], header=st.header,
+                      output_shapes=st.qabs["output_shapes"], output_dtypes=[mx.float32],
+                      grid=(SIMD * QB_SIMDGROUPS, st.Hp, st.qabs["grid"][2]), threadgroup=(SIMD * QB_SIMDGROUPS, 1, 1),
+                      template=template)
+        qbp = _int32s(pb.I, pb.O, pb.rb, pb.ng, pb.n_units, 0, 0, 0)
+        hit = _qb_statics[key] = (q_b, fields, qbp)
+    _, fields, qbp = hit
+    return dispatch.LaunchSpec(inputs=[at_least_8(q_latent), pb.packed, pb.scales, st.p.packed, st.p.scales, e8grid(),
+                                       params, qbp, qpos, invf], **fields)
+
+
+_qb_statics: dict = {}
+
+
 def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
                selected: Optional[mx.array] = None, variant: Optional[str] = None,
-               params: Optional[mx.array] = None, rope=None, rope_offset: Optional[mx.array] = None) -> mx.array:
+               params: Optional[mx.array] = None, rope=None, rope_offset: Optional[mx.array] = None,
+               q_proj: Optional[tuple] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
     the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``);
@@ -409,18 +499,42 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     (:func:`step_params`, made with the same layout): the cache is a fixed-capacity buffer of
     which the first ``params[6]`` rows are attended. ``rope`` (models/rope.RoPE) and
     ``rope_offset`` (int32 array, the position of a single query row): ``q_rope`` arrives
-    unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers)."""
+    unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers).
+    ``q_proj``: ``(q_latent, q_b)`` of one decode row, q_nope / q_rope None: the queries are
+    q_b's projection of q_latent, rows ``[H x nope | H x rope]`` (:func:`project_queries`),
+    which the first launch (mla_qb_qabs) computes itself; where it declines (counted) or on the
+    reference path, q_b's GEMV runs first."""
     impl = dispatch.backend()
-    reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
+    if q_proj is not None:
+        q_latent, q_b = q_proj
+        H = kv_b_projection(kv_b).O // (qk_nope_head_dim + v_head_dim)
+        why = None if impl == dispatch.REFERENCE else qb_decline_reason(q_latent, q_b, H, qk_nope_head_dim)
+        if why is None and impl != dispatch.REFERENCE:
+            why = decline_reason_shapes(1, latent, kv_b)
+        if impl == dispatch.REFERENCE or why is not None:
+            if why is not None:
+                dispatch.record_fallback("mla_qb_qabs", why)
+            q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim)
+            q_proj = None
+    if q_proj is None:
+        reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
+        rope_width, q_rows = q_rope.shape[-1], q_rope.shape[0] * q_rope.shape[2]
+    else:
+        reason = None
+        rope_width, q_rows = q_b.O // H - qk_nope_head_dim, 1
     q_rotation = None
     if rope is not None:
         kernels_run = impl != dispatch.REFERENCE and reason is None
-        why = rotation_decline_reason(q_rope, rope) if kernels_run else None
+        why = rotation_decline_reason(q_rows, rope_width, rope) if kernels_run else None
         if kernels_run and why is None:
             q_rotation = (rope.inv_freq, dispatch.reshaped(rope_offset, 1))
         else:
             if why is not None:
                 dispatch.record_fallback("mla_qabs rope", why)
+            if q_proj is not None:            # the fused launch cannot rotate: project first
+                dispatch.record_fallback("mla_qb_qabs", f"q_rope rotated apart: {why}")
+                q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim)
+                q_proj = None
             q_rope = rope.apply_fast(q_rope, rope_offset)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
@@ -438,17 +552,20 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)
+    if q_proj is not None:
+        dispatch.record_call("mla_qb_qabs", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
-                       selected, backend=impl, variant=variant, params=params, q_rotation=q_rotation)
+                       selected, backend=impl, variant=variant, params=params, q_rotation=q_rotation,
+                       q_proj=q_proj)
     dispatch.record_call(f"mla_attn/{run.variant}", impl)
     return run(lambda spec: dispatch.launch(impl, spec))
 
 
-def rotation_decline_reason(q_rope: mx.array, rope) -> Optional[str]:
-    """Why mla_qabs does not rotate q_rope itself (a separate mx.fast.rope runs, counted)."""
-    B, _, L, width = q_rope.shape
-    if B * L != 1:
-        return f"{B * L} query rows: one position only"
+def rotation_decline_reason(q_rows: int, width: int, rope) -> Optional[str]:
+    """Why mla_qabs does not rotate q_rope (``q_rows`` query rows of ``width``) itself (a
+    separate mx.fast.rope runs, counted)."""
+    if q_rows != 1:
+        return f"{q_rows} query rows: one position only"
     if width % 2:
         return f"rope width {width}"
     if rope.attention_factor != 1.0:

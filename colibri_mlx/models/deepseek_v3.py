@@ -471,7 +471,7 @@ class Attention:
             return part.reshape(B, self.n_heads, 1, width)
         return part.reshape(B, L, self.n_heads, width).transpose(0, 2, 1, 3)
 
-    def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True, cache=None):
+    def rows(self, x, cos=None, sin=None, rope_offset=None, rotate_q=True, cache=None, fold_q=False):
         """Everything before the cache: ``(q_nope [B,H,L,nope], q_rope [B,H,L,rope], kv
         [B,L,R+rope] (the cache rows: the normed latent, then the roped key), q_latent
         [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
@@ -480,7 +480,10 @@ class Attention:
         sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
         ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate.
         ``cache`` (the joint cache's buffer, with ``rope_offset`` the row's slot): the kernel
-        path writes the row into it in place (kernels.mla_rows) and ``kv`` is None."""
+        path writes the row into it in place (kernels.mla_rows) and ``kv`` is None.
+        ``fold_q`` (one decode row of one sequence): q_b's projection is left to the attention
+        core (kernels.mla_decode's ``q_proj``, folded into its first launch): q_nope and q_rope
+        are None and q_latent is returned."""
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None and L == 1
@@ -491,6 +494,8 @@ class Attention:
             y = linear(x, self.x_proj, self.x_proj_bias)
             q_latent, kv = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm,
                                             LATENT_NORM_EPS, self.rope, rope_offset, cache)
+            if fold_q:
+                return None, None, kv, q_latent
             q = linear(q_latent, self.q_b_proj)
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
@@ -508,10 +513,14 @@ class Attention:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
         return q_nope, q_rope, kv, q_latent
 
-    def _decode_rows(self, x, rope_offset, cache=None):
+    def _decode_rows(self, x, rope_offset, cache=None, fold_q=False):
         """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces); q_rope
-        unrotated (:meth:`attend` with ``q_offset`` rotates it in mla_decode's first launch)."""
-        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False, cache=cache)
+        unrotated (:meth:`attend` with ``q_offset`` rotates it in mla_decode's first launch).
+        ``fold_q`` (inside a traced step, not as a trace's outputs): ``(None, None, kv,
+        q_latent)`` where :meth:`rows` leaves q_b's projection to the attention core."""
+        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False, cache=cache, fold_q=fold_q)
+        if parts[0] is None:
+            return (*parts, q_latent)
         return tuple(parts) if q_latent is None or self.indexer is None else (*parts, q_latent)
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
@@ -584,12 +593,14 @@ class Attention:
         # The kernel path writes the row into kv itself (kv_row None): a scatter could take the
         # buffer in place only when no earlier step's kernels still hold it (MLX keeps a
         # step's inputs alive until it has run), so a pipelined loop would copy the cache.
-        q_nope, q_rope, kv_row = self._decode_rows(x, slot, kv)
+        q_nope, q_rope, kv_row, *q_latent = self._decode_rows(x, slot, kv, fold_q=True)
         if kv_row is not None:
             kv = write_row(kv, kv_row, slot)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
-        # shape itself, with no reshape nodes around the kernel.
-        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1])
+        # shape itself, with no reshape nodes around the kernel. Queries left unprojected
+        # (q_nope None): the core's first launch projects them with q_b.
+        q_proj = (q_latent[0], self.q_b_proj) if q_nope is None else None
+        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
         return self.output(attn, residual), kv
 
     def cached(self, kv, layer_cache, start):
@@ -598,16 +609,17 @@ class Attention:
             return kv
         return layer_cache.append(CACHE_STREAM, kv, start)
 
-    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None, rows=None):
+    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None, rows=None, q_proj=None):
         """The attention core over the cache ``kv [B, T, R + rope]`` (each row the latent, then
         the rope key): ``[B*L, H*v_dim]``, rows in (b, l) order (one query row a sequence and
         ``rows``: ``[*rows, H*v_dim]``). ``step_params`` (kernels.mla.step_params): kv is the
         cache's whole fixed-capacity buffer, of which the array says how many rows are attended.
-        ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position."""
-        B, H, L, _ = q_nope.shape
+        ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position.
+        ``q_proj``: ``(q_latent, q_b)`` of one decode row instead of q_nope / q_rope (None)."""
+        B, H, L, _ = q_nope.shape if q_proj is None else (1, self.n_heads, 1, None)
         rope = None if q_offset is None else self.rope
         out = latent_attention(q_nope, q_rope, kv, self.kv_b_proj, self.scale, mask,
-                               self.nope, self.v_dim, step_params, rope, q_offset)
+                               self.nope, self.v_dim, step_params, rope, q_offset, q_proj)
         if L == 1:
             return out.reshape(*(rows or (B,)), H * self.v_dim)
         return out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
@@ -619,13 +631,14 @@ class Attention:
 
 
 def latent_attention(q_nope, q_rope, kv, kv_b, scale, mask, nope, v_dim, step_params=None,
-                     rope=None, rope_offset=None):
+                     rope=None, rope_offset=None, q_proj=None):
     """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference),
     over the joint cache ``kv [B, T, R + rope]``. ``rope``/``rope_offset``: q_rope arrives
-    unrotated (one decode row; mla_decode rotates it)."""
-    if step_params is not None or q_nope.shape[2] <= ABSORBED_MAX_TOKENS:
+    unrotated (one decode row; mla_decode rotates it). ``q_proj``: ``(q_latent, q_b)`` of one
+    decode row, q_nope / q_rope None (mla_decode projects them)."""
+    if q_proj is not None or step_params is not None or q_nope.shape[2] <= ABSORBED_MAX_TOKENS:
         return kernels.mla_decode(q_nope, q_rope, kv, None, kv_b, scale, mask, nope, v_dim,
-                                  params=step_params, rope=rope, rope_offset=rope_offset)
+                                  params=step_params, rope=rope, rope_offset=rope_offset, q_proj=q_proj)
     if rope is not None:
         q_rope = rope.apply_fast(q_rope, rope_offset)
     R = kv.shape[-1] - q_rope.shape[-1]

@@ -198,48 +198,31 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
   }
 }
 
-}  // namespace colibri_mla
+// ---- mla_qabs / mla_qb_qabs: q' = W_UK^h^T q_nope over a part's kv_b units, and q_rope ----
 
-// ==== kernel body: mla_qabs ====
+// q' of head h over kv_b units u0 .. u0 + UPP - 1 (the latent columns they hold) into qrow
+// [0, R), from the head's nope values qh[0 .. nope) (the q_b GEMV's q_nope, or mla_qb_qabs'
+// rows in shared memory). RU rows a lane per step, all their loads (units, scales, q) issued
+// before any math: one row at a time is a chain of dependent global-load latencies, the bytes
+// themselves are few. red: NSG * NU * LW * WPU floats of shared memory.
+template <int FMT, int GS, int VEC, int NSG, int LW, int NU, int RU, int UPP, typename QP>
+__device__ __forceinline__ void qabs_columns(QP qh, const uint8_t* w, const float* scales, const uint32_t* e8grid,
+                                             int h, int nope, int v, int R, int rb, int ng, int n_units, int u0,
+                                             float* red, float* qrow) {
   constexpr int WPU = colibri_qd::wpu(FMT);
   constexpr int SEG = colibri_qd::seg(FMT, GS);
   constexpr int NSEG = WPU / SEG;
   constexpr int RPS = 32 / LW;                 // rows side by side in a warp
-  __shared__ float red[NSG * NU * LW * WPU];
-  const int H = params[0];
-  const int nope = params[1];
-  const int v = params[2];
-  const int R = params[3];
-  const int rb = params[10];
-  const int ng = params[11];
-  const int n_units = params[12];
-  const int h = int(blockIdx.y);
-  const int q = int(blockIdx.z);
   const int sg = int(threadIdx.x >> 5);
   const int lane = int(threadIdx.x & 31);
   const int tid = int(threadIdx.x);
   const int sub = lane / LW;                   // which of the RPS rows; lanes ul own units
   const int ul = lane % LW;
-  const int Hp = params[15];
-  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
-  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
-  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
-  const int cp = int(blockIdx.x);
-  const int u0 = cp * UPP;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
-      qabs[(size_t(q) * Hp + h) * QW + c] = 0.0f;
-    }
-    return;
-  }
-  const auto* qh = qn + (size_t(q) * H + h) * nope;
   float acc[NU * WPU];
   #pragma unroll
   for (int k = 0; k < NU * WPU; ++k) {
     acc[k] = 0.0f;
   }
-  // RU rows a lane per step, all their loads (units, scales, q) issued before any math: one
-  // row at a time is a chain of dependent global-load latencies, the bytes themselves are few.
   for (int n0 = 0; n0 < nope; n0 += NSG * RPS * RU) {
     uint32_t raw[RU][NU][colibri_qd::words(FMT)];
     float scl[RU][NU][NSEG];                   // fmt 4/5 segment scales
@@ -313,15 +296,18 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
     for (int g = 0; g < NSG; ++g) {
       s += red[g * NU * LW * WPU + c - u0 * WPU];
     }
-    qabs[(size_t(q) * Hp + h) * QW + c] = s;
+    qrow[c] = s;
   }
-  // q_rope as float beside q'; ROPEQ 1: rotated here, rounded to q's dtype (see the .metal file).
-  const TQ* qr = qrope + (size_t(q) * H + h) * (QW - R);
-  float* qa_rope = qabs + (size_t(q) * Hp + h) * QW + R;
+}
+
+// q_rope (width values qr[0 .. width)) as float beside q'; ROPEQ 1: rotated here (half-split,
+// at position, inv_freq invf) and rounded to q's dtype TQ (see the .metal file).
+template <int ROPEQ, typename TQ, int NSG, typename RP>
+__device__ __forceinline__ void qabs_rope(RP qr, float* qa_rope, int width, float position, const float* invf) {
+  const int tid = int(threadIdx.x);
   if (ROPEQ) {
-    const int half = (QW - R) / 2;
-    const float position = static_cast<float>(qpos[q]);
-    for (int j = tid; cp == 0 && j < half; j += NSG * 32) {
+    const int half = width / 2;
+    for (int j = tid; j < half; j += NSG * 32) {
       const float theta = position * invf[j];
       const float cs = cosf(theta);
       const float sn = sinf(theta);
@@ -331,10 +317,152 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
       qa_rope[j + half] = static_cast<float>(static_cast<TQ>(x1 * sn + x2 * cs));
     }
   } else {
-    for (int c = tid; cp == 0 && c < QW - R; c += NSG * 32) {
+    for (int c = tid; c < width; c += NSG * 32) {
       qa_rope[c] = static_cast<float>(qr[c]);
     }
   }
+}
+
+// mla_qb_qabs' first phase: head h's q_b rows (its nope rows h * nope + n, then its rope rows
+// H * nope + h * rope + j: the model's [all nope | all rope] row order) against the q_a row x,
+// each rounded to TQ as the q_b GEMV writes it, into qsh[0 .. nope + rope). QR rows a warp
+// pass, lanes over the units (NUB a lane, every load issued before any math); fmt 1-3 row
+// scales after the lane sum, fmt 4/5 segment scales loaded with the weights (qgemv's rules).
+template <int FMT, int GS, int VEC, bool W16, int XV, int NIB, int NSG, int QR, int NUB, typename TQ>
+__device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, const float* sqb,
+                                             const uint32_t* e8grid, int h, int H, int nope, int rope, int I,
+                                             int rb, int ng, int n_units, float* qsh) {
+  constexpr int W = colibri_qd::words(FMT);
+  constexpr int NSEG = colibri_qd::wpu(FMT) / colibri_qd::seg(FMT, GS);
+  const int sg = int(threadIdx.x >> 5);
+  const int lane = int(threadIdx.x & 31);
+  const int nq = nope + rope;
+  const int xoff[1] = {0};
+  for (int r0 = sg * QR; r0 < nq; r0 += NSG * QR) {
+    int rows[QR];
+    #pragma unroll
+    for (int r = 0; r < QR; ++r) {
+      const int n = min(r0 + r, nq - 1);
+      rows[r] = n < nope ? h * nope + n : H * nope + h * rope + (n - nope);
+    }
+    uint32_t raw[NUB][QR][W];
+    float scl[NUB][QR][NSEG];
+    #pragma unroll
+    for (int j = 0; j < NUB; ++j) {
+      const int u = lane + 32 * j;
+      if (u < n_units) {
+        #pragma unroll
+        for (int r = 0; r < QR; ++r) {
+          colibri_qd::load<FMT, VEC, W16>(wqb + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          #pragma unroll
+          for (int g = 0; g < NSEG; ++g) {
+            scl[j][r][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]) : 1.0f;
+          }
+        }
+      }
+    }
+    float acc[QR][1];
+    #pragma unroll
+    for (int r = 0; r < QR; ++r) {
+      acc[r][0] = 0.0f;
+    }
+    #pragma unroll
+    for (int j = 0; j < NUB; ++j) {
+      const int u = lane + 32 * j;
+      if (u < n_units) {
+        #pragma unroll
+        for (int g = 0; g < NSEG; ++g) {
+          float d[QR][1];
+          colibri_qd::seg_dots<FMT, GS, 1, QR, XV, W, TQ, NIB>(raw[j], x, xoff, 1u, I, u, g, e8grid, d);
+          #pragma unroll
+          for (int r = 0; r < QR; ++r) {
+            const float sc = colibri_qd::scales_in_memory(FMT) ? scl[j][r][g] : colibri_qd::seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]);
+            acc[r][0] += d[r][0] * sc;
+          }
+        }
+      }
+    }
+    #pragma unroll
+    for (int r = 0; r < QR; ++r) {
+      const float t = warp_sum(acc[r][0]);
+      if (lane == r && r0 + r < nq) {
+        qsh[r0 + r] = static_cast<float>(static_cast<TQ>(t * colibri_qd::row_scale<FMT>(sqb, rows[r])));
+      }
+    }
+  }
+}
+
+}  // namespace colibri_mla
+
+
+// ==== kernel body: mla_qabs ====
+  constexpr int WPU = colibri_qd::wpu(FMT);
+  __shared__ float red[NSG * NU * LW * WPU];
+  const int H = params[0];
+  const int nope = params[1];
+  const int h = int(blockIdx.y);
+  const int q = int(blockIdx.z);
+  const int tid = int(threadIdx.x);
+  const int Hp = params[15];
+  const int R = params[3];
+  const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
+  // Column part cp of the head: kv_b units u0 .. u0 + UPP - 1 (the columns they hold); part 0
+  // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
+  const int cp = int(blockIdx.x);
+  float* qrow = qabs + (size_t(q) * Hp + h) * QW;
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
+      qrow[c] = 0.0f;
+    }
+    return;
+  }
+  colibri_mla::qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(qn + (size_t(q) * H + h) * nope, w, scales, e8grid, h,
+                                                               nope, params[2], R, params[10], params[11],
+                                                               params[12], cp * UPP, red, qrow);
+  if (cp == 0) {
+    colibri_mla::qabs_rope<ROPEQ, TQ, NSG>(qrope + (size_t(q) * H + h) * (QW - R), qrow + R, QW - R,
+                                           ROPEQ ? static_cast<float>(qpos[q]) : 0.0f, invf);
+  }
+// ==== kernel body: mla_qb_qabs ====
+  // mla_qabs with the q_b projection folded in (one decode row, mla.py): this head's q_nope and
+  // q_rope rows of q_b against the q_a row first (qb_head_rows, into shared memory), then q'
+  // over all of kv_b's units (one threadgroup a head) and q_rope, as mla_qabs. One launch and
+  // q's round trip through memory fewer than q_b's GEMV followed by mla_qabs.
+  constexpr int WPU = colibri_qd::wpu(FMT);
+  __shared__ float red[NSG * NU * LW * WPU];
+  __shared__ float qsh[QMAX];                  // this head's q_nope, then q_rope (rounded to TQ)
+  const int H = params[0];
+  const int nope = params[1];
+  const int h = int(blockIdx.y);
+  const int q = int(blockIdx.z);
+  const int tid = int(threadIdx.x);
+  const int Hp = params[15];
+  const int R = params[3];
+  const int rope = params[4];
+  const int QW = R + rope;
+  float* qrow = qabs + (size_t(q) * Hp + h) * QW;
+  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
+    for (int c = tid; c < QW; c += NSG * 32) {
+      qrow[c] = 0.0f;
+    }
+    return;
+  }
+  const int Ib = qbp[0];
+  const TQ* xq = qa + size_t(q) * Ib;
+  const uint8_t* wqb8 = reinterpret_cast<const uint8_t*>(wqb);
+  if ((reinterpret_cast<uintptr_t>(wqb8) & 15) == 0 && (reinterpret_cast<uintptr_t>(xq) & 15) == 0) {
+    colibri_mla::qb_head_rows<FMTB, GSB, VECB, true, XVB, NIB, NSG, QR, NUB, TQ>(
+        xq, wqb8, sqb, e8grid, h, H, nope, rope, Ib, qbp[2], qbp[3], qbp[4], qsh);
+  } else {
+    colibri_mla::qb_head_rows<FMTB, GSB, VECB, false, 0, NIB, NSG, QR, NUB, TQ>(
+        xq, wqb8, sqb, e8grid, h, H, nope, rope, Ib, qbp[2], qbp[3], qbp[4], qsh);
+  }
+  __syncthreads();
+  colibri_mla::qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(static_cast<const float*>(qsh), w, scales, e8grid,
+                                                               h, nope, params[2], R, params[10], params[11],
+                                                               params[12], 0, red, qrow);
+  colibri_mla::qabs_rope<ROPEQ, TQ, NSG>(static_cast<const float*>(qsh + nope), qrow + R, rope,
+                                         ROPEQ ? static_cast<float>(qpos[q]) : 0.0f, invf);
 // ==== kernel body: mla_attn ====
   constexpr int C = colibri_mla::mla_chunk();
   constexpr int RW = (CJ + RJ) * 32;           // a staged position: latent columns, then rope
