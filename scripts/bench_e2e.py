@@ -138,7 +138,7 @@ def earlier_step_ops():
     scatter); q_a's and the latent's norms and the rope key as three ops and a concat (not
     mla_rows), the norms on their strided slices (which MLX's rms_norm copies first); the
     residual adds as ops of their own (not in o_proj's / the MLP's last kernel); q's rope as an
-    op of its own (not in mla_qabs); bf16 logits cast to float32 (not written as float32). (Then
+    op of its own (not in mla_qabs); q_b's GEMV a launch of its own (not in mla_qb_qabs); bf16 logits cast to float32 (not written as float32). (Then
     the latent and the rope key were two buffers, written by two slice_updates: this emulation
     writes one joint row.)"""
     from colibri_mlx.models import deepseek_v3 as model_file
@@ -161,7 +161,10 @@ def earlier_step_ops():
         y = kernels.moe_block(x, experts, ids, weights)
         return y if residual is None else residual + y
 
-    def attention(q_nope, q_rope, *args, rope=None, rope_offset=None, **kw):
+    def attention(q_nope, q_rope, *args, rope=None, rope_offset=None, q_proj=None, **kw):
+        if q_proj is not None:        # q_b's GEMV as a launch of its own (not in mla_qb_qabs)
+            _, _, kv_b, _, _, nope, v = args
+            q_nope, q_rope = kernels.mla.project_queries(*q_proj, kernels.mla.kv_b_projection(kv_b).O // (nope + v), nope)
         if rope is not None:
             q_rope = rope.apply_fast(q_rope, rope_offset)
         return mla_decode(q_nope, q_rope, *args, **kw)

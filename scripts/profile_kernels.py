@@ -64,7 +64,7 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
     return out, layers
 
 
-def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=()):
+def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=(), qb_settings=()):
     """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
     ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
     an SM, dispatch.with_min_blocks); an empty field is the default."""
@@ -96,15 +96,17 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=()):
     out.append(("qgemv q_b " + f"{q_bs[0].O}x{QL}", qb_bytes,
                 [qgemv.launch_spec(ql.reshape(1, QL), qb, impl) for ql, qb in zip(q_lats, q_bs)]))
 
-    def first_launch(inst, ql, qb):
+    def first_launch(inst, ql, qb, setting=None):
         _, _, latent, k_rope, kv_b = inst
         specs = []
         mla.launch_specs(None, None, latent, k_rope, kv_b, bench_mla_parts.NOPE ** -0.5, None, bench_mla_parts.NOPE,
-                         bench_mla_parts.V, backend=impl, q_proj=(ql, qb))(
+                         bench_mla_parts.V, backend=impl, q_proj=(ql, qb), qb=setting)(
             lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
         return specs[0]
 
-    out.append((f"mla_qb_qabs T={T}", qb_bytes + nbytes[0], [first_launch(i, ql, qb) for i, ql, qb in zip(insts, q_lats, q_bs)]))
+    for setting in (None, *qb_settings):    # mla.qb_setting: SIMD groups:rows
+        out.append((f"mla_qb_qabs T={T}" + (f" {setting}" if setting else ""), qb_bytes + nbytes[0],
+                    [first_launch(i, ql, qb, setting) for i, ql, qb in zip(insts, q_lats, q_bs)]))
     insts = [insts, q_bs, q_lats]
     # mla_qabs with other threadgroups a head (mla.QABS_PARTS), mla_out with other SIMD groups
     # (mla.OUT_WARPS): launch j of the three, made with launch_specs(**{arg: value})
@@ -293,6 +295,7 @@ def main():
                     "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
     ap.add_argument("--out-warps", default="", help="mla_out also with these SIMD groups (4, 8, 16), comma-separated")
     ap.add_argument("--qabs-parts", default="", help="mla_qabs also at these threadgroups a head, comma-separated")
+    ap.add_argument("--qb", default="", help="mla_qb_qabs also at these SIMD groups:rows settings (mla.qb_setting), comma-separated")
     ap.add_argument("--shape-in", action="store_true", help="also the small qgemv shapes with the shape compiled into "
                     "the kernel (CUDA; the large shape's default has it)")
     ap.add_argument("--ceiling", action="store_true", help="also a pure read of qgemv's large-shape bytes, qgemv at "
@@ -311,7 +314,8 @@ def main():
     for T in args.cache:
         more, k2 = mla_launches(impl, T, act, [c for c in args.attn.split(",") if c],
                                 [int(c) for c in args.qabs_parts.split(",") if c],
-                                [int(c) for c in args.out_warps.split(",") if c])
+                                [int(c) for c in args.out_warps.split(",") if c],
+                                [c for c in args.qb.split(",") if c])
         launches += more
         keep.append(k2)
     more, k3 = qgemv_launches(impl, act, [c for c in args.qgemv.split(",") if c], args.shape_in)

@@ -235,9 +235,9 @@ def test_cuda_persistent_grid_defaults(monkeypatch):
 
 
 def test_cuda_down_shape_compiled_in(monkeypatch):
-    """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) under
-    COLIBRI_MOE_DOWN_SHAPE=1 or shape_in=True, zeros otherwise (read from params); Metal has
-    no such template. tests/test_moe_block.py runs it on a GPU."""
+    """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) by default,
+    zeros (read from params) under COLIBRI_MOE_DOWN_SHAPE=0 or shape_in=False; Metal has no
+    such template. tests/test_moe_block.py runs both on a GPU."""
     monkeypatch.delenv("COLIBRI_MOE_DOWN_SHAPE", raising=False)
     experts = make_experts([4] * 4, D=512, inter=128, gs=64, seed=8)
     group = moe.resident_bank(experts).groups[0]
@@ -250,10 +250,11 @@ def test_cuda_down_shape_compiled_in(monkeypatch):
 
     p = group.down
     assert (p.O, p.rb, p.ng, p.n_units) == (512, 64, 2, 4)
+    assert shape(dispatch.CUDA) == (512, 64, 2, 4)
+    assert shape(dispatch.CUDA, shape_in=False) == (0, 0, 0, 0)
+    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "0")
     assert shape(dispatch.CUDA) == (0, 0, 0, 0)
     assert shape(dispatch.CUDA, shape_in=True) == (512, 64, 2, 4)
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "1")
-    assert shape(dispatch.CUDA) == (512, 64, 2, 4)
     assert shape(dispatch.METAL) == (None,) * 4
 
 
@@ -595,7 +596,7 @@ def test_mla_qabs_column_parts(metal, fmt, R, parts):
     run_mla(metal, fmt=fmt, R=R, H=12, nope=24, v=8, T=20, tile=8, seed=fmt + R + parts, qabs_parts=parts)
 
 
-@pytest.mark.parametrize("warps,T,tile", [(8, 300, 4), (16, 1100, 2), (16, 20, 8)])
+@pytest.mark.parametrize("warps,T,tile", [(4, 300, 4), (8, 300, 4), (16, 1100, 2), (16, 20, 8)])
 def test_mla_out_simdgroups(metal, warps, T, tile):
     # mla_out with 8 / 16 SIMD groups: batches of 2 x warps tiles (16 / 32), the tile weights in
     # whole passes of 256 / 512; 300 / 4 = 75 tiles (partial batches), 1100 / 2 capped at
@@ -1172,6 +1173,22 @@ def assert_qb_qabs_close(got, args, q_b, q_latent, rotation=None):
     assert np.array_equal(np.asarray(mx.array(rope).astype(q_latent.dtype).astype(mx.float32)), rope), \
         "q_rope not rounded to q's dtype"
     assert np.all(got[H:] == 0.0), "padding heads not zero"
+
+
+@pytest.mark.parametrize("setting", ["16:2", "4:8", "8:3"])
+def test_mla_qb_qabs_settings(metal, setting):
+    """Other SIMD groups a head and q_b rows a pass (mla.qb_setting): 24 rows of a head over
+    16 x 2, 4 x 8 and 8 x 3 (passes that end mid-head)."""
+    args, q_b, q_latent = qb_case(qfmt=4, dtype=mx.bfloat16, seed=9, q_lora=1088)
+    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
+    specs = []
+    mla.launch_specs(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b), qb=setting)(
+        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    assert specs[0].threadgroup[0] == 32 * int(setting.split(":")[0])
+    (got,) = simulate(specs[0], simulator)
+    assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
+    with pytest.raises(ValueError, match="SIMD groups"):
+        mla.qb_setting("3:4")
 
 
 @pytest.mark.parametrize("variant", mla.VARIANTS)

@@ -75,14 +75,16 @@ MAX_TILES = 512
 QABS_PARTS = 4
 # mla_out's SIMD groups a threadgroup (one threadgroup a head). Its context sum loads TU = 2 x
 # warps tiles of partials a batch (CPT x TU = 32 loads in flight a thread at any width), so
-# more warps take the merge in fewer dependent batches. Env COLIBRI_MLA_OUT_WARPS overrides.
-OUT_WARPS = 4
+# more warps take the merge in fewer dependent batches. H200, kernel alone at a 4096 cache:
+# 4 warps 16.6 us, 8 15.1, 16 15.5 (sixteenth session). Env COLIBRI_MLA_OUT_WARPS overrides.
+OUT_WARPS = 8
 # mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
 # its SIMD groups and the q_b rows a SIMD group takes a pass (every unit of them loaded before
 # any math; DeepSeek-V3's 192 rows a head are three passes of 8 x 8). q_b in fmt 1-5 (fmt 6
 # rotates its input first, a float q_b has no units).
 QB_SIMDGROUPS = 8
 QB_ROWS = 8
+QB_SETTING_VAR = "COLIBRI_MLA_QB"       # "SIMD groups:rows", e.g. 16:4 (tuning; default above)
 QB_FMTS = (1, 2, 3, 4, 5)
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
@@ -367,7 +369,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
                  q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None,
-                 out_warps: Optional[int] = None, q_proj: Optional[tuple] = None):
+                 out_warps: Optional[int] = None, q_proj: Optional[tuple] = None, qb: Optional[str] = None):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
     cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
@@ -377,7 +379,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     unrotated and mla_qabs rotates it (half-split, as mx.fast.rope). ``qabs_parts``: mla_qabs'
     threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS); ``out_warps``:
     mla_out's SIMD groups (:func:`out_simdgroups`). ``q_proj``: ``(q_latent, q_b)`` of one decode
-    row instead of q_nope / q_rope (None): mla_qb_qabs projects them itself (first launch)."""
+    row instead of q_nope / q_rope (None): mla_qb_qabs projects them itself (first launch);
+    ``qb``: its setting (:func:`qb_setting`)."""
     if q_proj is None:
         B, H, L, _ = q_nope.shape
         rope, q_dtype = q_rope.shape[-1], q_nope.dtype
@@ -425,7 +428,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                                                 qpos, invf],
                                         template=st.qabs_templates[int(q_rotation is not None)], **st.qabs)
     else:
-        qabs_spec = _qb_qabs_spec(st, q_latent, q_b, nope, rope, backend, params, qpos, invf, q_rotation is not None)
+        qabs_spec = _qb_qabs_spec(st, q_latent, q_b, nope, rope, backend, params, qpos, invf, q_rotation is not None, qb)
 
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
@@ -455,27 +458,48 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     return run
 
 
+def qb_setting(setting: Optional[str] = None) -> tuple[int, int]:
+    """mla_qb_qabs' (SIMD groups, q_b rows a SIMD group pass): ``setting`` or env
+    COLIBRI_MLA_QB as "NSG:QR", else (QB_SIMDGROUPS, QB_ROWS)."""
+    text = setting or dispatch.getenv(QB_SETTING_VAR, "")
+    if not text:
+        return QB_SIMDGROUPS, QB_ROWS
+    try:
+        nsg, qr = (int(f) for f in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{QB_SETTING_VAR}={text!r}: expected SIMD groups:rows, e.g. 16:4") from None
+    if nsg not in (4, 8, 16, 32) or not 1 <= qr <= 32:
+        raise ValueError(f"{QB_SETTING_VAR}={text!r}: SIMD groups 4, 8, 16 or 32; rows 1-32")
+    return nsg, qr
+
+
 def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str, params, qpos, invf,
-                  rotate: bool) -> dispatch.LaunchSpec:
+                  rotate: bool, setting: Optional[str] = None) -> dispatch.LaunchSpec:
     """mla_qb_qabs: mla_qabs (one threadgroup a head, all kv_b units) with this head's q_b rows
     computed first from the q_latent row."""
     pb = kv_b_projection(q_b)
-    key = (id(q_b), id(st), q_latent.dtype, backend, rotate)
+    nsg, qr = qb_setting(setting)
+    key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr)
     hit = _qb_statics.get(key)
     if hit is None or hit[0] is not q_b:
         n_units = _ceil_div(st.p.I, UNIT_WEIGHTS[st.p.fmt])
         LW, NU, RU = unit_lanes(n_units)
         whole = pb.I % UNIT_WEIGHTS[pb.fmt] == 0
         x_vec = (2 if whole else 1) if pb.I * q_latent.dtype.size % 16 == 0 else 0
-        template = _template(st.p, NSG=QB_SIMDGROUPS, LW=LW, NU=NU, RU=RU, UPP=n_units, TQ=q_latent.dtype,
-                             ROPEQ=int(rotate), QMAX=nope + rope, QR=QB_ROWS, NUB=_ceil_div(pb.n_units, SIMD),
+        template = _template(st.p, NSG=nsg, LW=LW, NU=NU, RU=RU, UPP=n_units, TQ=q_latent.dtype,
+                             ROPEQ=int(rotate), QMAX=nope + rope, QR=qr, NUB=_ceil_div(pb.n_units, SIMD),
                              FMTB=pb.fmt, GSB=int(pb.gs) if pb.fmt == 4 else 16, VECB=pb.vec, XVB=x_vec,
                              NIB=DEFAULT_NIB[backend])
+        header = st.header
+        if backend == dispatch.CUDA and SIMD * nsg > CUDA_MAX_THREADS_AT_FULL_REGS:
+            # 512+ threads must fit an SM's 64 K registers (unbounded it takes up to ~170 a thread)
+            header = dispatch.bounded_header(header, SIMD * nsg, 1)
+            template.append(("MINB", 1))
         fields = dict(name="mla_qb_qabs",
                       input_names=("qa", "wqb", "sqb", "w", "scales", "e8grid", "params", "qbp", "qpos", "invf"),
-                      output_names=("qabs",), source=st.bodies["mla_qb_qabs"], header=st.header,
+                      output_names=("qabs",), source=st.bodies["mla_qb_qabs"], header=header,
                       output_shapes=st.qabs["output_shapes"], output_dtypes=[mx.float32],
-                      grid=(SIMD * QB_SIMDGROUPS, st.Hp, st.qabs["grid"][2]), threadgroup=(SIMD * QB_SIMDGROUPS, 1, 1),
+                      grid=(SIMD * nsg, st.Hp, st.qabs["grid"][2]), threadgroup=(SIMD * nsg, 1, 1),
                       template=template)
         qbp = _int32s(pb.I, pb.O, pb.rb, pb.ng, pb.n_units, 0, 0, 0)
         hit = _qb_statics[key] = (q_b, fields, qbp)

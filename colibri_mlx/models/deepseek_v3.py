@@ -513,15 +513,31 @@ class Attention:
             q_rope = apply_rope(q_rope, cos, sin, interleaved=False)
         return q_nope, q_rope, kv, q_latent
 
-    def _decode_rows(self, x, rope_offset, cache=None, fold_q=False):
-        """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces); q_rope
-        unrotated (:meth:`attend` with ``q_offset`` rotates it in mla_decode's first launch).
-        ``fold_q`` (inside a traced step, not as a trace's outputs): ``(None, None, kv,
-        q_latent)`` where :meth:`rows` leaves q_b's projection to the attention core."""
-        *parts, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False, cache=cache, fold_q=fold_q)
-        if parts[0] is None:
-            return (*parts, q_latent)
-        return tuple(parts) if q_latent is None or self.indexer is None else (*parts, q_latent)
+    def folds_queries(self, B: int) -> bool:
+        """Whether one decode row (of ``B`` sequences) leaves q_b's projection to the attention
+        core (kernels.mla_decode's ``q_proj``: folded into its first launch on a GPU): one
+        sequence, with the stacked x projection (the rows' fast path)."""
+        return B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None
+
+    def _decode_rows(self, x, rope_offset, cache=None):
+        """:meth:`rows` of one decode row as arrays only (what kernels.compiled traces): ``(q_nope,
+        q_rope, kv[, q_latent])``, q_rope unrotated (:meth:`attend` with ``q_offset`` rotates it
+        in mla_decode's first launch), or ``(q_latent, kv)`` where :meth:`folds_queries`;
+        :meth:`decode_queries` reads either."""
+        fold = self.folds_queries(x.shape[0])
+        q_nope, q_rope, kv, q_latent = self.rows(x, rope_offset=rope_offset, rotate_q=False, cache=cache, fold_q=fold)
+        if fold:
+            return q_latent, kv
+        return (q_nope, q_rope, kv) if q_latent is None or self.indexer is None else (q_nope, q_rope, kv, q_latent)
+
+    def decode_queries(self, rows, B: int) -> tuple:
+        """:meth:`_decode_rows`' arrays as ``(q_nope, q_rope, kv, q_latent, q_proj)``: queries left
+        to the core have q_nope / q_rope None and ``q_proj = (q_latent, q_b)``."""
+        if self.folds_queries(B):
+            q_latent, kv = rows
+            return None, None, kv, q_latent, (q_latent, self.q_b_proj)
+        q_nope, q_rope, kv, *q_latent = rows
+        return q_nope, q_rope, kv, (q_latent[0] if q_latent else None), None
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         """Returns the attention output and this layer's DSA selection (for the next shared layers)."""
@@ -531,18 +547,18 @@ class Attention:
         q_offset = None
         if rope_offset is not None and L == 1:
             # The same graph every decode step: compiled on GPUs (kernels.compiled).
-            q_nope, q_rope, kv, *q_latent = self._compiled_rows(x, rope_offset)
-            q_latent = q_latent[0] if q_latent else None
+            q_nope, q_rope, kv, q_latent, q_proj = self.decode_queries(self._compiled_rows(x, rope_offset), B)
             q_offset = rope_offset
         else:
             q_nope, q_rope, kv, q_latent = self.rows(x, cos, sin)
+            q_proj = None
         kv = self.cached(kv, layer_cache, start)
         selection = shared_selection
         if self.indexer is not None:
             selection = self.indexer.select(x, q_latent.reshape(B, L, -1), cos, sin, mask, layer_cache, start)
         if selection is not None:
             mask = selection if mask is None else mask & selection
-        attn = self.attend(q_nope, q_rope, kv, mask, q_offset=q_offset)
+        attn = self.attend(q_nope, q_rope, kv, mask, q_offset=q_offset, q_proj=q_proj)
         return self.output(attn).reshape(B, L, D), selection
 
     def steps_compiled(self, x, mask, layer_cache, shared_selection, rope_offset) -> bool:
@@ -593,13 +609,11 @@ class Attention:
         # The kernel path writes the row into kv itself (kv_row None): a scatter could take the
         # buffer in place only when no earlier step's kernels still hold it (MLX keeps a
         # step's inputs alive until it has run), so a pipelined loop would copy the cache.
-        q_nope, q_rope, kv_row, *q_latent = self._decode_rows(x, slot, kv, fold_q=True)
+        q_nope, q_rope, kv_row, _, q_proj = self.decode_queries(self._decode_rows(x, slot, kv), x.shape[0])
         if kv_row is not None:
             kv = write_row(kv, kv_row, slot)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
-        # shape itself, with no reshape nodes around the kernel. Queries left unprojected
-        # (q_nope None): the core's first launch projects them with q_b.
-        q_proj = (q_latent[0], self.q_b_proj) if q_nope is None else None
+        # shape itself, with no reshape nodes around the kernel.
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
         return self.output(attn, residual), kv
 
@@ -818,9 +832,9 @@ class DecoderLayer:
         reason = self.mlp.host_reason(x)
         if reason is None and self.self_attn.steps_compiled(x, mask, layer_cache, None, rope_offset):
             return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_step)
-        q_nope, q_rope, kv = self._compiled_in(x, rope_offset)
+        q_nope, q_rope, kv, _, q_proj = self.self_attn.decode_queries(self._compiled_in(x, rope_offset), x.shape[0])
         kv = self.self_attn.cached(kv, layer_cache, start)
-        attn = self.self_attn.attend(q_nope, q_rope, kv, mask, q_offset=rope_offset)
+        attn = self.self_attn.attend(q_nope, q_rope, kv, mask, q_offset=rope_offset, q_proj=q_proj)
         return self._compiled_out(x, attn, static=reason)
 
     def _step(self, x, slot, kv, params):
