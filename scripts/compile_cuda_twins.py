@@ -170,7 +170,7 @@ def mla_specs(full: bool):
                          q_rotation=(mx.ones((rope // 2,), mx.float32), mx.array([7], dtype=mx.int32)))(
             lambda spec: fused.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
         yield f"mla_qb_qabs_qb{qfmt}_{dtype}", fused[0]
-    for setting in ("16:4", "16:2"):      # more SIMD groups a head (mla.qb_setting)
+    for setting in ("8:8", "16:2"):       # other settings than CUDA's default (mla.qb_setting)
         fused = []
         mla.launch_specs(None, None, mx.zeros((1, T, R + rope), mx.bfloat16), None, kv_b, 0.1, None, nope, v,
                          backend=dispatch.CUDA, q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b), qb=setting)(

@@ -1175,10 +1175,10 @@ def assert_qb_qabs_close(got, args, q_b, q_latent, rotation=None):
     assert np.all(got[H:] == 0.0), "padding heads not zero"
 
 
-@pytest.mark.parametrize("setting", ["16:2", "4:8", "8:3"])
+@pytest.mark.parametrize("setting", ["16:4", "16:2", "4:8", "8:3"])
 def test_mla_qb_qabs_settings(metal, setting):
     """Other SIMD groups a head and q_b rows a pass (mla.qb_setting): 24 rows of a head over
-    16 x 2, 4 x 8 and 8 x 3 (passes that end mid-head)."""
+    16 x 4 (CUDA's default), 16 x 2, 4 x 8 and 8 x 3 (passes that end mid-head)."""
     args, q_b, q_latent = qb_case(qfmt=4, dtype=mx.bfloat16, seed=9, q_lora=1088)
     _, _, latent, k_rope, kv_b, scale, _, nope, v = args
     specs = []
@@ -1189,6 +1189,7 @@ def test_mla_qb_qabs_settings(metal, setting):
     assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
     with pytest.raises(ValueError, match="SIMD groups"):
         mla.qb_setting("3:4")
+    assert mla.qb_setting(backend=dispatch.CUDA) == (16, 4) and mla.qb_setting(backend=dispatch.METAL) == (8, 8)
 
 
 @pytest.mark.parametrize("variant", mla.VARIANTS)

@@ -79,11 +79,13 @@ QABS_PARTS = 4
 # 4 warps 16.6 us, 8 15.1, 16 15.5 (sixteenth session). Env COLIBRI_MLA_OUT_WARPS overrides.
 OUT_WARPS = 8
 # mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
-# its SIMD groups and the q_b rows a SIMD group takes a pass (every unit of them loaded before
-# any math; DeepSeek-V3's 192 rows a head are three passes of 8 x 8). q_b in fmt 1-5 (fmt 6
-# rotates its input first, a float q_b has no units).
-QB_SIMDGROUPS = 8
-QB_ROWS = 8
+# its (SIMD groups, q_b rows a SIMD group pass), every unit of a pass loaded before any math;
+# DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone
+# (sixteenth session): 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
+# q_b's GEMV 12.4 + mla_qabs 6.8. Metal keeps 8 x 8: 16 SIMD groups' partial sums (32 KB)
+# would fill its threadgroup memory. q_b in fmt 1-5 (fmt 6 rotates its input first, a float
+# q_b has no units).
+QB_SETTINGS = {dispatch.METAL: (8, 8), dispatch.CUDA: (16, 4)}
 QB_SETTING_VAR = "COLIBRI_MLA_QB"       # "SIMD groups:rows", e.g. 16:4 (tuning; default above)
 QB_FMTS = (1, 2, 3, 4, 5)
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
@@ -458,12 +460,12 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     return run
 
 
-def qb_setting(setting: Optional[str] = None) -> tuple[int, int]:
+def qb_setting(setting: Optional[str] = None, backend: str = dispatch.METAL) -> tuple[int, int]:
     """mla_qb_qabs' (SIMD groups, q_b rows a SIMD group pass): ``setting`` or env
-    COLIBRI_MLA_QB as "NSG:QR", else (QB_SIMDGROUPS, QB_ROWS)."""
+    COLIBRI_MLA_QB as "NSG:QR", else the backend's QB_SETTINGS."""
     text = setting or dispatch.getenv(QB_SETTING_VAR, "")
     if not text:
-        return QB_SIMDGROUPS, QB_ROWS
+        return QB_SETTINGS.get(backend, QB_SETTINGS[dispatch.METAL])
     try:
         nsg, qr = (int(f) for f in text.split(":"))
     except ValueError:
@@ -478,7 +480,7 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
     """mla_qb_qabs: mla_qabs (one threadgroup a head, all kv_b units) with this head's q_b rows
     computed first from the q_latent row."""
     pb = kv_b_projection(q_b)
-    nsg, qr = qb_setting(setting)
+    nsg, qr = qb_setting(setting, backend)
     key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr)
     hit = _qb_statics.get(key)
     if hit is None or hit[0] is not q_b:
