@@ -267,6 +267,19 @@ inline void mla_qabs_rope(RP qr, device float* qa_rope, int width, float positio
   }
 }
 
+// mla_attn_mma's padding heads (h >= H): q' and q_rope zero, written by `writer` threadgroups.
+// True for a padding head (the threadgroup has nothing else to do).
+template <int NSG>
+inline bool mla_padding_head(device float* qrow, int h, int H, int QW, bool writer, int tid) {
+  if (h < H) {
+    return false;
+  }
+  for (int c = tid; writer && c < QW; c += NSG * 32) {
+    qrow[c] = 0.0f;
+  }
+  return true;
+}
+
 // mla_qb_qabs' first phase: head h's q_b rows (its nope rows h * nope + n, then its rope rows
 // H * nope + h * rope + j: the model's [all nope | all rope] row order) against the q_a row x,
 // each rounded to TQ as the q_b GEMV writes it, into qsh[0 .. nope + rope). QR rows a SIMD group
@@ -342,10 +355,7 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
   // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
   const int cp = int(threadgroup_position_in_grid.x);
   device float* qrow = qabs + (size_t(q) * Hp + h) * QW;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
-      qrow[c] = 0.0f;
-    }
+  if (mla_padding_head<NSG>(qrow, h, H, QW, cp == 0, tid)) {
     return;
   }
   mla_qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(qn + (size_t(q) * H + h) * nope, w, scales, e8grid, h, nope,
@@ -375,10 +385,7 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
   const int Hp = params[15];
   const int QW = R + rope;
   device float* qrow = qabs + (size_t(q) * Hp + h) * QW;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; c < QW; c += NSG * 32) {
-      qrow[c] = 0.0f;
-    }
+  if (mla_padding_head<NSG>(qrow, h, H, QW, true, tid)) {
     return;
   }
   const int Ib = qbp[0];

@@ -777,7 +777,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);"),
     "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < Hp) {\n            pacc"),
-    "padding heads of q' left unwritten": ("      qrow[c] = 0.0f;", ""),
+    "padding heads of q' left unwritten": ("    qrow[c] = 0.0f;\n  }\n  return true;", "  }\n  return true;"),
 }
 
 

@@ -323,6 +323,19 @@ __device__ __forceinline__ void qabs_rope(RP qr, float* qa_rope, int width, floa
   }
 }
 
+// mla_attn_mma's padding heads (h >= H): q' and q_rope zero, written by `writer` blocks. True
+// for a padding head (the block has nothing else to do).
+template <int NSG>
+__device__ __forceinline__ bool padding_head(float* qrow, int h, int H, int QW, bool writer) {
+  if (h < H) {
+    return false;
+  }
+  for (int c = int(threadIdx.x); writer && c < QW; c += NSG * 32) {
+    qrow[c] = 0.0f;
+  }
+  return true;
+}
+
 // mla_qb_qabs' first phase: head h's q_b rows (its nope rows h * nope + n, then its rope rows
 // H * nope + h * rope + j: the model's [all nope | all rope] row order) against the q_a row x,
 // each rounded to TQ as the q_b GEMV writes it, into qsh[0 .. nope + rope). QR rows a warp
@@ -402,7 +415,6 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   const int nope = params[1];
   const int h = int(blockIdx.y);
   const int q = int(blockIdx.z);
-  const int tid = int(threadIdx.x);
   const int Hp = params[15];
   const int R = params[3];
   const int QW = R + params[4];                // a q row: q' (R), then q_rope (rope)
@@ -410,10 +422,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   // also writes q_rope. Parts x heads threadgroups instead of one a head (see mla.py).
   const int cp = int(blockIdx.x);
   float* qrow = qabs + (size_t(q) * Hp + h) * QW;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; cp == 0 && c < QW; c += NSG * 32) {
-      qrow[c] = 0.0f;
-    }
+  if (colibri_mla::padding_head<NSG>(qrow, h, H, QW, cp == 0)) {
     return;
   }
   colibri_mla::qabs_columns<FMT, GS, VEC, NSG, LW, NU, RU, UPP>(qn + (size_t(q) * H + h) * nope, w, scales, e8grid, h,
@@ -435,16 +444,12 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   const int nope = params[1];
   const int h = int(blockIdx.y);
   const int q = int(blockIdx.z);
-  const int tid = int(threadIdx.x);
   const int Hp = params[15];
   const int R = params[3];
   const int rope = params[4];
   const int QW = R + rope;
   float* qrow = qabs + (size_t(q) * Hp + h) * QW;
-  if (h >= H) {                                // mla_attn_mma's padding heads: q = 0
-    for (int c = tid; c < QW; c += NSG * 32) {
-      qrow[c] = 0.0f;
-    }
+  if (colibri_mla::padding_head<NSG>(qrow, h, H, QW, true)) {
     return;
   }
   const int Ib = qbp[0];
