@@ -157,9 +157,7 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
         return f"q_b fmt {fmt} (fmt 1-5: fmt 6 rotates its input first)"
     if fmt == 4 and (not gs or gs % 16):
         return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
-    rows = 1
-    for d in q_latent.shape[:-1]:
-        rows *= d
+    rows = q_latent.size // q_latent.shape[-1]
     if rows != 1:
         return f"{rows} query rows (one decode row only)"
     if q_latent.dtype not in (mx.float32, mx.float16, mx.bfloat16):
