@@ -164,7 +164,7 @@ def earlier_step_ops():
     def attention(q_nope, q_rope, *args, rope=None, rope_offset=None, q_proj=None, **kw):
         if q_proj is not None:        # q_b's GEMV as a launch of its own (not in mla_qb_qabs)
             _, _, kv_b, _, _, nope, v = args
-            q_nope, q_rope = kernels.mla.project_queries(*q_proj, kernels.mla.kv_b_projection(kv_b).O // (nope + v), nope)
+            q_nope, q_rope = kernels.mla.project_queries(*q_proj, kernels.mla.heads_of(kv_b, nope, v), nope)
         if rope is not None:
             q_rope = rope.apply_fast(q_rope, rope_offset)
         return mla_decode(q_nope, q_rope, *args, **kw)

@@ -130,15 +130,7 @@ def mla_specs(full: bool):
             args = (f(1, H, 2, nope), f(1, H, 2, rope), f(1, T, R).astype(cache),
                     f(1, T, rope).astype(cache), kv_b, 0.1, mask, nope, v, selected)
             for variant in mla.VARIANTS:
-                specs = []
-                run = mla.launch_specs(*args, backend=dispatch.CUDA, variant=variant)
-
-                def capture(spec):
-                    specs.append(spec)
-                    return [mx.zeros(s, d) for s, d in zip(spec.output_shapes, spec.output_dtypes)]
-
-                run(capture)
-                for spec in specs:
+                for spec in mla.planned_launches(mla.launch_specs(*args, backend=dispatch.CUDA, variant=variant)):
                     if variant == "mma" or spec.name == "mla_attn":
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
     # mla_attn_mma at a latent width whose column tiles and k-steps are not whole (R 136: the
@@ -146,10 +138,8 @@ def mla_specs(full: bool):
     width = 136
     kv_b = random_qtensor(4, H * (nope + v), width, gs=8, seed=4)
     z = lambda *s: mx.zeros(s, mx.bfloat16)  # noqa: E731
-    specs = []
-    mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, width), z(1, T, rope), kv_b, 0.1, None, nope, v,
-                     backend=dispatch.CUDA, variant="mma")(
-        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    specs = mla.planned_launches(mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, width), z(1, T, rope),
+                                                  kv_b, 0.1, None, nope, v, backend=dispatch.CUDA, variant="mma"))
     yield "mla_attn_mma_R136", specs[1]
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
@@ -158,24 +148,20 @@ def mla_specs(full: bool):
     run = mla.launch_specs(q, qr, mx.zeros((1, T, R), mx.bfloat16), mx.zeros((1, T, rope), mx.bfloat16), kv_b, 0.1,
                            None, nope, v, backend=dispatch.CUDA,
                            q_rotation=(mx.ones((rope // 2,), mx.float32), mx.array([7], dtype=mx.int32)))
-    rotated = []
-    run(lambda spec: rotated.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-    yield "mla_qabs_fmt4_ropeq", rotated[0]
+    yield "mla_qabs_fmt4_ropeq", mla.planned_launches(run)[0]
     # mla_qb_qabs: q_b's projection folded in (one decode row), q_b in each fmt 1-5 and dtype
-    for qfmt, dtype in ((4, mx.bfloat16), (1, mx.float16), (2, mx.float32), (3, mx.bfloat16), (5, mx.bfloat16)):
+    # rotating q_rope (ROPEQ 1), then at other settings than CUDA's default (mla.qb_setting), ROPEQ 0
+    joint = mx.zeros((1, T, R + rope), mx.bfloat16)
+    for qfmt, dtype, setting in ((4, mx.bfloat16, None), (1, mx.float16, None), (2, mx.float32, None),
+                                 (3, mx.bfloat16, None), (5, mx.bfloat16, None), (4, mx.bfloat16, "8:8"),
+                                 (4, mx.bfloat16, "16:2")):
         q_b = random_qtensor(qfmt, H * (nope + rope), 1536, gs=64, seed=qfmt)
-        fused = []
-        mla.launch_specs(None, None, mx.zeros((1, T, R + rope), mx.bfloat16), None, kv_b, 0.1, None, nope, v,
-                         backend=dispatch.CUDA, q_proj=(mx.zeros((1, 1, 1536), dtype), q_b),
-                         q_rotation=(mx.ones((rope // 2,), mx.float32), mx.array([7], dtype=mx.int32)))(
-            lambda spec: fused.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-        yield f"mla_qb_qabs_qb{qfmt}_{dtype}", fused[0]
-    for setting in ("8:8", "16:2"):       # other settings than CUDA's default (mla.qb_setting)
-        fused = []
-        mla.launch_specs(None, None, mx.zeros((1, T, R + rope), mx.bfloat16), None, kv_b, 0.1, None, nope, v,
-                         backend=dispatch.CUDA, q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b), qb=setting)(
-            lambda spec: fused.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-        yield f"mla_qb_qabs_{setting.replace(':', 'x')}", fused[0]
+        run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
+                               q_proj=(mx.zeros((1, 1, 1536), dtype), q_b), qb=setting,
+                               q_rotation=None if setting else (mx.ones((rope // 2,), mx.float32),
+                                                                mx.array([7], dtype=mx.int32)))
+        label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
+        yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,

@@ -98,11 +98,9 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=(), qb
 
     def first_launch(inst, ql, qb, setting=None):
         _, _, latent, k_rope, kv_b = inst
-        specs = []
-        mla.launch_specs(None, None, latent, k_rope, kv_b, bench_mla_parts.NOPE ** -0.5, None, bench_mla_parts.NOPE,
-                         bench_mla_parts.V, backend=impl, q_proj=(ql, qb), qb=setting)(
-            lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-        return specs[0]
+        return mla.planned_launches(mla.launch_specs(None, None, latent, k_rope, kv_b, bench_mla_parts.NOPE ** -0.5,
+                                                     None, bench_mla_parts.NOPE, bench_mla_parts.V, backend=impl,
+                                                     q_proj=(ql, qb), qb=setting))[0]
 
     for setting in (None, *qb_settings):    # mla.qb_setting: SIMD groups:rows
         out.append((f"mla_qb_qabs T={T}" + (f" {setting}" if setting else ""), qb_bytes + nbytes[0],

@@ -1113,13 +1113,11 @@ def qb_case(H=4, nope=16, v=8, R=64, rope=8, q_lora=96, qfmt=4, dtype=mx.float32
     return args, q_b, q_latent
 
 
-def qb_qabs_launch(args, q_b, q_latent, rotation=None):
+def qb_qabs_launch(args, q_b, q_latent, rotation=None, setting=None):
     """The first launch mla_decode makes for (q_latent, q_b), and the launches' count."""
     _, _, latent, k_rope, kv_b, scale, _, nope, v = args
-    specs = []
-    mla.launch_specs(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b),
-                     q_rotation=rotation)(
-        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    specs = mla.planned_launches(mla.launch_specs(None, None, latent, k_rope, kv_b, scale, None, nope, v,
+                                                  q_proj=(q_latent, q_b), q_rotation=rotation, qb=setting))
     return specs[0], len(specs)
 
 
@@ -1180,12 +1178,9 @@ def test_mla_qb_qabs_settings(metal, setting):
     """Other SIMD groups a head and q_b rows a pass (mla.qb_setting): 24 rows of a head over
     16 x 4 (CUDA's default), 16 x 2, 4 x 8 and 8 x 3 (passes that end mid-head)."""
     args, q_b, q_latent = qb_case(qfmt=4, dtype=mx.bfloat16, seed=9, q_lora=1088)
-    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
-    specs = []
-    mla.launch_specs(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b), qb=setting)(
-        lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
-    assert specs[0].threadgroup[0] == 32 * int(setting.split(":")[0])
-    (got,) = simulate(specs[0], simulator)
+    spec, _ = qb_qabs_launch(args, q_b, q_latent, setting=setting)
+    assert spec.threadgroup[0] == 32 * int(setting.split(":")[0])
+    (got,) = simulate(spec, simulator)
     assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
     with pytest.raises(ValueError, match="SIMD groups"):
         mla.qb_setting("3:4")

@@ -148,6 +148,11 @@ def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     return None
 
 
+def heads_of(kv_b, nope: int, v: int) -> int:
+    """Attention heads of a layer from its kv_b (``H * (nope + v)`` rows)."""
+    return kv_b_projection(kv_b).O // (nope + v)
+
+
 def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[str]:
     """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
     if not isinstance(q_b, QTensor):
@@ -387,7 +392,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     else:
         q_latent, q_b = q_proj
         B, L, q_dtype = q_latent.size // q_latent.shape[-1], 1, q_latent.dtype
-        H = kv_b_projection(kv_b).O // (nope + v)
+        H = heads_of(kv_b, nope, v)
         rope = q_b.O // H - nope
     joint = k_rope is None
     T, R = latent.shape[1], latent.shape[2] - (rope if joint else 0)
@@ -456,6 +461,14 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
 
     run.variant = variant
     return run
+
+
+def planned_launches(run) -> list:
+    """The LaunchSpecs a :func:`launch_specs` ``run`` makes, without running them (each output a
+    zeros array of its shape): for compiling, simulating or timing the launches one by one."""
+    specs = []
+    run(lambda spec: specs.append(spec) or [mx.zeros(sh, d) for sh, d in zip(spec.output_shapes, spec.output_dtypes)])
+    return specs
 
 
 def qb_setting(setting: Optional[str] = None, backend: str = dispatch.METAL) -> tuple[int, int]:
@@ -531,7 +544,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     impl = dispatch.backend()
     if q_proj is not None:
         q_latent, q_b = q_proj
-        H = kv_b_projection(kv_b).O // (qk_nope_head_dim + v_head_dim)
+        H = heads_of(kv_b, qk_nope_head_dim, v_head_dim)
         why = None if impl == dispatch.REFERENCE else qb_decline_reason(q_latent, q_b, H, qk_nope_head_dim)
         if why is None and impl != dispatch.REFERENCE:
             why = decline_reason_shapes(1, latent, kv_b)

@@ -487,7 +487,7 @@ class Attention:
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None and L == 1
-        if fast and B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None:
+        if fast and self.folds_queries(B):
             # One decode row: both norms and the rope key from the stacked projection in one op.
             # Rows stay [1, 1, width] throughout (the kernels take any leading shape): every
             # reshape would be a graph node of the compiled step.
@@ -514,9 +514,9 @@ class Attention:
         return q_nope, q_rope, kv, q_latent
 
     def folds_queries(self, B: int) -> bool:
-        """Whether one decode row (of ``B`` sequences) leaves q_b's projection to the attention
-        core (kernels.mla_decode's ``q_proj``: folded into its first launch on a GPU): one
-        sequence, with the stacked x projection (the rows' fast path)."""
+        """Whether one decode row (of ``B`` sequences) takes the rows' fast path (one sequence,
+        the stacked x projection: mla_rows), which leaves q_b's projection to the attention core
+        (kernels.mla_decode's ``q_proj``: folded into its first launch on a GPU)."""
         return B == 1 and self.x_proj is not None and self.args.q_lora_rank is not None
 
     def _decode_rows(self, x, rope_offset, cache=None):
