@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import compiled  # noqa: E402
 from colibri_mlx.formats.qtensor import QTensor  # noqa: E402
-from bench_timing import median_times  # noqa: E402
+from bench_timing import median_times, timeline  # noqa: E402
 
 D, INTER, H, Q_LORA, KV_LORA, NOPE, ROPE, V = 7168, 2048, 128, 1536, 512, 128, 64, 128
 COPY_BW = 4.3e12
@@ -101,11 +101,15 @@ def timeit(fn, iters, label=None):
     total, BUILD[label or fn.__qualname__] = median_times(fn, iters)
     if label:
         count_nodes(fn, label)
+        if TIMELINE_ON:
+            TIMELINE[label] = timeline(fn, iters)
     return total
 
 
 BUILD: dict = {}
 NODES: dict = {}
+TIMELINE: dict = {}
+TIMELINE_ON = False
 
 # Primitives that only make views on MLX's GPU backends (no kernel launch).
 VIEW_PRIMITIVES = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "AsStrided",
@@ -351,7 +355,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", choices=["moe", "mla", "launch"], nargs="*", default=None)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a CPU smoke run of the script")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile each row's evaluations (CUDA, PyTorch's profiler): host lead, GPU busy, gaps")
     args = ap.parse_args()
+    global TIMELINE_ON
+    TIMELINE_ON = args.timeline and kernels.backend() == "cuda"
     if args.tiny:
         shrink()
     results = {"backend": kernels.backend(), "experts_per_layer": args.experts}
@@ -363,6 +371,8 @@ def main():
     results["graph_build_s"] = dict(BUILD)
     results["counters"] = kernels.counters()
     print_table(results)
+    if TIMELINE_ON:
+        print_timelines(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"tiny op {results.get('tiny_op_us', float('nan')):.2f} us; gather {results.get('gather_us', float('nan')):.2f} us, "
@@ -394,6 +404,24 @@ def print_table(results):
     print("build = Python graph building per layer (inside 'us'); nodes = graph nodes per layer (views included: a "
           "compiled call recreates each); launch = primitives that launch a kernel per layer;"
           " ovh = launch x tiny-op cost (estimate of the launch-overhead share); ratio = mlx-lm / ours")
+
+
+def print_timelines(results):
+    """Per layer (an evaluation / CHAIN), medians under the profiler: where the wall time goes."""
+    print(f"\nper layer under the profiler, us: wall = lead + busy + gaps + tail; lead = build + what MLX "
+          f"encodes before its first commit")
+    print(f"{'row':30s} {'wall':>7s} {'build':>6s} {'lead':>7s} {'busy':>7s} {'gaps':>6s} {'tail':>6s} {'kernels':>7s}")
+    for label, got in TIMELINE.items():
+        if got is None:
+            print(f"{label:30s} no kernel records (CUPTI not available?)")
+            continue
+        med, by_name, _ = got
+        results.setdefault("timeline", {})[label] = {k: v / CHAIN for k, v in med.items()}
+        print(f"{label:30s} " + " ".join(f"{med.get(k, float('nan')) / CHAIN:{w}.1f}" for k, w in
+                                          (("wall", 7), ("build", 6), ("lead", 7), ("busy", 7), ("gaps", 6), ("tail", 6),
+                                           ("kernels", 7))))
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:8]
+        print("    " + "; ".join(f"{n.replace('mlx::core::cu::', '')[:40]} {us / CHAIN:.1f}" for n, (us, _) in top))
 
 
 def shrink():

@@ -94,6 +94,8 @@ for s in "${steps[@]}"; do
                    step bench_qgemv_early 130 env MLX_MAX_OPS_PER_BUFFER=4 python3 scripts/bench_qgemv.py \
                      --json "$out/bench_qgemv_early.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
+    timeline_moe_mla) # the same chains under PyTorch's profiler: each row's host lead, GPU busy and gaps
+                   step timeline_moe_mla 240 python3 scripts/bench_moe_mla.py --iters 10 --cache 4096 32768 --timeline ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench_moe_parts.py ;;
     bench_long_context) # decode at 4096 / 32768 positions: the row written in place vs the scatter

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_e2e as E  # noqa: E402
+from bench_timing import analyze  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402
 
 STEP = "decode_step"
@@ -57,16 +57,6 @@ def run_steps(step, prompt, steps):
             mx.synchronize()
 
 
-def union_us(intervals) -> float:
-    total, end = 0.0, -1e30
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
 def step_profile(step, prompt, steps):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -81,27 +71,6 @@ def step_profile(step, prompt, steps):
         elif ev.device_type == torch.autograd.DeviceType.CUDA and t1 > t0 and ev.name != STEP:
             kerns.append((t0, t1, ev.name))
     return analyze(ranges, kerns)
-
-
-def analyze(ranges, kerns):
-    """``(rows, {kernel: (us a step, launches a step)}, the last step's sequence)`` from step
-    ranges ``[(start, end)]`` and kernel records ``[(start, end, name)]`` (us, one clock); a
-    kernel belongs to the step in whose range it starts."""
-    ranges = sorted(ranges)
-    rows, by_name, count, sequence = [], defaultdict(float), defaultdict(float), []
-    for s, e in ranges:
-        mine = sorted((a, b, n) for a, b, n in kerns if s <= a < e)
-        if not mine:
-            continue
-        first, last = min(a for a, _, _ in mine), max(b for _, b, _ in mine)
-        busy = union_us([(a, b) for a, b, _ in mine])
-        rows.append({"wall": e - s, "lead": first - s, "busy": busy, "gaps": (last - first) - busy,
-                     "tail": max(0.0, e - last), "kernels": len(mine)})
-        for a, b, n in mine:
-            by_name[n] += (b - a) / len(ranges)
-            count[n] += 1 / len(ranges)
-        sequence = [(a - first, b - a, n) for a, b, n in mine]     # the last step's, in start order
-    return rows, {n: (us, count[n]) for n, us in by_name.items()}, sequence
 
 
 def short(name: str) -> str:
