@@ -175,7 +175,7 @@ def mla_specs(full: bool):
 def moe_specs(full: bool):
     """moe_gate_up / moe_down / hadamard for every fmt at S = 1 (bf16 x) and S = 8 (f32 x),
     the launch MLX gets (moe.gate_up_spec / down_spec) plus the split-K variants."""
-    from colibri_mlx.kernels import moe
+    from colibri_mlx.kernels import moe, router
 
     fmts = (0, 1, 2, 3, 4, 5, 6)
     for fmt in fmts:
@@ -215,6 +215,11 @@ def moe_specs(full: bool):
                                                               out_dtype=dtype, persistent=3, shape_in=True)
                 yield f"gate_up_fmt{fmt}_S1_shape", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3,
                                                                     shape_in=True)
+            if fmt in (2, 4, 6):   # the router's selection inside moe_gate_up (kernels.moe.routed_block)
+                for E, cfg in ((3, router.RouterConfig(1, 1, 1, True, 1.0)), (256, router.RouterConfig(1, 8, 4, True, 2.5))):
+                    route = [mx.zeros((S, E), mx.float32), mx.zeros((E,), mx.float32), *router.topk_params(E, cfg, 3)]
+                    yield (f"gate_up_routed_fmt{fmt}_S{S}_{dtype}_E{E}",
+                           moe.gate_up_spec(x, group, None, K, dispatch.CUDA, route=route))
             # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
             yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                   out_dtype=dtype, prefetch=1)

@@ -71,7 +71,7 @@ for s in "${steps[@]}"; do
                    # (the model-level tests are compiled_tests': together they outgrow 360 s of JIT; the
                    # kernel tests alone ran out of 280 s on 2026-12-02)
                    (step gpu_tests 360 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
-                      tests/test_mla_decode.py tests/test_moe_shared_slot.py \
+                      tests/test_mla_decode.py tests/test_moe_shared_slot.py tests/test_moe_routed.py \
                       $(ls tests/test_router*.py 2>/dev/null)) &
                    wait; reap ;;
     check_twins)   step check_twins 200 python3 scripts/check_kernels_gpu.py --jobs 12 ;;
@@ -130,7 +130,7 @@ for s in "${steps[@]}"; do
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
-                     tests/test_moe_shared_slot.py; reap ;;
+                     tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;
     probes)        # what bounds the GEMV-shaped kernels (CUDA-only experiments, each checked
                    # against the production kernel; docs/performance.md, thirteenth session)

@@ -18,7 +18,7 @@ argpartition order: consumers (moe_block) do not depend on slot order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -30,6 +30,8 @@ MAX_TOKENS = 8            # decode; more tokens (prefill) use the reference
 MAX_EXPERTS = 1024        # router_topk: one thread per expert in one threadgroup
 MAX_K = 32                # selected experts per token (threadgroup table)
 MAX_GROUPS = 32
+# moe_gate_up_routed keeps every token's choices in threadgroup memory (S * E floats, 16 KB).
+MAX_ROUTED_CHOICES = 4096
 SCORE_ROWS = 2            # experts per router_scores threadgroup: E / 2 threadgroups (128 for 256)
 SCORE_SIMDGROUPS = 8      # 256 threads split each row (7168 floats: 7 float4 units per thread)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -125,6 +127,13 @@ def scores_spec(x: mx.array, weight: mx.array, backend: str = dispatch.METAL, ro
     return st.spec([x, weight, st.params])
 
 
+def topk_params(E: int, cfg: RouterConfig, shared_id: Optional[int] = None) -> tuple[mx.array, mx.array]:
+    """router_topk's ``(params, fparams)``; moe_gate_up_routed reads the same two."""
+    return (dispatch.int_params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
+                                -1 if shared_id is None else int(shared_id)),
+            dispatch.float_params(float(cfg.routed_scaling_factor)))
+
+
 def topk_spec(scores: mx.array, bias: mx.array, cfg: RouterConfig, shared_id: Optional[int] = None,
               backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
     """``ids [S, K(+1)]`` int32 and ``weights [S, K(+1)]`` float32 from ``scores [S, E]``."""
@@ -134,14 +143,12 @@ def topk_spec(scores: mx.array, bias: mx.array, cfg: RouterConfig, shared_id: Op
         KO = cfg.top_k + (shared_id is not None)
         tg = 32 * -(-E // 32)
         header, bodies = read_kernel_sections("router", backend)
-        params = dispatch.int_params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
-                         -1 if shared_id is None else int(shared_id))
         return _Static(
             name="router_topk", input_names=("scores", "bias", "params", "fparams"),
             output_names=("ids", "weights"), source=bodies["router_topk"], header=header,
             output_shapes=[(S, KO), (S, KO)], output_dtypes=[mx.int32, mx.float32],
             grid=(tg, S, 1), threadgroup=(tg, 1, 1), template=[("TG", tg)],
-            params=(params, dispatch.float_params(float(cfg.routed_scaling_factor))))
+            params=topk_params(E, cfg, shared_id))
 
     st = _static(("topk", S, E, cfg, shared_id, backend), build)
     return st.spec([scores, bias, *st.params])
@@ -170,6 +177,45 @@ def _decline_cached(x, weight, bias, cfg) -> Optional[str]:
     if key not in _declined:
         _declined[key] = decline_reason(x, weight, bias, cfg)
     return _declined[key]
+
+
+@dataclass(eq=False)
+class Routing:
+    """A MoE block's router inputs, before selection: kernels.moe.routed_block selects inside
+    moe_gate_up where it can (:meth:`decline_reason`), else calls :meth:`select`."""
+
+    x: mx.array                 # [S, D]
+    weight: mx.array            # [E, D] float32
+    bias: mx.array              # [E] float32
+    cfg: RouterConfig
+    shared_id: Optional[int] = None
+    slots: int = field(init=False)   # K (+1 with the shared slot) a token
+
+    def __post_init__(self):
+        self.slots = self.cfg.top_k + (self.shared_id is not None)
+
+    def select(self) -> tuple[mx.array, mx.array]:
+        """``(ids, weights)`` by :func:`router_topk`."""
+        return router_topk(self.x, self.weight, self.bias, self.cfg, self.shared_id)
+
+    def kernel_decline_reason(self) -> Optional[str]:
+        """Why router_topk's kernels decline these inputs (they count it), or None."""
+        return _decline_cached(self.x, self.weight, self.bias, self.cfg)
+
+    def decline_reason(self) -> Optional[str]:
+        """Why moe_gate_up cannot select where router_topk's kernel can, or None: the slots fit
+        one SIMD group, every token's choices fit threadgroup memory."""
+        S, E = self.x.shape[0], self.weight.shape[0]
+        if self.slots > 32:
+            return f"{self.slots} slots a token above one SIMD group's 32"
+        if S * E > MAX_ROUTED_CHOICES:
+            return f"S*E={S * E} choices above {MAX_ROUTED_CHOICES} (threadgroup memory)"
+        return None
+
+    def kernel_inputs(self, impl: str) -> list:
+        """moe_gate_up_routed's router inputs: router_scores' launch, bias, params, fparams."""
+        scores = dispatch.launch(impl, scores_spec(self.x, self.weight, impl))[0]
+        return [scores, self.bias, *topk_params(self.weight.shape[0], self.cfg, self.shared_id)]
 
 
 def router_topk(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterConfig,

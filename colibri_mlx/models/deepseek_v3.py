@@ -706,6 +706,13 @@ class Router:
             self._config = (key, kernels.router.RouterConfig(*key))
         return self._config[1]
 
+    def routing(self, x: mx.array, shared_id: int | None = None):
+        """The selection to make for ``x [N, D]``, made inside the MoE block's first launch where
+        it can (kernels.router.Routing); None with router top-p (it selects on the host)."""
+        if self.top_p is not None:
+            return None
+        return kernels.router.Routing(x, self.weight, self.bias, self.config, shared_id)
+
     def __call__(self, x: mx.array, shared_id: int | None = None) -> tuple[mx.array, mx.array]:
         """``(ids [..., K], weights [..., K])``; with ``shared_id`` one more slot ``(shared_id, 1.0)``."""
         if self.top_p is None:
@@ -765,16 +772,24 @@ class MoE:
 
     def forward(self, x, residual=None):
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
         if self.shared is not None and self.shared_slot is None:
-            y = routed_experts(flat, self.bank, ids, weights).reshape(x.shape)
+            y = self.routed(flat).reshape(x.shape)
             kernels.dispatch.record_call("moe_shared", "mlp")   # shape/fmt/streaming: shared_mlp_reason
             y = y + self.shared.forward(x)
             return y if residual is None else residual + y
         if residual is not None and residual.shape == x.shape:
-            return routed_experts(flat, self.bank, ids, weights, residual)   # written in x's shape
+            return self.routed(flat, residual)                   # written in x's shape
         res = None if residual is None else residual.reshape(flat.shape)
-        return routed_experts(flat, self.bank, ids, weights, res).reshape(x.shape)
+        return self.routed(flat, res).reshape(x.shape)
+
+    def routed(self, flat, residual=None):
+        """The routed experts (and the shared slot) of ``flat [N, D]``: the router's selection
+        made in moe_gate_up where the kernels can (kernels.moe.routed_block)."""
+        routing = self.router.routing(flat, self.shared_slot) if isinstance(self.router, Router) else None
+        if routing is not None:
+            return kernels.moe.routed_block(flat, self.bank, routing, residual)
+        ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
+        return routed_experts(flat, self.bank, ids, weights, residual)
 
     def __call__(self, x):
         if x.size > DECODE_ROWS * x.shape[-1]:
