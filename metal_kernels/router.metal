@@ -34,6 +34,37 @@ inline void router_better(thread float& v, thread int& i, float ov, int oi) {
   }
 }
 
+// A group's score: the sum of its top-2 choices c[g * gsz ...].
+inline float router_group_score(const threadgroup float* c, int g, int gsz) {
+  float b1 = ROUTER_NONE;
+  float b2 = ROUTER_NONE;
+  for (int j = g * gsz; j < g * gsz + gsz; ++j) {
+    const float v = c[j];
+    if (v > b1) {
+      b2 = b1;
+      b1 = v;
+    } else if (v > b2) {
+      b2 = v;
+    }
+  }
+  return b2 + b1;
+}
+
+// Selected slot k's weight: its unbiased score, divided by the K selected scores' sum (in
+// selection order, + 1e-20) when norm, times scale.
+inline float router_slot_weight(const device float* scores, const threadgroup int* sel, int K, int k, int norm,
+                                float scale) {
+  float sum = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    sum += scores[sel[j]];
+  }
+  float wt = scores[sel[k]];
+  if (norm != 0) {
+    wt = wt / (sum + 1e-20f);
+  }
+  return wt * scale;
+}
+
 // A taken expert: below ROUTER_NONE, so a masked expert still outranks it (router_topk leaves
 // taken experts out of its argmax and lets masked ones in).
 #define ROUTER_TAKEN (-3.2e38f)
@@ -69,18 +100,7 @@ inline void router_route_slots(const device float* scores, const device float* b
       const int gsz = E / G;
       float gs = ROUTER_NONE;
       if (lane < G) {
-        float b1 = ROUTER_NONE;
-        float b2 = ROUTER_NONE;
-        for (int j = lane * gsz; j < lane * gsz + gsz; ++j) {
-          const float v = c[j];
-          if (v > b1) {
-            b2 = b1;
-            b1 = v;
-          } else if (v > b2) {
-            b2 = v;
-          }
-        }
-        gs = b2 + b1;
+        gs = router_group_score(c, lane, gsz);
       }
       int rank = 0;
       for (int g = 0; g < G; ++g) {
@@ -117,16 +137,8 @@ inline void router_route_slots(const device float* scores, const device float* b
       float wt = 1.0f;
       int id = shared;
       if (lane < K) {
-        float sum = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          sum += scores[s * E + sk[k]];
-        }
         id = sk[lane];
-        wt = scores[s * E + id];
-        if (norm != 0) {
-          wt = wt / (sum + 1e-20f);
-        }
-        wt = wt * scale;
+        wt = router_slot_weight(scores + s * E, sk, K, lane, norm, scale);
       }
       sl[s * KO + lane] = (id >= 0 && id < E_lut) ? lut[id] : -1;
       if (writer) {
@@ -231,18 +243,7 @@ inline void router_route_slots(const device float* scores, const device float* b
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const int gsz = E / G;
     if (tid < G) {
-      float b1 = ROUTER_NONE;
-      float b2 = ROUTER_NONE;
-      for (int j = tid * gsz; j < tid * gsz + gsz; ++j) {
-        const float v = ch[j];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
-        }
-      }
-      gsc[tid] = b2 + b1;
+      gsc[tid] = router_group_score(ch, tid, gsz);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < G) {
@@ -290,16 +291,8 @@ inline void router_route_slots(const device float* scores, const device float* b
     float wt = 1.0f;
     int id = shared;
     if (tid < K) {
-      float sum = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        sum += scores[s * E + sel[k]];
-      }
       id = sel[tid];
-      wt = scores[s * E + id];
-      if (norm != 0) {
-        wt = wt / (sum + 1e-20f);
-      }
-      wt = wt * fparams[0];
+      wt = router_slot_weight(scores + s * E, sel, K, tid, norm, fparams[0]);
     }
     ids[s * KO + tid] = id;
     weights[s * KO + tid] = wt;

@@ -144,8 +144,8 @@ ROUTED_DEFECTS = {
     "taken expert not marked": ("        c[i] = ROUTER_TAKEN;\n", "        c[i] = c[i];\n"),
     "group limit dropped": ("          c[j] = ROUTER_NONE;\n        }\n      }\n      simdgroup_barrier",
                             "          c[j] = c[j];\n        }\n      }\n      simdgroup_barrier"),
-    "weights not normalized": ("          wt = wt / (sum + 1e-20f);\n        }\n        wt = wt * scale;",
-                               "          wt = wt / (sum + 1.0f);\n        }\n        wt = wt * scale;"),
+    "weights not normalized": ("    wt = wt / (sum + 1e-20f);\n  }\n  return wt * scale;",
+                               "    wt = wt / (sum + 1.0f);\n  }\n  return wt * scale;"),
     "slot of the wrong token": ("      sl[s * KO + lane] =", "      sl[lane] ="),
 }
 

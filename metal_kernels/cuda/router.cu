@@ -27,6 +27,37 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
   }
 }
 
+// A group's score: the sum of its top-2 choices c[g * gsz ...].
+__device__ __forceinline__ float group_score(const float* c, int g, int gsz) {
+  float b1 = ROUTER_NONE;
+  float b2 = ROUTER_NONE;
+  for (int j = g * gsz; j < g * gsz + gsz; ++j) {
+    const float v = c[j];
+    if (v > b1) {
+      b2 = b1;
+      b1 = v;
+    } else if (v > b2) {
+      b2 = v;
+    }
+  }
+  return b2 + b1;
+}
+
+// Selected slot k's weight: its unbiased score, divided by the K selected scores' sum (in
+// selection order, + 1e-20) when norm, times scale.
+__device__ __forceinline__ float slot_weight(const float* scores, const int* sel, int K, int k, int norm,
+                                             float scale) {
+  float sum = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    sum += scores[sel[j]];
+  }
+  float wt = scores[sel[k]];
+  if (norm != 0) {
+    wt = wt / (sum + 1e-20f);
+  }
+  return wt * scale;
+}
+
 // A taken expert: below ROUTER_NONE, so a masked expert still outranks it (router_topk leaves
 // taken experts out of its argmax and lets masked ones in).
 #define ROUTER_TAKEN (-3.2e38f)
@@ -61,18 +92,7 @@ __device__ __forceinline__ void route_slots(const float* scores, const float* bi
       const int gsz = E / G;
       float gs = ROUTER_NONE;
       if (lane < G) {
-        float b1 = ROUTER_NONE;
-        float b2 = ROUTER_NONE;
-        for (int j = lane * gsz; j < lane * gsz + gsz; ++j) {
-          const float v = c[j];
-          if (v > b1) {
-            b2 = b1;
-            b1 = v;
-          } else if (v > b2) {
-            b2 = v;
-          }
-        }
-        gs = b2 + b1;
+        gs = group_score(c, lane, gsz);
       }
       int rank = 0;
       for (int g = 0; g < G; ++g) {
@@ -109,16 +129,8 @@ __device__ __forceinline__ void route_slots(const float* scores, const float* bi
       float wt = 1.0f;
       int id = shared;
       if (lane < K) {
-        float sum = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          sum += scores[s * E + sk[k]];
-        }
         id = sk[lane];
-        wt = scores[s * E + id];
-        if (norm != 0) {
-          wt = wt / (sum + 1e-20f);
-        }
-        wt = wt * scale;
+        wt = slot_weight(scores + s * E, sk, K, lane, norm, scale);
       }
       sl[s * KO + lane] = (id >= 0 && id < E_lut) ? lut[id] : -1;
       if (writer) {
@@ -227,18 +239,7 @@ __device__ __forceinline__ void route_slots(const float* scores, const float* bi
     __syncthreads();
     const int gsz = E / G;
     if (tid < G) {
-      float b1 = ROUTER_NONE;
-      float b2 = ROUTER_NONE;
-      for (int j = tid * gsz; j < tid * gsz + gsz; ++j) {
-        const float v = ch[j];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
-        }
-      }
-      gsc[tid] = b2 + b1;
+      gsc[tid] = colibri_router::group_score(ch, tid, gsz);
     }
     __syncthreads();
     if (tid < G) {
@@ -286,16 +287,8 @@ __device__ __forceinline__ void route_slots(const float* scores, const float* bi
     float wt = 1.0f;
     int id = shared;
     if (tid < K) {
-      float sum = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        sum += scores[s * E + sel[k]];
-      }
       id = sel[tid];
-      wt = scores[s * E + id];
-      if (norm != 0) {
-        wt = wt / (sum + 1e-20f);
-      }
-      wt = wt * fparams[0];
+      wt = colibri_router::slot_weight(scores + s * E, sel, K, tid, norm, fparams[0]);
     }
     ids[s * KO + tid] = id;
     weights[s * KO + tid] = wt;
