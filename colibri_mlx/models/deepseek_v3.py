@@ -707,8 +707,8 @@ class Router:
         return self._config[1]
 
     def routing(self, x: mx.array, shared_id: int | None = None):
-        """The selection to make for ``x [N, D]``, made inside the MoE block's first launch where
-        it can (kernels.router.Routing); None with router top-p (it selects on the host)."""
+        """The selection to make for ``x [N, D]`` (kernels.router.Routing: router_topk's, or
+        moe_gate_up's own); None with router top-p (it selects on the host)."""
         if self.top_p is not None:
             return None
         return kernels.router.Routing(x, self.weight, self.bias, self.config, shared_id)
@@ -783,8 +783,8 @@ class MoE:
         return self.routed(flat, res).reshape(x.shape)
 
     def routed(self, flat, residual=None):
-        """The routed experts (and the shared slot) of ``flat [N, D]``: the router's selection
-        made in moe_gate_up where the kernels can (kernels.moe.routed_block)."""
+        """The routed experts (and the shared slot) of ``flat [N, D]`` (kernels.moe.routed_block:
+        with COLIBRI_MOE_ROUTE=1 the router's selection is made inside moe_gate_up)."""
         routing = self.router.routing(flat, self.shared_slot) if isinstance(self.router, Router) else None
         if routing is not None:
             return kernels.moe.routed_block(flat, self.bank, routing, residual)
