@@ -201,6 +201,16 @@ def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
     return float(ratio.max())
 
 
+def simulator_or_skip():
+    """The MSL simulator module, or a pytest skip where it cannot run (no clang)."""
+    import pytest
+
+    simulator = pytest.importorskip("msl.simulator")
+    if not simulator.clang_available():
+        pytest.skip("clang not available for the MSL simulator")
+    return simulator
+
+
 def route_launches_to_simulator(monkeypatch, simulator) -> list:
     """Send every hot-path kernel launch to the MSL simulator, as on a Mac (the GPU backend is
     Metal; force_reference / COLIBRI_KERNELS=reference still win). Returns the launched kernels'

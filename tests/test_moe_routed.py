@@ -17,7 +17,7 @@ import pytest
 from colibri_mlx.kernels import dispatch, moe, router
 from colibri_mlx.kernels.router import RouterConfig, Routing
 from kernel_oracle import random_qtensor
-from moe_mla_oracle import assert_moe_close, route_launches_to_simulator, simulate
+from moe_mla_oracle import assert_moe_close, route_launches_to_simulator, simulate, simulator_or_skip
 from test_router import check, inputs
 
 CASES = {  # name: (E, D, inter, cfg)
@@ -81,10 +81,7 @@ def routed_on(monkeypatch):
 
 @pytest.fixture
 def metal(monkeypatch):
-    simulator = pytest.importorskip("msl.simulator")
-    if not simulator.clang_available():
-        pytest.skip("clang not available for the MSL simulator")
-    yield route_launches_to_simulator(monkeypatch, simulator)
+    yield route_launches_to_simulator(monkeypatch, simulator_or_skip())
     moe.clear_banks()
 
 
@@ -152,7 +149,7 @@ ROUTED_DEFECTS = {
 
 @pytest.mark.parametrize("defect", sorted(ROUTED_DEFECTS))
 def test_routed_planted_defect_is_caught(metal, monkeypatch, defect):
-    simulator = pytest.importorskip("msl.simulator")
+    simulator = simulator_or_skip()
     good, bad = ROUTED_DEFECTS[defect]
 
     def planted(spec, sim):

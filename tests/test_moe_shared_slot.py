@@ -18,7 +18,7 @@ from colibri_mlx.kernels import dispatch, moe
 from colibri_mlx.models.deepseek_v3 import MoE, ModelArgs
 from colibri_mlx.models.loading import table_from_dict
 from kernel_oracle import random_qtensor
-from moe_mla_oracle import assert_moe_close, route_launches_to_simulator
+from moe_mla_oracle import assert_moe_close, route_launches_to_simulator, simulator_or_skip
 
 D, INTER, E, K = 64, 32, 16, 4
 
@@ -115,10 +115,7 @@ def test_streamed_layer_keeps_mlp():
 
 @pytest.fixture
 def metal(monkeypatch):
-    simulator = pytest.importorskip("msl.simulator")
-    if not simulator.clang_available():
-        pytest.skip("clang not available for the MSL simulator")
-    yield route_launches_to_simulator(monkeypatch, simulator)
+    yield route_launches_to_simulator(monkeypatch, simulator_or_skip())
     moe.clear_banks()
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from colibri_mlx.kernels import dispatch, router
 from colibri_mlx.kernels.router import RouterConfig
-from moe_mla_oracle import route_launches_to_simulator
+from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
 
 REL = 1e-4
 
@@ -102,10 +102,7 @@ def check(ids, weights, x, w, bias, cfg, shared_id=None, label=""):
 
 @pytest.fixture
 def metal(monkeypatch):
-    simulator = pytest.importorskip("msl.simulator")
-    if not simulator.clang_available():
-        pytest.skip("clang not available for the MSL simulator")
-    return route_launches_to_simulator(monkeypatch, simulator)
+    return route_launches_to_simulator(monkeypatch, simulator_or_skip())
 
 
 # ---------------------------------------------------------------------------------------
