@@ -131,7 +131,7 @@ def mla_specs(full: bool):
                     f(1, T, rope).astype(cache), kv_b, 0.1, mask, nope, v, selected)
             for variant in mla.VARIANTS:
                 for spec in mla.planned_launches(mla.launch_specs(*args, backend=dispatch.CUDA, variant=variant)):
-                    if variant == "mma" or spec.name == "mla_attn":
+                    if variant == "mma" or spec.name == {"simt": "mla_attn", "wide": "mla_attn_wide"}[variant]:
                         yield f"{spec.name}_fmt{fmt}_{cache}_sel{int(sel)}", spec
     # mla_attn_mma at a latent width whose column tiles and k-steps are not whole (R 136: the
     # per-step tests stay in)
@@ -141,6 +141,12 @@ def mla_specs(full: bool):
     specs = mla.planned_launches(mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, width), z(1, T, rope),
                                                   kv_b, 0.1, None, nope, v, backend=dispatch.CUDA, variant="mma"))
     yield "mla_attn_mma_R136", specs[1]
+    # mla_attn_wide on a float16 cache (its other pair conversion)
+    specs = mla.planned_launches(mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope),
+                                                  mx.zeros((1, T, R + rope), mx.float16), None,
+                                                  random_qtensor(4, H * (nope + v), R, gs=64, seed=4), 0.1, None,
+                                                  nope, v, backend=dispatch.CUDA, variant="wide"))
+    yield "mla_attn_wide_f16_joint", specs[1]
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)

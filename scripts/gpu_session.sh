@@ -129,6 +129,16 @@ for s in "${steps[@]}"; do
                    step probe_build 150 python3 scripts/probe_build.py ;;
     profile_step)  step profile_step 200 python3 scripts/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/profile_kernels.py --cupti ${PK_ARGS:-} ;;
+    wide_tests)    # mla_attn_wide (CUDA, 16-bit caches: 32-position chunks staged by cp.async) on
+                   # every edge the mma variant is tested at
+                   step wide_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \
+                     -k "wide or deepseek or joint or fixed_capacity"; reap ;;
+    wide_times)    # mla_attn_wide against mla_attn_mma: kernel alone, then the MLA block per layer
+                   step wide_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn \
+                     --attn wide --cache 4096 32768
+                   step bench_mla_mma 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
+                   step bench_mla_wide 200 env COLIBRI_MLA_VARIANT=wide python3 scripts/bench_moe_mla.py \
+                     --iters 10 --only mla --cache 4096 32768 ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;

@@ -65,9 +65,10 @@ def moe_launches(impl, experts, k, act, gate_up_cfgs=(), down_cfgs=()):
 
 
 def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=(), qb_settings=()):
-    """mla_decode's three launches at cache T, and mla_attn_mma again at each setting asked for:
-    ``HEADS[:MINB]``, the heads a block (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks
-    an SM, dispatch.with_min_blocks); an empty field is the default."""
+    """mla_decode's three launches at cache T, and the attention again at each setting asked
+    for: ``[VARIANT:]HEADS[:MINB]``, the variant (mla.VARIANTS, default mma), the heads a block
+    (mla.MMA_HEAD_CHOICES) and CUDA launch bounds (blocks an SM, dispatch.with_min_blocks); an
+    empty field is the default."""
     insts = [bench_mla_parts.instance(T, act) for _ in range(CHAIN)]
     runs = [bench_mla_parts.specs_of(i, impl) for i in insts]
     R, ROPE, H = bench_mla_parts.R, bench_mla_parts.ROPE, bench_mla_parts.H
@@ -76,9 +77,11 @@ def mla_launches(impl, T, act, attn_settings=(), qabs_parts=(), out_warps=(), qb
     nbytes = (kvb_bytes // 2, T * (R + ROPE) * act.size, kvb_bytes // 2)
     out = [(f"{n} T={T}", b, [c[j] for _, c in runs]) for j, (n, b) in enumerate(zip(names, nbytes))]
     for cfg in attn_settings:
-        heads, minb = [int(f or 0) or None for f in (cfg.split(":") + [""])[:2]]
+        fields = cfg.split(":")
+        variant = fields.pop(0) if fields[0] in mla.VARIANTS else "mma"
+        heads, minb = [int(f or 0) or None for f in (fields + ["", ""])[:2]]
         try:
-            specs = [bench_mla_parts.specs_of(i, impl, variant="mma", heads=heads)[1][1]
+            specs = [bench_mla_parts.specs_of(i, impl, variant=variant, heads=heads)[1][1]
                      for i in insts]
         except (RuntimeError, ValueError) as e:     # e.g. a block too large to launch
             print(f"mla_attn T={T} {cfg}: failed: {str(e)[:160]}", flush=True)
@@ -289,8 +292,9 @@ def main():
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB[:SHAPE]]] (PB: blocks of a "
                     "persistent grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM; SHAPE 1: the shape "
                     "compiled in), comma-separated")
-    ap.add_argument("--attn", default="", help="more mla_attn_mma settings HEADS[:MINB] (HEADS empty: the "
-                    "default; MINB: CUDA launch bounds, blocks an SM), comma-separated")
+    ap.add_argument("--attn", default="", help="more attention settings [VARIANT:]HEADS[:MINB] (VARIANT: mma, "
+                    "wide or simt, default mma; HEADS empty: the default; MINB: CUDA launch bounds, blocks an SM), "
+                    "comma-separated, e.g. wide,mma:16")
     ap.add_argument("--out-warps", default="", help="mla_out also with these SIMD groups (4, 8, 16), comma-separated")
     ap.add_argument("--qabs-parts", default="", help="mla_qabs also at these threadgroups a head, comma-separated")
     ap.add_argument("--qb", default="", help="mla_qb_qabs also at these SIMD groups:rows settings (mla.qb_setting), comma-separated")

@@ -52,8 +52,8 @@ def check(joint=False, **kw):
     assert not c["fallbacks"], c
     assert out.dtype == args[0].dtype
     R, rope = args[2].shape[-1], args[3].shape[-1]
-    variant = mla.choose_variant(R, rope, backend=kernels.backend(), dtype=args[0].dtype)
-    tf32 = kernels.backend() == "cuda" and variant == "mma"
+    variant = mla.choose_variant(R, rope, backend=kernels.backend(), dtype=args[0].dtype, cache_dtype=args[2].dtype)
+    tf32 = kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS
     assert c["calls"].get(f"mla_attn/{variant}/{kernels.backend()}", 0) == int(GPU), c
     return assert_mla_close(out, *args, selected=sel, label=str(kw), rel_attn=REL_TF32 if tf32 else REL)
 
@@ -107,8 +107,48 @@ def test_both_variants_at_every_edge(monkeypatch, variant):
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
 
 
+@pytest.mark.parametrize("cache", [mx.bfloat16, mx.float16])
+def test_wide_variant_at_every_edge(monkeypatch, cache):
+    """mla_attn_wide (CUDA, 16-bit caches; elsewhere the reference): chunk edges (31 / 33
+    positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache."""
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
+    for T in (1, 31, 33, 4095, 4097):
+        check(T=T, seed=T, masked=T > 1, cache=cache)
+    check(B=2, L=3, T=300, cache=cache, masked=True, seed=1)
+    check(B=1, L=2, T=500, n_sel=64, seed=2, cache=cache)
+    check(joint=True, T=500, n_sel=64, seed=22, cache=cache)
+    if GPU:
+        ds = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64, cache=cache)
+        for T in (4096, 40000):
+            check(T=T, seed=T, **ds)
+        check(T=40000, n_sel=2048, seed=7, **ds)
+        check(joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
+
+
+def test_wide_declines_are_counted():
+    """Where mla_attn_wide cannot run (Metal, a float32 cache) mla_attn_mma runs, counted; where
+    it runs, its tiles are whole chunks and it asks for its dynamic shared memory."""
+    args32, _ = inputs(cache=mx.float32, R=64, rope=16)
+    args16, _ = inputs(cache=mx.bfloat16, R=64, rope=16, T=300)
+    for args, backend, why in ((args32, "cuda", "float32 cache"), (args16, "metal", "Metal's 32 KiB")):
+        kernels.reset_counters()
+        run = mla.launch_specs(*args, backend=backend, variant="wide")
+        assert run.variant == "mma"
+        (reason,) = kernels.counters()["fallbacks"]
+        assert reason.startswith("mla_attn_wide: ") and why in reason and reason.endswith("-> mla_attn_mma"), reason
+    kernels.reset_counters()
+    run = mla.launch_specs(*args16, backend="cuda", variant="wide")
+    assert run.variant == "wide" and not kernels.counters()["fallbacks"]
+    attn = mla.planned_launches(run)[1]
+    assert attn.name == "mla_attn_wide" and ("CK", mla.WIDE_CHUNK) in attn.template
+    TT = int(attn.inputs[5][7])
+    assert TT % mla.WIDE_CHUNK == 0 and attn.output_shapes[0][2] == -(-300 // TT)
+    assert attn.shared_memory == mla.wide_shared_bytes(32, 8, 64 + 16)
+    assert mla.wide_shared_bytes(32, 8, 512 + 64) == 2 * 32 * 584 * 2 + (4 * 32 * 40 + 32 * 40 + 32) * 4
+
+
 @pytest.mark.parametrize("shape", ["small", pytest.param("deepseek", marks=gpu_only)])
-@pytest.mark.parametrize("variant", ["mma", "simt"])
+@pytest.mark.parametrize("variant", ["mma", "simt", "wide"])
 def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
     """The compiled decode step's launch (mla.step_params): the whole buffer in, tiles following
     its rows, only ``length`` rows attended; the rows past it are NaN, so any read of them that
@@ -129,7 +169,7 @@ def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
         params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
                                  joint=True)
         out_joint = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
-        tf32 = kernels.backend() == "cuda" and variant == "mma"
+        tf32 = kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS
         for o, how in ((out, "two buffers"), (out_joint, "joint buffer")):
             assert_mla_close(o, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                              label=f"{shape} {how} length {length} of {capacity}", rel_attn=REL_TF32 if tf32 else REL)
@@ -211,7 +251,8 @@ def test_q_proj_folded_equals_the_q_b_gemv_first(dtype):
     assert c["calls"].get(f"mla_qb_qabs/{kernels.backend()}", 0) == int(GPU), c
     with kernels.force_reference():
         q_nope, q_rope = mla.project_queries(q_latent, q_b, H, nope)
-    variant = mla.choose_variant(latent.shape[-1], rope, backend=kernels.backend(), dtype=dtype)
-    tf32 = kernels.backend() == "cuda" and variant == "mma"
+    variant = mla.choose_variant(latent.shape[-1], rope, backend=kernels.backend(), dtype=dtype,
+                                 cache_dtype=latent.dtype)
+    tf32 = kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS
     assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v,
                      rel_attn=REL_TF32 if tf32 else REL, extra_rel=0.0 if dtype == mx.float32 else 2.0**-8)

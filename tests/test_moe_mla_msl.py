@@ -484,7 +484,7 @@ def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
 
 
-VARIANTS = pytest.mark.parametrize("variant", mla.VARIANTS)
+VARIANTS = pytest.mark.parametrize("variant", mla.METAL_VARIANTS)
 
 
 @VARIANTS
@@ -819,7 +819,7 @@ JOINT_DEFECTS = {   # both variants, over a joint cache buffer
 }
 
 
-@pytest.mark.parametrize("variant,defect", [(v, d) for v in mla.VARIANTS for d in sorted(JOINT_DEFECTS)])
+@pytest.mark.parametrize("variant,defect", [(v, d) for v in mla.METAL_VARIANTS for d in sorted(JOINT_DEFECTS)])
 def test_mla_joint_cache_planted_defect_is_caught(metal, variant, defect):
     good, bad = JOINT_DEFECTS[defect]
     assert _launched_text(variant).count(good) == 1, f"defect '{defect}' no longer plants"
@@ -1187,7 +1187,7 @@ def test_mla_qb_qabs_settings(metal, setting):
     assert mla.qb_setting(backend=dispatch.CUDA) == (16, 4) and mla.qb_setting(backend=dispatch.METAL) == (8, 8)
 
 
-@pytest.mark.parametrize("variant", mla.VARIANTS)
+@pytest.mark.parametrize("variant", mla.METAL_VARIANTS)
 def test_mla_decode_with_q_proj_equals_projected_queries(metal, variant):
     """mla_decode given (q_latent, q_b): one launch fewer (no q_b GEMV), and the attention output
     as mla_decode's on the GEMV's queries (float32: the same q to the oracle's bound)."""

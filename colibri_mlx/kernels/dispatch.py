@@ -111,11 +111,12 @@ def record_call(path: str, impl: str, n: int = 1) -> None:
         _calls[(path, impl)] += n
 
 
-def record_fallback(path: str, reason: str) -> None:
-    """A GPU kernel declined: count it and the reference call that replaces it."""
+def record_fallback(path: str, reason: str, instead: str = REFERENCE) -> None:
+    """A GPU kernel declined: count it and the call that replaces it (the reference, or
+    ``instead``: another kernel)."""
     with _lock:
-        _fallbacks[f"{path}: {reason} -> reference"] += 1
-        _calls[(path, REFERENCE)] += 1
+        _fallbacks[f"{path}: {reason} -> {instead}"] += 1
+        _calls[(path, instead)] += 1
 
 
 def snapshot() -> tuple[Counter, Counter]:
@@ -235,6 +236,9 @@ class LaunchSpec:
     # the caller orders every reader after the launch through its outputs; the MSL simulator
     # copies them back.
     written_inputs: Sequence[str] = ()
+    # Dynamic shared memory in bytes (CUDA's extern __shared__; MLX raises the kernel's limit
+    # above 48 KB itself). Metal kernels declare theirs.
+    shared_memory: int = 0
 
 
 # Streaming multiprocessors of the GPU the CUDA launch defaults were measured on (H100 / H200).
@@ -316,4 +320,6 @@ def launch(backend_name: str, spec: LaunchSpec) -> list:
                   threadgroup=spec.threadgroup, template=spec.template)
     if spec.init_value is not None:
         kwargs["init_value"] = spec.init_value
+    if spec.shared_memory and backend_name != METAL:
+        kwargs["shared_memory"] = spec.shared_memory
     return kernel(**kwargs)

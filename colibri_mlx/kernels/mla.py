@@ -6,13 +6,16 @@ directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, the att
 (split-K online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the
 tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
 
-The attention has two variants with the same partials (``variant=`` or env
+The attention has three variants with the same partials (``variant=`` or env
 ``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32; the next
-chunk's loads in flight while the current one is multiplied, q' held in registers) and
+chunk's loads in flight while the current one is multiplied, q' held in registers),
 ``simt`` (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see
-:func:`choose_variant`). ``mma`` needs R and rope to be multiples of 8, else ``simt`` runs
-(counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
+:func:`choose_variant`) and ``wide`` (``mla_attn_wide``, CUDA and 16-bit caches: mma's
+algorithm on chunks of 32 positions that cp.async stages raw while the previous chunk is
+multiplied; Metal's 32 KiB of threadgroup memory cannot hold such a chunk, so Metal runs
+``mma``, counted as a decline of ``mla_attn_wide``). ``mma`` needs R and rope to be multiples
+of 8, else ``simt`` runs (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
 where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64; CUDA 16 / 32) the
 heads per threadgroup of ``mma``.
 
@@ -43,7 +46,10 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
-VARIANTS = ("mma", "simt")
+WIDE_CHUNK = 32           # mla_attn_wide's chunk (CK): one ldmatrix x4 of staged rows
+METAL_VARIANTS = ("mma", "simt")  # the attention kernels with a Metal twin
+VARIANTS = METAL_VARIANTS + ("wide",)
+MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma tiles
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
 # more SIMD groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on
@@ -233,17 +239,30 @@ def mma_heads(backend: str, heads: Optional[int] = None) -> int:
     return ht
 
 
+def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
+    """Why ``mla_attn_wide`` cannot run here (None: it can)."""
+    if backend != dispatch.CUDA:
+        return (f"{backend}: mla_attn_wide is CUDA's (a {WIDE_CHUNK}-position chunk does not fit "
+                "Metal's 32 KiB of threadgroup memory)")
+    if cache_dtype not in (mx.bfloat16, mx.float16):
+        return f"a {cache_dtype} cache (mla_attn_wide stages 16-bit values)"
+    return None
+
+
 def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: str = dispatch.METAL,
-                   dtype=None) -> str:
+                   dtype=None, cache_dtype=None) -> str:
     """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` except for float32 queries on CUDA,
     whose mma rounds q' and P to TF32 (2^-11): below the bfloat16 rounding of a bf16 model's own
     activations, but not within float32 parity (1e-4 of scale), so a float32 model gets ``simt``.
-    Metal's simdgroup_matrix<float> is float32 throughout. ``simt`` where mma cannot run."""
+    Metal's simdgroup_matrix<float> is float32 throughout. ``wide`` where it cannot run
+    (:func:`wide_decline_reason`) is ``mma``; ``simt`` where mma cannot run."""
     default = "simt" if backend == dispatch.CUDA and dtype == mx.float32 else "mma"
     want = variant or dispatch.getenv("COLIBRI_MLA_VARIANT", default)
     if want not in VARIANTS:
         raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
-    if want == "mma" and (R % 8 or rope % 8):
+    if want == "wide" and wide_decline_reason(backend, cache_dtype) is not None:
+        want = "mma"
+    if want in MATRIX_VARIANTS and (R % 8 or rope % 8):
         return "simt"                             # 8x8 matrix tiles of the latent / rope columns
     return want
 
@@ -276,6 +295,7 @@ class _Static:
     attn_template: list
     out_template: list
     out_threads: int      # threads of mla_out's threadgroup
+    attn_shared: int = 0  # dynamic shared memory of the attention launch (CUDA, wide)
 
 
 def out_simdgroups(warps: Optional[int] = None) -> int:
@@ -289,7 +309,7 @@ def out_simdgroups(warps: Optional[int] = None) -> int:
 
 def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
             qabs_parts_asked: Optional[int] = None, out_warps_asked: Optional[int] = None) -> _Static:
-    mma = variant == "mma"
+    mma = variant in MATRIX_VARIANTS
     qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
     out_nsg = out_simdgroups(out_warps_asked)
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
@@ -314,10 +334,14 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 output_shapes=[(BL, Hp, R + rope)], output_dtypes=[mx.float32],
                 grid=(SIMD * NSG * parts, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LWq, NU=NUq, RU=RUq, UPP=UPP, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
+    attn_shared = 0
     if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = "mla_attn_mma", HT // 4, Hp // HT
+        attn_name, attn_sg, attn_blocks = f"mla_attn_{variant}", HT // 4, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
                          ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R)]
+        if variant == "wide":
+            attn_template.append(("CK", WIDE_CHUNK))
+            attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
@@ -327,7 +351,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     out_template = _template(p, T=q_dtype, NSG=out_nsg, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
                              NTMAX=MAX_TILES, TU=2 * out_nsg)
     st = _Static(p, header, bodies, Hp, HT, qabs, qabs_templates, attn_name, SIMD * attn_sg, attn_blocks,
-                 attn_template, out_template, SIMD * out_nsg)
+                 attn_template, out_template, SIMD * out_nsg, attn_shared)
     _statics[key] = (kv_b, st)
     return st
 
@@ -335,10 +359,20 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
 _statics: dict = {}
 
 
-def _tiles(P: int, mma: bool, head_blocks: int, tile: Optional[int]) -> tuple[int, int]:
+def wide_shared_bytes(HT: int, nsg: int, RW: int) -> int:
+    """mla_attn_wide's dynamic shared memory: two chunks of 16-bit rows (RW + 8 values), the
+    k-parts' partial scores, the weights P (rows of WIDE_CHUNK + 8 floats) and alpha per head."""
+    kp = nsg // (HT // 16)
+    rows = WIDE_CHUNK + 8
+    return 2 * WIDE_CHUNK * (RW + 8) * 2 + (kp * HT * rows + HT * rows + HT) * 4
+
+
+def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int]) -> tuple[int, int]:
     """(TT positions a tile, NT tiles) for P positions."""
     tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
-    TT = tile or (mma_tile(P, head_blocks) if mma else default_tile(P))
+    TT = tile or (mma_tile(P, head_blocks) if variant in MATRIX_VARIANTS else default_tile(P))
+    if variant == "wide" and not tile:
+        TT = _ceil_div(TT, WIDE_CHUNK) * WIDE_CHUNK   # whole chunks
     TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
     return TT, max(1, _ceil_div(P, TT))
 
@@ -357,9 +391,9 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     B, T, R = latent.shape
     R -= rope if joint else 0
     L = 1
-    variant = choose_variant(R, rope, None, backend, q_dtype)
+    variant = choose_variant(R, rope, None, backend, q_dtype, latent.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant, mma_heads(backend))
-    TT, NT = _tiles(T, variant == "mma", st.Hp // st.HT, None)
+    TT, NT = _tiles(T, variant, st.Hp // st.HT, None)
     return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
 
 
@@ -397,12 +431,16 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     joint = k_rope is None
     T, R = latent.shape[1], latent.shape[2] - (rope if joint else 0)
     BL = B * L
-    variant = choose_variant(R, rope, variant, backend, q_dtype)
+    asked = variant or dispatch.getenv("COLIBRI_MLA_VARIANT")
+    variant = choose_variant(R, rope, variant, backend, q_dtype, latent.dtype)
+    if asked == "wide" and variant != "wide":
+        dispatch.record_fallback("mla_attn_wide", wide_decline_reason(backend, latent.dtype) or f"R {R}, rope {rope}",
+                                 instead=f"mla_attn_{variant}")
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, heads), qabs_parts, out_warps)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
-    TT, NT = _tiles(P, variant == "mma", Hp // HT, tile)
+    TT, NT = _tiles(P, variant, Hp // HT, tile)
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
@@ -442,7 +480,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             inputs=[qabs, latent, latent if joint else k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
             grid=(st.attn_threads * st.attn_blocks, NT, BL), threadgroup=(st.attn_threads, 1, 1),
-            template=st.attn_template)
+            template=st.attn_template, shared_memory=st.attn_shared)
 
     def out_spec(pacc, pml):
         return dispatch.LaunchSpec(

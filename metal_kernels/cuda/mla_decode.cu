@@ -142,6 +142,43 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---- mla_attn_wide: 16-bit cache chunks staged raw by cp.async, fragments by ldmatrix ----
+// 16 bytes global -> shared without registers; src_bytes 0 writes 16 zero bytes (past the tile).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+// Four 8x8 matrices of 16-bit values; lanes 8m .. 8m + 7 give the 16-byte row addresses of
+// matrix m. r[m] holds lane (g, t)'s pair of matrix m: row g, columns 2t and 2t + 1 (low half
+// first); transposed: rows 2t and 2t + 1 of column g.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* row) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+// A pair of 16-bit cache values (low half first) as two TF32 operands, exactly (bf16 and f16
+// values have at most TF32's 10 mantissa bits); the pointer argument only selects the type.
+__device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __nv_bfloat16*) {
+  b[0] = w << 16;
+  b[1] = w & 0xFFFF0000u;
+}
+__device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __half*) {
+  const float2 f = __half22float2(colibri_qd::as_half2(w));
+  b[0] = __float_as_uint(f.x);
+  b[1] = __float_as_uint(f.y);
+}
+
 // One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`
 // (as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin). The q_a part goes to
 // qa_row, the cache row (latent, then rope key) to kv_row (if write_kv): mla_rows' output, or
@@ -845,6 +882,285 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
             }
           }
           colibri_mla::mma_tf32(acc[t16][ct], pf[t16], lf);
+        }
+      }
+    }
+  }
+  // Rows past H (padding heads) are not written.
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
+          if (h < H) {
+            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
+          }
+        }
+      }
+    }
+  }
+  if (cs == 0 && hb * HT + hs < H) {
+    const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
+    pml[2 * part] = m;
+    pml[2 * part + 1] = l;
+  }
+// ==== kernel body: mla_attn_wide ====
+  // mla_attn_mma's algorithm (head tiles x k-parts for the scores, column tiles for the combine,
+  // TF32 q' and P, online softmax a chunk) on chunks of CK positions of a 16-bit cache staged
+  // raw: cp.async copies the next chunk into the other of two buffers (no registers, no
+  // conversion) while this one is multiplied, and ldmatrix reads the fragments (bf16 / f16
+  // values are TF32 values: two shifts or two conversions a pair). Chunks of 32 make a barrier
+  // and a softmax step a quarter as frequent as mla_attn_mma's 8 per position.
+  constexpr int RWS = RW + 8;                  // staged row: R + rope 16-bit values, 16 bytes pad
+  constexpr int PS = CK + 8;                   // score / weight row stride (floats): 8 mod 32 banks
+  constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
+  constexpr int KP = NSG / HTL;                // scores: warps (k-parts) per head tile
+  constexpr int UPP = RW / 8;                  // 16-byte units (8 values) per staged position
+  constexpr int RPW = CK / NSG;                // staged rows per warp
+  constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
+  constexpr int NPT = CK / 8;                  // n8 position tiles (scores) = k8 steps (combine)
+  constexpr int PPT = HT * CK / (NSG * 32);    // softmax: positions per thread
+  static_assert(sizeof(TC) == 2, "a 16-bit cache (bf16 / f16)");
+  static_assert(CK == 32, "a chunk is 32 positions: one ldmatrix x4 of rows, 4 k8 steps");
+  static_assert(CK % NSG == 0, "whole rows a warp");
+  static_assert(PPT == 4 && HT * 8 == NSG * 32, "8 softmax threads per head, 4 positions each");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
+  static_assert(RW % 8 == 0 && (RWS * 2) % 16 == 0 && ((RWS * 2 / 16) & 1) == 1,
+                "16-byte rows at an odd 16-byte stride: ldmatrix conflict-free");
+  constexpr bool K_WHOLE = NK * KP == UPP;
+  constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
+  static_assert(NSG * NCT * 8 >= RL, "column tiles cover the latent width");
+  // Dynamic shared memory (MLX sets the attribute above 48 KB): two chunk buffers, the k-parts'
+  // partial scores, the chunk's weights P and its rescale per head.
+  extern __shared__ __align__(16) unsigned char mla_wide_smem[];
+  TC* const chunks = reinterpret_cast<TC*>(mla_wide_smem);
+  float* const sc_s = reinterpret_cast<float*>(mla_wide_smem + 2 * CK * RWS * sizeof(TC));
+  float* const p_s = sc_s + KP * HT * PS;
+  float* const alpha_s = p_s + HT * PS;
+  const int H = params[0];
+  constexpr int R = RL;                        // latent width (params[3]), compiled in
+  const int rope = params[4];
+  const int T = params[5];
+  const int P = params[6];
+  const int TT = params[7];
+  const int NT = params[8];
+  const int L = params[9];
+  const int has_mask = params[13];
+  const int has_sel = params[14];
+  const int Hp = params[15];
+  const float scale = fparams[0];
+  const colibri_mla::MlaCacheRows cache = colibri_mla::mla_cache_rows(params[16], R, rope);
+  const int tid = int(threadIdx.x);
+  const int lane = int(threadIdx.x & 31);
+  const int sg = int(threadIdx.x >> 5);
+  const int hb = int(blockIdx.x);
+  const int tile = int(blockIdx.y);
+  const int q = int(blockIdx.z);
+  const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
+  const int nch = p1 > p0 ? (p1 - p0 + CK - 1) / CK : 0;
+  const int ht = sg % HTL;                     // scores: this warp's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
+  const int hs = tid / 8;                      // softmax thread: head hs of the block,
+  const int cs = (tid % 8) * PPT;              // positions cs .. cs + 3 of the chunk
+  const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
+  const TC* lat0 = latent + size_t(b) * T * cache.ls;
+  const TC* rope0 = krope + size_t(b) * T * cache.ks + cache.rope0;
+  float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
+  float l = 0.0f;
+  float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
+  #pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+    #pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[t16][ct][i] = 0.0f;
+      }
+    }
+  }
+  // Chunk ci into buffer ci & 1: warp sg stages rows sg * RPW .. (a row's 16-byte units over the
+  // lanes: one contiguous read a step), so a thread keeps no per-unit addresses across chunks.
+  // Positions past the tile are zero rows (weight 0, no NaN).
+  auto stage = [&](int ci) {
+    TC* const dst = chunks + (ci & 1) * CK * RWS;
+    const int c0 = p0 + ci * CK;
+    #pragma unroll
+    for (int k = 0; k < RPW; ++k) {
+      const int c = sg * RPW + k;
+      const bool in = c0 + c < p1;
+      const int t = in ? colibri_mla::mla_position(sel, has_sel, q, P, c0 + c) : 0;
+      const TC* const lrow = lat0 + size_t(t) * cache.ls;
+      const TC* const rrow = rope0 + size_t(t) * cache.ks;
+      #pragma unroll
+      for (int i = 0; i < (UPP + 31) / 32; ++i) {
+        const int col = (lane + 32 * i) * 8;
+        if ((i + 1) * 32 <= UPP || col < RW) {
+          colibri_mla::cp_async16(dst + c * RWS + col, col < R ? lrow + col : rrow + (col - R), in ? 16 : 0);
+        }
+      }
+    }
+    colibri_mla::cp_async_commit();
+  };
+  // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
+  uint32_t qf[NK][4];                          // A = Q': (head, k), TF32, k slots paired
+  #pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * RW + colibri_mla::frag_k_paired(colibri_mla::frag_a_col(lane, e))]) : 0u;
+    }
+  }
+  if (nch > 0) {
+    stage(0);
+  }
+  for (int ci = 0; ci < nch; ++ci) {
+    colibri_mla::cp_async_wait_all();
+    __syncthreads();                           // chunk ci landed; chunk ci - 1 is consumed
+    if (ci + 1 < nch) {
+      stage(ci + 1);                           // in flight while chunk ci is multiplied
+    }
+    const TC* const chunk = chunks + (ci & 1) * CK * RWS;
+    const int c0 = p0 + ci * CK;
+    // S[16 heads of tile ht][32 positions] over this k-part = Q' . chunk^T. ldmatrix row r of
+    // matrix m is position 8m + r = lane: r[nt] is the (k8 step, n8 tile nt) B fragment, its
+    // pair of columns 2t, 2t + 1 the paired slots t, t + 4.
+    float s[NPT][4];
+    #pragma unroll
+    for (int nt = 0; nt < NPT; ++nt) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[nt][i] = 0.0f;
+      }
+    }
+    const TC* const krow = chunk + lane * RWS + kp * 8;
+    #pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      if (K_WHOLE || (kp + i * KP) * 8 < RW) {
+        uint32_t kr[4];
+        colibri_mla::ldmatrix_x4(kr, krow + i * KP * 8);
+        #pragma unroll
+        for (int nt = 0; nt < NPT; ++nt) {
+          uint32_t kf[2];
+          colibri_mla::pair_tf32(kr[nt], kf, chunk);
+          colibri_mla::mma_tf32(s[nt], qf[i], kf);
+        }
+      }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < NPT; ++nt) {
+      #pragma unroll
+      for (int i = 0; i < 4; i += 2) {         // columns 2t, 2t + 1 of rows g and g + 8
+        *reinterpret_cast<float2*>(sc_s + (kp * HT + ht * 16 + colibri_mla::frag_c_row(lane, i)) * PS + nt * 8 + colibri_mla::frag_c_col(lane, i)) =
+            make_float2(s[nt][i], s[nt][i + 1]);
+      }
+    }
+    __syncthreads();
+    {
+      float4 dot = *reinterpret_cast<const float4*>(sc_s + hs * PS + cs);
+      #pragma unroll
+      for (int g = 1; g < KP; ++g) {
+        const float4 d = *reinterpret_cast<const float4*>(sc_s + (g * HT + hs) * PS + cs);
+        dot.x += d.x;
+        dot.y += d.y;
+        dot.z += d.z;
+        dot.w += d.w;
+      }
+      const float dots[PPT] = {dot.x, dot.y, dot.z, dot.w};
+      float sv[PPT];
+      bool live[PPT];                          // inside the tile (masked positions count)
+      float cmax = colibri_mla::neg_inf();
+      #pragma unroll
+      for (int k = 0; k < PPT; ++k) {
+        live[k] = c0 + cs + k < p1;
+        bool keep = live[k];
+        if (live[k] && has_mask) {
+          const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs + k);
+          keep = mask[size_t(q) * T + t] != 0;
+        }
+        sv[k] = keep ? dots[k] * scale : (live[k] ? -1e30f : colibri_mla::neg_inf());
+        cmax = max(cmax, sv[k]);
+      }
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
+      const float m_new = max(m, cmax);
+      const float alpha = expf(m - m_new);
+      float pw[PPT];
+      float psum = 0.0f;
+      #pragma unroll
+      for (int k = 0; k < PPT; ++k) {
+        pw[k] = live[k] ? expf(sv[k] - m_new) : 0.0f;
+        psum += pw[k];
+      }
+      psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+      m = m_new;
+      l = l * alpha + psum;
+      *reinterpret_cast<float4*>(p_s + hs * PS + cs) = make_float4(pw[0], pw[1], pw[2], pw[3]);
+      if (cs == 0) {
+        alpha_s[hs] = alpha;
+      }
+    }
+    __syncthreads();
+    // O = diag(alpha) O + P . chunk on this warp's column tiles, all heads, a k8 step (8
+    // positions) at a time: A = P (head, position), k slots paired: a[0], a[2] = P[g][8kk + 2t],
+    // P[g][8kk + 2t + 1] (one float2); B from ldmatrix x4 trans over 4 column tiles (lanes 8m ..
+    // 8m + 7: positions 8kk .. 8kk + 7 of column tile m), so one step's fragments are live.
+    #pragma unroll
+    for (int t16 = 0; t16 < HTL; ++t16) {
+      float al[4];                             // alpha of each C fragment element's row
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        al[i] = alpha_s[t16 * 16 + colibri_mla::frag_c_row(lane, i)];
+      }
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
+      if (__any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
+        #pragma unroll
+        for (int ct = 0; ct < NCT; ++ct) {
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[t16][ct][i] *= al[i];
+          }
+        }
+      }
+    }
+    #pragma unroll
+    for (int kk = 0; kk < NPT; ++kk) {
+      uint32_t pf[HTL][4];
+      #pragma unroll
+      for (int t16 = 0; t16 < HTL; ++t16) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {          // rows g, g + 8
+          const float2 pv = *reinterpret_cast<const float2*>(p_s + (t16 * 16 + colibri_mla::frag_a_row(lane, r)) * PS + kk * 8 + 2 * (lane & 3));
+          pf[t16][r] = colibri_mla::tf32_bits(pv.x);
+          pf[t16][r + 2] = colibri_mla::tf32_bits(pv.y);
+        }
+      }
+      const TC* const vrow = chunk + (kk * 8 + (lane & 7)) * RWS + (sg * NCT + (lane >> 3)) * 8;
+      #pragma unroll
+      for (int c4 = 0; c4 < NCT; c4 += 4) {
+        uint32_t vr[4];                        // B = chunk (k = position, n = column): tiles c4 + m
+        colibri_mla::ldmatrix_x4_trans(vr, vrow + c4 * 8);
+        #pragma unroll
+        for (int m4 = 0; m4 < 4; ++m4) {
+          const int ct = c4 + m4;
+          if (ct < NCT && (COLS_WHOLE || (sg * NCT + ct) * 8 < R)) {
+            uint32_t vf[2];
+            colibri_mla::pair_tf32(vr[m4], vf, chunk);
+            #pragma unroll
+            for (int t16 = 0; t16 < HTL; ++t16) {
+              colibri_mla::mma_tf32(acc[t16][ct], pf[t16], vf);
+            }
+          }
         }
       }
     }
