@@ -236,8 +236,8 @@ class LaunchSpec:
     # the caller orders every reader after the launch through its outputs; the MSL simulator
     # copies them back.
     written_inputs: Sequence[str] = ()
-    # Dynamic shared memory in bytes (CUDA's extern __shared__; MLX raises the kernel's limit
-    # above 48 KB itself). Metal kernels declare theirs.
+    # Dynamic shared memory in bytes (CUDA's extern __shared__, fixed when the kernel object is
+    # made; MLX raises the kernel's limit above 48 KB itself). Metal kernels declare theirs.
     shared_memory: int = 0
 
 
@@ -294,19 +294,21 @@ def _kernel_object(backend_name: str, spec: LaunchSpec):
     Hot paths pass the same (cached) source and header string objects on every call: those are
     found by object identity, without hashing or comparing ~10 KB of text per launch. Any other
     string finds its kernel by content."""
-    fast_key = (backend_name, spec.name, id(spec.source), id(spec.header), spec.input_names, spec.output_names)
+    fast_key = (backend_name, spec.name, id(spec.source), id(spec.header), spec.input_names, spec.output_names,
+                spec.shared_memory)
     hit = _kernels_by_id.get(fast_key)
     if hit is not None and hit[1] is spec.source and hit[2] is spec.header:
         return hit[0]
     key = (backend_name, spec.name, spec.source, spec.header,
-           tuple(spec.input_names), tuple(spec.output_names))
+           tuple(spec.input_names), tuple(spec.output_names), spec.shared_memory)
     k = _kernels.get(key)
     if k is None:
         make = mx.fast.metal_kernel if backend_name == METAL else mx.fast.cuda_kernel
         header, source = launch_text(spec.header, spec.source, spec.name)
         # Created lazily: cuda_kernel raises at creation on builds without CUDA.
+        extra = {"shared_memory": spec.shared_memory} if spec.shared_memory and backend_name != METAL else {}
         k = make(name=spec.name, input_names=list(spec.input_names),
-                 output_names=list(spec.output_names), source=source, header=header)
+                 output_names=list(spec.output_names), source=source, header=header, **extra)
         _kernels[key] = k
     # Holding the strings keeps their ids from being reused by other text.
     _kernels_by_id[fast_key] = (k, spec.source, spec.header)
@@ -320,6 +322,4 @@ def launch(backend_name: str, spec: LaunchSpec) -> list:
                   threadgroup=spec.threadgroup, template=spec.template)
     if spec.init_value is not None:
         kwargs["init_value"] = spec.init_value
-    if spec.shared_memory and backend_name != METAL:
-        kwargs["shared_memory"] = spec.shared_memory
     return kernel(**kwargs)
