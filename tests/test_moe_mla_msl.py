@@ -695,9 +695,15 @@ def test_mla_mma_needs_multiples_of_8():
     assert mla.choose_variant(64, 8) == "mma"
     assert mla.choose_variant(60, 8) == "simt" and mla.choose_variant(64, 12) == "simt"
     assert mla.choose_variant(64, 8, "simt") == "simt"
-    # CUDA's mma is TF32: a float32 model keeps the exact scalar kernel, bf16/f16 get mma
+    # CUDA's mma is TF32: a float32 model keeps the exact scalar kernel, bf16/f16 get mma, or
+    # wide over a 16-bit cache (Metal has no wide: its variants are the default's)
     assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.float32) == "simt"
     assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.bfloat16) == "mma"
+    assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.bfloat16, cache_dtype=mx.float32) == "mma"
+    for cache in (mx.bfloat16, mx.float16):
+        assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.bfloat16, cache_dtype=cache) == "wide"
+        assert mla.choose_variant(64, 8, backend="metal", dtype=mx.bfloat16, cache_dtype=cache) == "mma"
+        assert mla.choose_variant(60, 8, backend="cuda", dtype=mx.bfloat16, cache_dtype=cache) == "simt"
     assert mla.choose_variant(64, 8, backend="metal", dtype=mx.float32) == "mma"
     with pytest.raises(ValueError, match="not one of"):
         mla.choose_variant(64, 8, "tensor")

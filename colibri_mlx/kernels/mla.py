@@ -11,8 +11,8 @@ The attention has three variants with the same partials (``variant=`` or env
 by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32; the next
 chunk's loads in flight while the current one is multiplied, q' held in registers),
 ``simt`` (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see
-:func:`choose_variant`) and ``wide`` (``mla_attn_wide``, CUDA and 16-bit caches: mma's
-algorithm on chunks of 32 positions that cp.async stages raw while the previous chunk is
+:func:`choose_variant`) and ``wide`` (``mla_attn_wide``, CUDA's default for 16-bit caches:
+mma's algorithm on chunks of 32 positions that cp.async stages raw while the previous chunk is
 multiplied; Metal's 32 KiB of threadgroup memory cannot hold such a chunk, so Metal runs
 ``mma``, counted as a decline of ``mla_attn_wide``). ``mma`` needs R and rope to be multiples
 of 8, else ``simt`` runs (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
@@ -251,12 +251,17 @@ def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
 
 def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: str = dispatch.METAL,
                    dtype=None, cache_dtype=None) -> str:
-    """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` except for float32 queries on CUDA,
-    whose mma rounds q' and P to TF32 (2^-11): below the bfloat16 rounding of a bf16 model's own
-    activations, but not within float32 parity (1e-4 of scale), so a float32 model gets ``simt``.
-    Metal's simdgroup_matrix<float> is float32 throughout. ``wide`` where it cannot run
-    (:func:`wide_decline_reason`) is ``mma``; ``simt`` where mma cannot run."""
-    default = "simt" if backend == dispatch.CUDA and dtype == mx.float32 else "mma"
+    """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` on Metal; on CUDA ``wide`` over a
+    16-bit cache (H200, kernel alone: 24.5 / 106.9 us against mma's 30.8 / 158.1 at 4096 /
+    32768 positions) and ``simt`` for float32 queries: the matrix variants round q' and P to TF32
+    (2^-11), below the bfloat16 rounding of a bf16 model's own activations but not within
+    float32 parity (1e-4 of scale). Metal's simdgroup_matrix<float> is float32 throughout.
+    ``wide`` where it cannot run (:func:`wide_decline_reason`) is ``mma``; ``simt`` where the
+    matrix variants cannot run."""
+    default = "mma"
+    if backend == dispatch.CUDA:
+        sixteen = cache_dtype is not None and cache_dtype in (mx.bfloat16, mx.float16)
+        default = "simt" if dtype == mx.float32 else ("wide" if sixteen else "mma")
     want = variant or dispatch.getenv("COLIBRI_MLA_VARIANT", default)
     if want not in VARIANTS:
         raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
@@ -568,7 +573,8 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                q_proj: Optional[tuple] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
-    the attention kernel (``mma`` / ``simt``, default env COLIBRI_MLA_VARIANT or ``mma``);
+    the attention kernel (``mma`` / ``simt`` / ``wide``, default env COLIBRI_MLA_VARIANT or
+    :func:`choose_variant`'s);
     ``k_rope`` None: ``latent`` is the joint cache ``[B, T, R + rope]`` (each row the latent,
     then the rope key: one buffer, one row written a decode step). ``params``
     (:func:`step_params`, made with the same layout): the cache is a fixed-capacity buffer of
