@@ -143,7 +143,8 @@ def test_wide_declines_are_counted():
     assert attn.name == "mla_attn_wide" and ("CK", mla.WIDE_CHUNK) in attn.template
     TT = int(attn.inputs[5][7])
     assert TT % mla.WIDE_CHUNK == 0 and attn.output_shapes[0][2] == -(-300 // TT)
-    assert attn.shared_memory == mla.wide_shared_bytes(32, 8, 64 + 16)
+    assert ("HT", mla.WIDE_HEADS) in attn.template and attn.threadgroup[0] == mla.WIDE_HEADS * 8
+    assert attn.shared_memory == mla.wide_shared_bytes(mla.WIDE_HEADS, mla.WIDE_HEADS // 4, 64 + 16)
     assert mla.wide_shared_bytes(32, 8, 512 + 64) == 2 * 32 * 584 * 2 + (4 * 32 * 40 + 32 * 40 + 32) * 4
 
 

@@ -60,6 +60,10 @@ MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma t
 # env COLIBRI_MLA_HEADS overrides.
 MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)
+# mla_attn_wide's heads a block: 16 (4 warps, 86 KB of shared memory) lets two blocks share an
+# SM, whose barriers and softmax steps then overlap; H200, kernel alone at caches 4096 / 32768:
+# HT 16 21.8 / 93.4 us, HT 32 24.6 / 106.8 (eighteenth session).
+WIDE_HEADS = 16
 # mla_attn_mma on CUDA holds ~210-230 registers a thread (q' fragments and the accumulators):
 # a block of more than 256 threads (HT 64: 512) is refused at launch (H200: "too many
 # resources requested for launch", or nothing written inside a CUDA graph).
@@ -228,9 +232,10 @@ def mma_tile(P: int, head_blocks: int) -> int:
     return _ceil_div(tt, CHUNK) * CHUNK
 
 
-def mma_heads(backend: str, heads: Optional[int] = None) -> int:
-    """HT of mla_attn_mma: ``heads``, env COLIBRI_MLA_HEADS, or the backend's default."""
-    ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or MMA_HEADS.get(backend, 32)
+def mma_heads(backend: str, heads: Optional[int] = None, variant: Optional[str] = None) -> int:
+    """HT of mla_attn_mma / mla_attn_wide: ``heads``, env COLIBRI_MLA_HEADS, or the default."""
+    default = WIDE_HEADS if variant == "wide" else MMA_HEADS.get(backend, 32)
+    ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or default
     if ht not in MMA_HEAD_CHOICES:
         raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
     if backend == dispatch.CUDA and ht * 8 > CUDA_MAX_THREADS_AT_FULL_REGS:
@@ -397,7 +402,8 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     R -= rope if joint else 0
     L = 1
     variant = choose_variant(R, rope, None, backend, q_dtype, latent.dtype)
-    st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant, mma_heads(backend))
+    st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
+                 mma_heads(backend, None, variant))
     TT, NT = _tiles(T, variant, st.Hp // st.HT, None)
     return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
 
@@ -442,7 +448,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         dispatch.record_fallback("mla_attn_wide", wide_decline_reason(backend, latent.dtype) or f"R {R}, rope {rope}",
                                  instead=f"mla_attn_{variant}")
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
-                 mma_heads(backend, heads), qabs_parts, out_warps)
+                 mma_heads(backend, heads, variant), qabs_parts, out_warps)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant, Hp // HT, tile)
