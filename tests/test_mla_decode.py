@@ -11,13 +11,15 @@ runs these tests on the old kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from colibri_mlx import kernels
 from kernel_oracle import random_qtensor
-from colibri_mlx.kernels import mla
+from colibri_mlx.kernels import dispatch, mla
 from moe_mla_oracle import REL, REL_TF32, assert_mla_close
 
 GPU = kernels.backend() != kernels.REFERENCE
@@ -257,3 +259,44 @@ def test_q_proj_folded_equals_the_q_b_gemv_first(dtype):
     tf32 = kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS
     assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v,
                      rel_attn=REL_TF32 if tf32 else REL, extra_rel=0.0 if dtype == mx.float32 else 2.0**-8)
+
+
+# Defects planted in mla_attn_wide's CUDA body, each of which the oracle must catch.
+WIDE_DEFECTS = {
+    "no rescale of the accumulator": ("acc[t16][ct][i] *= al[i];", "acc[t16][ct][i] *= 1.0f;"),
+    "scores from the wrong position tile": ("colibri_mla::pair_tf32(kr[nt], kf, chunk);",
+                                            "colibri_mla::pair_tf32(kr[nt ^ 1], kf, chunk);"),
+    "the last chunk never staged": ("if (ci + 1 < nch) {", "if (ci + 2 < nch) {"),
+    "a k-part's partial scores dropped": ("for (int g = 1; g < KP; ++g) {", "for (int g = 2; g < KP; ++g) {"),
+}
+
+
+def wide_body() -> str:
+    return mla.read_kernel_sections("mla_decode", "cuda")[1]["mla_attn_wide"]
+
+
+@pytest.mark.parametrize("defect", sorted(WIDE_DEFECTS))
+def test_wide_defects_still_plant(defect):
+    """Each planted defect's text occurs once in the CUDA body (else the GPU test below would
+    plant nothing)."""
+    good, _ = WIDE_DEFECTS[defect]
+    assert wide_body().count(good) == 1, f"defect '{defect}' no longer plants"
+
+
+@pytest.mark.skipif(kernels.backend() != "cuda", reason="mla_attn_wide runs on CUDA only")
+@pytest.mark.parametrize("defect", sorted(WIDE_DEFECTS))
+def test_wide_planted_defect_is_caught(monkeypatch, defect):
+    good, bad = WIDE_DEFECTS[defect]
+    real, planted = dispatch.launch, []
+
+    def launch(backend, spec):
+        if spec.name == "mla_attn_wide":
+            spec = dataclasses.replace(spec, source=spec.source.replace(good, bad))
+            planted.append(spec.name)
+        return real(backend, spec)
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
+    with pytest.raises(AssertionError):
+        check(H=32, nope=128, v=128, R=512, rope=64, gs=64, T=300, cache=mx.bfloat16, masked=True, seed=5)
+    assert planted
