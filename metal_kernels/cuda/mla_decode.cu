@@ -16,6 +16,9 @@
 // with diag(alpha)), skipped while every alpha of the warp's rows is 1. The next chunk's 16-byte
 // loads are issued before the current chunk is multiplied (as in the .metal kernel). Fragment
 // layouts: PTX ISA, "Matrix fragments for mma.m16n8k8" (.tf32), in the frag_* helpers below.
+// mla_attn_wide (CUDA's default over a 16-bit cache) has no Metal twin: its 32-position chunk,
+// double-buffered as the cache's own 16-bit values (cp.async, ldmatrix), is 75 KB of shared
+// memory, past Metal's 32 KiB; Metal runs mla_attn_mma (docs/kernels.md).
 
 namespace colibri_mla {
 
@@ -140,6 +143,45 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Q' of head tile ht over k-part kp (k8 steps kp, kp + KP, ...) as TF32 A fragments, the k slots
+// paired as the chunk's B fragments (frag_k_paired); held in registers for a whole tile (read
+// once, not per chunk). qa0: the block's first q' | q_rope row (RW floats a head).
+template <int NK, int KP, int RW, bool K_WHOLE>
+__device__ __forceinline__ void load_qprime(uint32_t (*qf)[4], const float* qa0, int ht, int kp, int lane) {
+#pragma unroll
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qf[i][e] = (K_WHOLE || k0 < RW) ? tf32_bits(qk[size_t(frag_a_row(lane, e)) * RW + frag_k_paired(frag_a_col(lane, e))]) : 0u;
+    }
+  }
+}
+
+// A tile's partial combine into pacc: the C fragments acc[t16][ct] of warp sg (head tiles t16,
+// column tiles sg * NCT + ct) of head block hb; rows past H (padding heads) are not written.
+template <int HTL, int NCT, int R, bool COLS_WHOLE>
+__device__ __forceinline__ void write_partial_rows(const float (*acc)[NCT][4], float* pacc, int q, int H, int HT, int hb,
+                                                   int NT, int tile, int sg, int lane) {
+#pragma unroll
+  for (int t16 = 0; t16 < HTL; ++t16) {
+#pragma unroll
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = hb * HT + t16 * 16 + frag_c_row(lane, i);
+          if (h < H) {
+            pacc[mla_part(q, H, h, NT, tile) * R + col0 + frag_c_col(lane, i)] = acc[t16][ct][i];
+          }
+        }
+      }
+    }
+  }
 }
 
 // ---- mla_attn_wide: 16-bit cache chunks staged raw by cp.async, fragments by ldmatrix ----
@@ -750,19 +792,8 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     unit_src[j] = col < R ? latent + size_t(b) * T * cache.ls + col : krope + size_t(b) * T * cache.ks + cache.rope0 + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
   }
-  // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
-  uint32_t qf[NK][4];                          // A = Q': (head, k), TF32
-  #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const int k0 = (kp + i * KP) * 8;
-    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
-    const int qstride = RW;
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // k slots paired as the chunk's B fragments below (frag_k_paired)
-      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * qstride + colibri_mla::frag_k_paired(colibri_mla::frag_a_col(lane, e))]) : 0u;
-    }
-  }
+  uint32_t qf[NK][4];                          // A = Q': (head, k), TF32, k slots paired
+  colibri_mla::load_qprime<NK, KP, RW, K_WHOLE>(qf, qa0, ht, kp, lane);
   for (int c0 = p0 - C; c0 < p1; c0 += C) {
     // Iteration c0 multiplies chunk c0 while chunk c0 + C is in flight (c0 = p0 - C: only loads).
     float* const chunk = lat_s;
@@ -886,23 +917,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
       }
     }
   }
-  // Rows past H (padding heads) are not written.
-  #pragma unroll
-  for (int t16 = 0; t16 < HTL; ++t16) {
-    #pragma unroll
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (COLS_WHOLE || col0 < R) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
-          if (h < H) {
-            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
-          }
-        }
-      }
-    }
-  }
+  colibri_mla::write_partial_rows<HTL, NCT, R, COLS_WHOLE>(acc, pacc, q, H, HT, hb, NT, tile, sg, lane);
   if (cs == 0 && hb * HT + hs < H) {
     const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
@@ -1007,17 +1022,8 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     }
     colibri_mla::cp_async_commit();
   };
-  // Q' of this warp's head tile and k-part, held for the whole tile (read once, not per chunk).
   uint32_t qf[NK][4];                          // A = Q': (head, k), TF32, k slots paired
-  #pragma unroll
-  for (int i = 0; i < NK; ++i) {
-    const int k0 = (kp + i * KP) * 8;
-    const float* qk = qa0 + size_t(ht * 16) * RW + k0;
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      qf[i][e] = (K_WHOLE || k0 < RW) ? colibri_mla::tf32_bits(qk[size_t(colibri_mla::frag_a_row(lane, e)) * RW + colibri_mla::frag_k_paired(colibri_mla::frag_a_col(lane, e))]) : 0u;
-    }
-  }
+  colibri_mla::load_qprime<NK, KP, RW, K_WHOLE>(qf, qa0, ht, kp, lane);
   if (nch > 0) {
     stage(0);
   }
@@ -1165,23 +1171,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
       }
     }
   }
-  // Rows past H (padding heads) are not written.
-  #pragma unroll
-  for (int t16 = 0; t16 < HTL; ++t16) {
-    #pragma unroll
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (COLS_WHOLE || col0 < R) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = hb * HT + t16 * 16 + colibri_mla::frag_c_row(lane, i);
-          if (h < H) {
-            pacc[colibri_mla::mla_part(q, H, h, NT, tile) * R + col0 + colibri_mla::frag_c_col(lane, i)] = acc[t16][ct][i];
-          }
-        }
-      }
-    }
-  }
+  colibri_mla::write_partial_rows<HTL, NCT, R, COLS_WHOLE>(acc, pacc, q, H, HT, hb, NT, tile, sg, lane);
   if (cs == 0 && hb * HT + hs < H) {
     const size_t part = colibri_mla::mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
