@@ -7,17 +7,22 @@ directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, the att
 tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
 
 The attention has three variants with the same partials (``variant=`` or env
-``COLIBRI_MLA_VARIANT``): ``mma`` (default: ``mla_attn_mma``, scores and the latent combine
-by matrix instructions: Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32; the next
-chunk's loads in flight while the current one is multiplied, q' held in registers),
-``simt`` (``mla_attn``, scalar FMAs; the CUDA default for float32 queries, see
-:func:`choose_variant`) and ``wide`` (``mla_attn_wide``, CUDA's default for 16-bit caches:
-mma's algorithm on chunks of 32 positions that cp.async stages raw while the previous chunk is
-multiplied; Metal's 32 KiB of threadgroup memory cannot hold such a chunk, so Metal runs
-``mma``, counted as a decline of ``mla_attn_wide``). ``mma`` needs R and rope to be multiples
-of 8, else ``simt`` runs (counted as ``mla_attn/simt``). ``COLIBRI_MLA_TILE`` overrides the positions per tile (raised
-where it would make more than ``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64; CUDA 16 / 32) the
-heads per threadgroup of ``mma``.
+``COLIBRI_MLA_VARIANT``):
+
+* ``mma`` (``mla_attn_mma``, Metal's default): scores and the latent combine by matrix
+  instructions (Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32), the next chunk's loads
+  in flight while the current one is multiplied, q' held in registers;
+* ``wide`` (``mla_attn_wide``, CUDA's default over a 16-bit cache): mma's algorithm on chunks of
+  32 positions that cp.async stages raw while the previous chunk is multiplied. Metal's 32 KiB
+  of threadgroup memory cannot hold such a chunk: asked for there (or over a float32 cache) it
+  is ``mma``, counted as a decline of ``mla_attn_wide``;
+* ``simt`` (``mla_attn``, scalar FMAs): CUDA's default for float32 queries (see
+  :func:`choose_variant`), and where R or rope is not a multiple of 8 (counted as
+  ``mla_attn/simt``).
+
+``COLIBRI_MLA_TILE`` overrides the positions per tile (raised where it would make more than
+``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64; CUDA 16 / 32) the heads per
+threadgroup of ``mma`` and ``wide``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
