@@ -133,11 +133,12 @@ for s in "${steps[@]}"; do
                    # every edge the mma variant is tested at
                    step wide_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \
                      -k "wide or deepseek or joint or fixed_capacity"; reap ;;
-    wide_times)    # mla_attn_wide against mla_attn_mma: kernel alone, then the MLA block per layer
+    wide_times)    # mla_attn_wide (the default: 16 heads a block) against 32 heads and mla_attn_mma:
+                   # kernel alone, then the MLA block per layer with each attention
                    step wide_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn \
-                     --attn wide --cache 4096 32768
-                   step bench_mla_mma 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
-                   step bench_mla_wide 200 env COLIBRI_MLA_VARIANT=wide python3 scripts/bench_moe_mla.py \
+                     --attn wide:32,mma --cache 4096 32768
+                   step bench_mla_wide 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
+                   step bench_mla_mma 200 env COLIBRI_MLA_VARIANT=mma python3 scripts/bench_moe_mla.py \
                      --iters 10 --only mla --cache 4096 32768 ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;

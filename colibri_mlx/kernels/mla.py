@@ -254,7 +254,7 @@ def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
     if backend != dispatch.CUDA:
         return (f"{backend}: mla_attn_wide is CUDA's (a {WIDE_CHUNK}-position chunk does not fit "
                 "Metal's 32 KiB of threadgroup memory)")
-    if cache_dtype not in (mx.bfloat16, mx.float16):
+    if cache_dtype is None or cache_dtype not in (mx.bfloat16, mx.float16):
         return f"a {cache_dtype} cache (mla_attn_wide stages 16-bit values)"
     return None
 
@@ -262,7 +262,7 @@ def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
 def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: str = dispatch.METAL,
                    dtype=None, cache_dtype=None) -> str:
     """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` on Metal; on CUDA ``wide`` over a
-    16-bit cache (H200, kernel alone: 24.5 / 106.9 us against mma's 30.8 / 158.1 at 4096 /
+    16-bit cache (H200, kernel alone: 21.8 / 93.4 us against mma's 30.7 / 158.2 at 4096 /
     32768 positions) and ``simt`` for float32 queries: the matrix variants round q' and P to TF32
     (2^-11), below the bfloat16 rounding of a bf16 model's own activations but not within
     float32 parity (1e-4 of scale). Metal's simdgroup_matrix<float> is float32 throughout.
@@ -270,8 +270,7 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     matrix variants cannot run."""
     default = "mma"
     if backend == dispatch.CUDA:
-        sixteen = cache_dtype is not None and cache_dtype in (mx.bfloat16, mx.float16)
-        default = "simt" if dtype == mx.float32 else ("wide" if sixteen else "mma")
+        default = "simt" if dtype == mx.float32 else ("mma" if wide_decline_reason(backend, cache_dtype) else "wide")
     want = variant or dispatch.getenv("COLIBRI_MLA_VARIANT", default)
     if want not in VARIANTS:
         raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
