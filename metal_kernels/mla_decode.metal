@@ -338,6 +338,22 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
   }
 }
 
+// ---- mla_attn_wide: chunks staged as the cache's own 16-bit values ----
+// The 8x8 float matrix of 16-bit values at m (row stride `stride`; transposed: m holds it by
+// columns), built lane by lane (thread_elements: row r, columns c and c + 1 of the simdgroup
+// matrix layout), so a 16-bit chunk feeds float products without a float copy of it. bf16 / f16
+// values are exact in float.
+template <typename TC>
+inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool transpose, int lane) {
+  const int qid = lane / 4;
+  const int r = (qid & 4) + (lane / 2) % 4;
+  const int c = (qid & 2) * 2 + (lane % 2) * 2;
+  simdgroup_float8x8 f;
+  f.thread_elements()[0] = float(transpose ? m[c * stride + r] : m[r * stride + c]);
+  f.thread_elements()[1] = float(transpose ? m[(c + 1) * stride + r] : m[r * stride + c + 1]);
+  return f;
+}
+
 // ==== kernel body: mla_qabs ====
   constexpr int WPU = qd_wpu(FMT);
   threadgroup float red[NSG * NU * LW * WPU];
@@ -747,6 +763,233 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
     }
   }
   if (cs == 0 && hb * HT + hs < H) {
+    const size_t part = mla_part(q, H, hb * HT + hs, NT, tile);
+    pml[2 * part] = m;
+    pml[2 * part + 1] = l;
+  }
+// ==== kernel body: mla_attn_wide ====
+  // mla_attn_mma's algorithm (head tiles x k-parts for the scores, column tiles for the
+  // combine, q' held as matrices, an online-softmax step a chunk) on chunks of CK positions
+  // staged as the cache's own 16-bit values: the next chunk's rows are loaded as raw 16-byte
+  // words while this one is multiplied, stored without conversion, and the float fragments
+  // are built lane by lane (mla_frag16). The CUDA twin's chunk is 32 positions, double-buffered
+  // by cp.async; Metal's 32 KiB of threadgroup memory holds one chunk of 16 (19 KB).
+  constexpr int RWS = RW + 8;                  // staged row: R + rope 16-bit values, pad
+  constexpr int HTL = HT / 16;                 // 16-head tiles (CUDA: one m16 fragment each)
+  constexpr int KP = NSG / HTL;                // scores: SIMD groups (k-parts) per head tile
+  constexpr int UPP = RW / 8;                  // 16-byte units (8 values) per staged position
+  constexpr int RPW = CK / NSG;                // staged rows per SIMD group
+  constexpr int NUL = (UPP + 31) / 32;         // a row's units per lane
+  constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
+  constexpr int NPT = CK / 8;                  // 8-position tiles (scores) = k-steps (combine)
+  constexpr int PPT = HT * CK / (NSG * 32);    // softmax: positions per thread
+  static_assert(sizeof(TC) == 2, "a 16-bit cache (bf16 / f16)");
+  static_assert(HT * 8 == NSG * 32, "8 softmax threads per head");
+  static_assert(CK % 8 == 0 && CK % NSG == 0, "whole position tiles, whole rows a SIMD group");
+  static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
+  static_assert(RW % 8 == 0, "8x8 matrix tiles");
+  constexpr bool K_WHOLE = NK * KP == UPP;
+  constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
+  threadgroup TC lat_s[CK * RWS];
+  threadgroup float sc_s[KP * HT * CK];        // partial scores of each k-part
+  threadgroup float p_s[HT * CK];              // the chunk's softmax weights P[head][position]
+  threadgroup float diag_s[HT * 8];            // diag(alpha) per 8-head row tile
+  threadgroup float o_s[NSG * 64];             // write-out of one tile per SIMD group
+  const int H = params[0];
+  constexpr int R = RL;                        // latent width (params[3]), compiled in
+  const int rope = params[4];
+  const int T = params[5];
+  const int P = params[6];
+  const int TT = params[7];
+  const int NT = params[8];
+  const int L = params[9];
+  const int has_mask = params[13];
+  const int has_sel = params[14];
+  const int Hp = params[15];
+  const float scale = fparams[0];
+  const MlaCacheRows cache = mla_cache_rows(params[16], R, rope);
+  const int tid = int(thread_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int hb = int(threadgroup_position_in_grid.x);
+  const int tile = int(threadgroup_position_in_grid.y);
+  const int q = int(threadgroup_position_in_grid.z);
+  const int b = q / L;
+  const int p0 = tile * TT;
+  const int p1 = min(P, p0 + TT);
+  const int ht = sg % HTL;                     // scores: this SIMD group's head tile
+  const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
+  const int hs = tid / 8;                      // softmax thread: head hs of the block,
+  const int cj = tid % 8;                      // its 8th, positions cs .. cs + PPT - 1
+  const int cs = cj * PPT;
+  const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
+  const device TC* lat0 = latent + size_t(b) * T * cache.ls;
+  const device TC* rope0 = krope + size_t(b) * T * cache.ks + cache.rope0;
+  float m = -INFINITY;                         // running max / sum of head hs (8 lanes agree)
+  float l = 0.0f;
+  simdgroup_float8x8 acc[2 * HTL][NCT];        // O[rt * 8.., (sg * NCT + ct) * 8..]
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      acc[rt][ct] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  // The next chunk's units in flight: SIMD group sg's rows sg * RPW .., a row's units over the
+  // lanes; zero past the tile (weight 0, no NaN).
+  uint4 raw[RPW][NUL];
+  // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
+  simdgroup_float8x8 qt[NK][2];
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    for (int r = 0; r < 2; ++r) {
+      const int row0 = ht * 16 + r * 8;
+      if (K_WHOLE || k0 < RW) {
+        simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
+      } else {
+        qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+    }
+  }
+  for (int c0 = p0 - CK; c0 < p1; c0 += CK) {
+    // Iteration c0 multiplies chunk c0 while chunk c0 + CK is in flight (c0 = p0 - CK: only loads).
+    if (c0 >= p0) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);   // the previous chunk is consumed
+      for (int k = 0; k < RPW; ++k) {
+        for (int i = 0; i < NUL; ++i) {
+          const int col = (lane + 32 * i) * 8;
+          if ((i + 1) * 32 <= UPP || col < RW) {
+            *((threadgroup uint4*)(lat_s + (sg * RPW + k) * RWS + col)) = raw[k][i];
+          }
+        }
+      }
+    }
+    const int cn = c0 + CK;                    // the chunk to load next
+    if (cn < p1) {
+      for (int k = 0; k < RPW; ++k) {
+        const int c = sg * RPW + k;
+        const bool in = cn + c < p1;
+        const int t = in ? mla_position(sel, has_sel, q, P, cn + c) : 0;
+        for (int i = 0; i < NUL; ++i) {
+          const int col = (lane + 32 * i) * 8;
+          raw[k][i] = uint4(0u);
+          if (in && ((i + 1) * 32 <= UPP || col < RW)) {
+            qd_load8_raw(col < R ? lat0 + size_t(t) * cache.ls + col : rope0 + size_t(t) * cache.ks + (col - R), &raw[k][i]);
+          }
+        }
+      }
+    }
+    if (c0 < p0) {
+      continue;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // S[16 heads of tile ht][CK positions] over this k-part = Q' . chunk^T
+    simdgroup_float8x8 s[2][NPT];
+    for (int r = 0; r < 2; ++r) {
+      for (int pt = 0; pt < NPT; ++pt) {
+        s[r][pt] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+    }
+    for (int i = 0; i < NK; ++i) {
+      const int k0 = (kp + i * KP) * 8;
+      if (K_WHOLE || k0 < RW) {
+        for (int pt = 0; pt < NPT; ++pt) {
+          const simdgroup_float8x8 kt = mla_frag16(lat_s + pt * 8 * RWS + k0, RWS, true, lane);   // [k][position]
+          for (int r = 0; r < 2; ++r) {
+            simdgroup_multiply_accumulate(s[r][pt], qt[i][r], kt, s[r][pt]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < 2; ++r) {
+      for (int pt = 0; pt < NPT; ++pt) {
+        simdgroup_store(s[r][pt], sc_s + (kp * HT + ht * 16 + r * 8) * CK + pt * 8, CK);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    {
+      float sv[PPT];
+      bool live[PPT];                          // inside the tile (masked positions count)
+      float cmax = -INFINITY;
+      for (int k = 0; k < PPT; ++k) {
+        float dot = 0.0f;
+        for (int g = 0; g < KP; ++g) {
+          dot += sc_s[(g * HT + hs) * CK + cs + k];
+        }
+        live[k] = c0 + cs + k < p1;
+        bool keep = live[k];
+        if (live[k] && has_mask) {
+          const int t = mla_position(sel, has_sel, q, P, c0 + cs + k);
+          keep = mask[size_t(q) * T + t] != 0;
+        }
+        sv[k] = keep ? dot * scale : (live[k] ? -1e30f : -INFINITY);
+        cmax = max(cmax, sv[k]);
+      }
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(1)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(2)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));
+      const float m_new = max(m, cmax);
+      const float alpha = exp(m - m_new);
+      float psum = 0.0f;
+      for (int k = 0; k < PPT; ++k) {
+        const float pw = live[k] ? exp(sv[k] - m_new) : 0.0f;
+        p_s[hs * CK + cs + k] = pw;
+        psum += pw;
+      }
+      psum += simd_shuffle_xor(psum, ushort(1));
+      psum += simd_shuffle_xor(psum, ushort(2));
+      psum += simd_shuffle_xor(psum, ushort(4));
+      m = m_new;
+      l = l * alpha + psum;
+      diag_s[hs * 8 + cj] = cj == hs % 8 ? alpha : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads: each 8x8 tile
+    // of the chunk is built once for every row tile.
+    simdgroup_float8x8 pt[2 * HTL][NPT];
+    simdgroup_float8x8 dt[2 * HTL];
+    bool rescale[2 * HTL];
+    for (int rt = 0; rt < 2 * HTL; ++rt) {
+      for (int kk = 0; kk < NPT; ++kk) {
+        simdgroup_load(pt[rt][kk], p_s + rt * 8 * CK + kk * 8, CK);
+      }
+      simdgroup_load(dt[rt], diag_s + rt * 64, 8);
+      // Once the running max settles, alpha is exactly 1 for every head: skip the rescale.
+      rescale[rt] = simd_any(diag_s[rt * 64 + (lane % 8) * 9] != 1.0f);
+    }
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        for (int rt = 0; rt < 2 * HTL; ++rt) {
+          if (rescale[rt]) {
+            simdgroup_multiply(acc[rt][ct], dt[rt], acc[rt][ct]);
+          }
+        }
+        for (int kk = 0; kk < NPT; ++kk) {
+          const simdgroup_float8x8 vt = mla_frag16(lat_s + kk * 8 * RWS + col0, RWS, false, lane);  // [position][column]
+          for (int rt = 0; rt < 2 * HTL; ++rt) {
+            simdgroup_multiply_accumulate(acc[rt][ct], pt[rt][kk], vt, acc[rt][ct]);
+          }
+        }
+      }
+    }
+  }
+  // Tiles go through threadgroup memory: rows past H (padding heads) are not written.
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        for (int e = lane; e < 64; e += 32) {
+          const int h = hb * HT + rt * 8 + e / 8;
+          if (h < H) {
+            pacc[mla_part(q, H, h, NT, tile) * R + col0 + e % 8] = o_s[sg * 64 + e];
+          }
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    }
+  }
+  if (cj == 0 && hb * HT + hs < H) {
     const size_t part = mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
     pml[2 * part + 1] = l;

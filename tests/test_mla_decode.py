@@ -127,24 +127,35 @@ def test_wide_variant_at_every_edge(monkeypatch, cache):
         check(joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
 
 
-def test_wide_declines_are_counted():
-    """Where mla_attn_wide cannot run (Metal, a float32 cache) mla_attn_mma runs, counted; where
-    it runs, its tiles are whole chunks and it asks for its dynamic shared memory."""
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_wide_declines_are_counted(backend):
+    """Over a float32 cache mla_attn_mma runs instead of mla_attn_wide, counted; where wide runs,
+    its tiles are whole chunks of the backend's and on CUDA it asks for its dynamic shared
+    memory."""
     args32, _ = inputs(cache=mx.float32, R=64, rope=16)
     args16, _ = inputs(cache=mx.bfloat16, R=64, rope=16, T=300)
-    for args, backend, why in ((args32, "cuda", "float32 cache"), (args16, "metal", "Metal's 32 KiB")):
-        kernels.reset_counters()
-        run = mla.launch_specs(*args, backend=backend, variant="wide")
-        assert run.variant == "mma"
-        (reason,) = kernels.counters()["fallbacks"]
-        assert reason.startswith("mla_attn_wide: ") and why in reason and reason.endswith("-> mla_attn_mma"), reason
     kernels.reset_counters()
-    run = mla.launch_specs(*args16, backend="cuda", variant="wide")
+    run = mla.launch_specs(*args32, backend=backend, variant="wide")
+    assert run.variant == "mma"
+    (reason,) = kernels.counters()["fallbacks"]
+    assert reason.startswith("mla_attn_wide: ") and "float32 cache" in reason and reason.endswith("-> mla_attn_mma")
+    kernels.reset_counters()
+    run = mla.launch_specs(*args16, backend=backend, variant="wide")
     assert run.variant == "wide" and not kernels.counters()["fallbacks"]
     attn = mla.planned_launches(run)[1]
-    assert attn.name == "mla_attn_wide" and ("CK", mla.WIDE_CHUNK) in attn.template
+    chunk = mla.WIDE_CHUNK[backend]
+    assert attn.name == "mla_attn_wide" and ("CK", chunk) in attn.template
     TT = int(attn.inputs[5][7])
-    assert TT % mla.WIDE_CHUNK == 0 and attn.output_shapes[0][2] == -(-300 // TT)
+    assert TT % chunk == 0 and attn.output_shapes[0][2] == -(-300 // TT)
+    if backend == "metal":
+        assert attn.shared_memory == 0       # Metal kernels declare their threadgroup memory
+        # DeepSeek-V3's rows: 16 and 32 heads a threadgroup fit Metal's 32 KiB, 64 do not
+        assert mla.wide_threadgroup_bytes(16, 4, 576) == 16 * 584 * 2 + (4 * 16 * 16 + 16 * 16 + 128 + 256) * 4
+        assert mla.wide_threadgroup_bytes(32, 8, 576) <= mla.METAL_THREADGROUP_BYTES < mla.wide_threadgroup_bytes(64, 16, 576)
+        with pytest.raises(ValueError, match="threadgroup memory"):
+            mla.launch_specs(*inputs(cache=mx.bfloat16, R=512, rope=64, H=64)[0], backend=backend, variant="wide",
+                             heads=64)
+        return
     assert ("HT", mla.WIDE_HEADS) in attn.template and attn.threadgroup[0] == mla.WIDE_HEADS * 8
     assert attn.shared_memory == mla.wide_shared_bytes(mla.WIDE_HEADS, mla.WIDE_HEADS // 4, 64 + 16)
     assert mla.wide_shared_bytes(32, 8, 512 + 64) == 2 * 32 * 584 * 2 + (4 * 32 * 40 + 32 * 40 + 32) * 4
@@ -283,7 +294,7 @@ def test_wide_defects_still_plant(defect):
     assert wide_body().count(good) == 1, f"defect '{defect}' no longer plants"
 
 
-@pytest.mark.skipif(kernels.backend() != "cuda", reason="mla_attn_wide runs on CUDA only")
+@pytest.mark.skipif(kernels.backend() != "cuda", reason="the CUDA body (Metal's: tests/test_moe_mla_msl.py)")
 @pytest.mark.parametrize("defect", sorted(WIDE_DEFECTS))
 def test_wide_planted_defect_is_caught(monkeypatch, defect):
     good, bad = WIDE_DEFECTS[defect]

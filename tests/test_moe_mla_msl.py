@@ -484,7 +484,9 @@ def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
 
 
-VARIANTS = pytest.mark.parametrize("variant", mla.METAL_VARIANTS)
+# The variants these float32-cache tests run (wide stages 16-bit caches: its own tests below).
+F32_VARIANTS = ("mma", "simt")
+VARIANTS = pytest.mark.parametrize("variant", F32_VARIANTS)
 
 
 @VARIANTS
@@ -696,7 +698,7 @@ def test_mla_mma_needs_multiples_of_8():
     assert mla.choose_variant(60, 8) == "simt" and mla.choose_variant(64, 12) == "simt"
     assert mla.choose_variant(64, 8, "simt") == "simt"
     # CUDA's mma is TF32: a float32 model keeps the exact scalar kernel, bf16/f16 get mma, or
-    # wide over a 16-bit cache (Metal has no wide: its variants are the default's)
+    # wide over a 16-bit cache (Metal's wide is opt-in, not yet measured on an Apple GPU)
     assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.float32) == "simt"
     assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.bfloat16) == "mma"
     assert mla.choose_variant(64, 8, backend="cuda", dtype=mx.bfloat16, cache_dtype=mx.float32) == "mma"
@@ -789,7 +791,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
 
 def _launched_text(variant: str) -> str:
     header, bodies = mla.read_kernel_sections("mla_decode", dispatch.METAL)
-    attn = "mla_attn_mma" if variant == "mma" else "mla_attn"
+    attn = {"mma": "mla_attn_mma", "simt": "mla_attn", "wide": "mla_attn_wide"}[variant]
     return header + "".join(bodies[k] for k in ("mla_qabs", attn, "mla_out"))
 
 
@@ -825,7 +827,7 @@ JOINT_DEFECTS = {   # both variants, over a joint cache buffer
 }
 
 
-@pytest.mark.parametrize("variant,defect", [(v, d) for v in mla.METAL_VARIANTS for d in sorted(JOINT_DEFECTS)])
+@pytest.mark.parametrize("variant,defect", [(v, d) for v in F32_VARIANTS for d in sorted(JOINT_DEFECTS)])
 def test_mla_joint_cache_planted_defect_is_caught(metal, variant, defect):
     good, bad = JOINT_DEFECTS[defect]
     assert _launched_text(variant).count(good) == 1, f"defect '{defect}' no longer plants"
@@ -838,6 +840,74 @@ def test_mla_joint_cache_planted_defect_is_caught(metal, variant, defect):
     args, _ = mla_inputs(B=2, T=40, seed=8)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         out = mla.launch_specs(*joint_args(args), tile=16, variant=variant)(planted)
+        assert_mla_close(out, *args)
+    assert "failed to compile" not in str(caught.value)
+
+
+# mla_attn_wide on Metal: chunks of 16 positions staged as 16-bit values (tile 32: two chunks a
+# tile; 17 and 61 positions: a partial last chunk), both 16-bit dtypes, masks, DSA lists,
+# batches of rows, padding heads with rope k-steps in two k-parts (H 40, rope 16, 32 heads a
+# block), the joint cache; spikes make the running max jump mid-tile (the rescale runs).
+WIDE_CASES = {
+    "one position": dict(T=1, seed=61),
+    "partial chunk, masked": dict(T=17, masked=True, seed=62),
+    "spikes": dict(T=61, masked=True, seed=63, spikes=([9, 13, 30, 47], 6.0)),
+    "batch, DSA list": dict(B=2, L=2, T=45, n_sel=20, seed=64),
+    "padding heads, 32 a block": dict(H=40, rope=16, T=70, heads=32, seed=65, spikes=([29, 50], 6.0)),
+    "joint cache": dict(B=2, T=40, joint=True, masked=True, seed=66),
+}
+
+
+@pytest.mark.parametrize("cache", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("case", sorted(WIDE_CASES))
+def test_mla_wide(metal, case, cache):
+    if cache == mx.bfloat16:
+        pytest.importorskip("ml_dtypes", reason="the simulator takes bfloat16 inputs as ml_dtypes arrays")
+    kw = dict(WIDE_CASES[case])
+    run_mla(metal, variant="wide", tile=32, cache_dtype=cache, heads=kw.pop("heads", None),
+            joint=kw.pop("joint", False), **kw)       # (run_mla checks that wide ran)
+
+
+def test_mla_wide_fixed_capacity_buffer_with_step_params(metal, monkeypatch):
+    """The compiled decode step's launch over a 16-bit buffer: only ``length`` rows attended,
+    the rows past it NaN (a chunk that staged and used one would show)."""
+    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
+    args, _ = mla_inputs(T=96, seed=67, cache_dtype=mx.float16)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    for length in (5, 40):
+        poison = (mx.arange(96) >= length)[None, :, None]
+        joint = mx.where(poison, mx.nan, mx.concatenate([latent, k_rope], axis=-1)).astype(mx.float16)
+        params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
+                                 backend=dispatch.METAL, joint=True)
+        out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
+        assert metal[-2:] == ["mla_attn_wide", "mla_out"]
+        assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
+                         label=f"length {length} of 96")
+
+
+WIDE_DEFECTS = {
+    "no rescale": ("simdgroup_multiply(acc[rt][ct], dt[rt], acc[rt][ct]);", ""),
+    "chunk not transposed for the scores": ("RWS, true, lane);", "RWS, false, lane);"),
+    "a k-part's partial scores dropped": ("for (int g = 0; g < KP; ++g) {\n          dot +=",
+                                          "for (int g = 1; g < KP; ++g) {\n          dot +="),
+    "the staged rows one SIMD group off": ("(sg * RPW + k) * RWS + col", "((sg + 1) % NSG * RPW + k) * RWS + col"),
+    "the mask ignored": ("keep = mask[size_t(q) * T + t] != 0;", "keep = mask[size_t(q) * T + t] != 2;"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(WIDE_DEFECTS))
+def test_mla_wide_planted_defect_is_caught(metal, defect):
+    good, bad = WIDE_DEFECTS[defect]
+    assert _launched_text("wide").count(good) == 1, f"defect '{defect}' no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    args, _ = mla_inputs(H=40, rope=16, T=61, masked=True, seed=68, cache_dtype=mx.float16,
+                         spikes=([9, 13, 30, 47], 6.0))
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        out = mla.launch_specs(*args, tile=32, variant="wide", heads=32)(planted)
         assert_mla_close(out, *args)
     assert "failed to compile" not in str(caught.value)
 
@@ -1193,7 +1263,7 @@ def test_mla_qb_qabs_settings(metal, setting):
     assert mla.qb_setting(backend=dispatch.CUDA) == (16, 4) and mla.qb_setting(backend=dispatch.METAL) == (8, 8)
 
 
-@pytest.mark.parametrize("variant", mla.METAL_VARIANTS)
+@pytest.mark.parametrize("variant", F32_VARIANTS)
 def test_mla_decode_with_q_proj_equals_projected_queries(metal, variant):
     """mla_decode given (q_latent, q_b): one launch fewer (no q_b GEMV), and the attention output
     as mla_decode's on the GEMV's queries (float32: the same q to the oracle's bound)."""

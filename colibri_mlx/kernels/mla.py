@@ -12,10 +12,11 @@ The attention has three variants with the same partials (``variant=`` or env
 * ``mma`` (``mla_attn_mma``, Metal's default): scores and the latent combine by matrix
   instructions (Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32), the next chunk's loads
   in flight while the current one is multiplied, q' held in registers;
-* ``wide`` (``mla_attn_wide``, CUDA's default over a 16-bit cache): mma's algorithm on chunks of
-  32 positions that cp.async stages raw while the previous chunk is multiplied. Metal's 32 KiB
-  of threadgroup memory cannot hold such a chunk: asked for there (or over a float32 cache) it
-  is ``mma``, counted as a decline of ``mla_attn_wide``;
+* ``wide`` (``mla_attn_wide``, CUDA's default over a 16-bit cache): mma's algorithm on chunks
+  staged as the cache's own 16-bit values, the next chunk in flight while this one is
+  multiplied: 32 positions double-buffered by cp.async on CUDA, 16 on Metal (one buffer in its
+  32 KiB of threadgroup memory; opt-in there, not yet measured on an Apple GPU). Over a float32
+  cache it is ``mma``, counted as a decline of ``mla_attn_wide`` when asked for;
 * ``simt`` (``mla_attn``, scalar FMAs): CUDA's default for float32 queries (see
   :func:`choose_variant`), and where R or rope is not a multiple of 8 (counted as
   ``mla_attn/simt``).
@@ -51,9 +52,11 @@ CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
-WIDE_CHUNK = 32           # mla_attn_wide's chunk (CK): one ldmatrix x4 of staged rows
-METAL_VARIANTS = ("mma", "simt")  # the attention kernels with a Metal twin
-VARIANTS = METAL_VARIANTS + ("wide",)
+# mla_attn_wide's chunk (CK): on CUDA one ldmatrix x4 of staged rows, double-buffered by
+# cp.async (75 KB of dynamic shared memory at 576 values a row); on Metal one buffer of 16 rows
+# (19 KB of its 32 KiB of threadgroup memory).
+WIDE_CHUNK = {dispatch.CUDA: 32, dispatch.METAL: 16}
+VARIANTS = ("mma", "simt", "wide")
 MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma tiles
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
@@ -251,9 +254,8 @@ def mma_heads(backend: str, heads: Optional[int] = None, variant: Optional[str] 
 
 def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
     """Why ``mla_attn_wide`` cannot run here (None: it can)."""
-    if backend != dispatch.CUDA:
-        return (f"{backend}: mla_attn_wide is CUDA's (a {WIDE_CHUNK}-position chunk does not fit "
-                "Metal's 32 KiB of threadgroup memory)")
+    if backend not in WIDE_CHUNK:
+        return f"{backend}: no mla_attn_wide"
     if cache_dtype is None or cache_dtype not in (mx.bfloat16, mx.float16):
         return f"a {cache_dtype} cache (mla_attn_wide stages 16-bit values)"
     return None
@@ -266,8 +268,8 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     32768 positions) and ``simt`` for float32 queries: the matrix variants round q' and P to TF32
     (2^-11), below the bfloat16 rounding of a bf16 model's own activations but not within
     float32 parity (1e-4 of scale). Metal's simdgroup_matrix<float> is float32 throughout.
-    ``wide`` where it cannot run (:func:`wide_decline_reason`) is ``mma``; ``simt`` where the
-    matrix variants cannot run."""
+    Metal's ``wide`` is opt-in (not yet measured on an Apple GPU). ``wide`` where it cannot run
+    (:func:`wide_decline_reason`) is ``mma``; ``simt`` where the matrix variants cannot run."""
     default = "mma"
     if backend == dispatch.CUDA:
         default = "simt" if dtype == mx.float32 else ("mma" if wide_decline_reason(backend, cache_dtype) else "wide")
@@ -354,8 +356,13 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
                          ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R)]
         if variant == "wide":
-            attn_template.append(("CK", WIDE_CHUNK))
-            attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
+            attn_template.append(("CK", WIDE_CHUNK[backend]))
+            if backend == dispatch.CUDA:
+                attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
+            elif wide_threadgroup_bytes(HT, attn_sg, R + rope) > METAL_THREADGROUP_BYTES:
+                raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads per threadgroup (COLIBRI_MLA_HEADS) "
+                                 f"needs {wide_threadgroup_bytes(HT, attn_sg, R + rope)} bytes of threadgroup "
+                                 f"memory at {R + rope} values a row, Metal has {METAL_THREADGROUP_BYTES}")
     else:
         HB = _heads_per_block(H)
         attn_sg = min(NSG, _ceil_div(H, HB))      # SIMD groups sharing each staged chunk
@@ -374,19 +381,31 @@ _statics: dict = {}
 
 
 def wide_shared_bytes(HT: int, nsg: int, RW: int) -> int:
-    """mla_attn_wide's dynamic shared memory: two chunks of 16-bit rows (RW + 8 values), the
-    k-parts' partial scores, the weights P (rows of WIDE_CHUNK + 8 floats) and alpha per head."""
+    """mla_attn_wide's dynamic shared memory on CUDA: two chunks of 16-bit rows (RW + 8 values),
+    the k-parts' partial scores, the weights P (rows of CK + 8 floats) and alpha per head."""
     kp = nsg // (HT // 16)
-    rows = WIDE_CHUNK + 8
-    return 2 * WIDE_CHUNK * (RW + 8) * 2 + (kp * HT * rows + HT * rows + HT) * 4
+    ck = WIDE_CHUNK[dispatch.CUDA]
+    rows = ck + 8
+    return 2 * ck * (RW + 8) * 2 + (kp * HT * rows + HT * rows + HT) * 4
 
 
-def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int]) -> tuple[int, int]:
+METAL_THREADGROUP_BYTES = 32768
+
+
+def wide_threadgroup_bytes(HT: int, nsg: int, RW: int) -> int:
+    """mla_attn_wide's threadgroup memory on Metal: one chunk of 16-bit rows (RW + 8 values),
+    the k-parts' partial scores, the weights P, diag(alpha) and a write-out tile a SIMD group."""
+    kp = nsg // (HT // 16)
+    ck = WIDE_CHUNK[dispatch.METAL]
+    return ck * (RW + 8) * 2 + (kp * HT * ck + HT * ck + HT * 8 + nsg * 64) * 4
+
+
+def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int], backend: str) -> tuple[int, int]:
     """(TT positions a tile, NT tiles) for P positions."""
     tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
     TT = tile or (mma_tile(P, head_blocks) if variant in MATRIX_VARIANTS else default_tile(P))
     if variant == "wide" and not tile:
-        TT = _ceil_div(TT, WIDE_CHUNK) * WIDE_CHUNK   # whole chunks
+        TT = _ceil_div(TT, WIDE_CHUNK[backend]) * WIDE_CHUNK[backend]   # whole chunks
     TT = max(TT, _ceil_div(P, MAX_TILES))        # mla_out's tile weights: NT <= MAX_TILES
     return TT, max(1, _ceil_div(P, TT))
 
@@ -408,7 +427,7 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     variant = choose_variant(R, rope, None, backend, q_dtype, latent.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, None, variant))
-    TT, NT = _tiles(T, variant, st.Hp // st.HT, None)
+    TT, NT = _tiles(T, variant, st.Hp // st.HT, None, backend)
     return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
 
 
@@ -455,7 +474,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  mma_heads(backend, heads, variant), qabs_parts, out_warps)
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
-    TT, NT = _tiles(P, variant, Hp // HT, tile)
+    TT, NT = _tiles(P, variant, Hp // HT, tile, backend)
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)

@@ -16,9 +16,10 @@
 // with diag(alpha)), skipped while every alpha of the warp's rows is 1. The next chunk's 16-byte
 // loads are issued before the current chunk is multiplied (as in the .metal kernel). Fragment
 // layouts: PTX ISA, "Matrix fragments for mma.m16n8k8" (.tf32), in the frag_* helpers below.
-// mla_attn_wide (CUDA's default over a 16-bit cache) has no Metal twin: its 32-position chunk,
-// double-buffered as the cache's own 16-bit values (cp.async, ldmatrix), is 75 KB of shared
-// memory, past Metal's 32 KiB; Metal runs mla_attn_mma (docs/kernels.md).
+// mla_attn_wide (CUDA's default over a 16-bit cache) stages the chunk as the cache's own 16-bit
+// values. Its Metal twin does the same on chunks of 16 in one buffer, the next chunk's words in
+// registers (Metal has no cp.async and 32 KiB of threadgroup memory); here 32 positions are
+// double-buffered by cp.async (75 KB of dynamic shared memory) and read by ldmatrix.
 
 namespace colibri_mla {
 

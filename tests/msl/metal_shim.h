@@ -568,8 +568,12 @@ template <typename T, int Cols, int Rows>
 struct simdgroup_matrix {
   static_assert(Cols == 8 && Rows == 8, "simdgroup_matrix: Metal has 8x8 matrices only");
   static_assert(msl_mat_elem<T>::ok, "simdgroup_matrix: element type must be float, half or bfloat");
-  T e[2];
+  alignas(2 * sizeof(T)) T e[2];
   simdgroup_matrix() : e{msl_mat_poison<T>(), msl_mat_poison<T>()} {}  // Metal: undefined
+  // Metal: this lane's own two elements (msl_mat_coord's row, columns c and c + 1), read and
+  // written without the SIMD group (no collective).
+  vec<T, 2>& thread_elements() { return *reinterpret_cast<vec<T, 2>*>(e); }
+  const vec<T, 2>& thread_elements() const { return *reinterpret_cast<const vec<T, 2>*>(e); }
   // Metal: simdgroup_matrix<T, C, R>(T dval) is the diagonal matrix dval * I.
   explicit simdgroup_matrix(T dval) {
     int r, c;

@@ -545,3 +545,29 @@ def test_missing_barrier_before_a_simd_op_is_caught():
     np.testing.assert_allclose(out, np.repeat([x[32:].sum(), x[:32].sum()], 32) / 32, rtol=1e-5)
     with pytest.raises(SimulatorError, match="depends on the thread schedule"):
         run_metal_kernel("bsimd", ["x"], ["out"], src.replace("{BARRIER}", ""), **kw)
+
+
+def test_simdgroup_matrix_thread_elements_follow_the_load_layout():
+    """thread_elements() is the lane's own pair of a simdgroup_matrix, in the layout the loads
+    and stores use (MLX steel's: row (l / 4 & 4) + (l / 2 % 4), columns (l / 4 & 2) * 2 + (l % 2)
+    * 2 and + 1): a matrix loaded then read lane by lane, and one built lane by lane then stored,
+    both give x back."""
+    src = """
+      ushort lane = thread_index_in_simdgroup;
+      simdgroup_float8x8 m;
+      simdgroup_load(m, x, 8);
+      const int qid = lane / 4;
+      const int r = (qid & 4) + (lane / 2) % 4;
+      const int c = (qid & 2) * 2 + (lane % 2) * 2;
+      read[r * 8 + c] = m.thread_elements()[0];
+      read[r * 8 + c + 1] = m.thread_elements()[1];
+      simdgroup_float8x8 w;
+      w.thread_elements()[0] = x[r * 8 + c];
+      w.thread_elements()[1] = x[r * 8 + c + 1];
+      simdgroup_store(w, built, 8);
+    """
+    x = RNG.standard_normal(64).astype(np.float32)
+    read, built = run_metal_kernel("te", ["x"], ["read", "built"], src, inputs=[x], output_shapes=[(64,), (64,)],
+                                   output_dtypes=["float32", "float32"], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    np.testing.assert_array_equal(read, x)
+    np.testing.assert_array_equal(built, x)
