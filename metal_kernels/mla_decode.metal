@@ -338,6 +338,48 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
   }
 }
 
+// Q' of head tile ht over k-part kp (k-steps kp, kp + KP, ...) as 8x8 matrices (two 8-head
+// halves a k-step), held for a whole tile (read once, not per chunk). qa0: the threadgroup's
+// first q' | q_rope row (RW floats a head).
+template <int NK, int KP, int RW, bool K_WHOLE>
+inline void mla_load_qprime(thread simdgroup_float8x8 (*qt)[2], const device float* qa0, int ht, int kp) {
+  for (int i = 0; i < NK; ++i) {
+    const int k0 = (kp + i * KP) * 8;
+    for (int r = 0; r < 2; ++r) {
+      const int row0 = ht * 16 + r * 8;
+      if (K_WHOLE || k0 < RW) {
+        simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
+      } else {
+        qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      }
+    }
+  }
+}
+
+// A tile's partial combine into pacc: SIMD group sg's 8x8 tiles acc[rt][ct] (8-head row tiles,
+// column tiles sg * NCT + ct) of head block hb, through its 64 floats of o_s; rows past H
+// (padding heads) are not written.
+template <int HTL, int NCT, int R, bool COLS_WHOLE>
+inline void mla_write_partial_rows(thread simdgroup_float8x8 (*acc)[NCT], threadgroup float* o_s, device float* pacc,
+                                   int q, int H, int HT, int hb, int NT, int tile, int sg, int lane) {
+  for (int rt = 0; rt < 2 * HTL; ++rt) {
+    for (int ct = 0; ct < NCT; ++ct) {
+      const int col0 = (sg * NCT + ct) * 8;
+      if (COLS_WHOLE || col0 < R) {
+        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        for (int e = lane; e < 64; e += 32) {
+          const int h = hb * HT + rt * 8 + e / 8;
+          if (h < H) {
+            pacc[mla_part(q, H, h, NT, tile) * R + col0 + e % 8] = o_s[sg * 64 + e];
+          }
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+      }
+    }
+  }
+}
+
 // ---- mla_attn_wide: chunks staged as the cache's own 16-bit values ----
 // The 8x8 float matrix of 16-bit values at m (row stride `stride`; transposed: m holds it by
 // columns), built lane by lane (thread_elements: row r, columns c and c + 1 of the simdgroup
@@ -636,19 +678,8 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
     unit_src[j] = col < R ? latent + size_t(b) * T * cache.ls + col : krope + size_t(b) * T * cache.ks + cache.rope0 + (col - R);
     unit_dst[j] = c * RWS + (u - c * UPP) * 8;
   }
-  // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
-  simdgroup_float8x8 qt[NK][2];
-  for (int i = 0; i < NK; ++i) {
-    const int k0 = (kp + i * KP) * 8;
-    for (int r = 0; r < 2; ++r) {
-      const int row0 = ht * 16 + r * 8;
-      if (K_WHOLE || k0 < RW) {
-        simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
-      } else {
-        qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
-    }
-  }
+  simdgroup_float8x8 qt[NK][2];                // Q': (head, k), two 8-head halves
+  mla_load_qprime<NK, KP, RW, K_WHOLE>(qt, qa0, ht, kp);
   for (int c0 = p0 - C; c0 < p1; c0 += C) {
     // Iteration c0 multiplies chunk c0 while chunk c0 + C is in flight (c0 = p0 - C: only loads).
     if (c0 >= p0) {
@@ -745,23 +776,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
       }
     }
   }
-  // Tiles go through threadgroup memory: rows past H (padding heads) are not written.
-  for (int rt = 0; rt < 2 * HTL; ++rt) {
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (COLS_WHOLE || col0 < R) {
-        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-        for (int e = lane; e < 64; e += 32) {
-          const int h = hb * HT + rt * 8 + e / 8;
-          if (h < H) {
-            pacc[mla_part(q, H, h, NT, tile) * R + col0 + e % 8] = o_s[sg * 64 + e];
-          }
-        }
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-      }
-    }
-  }
+  mla_write_partial_rows<HTL, NCT, R, COLS_WHOLE>(acc, o_s, pacc, q, H, HT, hb, NT, tile, sg, lane);
   if (cs == 0 && hb * HT + hs < H) {
     const size_t part = mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;
@@ -836,19 +851,8 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
   // The next chunk's units in flight: SIMD group sg's rows sg * RPW .., a row's units over the
   // lanes; zero past the tile (weight 0, no NaN).
   uint4 raw[RPW][NUL];
-  // Q' of this SIMD group's head tile and k-part, held for the whole tile (read once, not per chunk).
-  simdgroup_float8x8 qt[NK][2];
-  for (int i = 0; i < NK; ++i) {
-    const int k0 = (kp + i * KP) * 8;
-    for (int r = 0; r < 2; ++r) {
-      const int row0 = ht * 16 + r * 8;
-      if (K_WHOLE || k0 < RW) {
-        simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);
-      } else {
-        qt[i][r] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      }
-    }
-  }
+  simdgroup_float8x8 qt[NK][2];                // Q': (head, k), two 8-head halves
+  mla_load_qprime<NK, KP, RW, K_WHOLE>(qt, qa0, ht, kp);
   for (int c0 = p0 - CK; c0 < p1; c0 += CK) {
     // Iteration c0 multiplies chunk c0 while chunk c0 + CK is in flight (c0 = p0 - CK: only loads).
     if (c0 >= p0) {
@@ -972,23 +976,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
       }
     }
   }
-  // Tiles go through threadgroup memory: rows past H (padding heads) are not written.
-  for (int rt = 0; rt < 2 * HTL; ++rt) {
-    for (int ct = 0; ct < NCT; ++ct) {
-      const int col0 = (sg * NCT + ct) * 8;
-      if (COLS_WHOLE || col0 < R) {
-        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-        for (int e = lane; e < 64; e += 32) {
-          const int h = hb * HT + rt * 8 + e / 8;
-          if (h < H) {
-            pacc[mla_part(q, H, h, NT, tile) * R + col0 + e % 8] = o_s[sg * 64 + e];
-          }
-        }
-        simdgroup_barrier(mem_flags::mem_threadgroup);
-      }
-    }
-  }
+  mla_write_partial_rows<HTL, NCT, R, COLS_WHOLE>(acc, o_s, pacc, q, H, HT, hb, NT, tile, sg, lane);
   if (cj == 0 && hb * HT + hs < H) {
     const size_t part = mla_part(q, H, hb * HT + hs, NT, tile);
     pml[2 * part] = m;

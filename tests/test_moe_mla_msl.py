@@ -747,7 +747,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "scores: chunk loaded untransposed": ("simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), true);",
                                           "simdgroup_load(kt, lat_s + k0, RWS, ulong2(0, 0), false);"),
     "scores: q' rows with the wrong stride": ("simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW);",
-                                              "simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, R);"),
+                                              "simdgroup_load(qt[i][r], qa0 + size_t(row0) * RW + k0, RW - 8);"),
     "q_rope not copied beside q'": ("      qa_rope[c] = float(qr[c]);", "      qa_rope[c] = 0.0f;"),
     "scores: every SIMD group on head tile 0": ("const int ht = sg % HTL;", "const int ht = 0;"),
     "scores: a k-part's partial dropped": ("for (int g = 0; g < KP; ++g) {\n        dot += sc_s",
@@ -784,7 +784,7 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
     "write-out tile read before all lanes stored it": (
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);"),
-    "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < Hp) {\n            pacc"),
+    "padding heads written": ("          if (h < H) {\n            pacc", "          if (h < H + 16) {\n            pacc"),
     "padding heads of q' left unwritten": ("    qrow[c] = 0.0f;\n  }\n  return true;", "  }\n  return true;"),
 }
 
