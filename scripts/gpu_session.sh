@@ -140,6 +140,11 @@ for s in "${steps[@]}"; do
                    step bench_mla_wide 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
                    step bench_mla_mma 200 env COLIBRI_MLA_VARIANT=mma python3 scripts/bench_moe_mla.py \
                      --iters 10 --only mla --cache 4096 32768 ;;
+    fold_times)    # the decode row folded into the attention's first launch (mla_rows_qb_qabs, the
+                   # default) against its own launch first (COLIBRI_MLA_ROWS_FOLD=0): MLA block per layer
+                   step bench_mla_fold 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
+                   step bench_mla_nofold 200 env COLIBRI_MLA_ROWS_FOLD=0 python3 scripts/bench_moe_mla.py \
+                     --iters 10 --only mla --cache 4096 32768 ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;

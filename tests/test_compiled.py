@@ -469,11 +469,11 @@ def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, ki
     want, want_kv = _attention_step(model, 7, whole_layer)
     launched = route_launches_to_simulator(monkeypatch, simulator)
     got, got_kv = _attention_step(model, 7, whole_layer)
-    # The row is written into the cache buffer by mla_rows_into itself (no scatter, kv in place).
-    # q_b's projection runs inside the attention's first launch (mla_qb_qabs): no q_b GEMV.
-    assert {"qgemv", "mla_rows_into", "mla_qb_qabs", "mla_out"} <= set(launched), launched
-    assert launched[:4] == ["qgemv", "mla_rows_into", "mla_qb_qabs", "mla_attn_mma"], launched
-    assert "mla_rows" not in launched and "mla_qabs" not in launched, launched
+    # The row is written into the cache buffer by the attention's first launch itself (no
+    # scatter, kv in place), which also runs q_b's projection (mla_rows_qb_qabs): no q_b GEMV,
+    # no launch of the row's own.
+    assert launched[:4] == ["qgemv", "mla_rows_qb_qabs", "mla_attn_mma", "mla_out"], launched
+    assert not {"mla_rows", "mla_rows_into", "mla_qb_qabs", "mla_qabs"} & set(launched), launched
     if kind.startswith("moe"):
         assert {"moe_gate_up", "moe_down"} <= set(launched), launched
     if kind == "moe_one_group":       # moe_down wrote the block's output with the residual added
@@ -488,8 +488,8 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     """The GPU path's decode step of an attention block: each primitive is a node MLX recreates
     on every compiled call and schedules on every evaluation (~1-2 us of host time each on the
     H200's host), so the views between the kernels are counted and bounded. Launches stubbed
-    (one ``mx.depends`` node each, no kernel runs): 6 launching primitives (the x projection,
-    mla_rows_into with the row write, the three attention launches, the first with q_b's
+    (one ``mx.depends`` node each, no kernel runs): 5 launching primitives (the x projection,
+    the three attention launches, the first with the row's norms, its cache write and q_b's
     projection folded in, o_proj with the residual)."""
     from colibri_mlx.kernels import dispatch
     from colibri_mlx.models.loading import load_model
@@ -504,5 +504,5 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     names = _primitive_names(y, kv)
     launching = [n for n in names if n in ("Depends", "ScatterAxis")]
     others = [n for n in names if n not in ("Depends", "ScatterAxis")]
-    assert len(launching) == 6 and "ScatterAxis" not in names, names
+    assert len(launching) == 5 and "ScatterAxis" not in names, names
     assert len(others) <= STEP_VIEW_NODES, f"{len(others)} others: {' '.join(others)}"

@@ -995,6 +995,38 @@ def test_mla_rows_into_writes_the_cache_row_in_place(metal, dtype, slot):
     assert metal == ["mla_rows", "mla_rows_into"] and not counters["fallbacks"], (metal, counters)
 
 
+@pytest.mark.parametrize("dtype, slot", [(mx.float32, 0), (mx.bfloat16, 9), (mx.float16, 4), (mx.float32, 12)])
+def test_mla_rows_qb_qabs_equals_the_two_launches(metal, dtype, slot):
+    """The decode row folded into the attention's first launch (mla_rows_qb_qabs), padding heads
+    included (4 heads, a head block of 32): the cache buffer and the attention's output equal
+    mla_rows_into + mla_qb_qabs' bit for bit; slot 12 is past the capacity (nothing written)."""
+    from moe_mla_oracle import check_rows_qb_qabs
+
+    counters = check_rows_qb_qabs(4, 16, 8, 64, 8, 96, dtype, slot, 10, seed=slot)
+    assert metal == ["mla_rows_into", "mla_qb_qabs", "mla_attn_mma", "mla_out",
+                     "mla_rows_qb_qabs", "mla_attn_mma", "mla_out"], metal
+    assert counters["calls"].get("mla_rows_qb_qabs/metal") == 1 and not counters["fallbacks"], counters
+
+
+def test_mla_rows_qb_qabs_declines_visibly(metal):
+    """A deferred row whose attention cannot take it (here q_rope left unrotated) is launched on
+    its own first, counted."""
+    from colibri_mlx.kernels import mla
+
+    y, qa_norm, kv_norm = rows_case(96, 64, 8, mx.float32)
+    cache = mx.zeros((1, 10, 72), mx.float32)
+    pos = mx.array(3, dtype=mx.int32)
+    row, kv = kernels.mla_rows(y.reshape(1, 1, -1), 96, qa_norm, kv_norm, 1e-6, rope_of(8), pos, cache, defer=True)
+    assert isinstance(row, mla.DeferredRow) and kv is None and metal == []
+    kv_b = random_qtensor(4, 4 * 24, 64, gs=32, seed=1)
+    q_b = random_qtensor(4, 4 * 24, 96, gs=32, seed=2)
+    params = mla.step_params(kv_b, cache, 4, 16, 8, 8, mx.float32, 4, joint=True)
+    mx.eval(kernels.mla_decode(None, None, cache, None, kv_b, 0.2, None, 16, 8, params=params, q_proj=(row, q_b)))
+    fallbacks = kernels.counters()["fallbacks"]
+    assert metal[:2] == ["mla_rows_into", "mla_qb_qabs"], metal
+    assert any(k.startswith("mla_rows_qb_qabs") and "rotated by another rope" in k for k in fallbacks), fallbacks
+
+
 def test_mla_rows_into_declines_visibly(metal):
     """A cache buffer of another dtype or row width: the row comes back for the caller to write."""
     y, qa_norm, kv_norm = rows_case(dtype=mx.float32)
@@ -1353,7 +1385,7 @@ def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_p
                         lambda self, *args, static=None: steps.append(self.name) or self.fn(*args))
     got = decode()
     assert steps.count("model_step") == 6, steps
-    for name in ("mla_rows_into", "mla_qb_qabs", "qgemv", "moe_down"):
+    for name in ("mla_rows_qb_qabs", "qgemv", "moe_down"):
         assert name in metal, (name, set(metal))
     assert not kernels.counters()["fallbacks"], kernels.counters()["fallbacks"]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
