@@ -1077,7 +1077,8 @@ ROWS_DEFECTS = {  # name: (text in mla_rows' body or mla_norm_rope_row, replacem
     "q_a normalized by the latent's sum": ("rsqrt(sq / float(QL)", "rsqrt(sl / float(QL)"),
     "eps dropped": (" + eps_l);", ");"),
     "sums read before every SIMD group wrote": (
-        "    sums[NSG + sg] = sl;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);", "    sums[NSG + sg] = sl;\n  }"),
+        "      sums[RSG + sg] = sl;\n    }\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);",
+        "      sums[RSG + sg] = sl;\n    }\n  }"),
     "rotation the wrong way": ("x1 * cs - x2 * sn", "x1 * cs + x2 * sn"),
     "one position for every row": ("float(pos[q])", "float(pos[0])"),
 }
