@@ -143,7 +143,7 @@ for s in "${steps[@]}"; do
     fold_tests)    # mla_rows_qb_qabs bit for bit against its two launches, the compiled step with it,
                    # and mla_attn_wide's planted defects
                    step fold_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \
-                     -k "rows_qb_qabs or planted or rows_into" tests/test_compiled.py; reap ;;
+                     tests/test_compiled.py -k "rows_qb_qabs or planted or rows_into or equals_plain or in_place"; reap ;;
     fold_times)    # the decode row folded into the attention's first launch (mla_rows_qb_qabs, the
                    # default) against its own launch first (COLIBRI_MLA_ROWS_FOLD=0): MLA block per layer
                    step bench_mla_fold 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
