@@ -144,11 +144,13 @@ for s in "${steps[@]}"; do
                    # and mla_attn_wide's planted defects
                    step fold_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \
                      tests/test_compiled.py -k "rows_qb_qabs or planted or rows_into or equals_plain or in_place"; reap ;;
-    fold_times)    # the decode row folded into the attention's first launch (mla_rows_qb_qabs, the
-                   # default) against its own launch first (COLIBRI_MLA_ROWS_FOLD=0): MLA block per layer
-                   step bench_mla_fold 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
-                   step bench_mla_nofold 200 env COLIBRI_MLA_ROWS_FOLD=0 python3 scripts/bench_moe_mla.py \
-                     --iters 10 --only mla --cache 4096 32768 ;;
+    fold_times)    # the decode row folded into the attention's first launch (mla_rows_qb_qabs,
+                   # COLIBRI_MLA_ROWS_FOLD=1) against its own launch first (the default): MLA block per
+                   # layer, each a process of its own, the default again last (the host's drift)
+                   step bench_mla_nofold 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
+                   step bench_mla_fold 200 env COLIBRI_MLA_ROWS_FOLD=1 python3 scripts/bench_moe_mla.py \
+                     --iters 10 --only mla --cache 4096 32768
+                   step bench_mla_nofold2 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768 ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;

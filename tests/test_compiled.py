@@ -460,9 +460,10 @@ def _attention_step(model, start, whole_layer=False):
     return attn.step(x, slot, kv, params, residual=x)
 
 
-@pytest.mark.parametrize("kind, whole_layer", [("dense", False), ("dense", True), ("moe", True),
-                                               ("moe_one_group", True)])
-def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer):
+@pytest.mark.parametrize("kind, whole_layer, fold", [("dense", False, False), ("dense", False, True),
+                                                     ("dense", True, False), ("moe", True, False),
+                                                     ("moe_one_group", True, True)])
+def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer, fold):
     """The decode step's glue around the kernels (views, the row write, the residual adds; the
     MLP / MoE block), run with every launch in the MSL simulator as on a Mac, equals the
     reference path: what changes the graph between kernels is checked here, not first on a GPU."""
@@ -472,15 +473,20 @@ def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, ki
     from colibri_mlx.models.loading import load_model
     from moe_mla_oracle import route_launches_to_simulator
 
+    monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
     model = load_model(containers[kind], dtype="float32")
     want, want_kv = _attention_step(model, 7, whole_layer)
     launched = route_launches_to_simulator(monkeypatch, simulator)
     got, got_kv = _attention_step(model, 7, whole_layer)
-    # The row is written into the cache buffer by the attention's first launch itself (no
-    # scatter, kv in place), which also runs q_b's projection (mla_rows_qb_qabs): no q_b GEMV,
-    # no launch of the row's own.
-    assert launched[:4] == ["qgemv", "mla_rows_qb_qabs", "mla_attn_mma", "mla_out"], launched
-    assert not {"mla_rows", "mla_rows_into", "mla_qb_qabs", "mla_qabs"} & set(launched), launched
+    # The row is written into the cache buffer by mla_rows_into (no scatter, kv in place), q_b's
+    # projection runs inside the attention's first launch (mla_qb_qabs): no q_b GEMV. With the
+    # fold, that launch writes the row too (mla_rows_qb_qabs): no launch of the row's own.
+    if fold:
+        assert launched[:4] == ["qgemv", "mla_rows_qb_qabs", "mla_attn_mma", "mla_out"], launched
+        assert not {"mla_rows", "mla_rows_into", "mla_qb_qabs", "mla_qabs"} & set(launched), launched
+    else:
+        assert launched[:4] == ["qgemv", "mla_rows_into", "mla_qb_qabs", "mla_attn_mma"], launched
+        assert not {"mla_rows", "mla_qabs", "mla_rows_qb_qabs"} & set(launched), launched
     if kind.startswith("moe"):
         assert {"moe_gate_up", "moe_down"} <= set(launched), launched
     if kind == "moe_one_group":       # moe_down wrote the block's output with the residual added
@@ -491,16 +497,19 @@ def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, ki
                                atol=1e-5 * np.abs(np.array(want_kv)).max())
 
 
-def test_attention_step_graph_nodes(containers, monkeypatch):
+@pytest.mark.parametrize("fold", [False, True])
+def test_attention_step_graph_nodes(containers, monkeypatch, fold):
     """The GPU path's decode step of an attention block: each primitive is a node MLX recreates
     on every compiled call and schedules on every evaluation (~1-2 us of host time each on the
     H200's host), so the views between the kernels are counted and bounded. Launches stubbed
-    (one ``mx.depends`` node each, no kernel runs): 5 launching primitives (the x projection,
-    the three attention launches, the first with the row's norms, its cache write and q_b's
-    projection folded in, o_proj with the residual)."""
+    (one ``mx.depends`` node each, no kernel runs): 6 launching primitives (the x projection,
+    mla_rows_into with the row write, the three attention launches, the first with q_b's
+    projection folded in, o_proj with the residual); 5 with ``fold`` (COLIBRI_MLA_ROWS_FOLD=1:
+    the row's norms and cache write in the attention's first launch too)."""
     from colibri_mlx.kernels import dispatch
     from colibri_mlx.models.loading import load_model
 
+    monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
     model = load_model(containers["dense"], dtype="float32")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_build import stub_launch
@@ -511,5 +520,5 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     names = _primitive_names(y, kv)
     launching = [n for n in names if n in ("Depends", "ScatterAxis")]
     others = [n for n in names if n not in ("Depends", "ScatterAxis")]
-    assert len(launching) == 5 and "ScatterAxis" not in names, names
+    assert len(launching) == 6 - fold and "ScatterAxis" not in names, names
     assert len(others) <= STEP_VIEW_NODES, f"{len(others)} others: {' '.join(others)}"

@@ -1352,7 +1352,8 @@ def test_mla_qb_qabs_planted_defect_is_caught(metal, defect):
     assert "failed to compile" not in str(caught.value)
 
 
-def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_path):
+@pytest.mark.parametrize("fold", [False, True])
+def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_path, fold):
     """The GPU decode step (Model._model_step: one graph for every layer and the head over the
     caches' fixed-capacity buffers: write_row scatters, step params, mla_rows, ROPEQ, RES, OT)
     run op by op with every launch in the simulator — what mx.compile replays on a Mac — gives
@@ -1367,6 +1368,7 @@ def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_p
     write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
     model = load_model(tmp_path / "c", dtype="float32")
     monkeypatch.setattr(cache_mod, "GROW_STEP", 8)
+    monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
 
     def decode(steps=6):
         cache = model.make_cache()
@@ -1386,7 +1388,7 @@ def test_whole_decode_step_graph_through_the_simulator(metal, monkeypatch, tmp_p
                         lambda self, *args, static=None: steps.append(self.name) or self.fn(*args))
     got = decode()
     assert steps.count("model_step") == 6, steps
-    for name in ("mla_rows_qb_qabs", "qgemv", "moe_down"):
+    for name in (("mla_rows_qb_qabs",) if fold else ("mla_rows_into", "mla_qb_qabs")) + ("qgemv", "moe_down"):
         assert name in metal, (name, set(metal))
     assert not kernels.counters()["fallbacks"], kernels.counters()["fallbacks"]
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

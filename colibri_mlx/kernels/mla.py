@@ -748,8 +748,17 @@ def reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope
 # mla_rows: a decode row's norms and rope key, before the cache write
 
 ROWS_NSG = 4              # SIMD groups of mla_rows' threadgroup (one per row)
-# "0": mla_rows' defer is ignored (the row's own launch, then mla_qb_qabs: an A/B of the fold)
+# "1": the model's decode step folds the row into the attention's first launch (mla_rows'
+# defer: mla_rows_qb_qabs). Opt-in: on the H200 (nineteenth session, bench_moe_mla.py, each
+# setting a process of its own; mlx-lm / ours, the fold on against off) the MLA chain was even
+# at a 4096 cache (2.08 against 2.07) and slower at 32768 (2.03 against 2.25), a launch a layer
+# fewer notwithstanding; the processes' hosts differed (mlx-lm 10-18 % apart), so not settled.
 ROWS_FOLD_VAR = "COLIBRI_MLA_ROWS_FOLD"
+
+
+def rows_fold_enabled() -> bool:
+    """Whether the model defers its decode row to the attention's first launch (env ROWS_FOLD_VAR)."""
+    return dispatch.getenv(ROWS_FOLD_VAR, "0") == "1"
 
 
 def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float) -> Optional[str]:
@@ -895,7 +904,7 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
         if reason is not None:
             dispatch.record_fallback("mla_rows_into", reason)
             cache = None
-    if cache is not None and defer and dispatch.getenv(ROWS_FOLD_VAR, "1") != "0":
+    if cache is not None and defer:
         return DeferredRow(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache), None
     dispatch.record_call("mla_rows", impl)
     out = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl, cache))
