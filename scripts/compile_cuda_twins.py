@@ -147,6 +147,18 @@ def mla_specs(full: bool):
                                                   random_qtensor(4, H * (nope + v), R, gs=64, seed=4), 0.1, None,
                                                   nope, v, backend=dispatch.CUDA, variant="wide"))
     yield "mla_attn_wide_f16_joint", specs[1]
+    # mla_attn_wide in bf16 hi / lo pairs (opt-in, mla.WIDE_BF16_VAR): DeepSeek-V3's rows and a
+    # row that is not whole k-parts (80 values: 5 k16 steps over 4 k-parts)
+    os.environ[mla.WIDE_BF16_VAR] = "1"
+    try:
+        for label, (r, rp) in (("576", (R, rope)), ("80", (64, 16))):
+            specs = mla.planned_launches(mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rp), z(1, T, r + rp), None,
+                                                          random_qtensor(4, H * (nope + v), r, gs=64, seed=4), 0.1,
+                                                          None, nope, v, backend=dispatch.CUDA, variant="wide"))
+            assert ("BX2", 1) in specs[1].template, specs[1].template
+            yield f"mla_attn_wide_bx2_{label}", specs[1]
+    finally:
+        del os.environ[mla.WIDE_BF16_VAR]
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)

@@ -140,6 +140,13 @@ for s in "${steps[@]}"; do
                    step bench_mla_wide 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
                    step bench_mla_mma 200 env COLIBRI_MLA_VARIANT=mma python3 scripts/bench_moe_mla.py \
                      --iters 10 --only mla --cache 4096 32768 ;;
+    wide_bf16_times) # mla_attn_wide's bf16 hi / lo products (COLIBRI_MLA_WIDE_BF16=1, opt-in) against its
+                   # TF32 default: kernel alone, then the MLA block per layer (each a process of its own)
+                   step wide_bf16_kernel 150 env COLIBRI_MLA_WIDE_BF16=1 python3 scripts/profile_kernels.py --cupti \
+                     --only mla_attn --cache 4096 32768
+                   step wide_tf32_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn --cache 4096 32768
+                   step bench_mla_bf16 200 env COLIBRI_MLA_WIDE_BF16=1 python3 scripts/bench_moe_mla.py --iters 10 \
+                     --only mla --cache 4096 32768 ;;
     fold_tests)    # mla_rows_qb_qabs bit for bit against its two launches, the compiled step with it,
                    # and mla_attn_wide's planted defects
                    step fold_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \

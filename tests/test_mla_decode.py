@@ -114,11 +114,13 @@ def test_both_variants_at_every_edge(monkeypatch, variant):
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
 
 
-@pytest.mark.parametrize("cache", [mx.bfloat16, mx.float16])
-def test_wide_variant_at_every_edge(monkeypatch, cache):
+@pytest.mark.parametrize("cache, bf16_split", [(mx.bfloat16, False), (mx.float16, False), (mx.bfloat16, True)])
+def test_wide_variant_at_every_edge(monkeypatch, cache, bf16_split):
     """mla_attn_wide (CUDA, 16-bit caches; elsewhere the reference): chunk edges (31 / 33
-    positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache."""
+    positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache; ``bf16_split``:
+    its bf16 hi / lo products (COLIBRI_MLA_WIDE_BF16=1, rows of 80 and 576 values)."""
     monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
+    monkeypatch.setenv(mla.WIDE_BF16_VAR, str(int(bf16_split)))
     for T in (1, 31, 33, 4095, 4097):
         check(T=T, seed=T, masked=T > 1, cache=cache)
     check(B=2, L=3, T=300, cache=cache, masked=True, seed=1)
@@ -130,6 +132,27 @@ def test_wide_variant_at_every_edge(monkeypatch, cache):
             check(T=T, seed=T, **ds)
         check(T=40000, n_sel=2048, seed=7, **ds)
         check(joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
+
+
+def test_wide_bf16_split_is_asked_for_where_it_applies(monkeypatch):
+    """COLIBRI_MLA_WIDE_BF16=1 compiles CUDA's mla_attn_wide with BX2 1 over a bf16 cache whose
+    rows are whole k16 steps; an f16 cache and rows of 72 values keep TF32 (BX2 0); Metal's body
+    has no such template."""
+    monkeypatch.setenv(mla.WIDE_BF16_VAR, "1")
+    kv_b = random_qtensor(4, 2 * 32, 64, gs=32, seed=1)
+
+    def attn_template(backend, cache, rope=16):
+        q = mx.zeros((1, 2, 1, 16), mx.bfloat16)
+        run = mla.launch_specs(q, mx.zeros((1, 2, 1, rope), mx.bfloat16), mx.zeros((1, 40, 64 + rope), cache), None,
+                               kv_b, 0.1, None, 16, 16, backend=backend, variant="wide")
+        return dict(mla.planned_launches(run)[1].template)
+
+    assert attn_template("cuda", mx.bfloat16)["BX2"] == 1
+    assert attn_template("cuda", mx.float16)["BX2"] == 0
+    assert attn_template("cuda", mx.bfloat16, rope=8)["BX2"] == 0
+    assert "BX2" not in attn_template("metal", mx.bfloat16)
+    monkeypatch.setenv(mla.WIDE_BF16_VAR, "0")
+    assert attn_template("cuda", mx.bfloat16)["BX2"] == 0
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

@@ -57,6 +57,12 @@ CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kern
 # (19 KB of its 32 KiB of threadgroup memory).
 WIDE_CHUNK = {dispatch.CUDA: 32, dispatch.METAL: 16}
 VARIANTS = ("mma", "simt", "wide")
+# "1": mla_attn_wide on CUDA multiplies by bf16 m16n8k16 with q' and P split into bf16 hi + lo
+# (template BX2; bf16 caches whose rows are whole k16 steps): the tensor work of TF32's, without
+# the two conversion instructions each TF32 B fragment takes (Nsight, nineteenth session: the
+# kernel is latency-bound at 44 % of its issue slots), and ~16 bits of q' and P against TF32's
+# 11. Opt-in: built after the last device run, not yet run on a GPU.
+WIDE_BF16_VAR = "COLIBRI_MLA_WIDE_BF16"
 MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma tiles
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
@@ -252,6 +258,13 @@ def mma_heads(backend: str, heads: Optional[int] = None, variant: Optional[str] 
     return ht
 
 
+def wide_bf16_split(backend: str, cache_dtype, row: int) -> bool:
+    """Whether mla_attn_wide multiplies in bf16 hi + lo pairs (WIDE_BF16_VAR, CUDA, a bf16 cache
+    of ``row`` values a position, a multiple of 16)."""
+    return (backend == dispatch.CUDA and cache_dtype == mx.bfloat16 and row % 16 == 0
+            and dispatch.getenv(WIDE_BF16_VAR, "0") == "1")
+
+
 def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
     """Why ``mla_attn_wide`` cannot run here (None: it can)."""
     if backend not in WIDE_CHUNK:
@@ -328,8 +341,9 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     mma = variant in MATRIX_VARIANTS
     qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
     out_nsg = out_simdgroups(out_warps_asked)
+    bx2 = variant == "wide" and wide_bf16_split(backend, cache_dtype, R + rope)
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
-           out_nsg)
+           out_nsg, bx2)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -358,6 +372,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
         if variant == "wide":
             attn_template.append(("CK", WIDE_CHUNK[backend]))
             if backend == dispatch.CUDA:
+                attn_template.append(("BX2", int(bx2)))
                 attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
             elif wide_threadgroup_bytes(HT, attn_sg, R + rope) > METAL_THREADGROUP_BYTES:
                 raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads per threadgroup (COLIBRI_MLA_HEADS) "
