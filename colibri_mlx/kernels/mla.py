@@ -861,12 +861,10 @@ class DeferredRow:
 
     def launch(self) -> mx.array:
         """mla_rows_into's own launch (the cache row written in place): q_latent."""
-        impl = dispatch.backend()
-        if impl == dispatch.REFERENCE:
+        if dispatch.backend() == dispatch.REFERENCE:   # its rows would come back unwritten
             raise RuntimeError("mla_rows: a deferred row is launched on the kernel path it was made on")
-        dispatch.record_call("mla_rows", impl)
-        return dispatch.launch(impl, rows_spec(self.y, self.q_rows, self.qa_norm, self.kv_norm, self.eps,
-                                               self.rope.inv_freq, self.offset, impl, self.cache))[0]
+        return mla_rows(self.y, self.q_rows, self.qa_norm, self.kv_norm, self.eps, self.rope, self.offset,
+                        self.cache)[0]
 
     def fold_decline_reason(self, q_b, latent, k_rope, kv_b, nope: int, v: int, mask, selected, rope,
                             rope_offset) -> Optional[str]:
