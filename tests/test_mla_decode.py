@@ -337,9 +337,14 @@ def test_wide_defects_still_plant(defect):
 @pytest.mark.skipif(kernels.backend() != "cuda", reason="the CUDA body (Metal's: tests/test_moe_mla_msl.py)")
 @pytest.mark.parametrize("defect", sorted(WIDE_DEFECTS))
 def test_wide_planted_defect_is_caught(monkeypatch, defect):
-    """The planted kernel's output differs from the clean kernel's (else the planted source never
-    ran: the H200 ran these uncaught in the nineteenth session, see docs/performance.md) and the
-    float64 oracle refuses it."""
+    """The planted kernel's output differs from the clean kernel's, and errs at least 10x as much
+    against float64. Not "outside the oracle's budget": the TF32 budget is a worst case (every
+    score error at its bound, softmax's l1 Lipschitz constant), at these shapes a median 45x the
+    output itself, and these defects move the output by 2-16 % of it (numpy emulation,
+    nineteenth session) while the clean kernel's TF32 rounding moves it by ~1e-4 of it; so the
+    H200 ran them uncaught in runs 4, 7 and 12 (docs/performance.md)."""
+    from moe_mla_oracle import _f64, mla_oracle
+
     good, bad = WIDE_DEFECTS[defect]
     real, planted = dispatch.launch, []
 
@@ -356,11 +361,17 @@ def test_wide_planted_defect_is_caught(monkeypatch, defect):
 
     monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
     args, sel = inputs(H=32, nope=128, v=128, R=512, rope=64, gs=64, T=300, cache=mx.bfloat16, masked=True, seed=5)
-    clean = np.array(kernels.mla_decode(*args, selected=sel))
+    want, bound = mla_oracle(*args, selected=sel, rel_attn=attention_budget("wide"))
+
+    def error(out):  # of the oracle's budget
+        return float((np.abs(_f64(out) - want) / bound).max())
+
+    clean = kernels.mla_decode(*args, selected=sel)
+    mx.eval(clean)
+    assert error(clean) <= 1.0
     monkeypatch.setattr(dispatch, "launch", launch)
     got = kernels.mla_decode(*args, selected=sel)
     mx.eval(got)
     assert planted == ["mla_attn_wide"], planted
-    assert not np.array_equal(np.array(got), clean), "the clean kernel's output bit for bit: the planted source never ran"
-    with pytest.raises(AssertionError):
-        assert_mla_close(got, *args, selected=sel, rel_attn=attention_budget("wide"))
+    assert not np.array_equal(np.array(got), np.array(clean)), "the clean kernel's output bit for bit: the planted source never ran"
+    assert error(got) > 10 * error(clean), (defect, error(got), error(clean))
