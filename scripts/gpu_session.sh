@@ -147,6 +147,15 @@ for s in "${steps[@]}"; do
                    step wide_tf32_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn --cache 4096 32768
                    step bench_mla_bf16 200 env COLIBRI_MLA_WIDE_BF16=1 python3 scripts/bench_moe_mla.py --iters 10 \
                      --only mla --cache 4096 32768 ;;
+    kparts_times)  # mla_attn_wide over 8 k-parts a 16-head tile (COLIBRI_MLA_KPARTS=8: 256 threads, two
+                   # blocks an SM) against the default 4: kernel alone, then the MLA block per layer
+                   step kp8_kernel 150 env COLIBRI_MLA_KPARTS=8 python3 scripts/profile_kernels.py --cupti \
+                     --only mla_attn --cache 4096 32768
+                   step kp8_bf16_kernel 150 env COLIBRI_MLA_KPARTS=8 COLIBRI_MLA_WIDE_BF16=1 python3 \
+                     scripts/profile_kernels.py --cupti --only mla_attn --cache 4096 32768
+                   step kp4_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn --cache 4096 32768
+                   step bench_mla_kp8 200 env COLIBRI_MLA_KPARTS=8 python3 scripts/bench_moe_mla.py --iters 10 \
+                     --only mla --cache 4096 32768 ;;
     fold_tests)    # mla_rows_qb_qabs bit for bit against its two launches, the compiled step with it,
                    # and mla_attn_wide's planted defects
                    step fold_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \

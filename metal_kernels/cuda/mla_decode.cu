@@ -266,6 +266,32 @@ __device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __half*
   b[1] = __float_as_uint(f.y);
 }
 
+// PPT consecutive floats of a 16-byte (PPT 4) or 8-byte (PPT 2) aligned shared row, one access.
+template <int PPT>
+__device__ __forceinline__ void load_row(float* v, const float* src) {
+  static_assert(PPT == 2 || PPT == 4, "2 or 4 positions a softmax thread");
+  if (PPT == 4) {
+    const float4 f = *reinterpret_cast<const float4*>(src);
+    v[0] = f.x;
+    v[1] = f.y;
+    v[PPT - 2] = f.z;
+    v[PPT - 1] = f.w;
+  } else {
+    const float2 f = *reinterpret_cast<const float2*>(src);
+    v[0] = f.x;
+    v[1] = f.y;
+  }
+}
+template <int PPT>
+__device__ __forceinline__ void store_row(float* dst, const float* v) {
+  static_assert(PPT == 2 || PPT == 4, "2 or 4 positions a softmax thread");
+  if (PPT == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[PPT - 2], v[PPT - 1]);
+  } else {
+    *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+  }
+}
+
 // One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`
 // (as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin). The q_a part goes to
 // qa_row, the cache row (latent, then rope key) to kv_row (if write_kv): mla_rows' output, or
@@ -1003,11 +1029,13 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   constexpr int RPW = CK / NSG;                // staged rows per warp
   constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   constexpr int NPT = CK / 8;                  // n8 position tiles (scores) = k8 steps (combine)
-  constexpr int PPT = HT * CK / (NSG * 32);    // softmax: positions per thread
+  constexpr int SPH = NSG * 32 / HT;           // softmax threads per head (KP 4: 8, KP 8: 16)
+  constexpr int PPT = CK / SPH;                // and positions per thread
   static_assert(sizeof(TC) == 2, "a 16-bit cache (bf16 / f16)");
   static_assert(CK == 32, "a chunk is 32 positions: one ldmatrix x4 of rows, 4 k8 steps");
   static_assert(CK % NSG == 0, "whole rows a warp");
-  static_assert(PPT == 4 && HT * 8 == NSG * 32, "8 softmax threads per head, 4 positions each");
+  static_assert(SPH * HT == NSG * 32 && (SPH == 8 || SPH == 16) && SPH * PPT == CK,
+                "8 or 16 softmax threads per head (one aligned lane group), whole position pairs");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0 && (RWS * 2) % 16 == 0 && ((RWS * 2 / 16) & 1) == 1,
                 "16-byte rows at an odd 16-byte stride: ldmatrix conflict-free");
@@ -1049,12 +1077,12 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   const int nch = p1 > p0 ? (p1 - p0 + CK - 1) / CK : 0;
   const int ht = sg % HTL;                     // scores: this warp's head tile
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
-  const int hs = tid / 8;                      // softmax thread: head hs of the block,
-  const int cs = (tid % 8) * PPT;              // positions cs .. cs + 3 of the chunk
+  const int hs = tid / SPH;                    // softmax thread: head hs of the block,
+  const int cs = (tid % SPH) * PPT;            // positions cs .. cs + PPT - 1 of the chunk
   const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   const TC* lat0 = latent + size_t(b) * T * cache.ls;
   const TC* rope0 = krope + size_t(b) * T * cache.ks + cache.rope0;
-  float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
+  float m = colibri_mla::neg_inf();            // running max / sum of head hs (SPH lanes agree)
   float l = 0.0f;
   float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
   #pragma unroll
@@ -1167,16 +1195,17 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     }
     __syncthreads();
     {
-      float4 dot = *reinterpret_cast<const float4*>(sc_s + hs * PS + cs);
+      float dots[PPT];                         // the k-parts' partial scores, summed in k-part order
+      colibri_mla::load_row<PPT>(dots, sc_s + hs * PS + cs);
       #pragma unroll
       for (int g = 1; g < KP; ++g) {
-        const float4 d = *reinterpret_cast<const float4*>(sc_s + (g * HT + hs) * PS + cs);
-        dot.x += d.x;
-        dot.y += d.y;
-        dot.z += d.z;
-        dot.w += d.w;
+        float d[PPT];
+        colibri_mla::load_row<PPT>(d, sc_s + (g * HT + hs) * PS + cs);
+        #pragma unroll
+        for (int k = 0; k < PPT; ++k) {
+          dots[k] += d[k];
+        }
       }
-      const float dots[PPT] = {dot.x, dot.y, dot.z, dot.w};
       float sv[PPT];
       bool live[PPT];                          // inside the tile (masked positions count)
       float cmax = colibri_mla::neg_inf();
@@ -1191,9 +1220,10 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         sv[k] = keep ? dots[k] * scale : (live[k] ? -1e30f : colibri_mla::neg_inf());
         cmax = max(cmax, sv[k]);
       }
-      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
-      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
-      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
+      #pragma unroll
+      for (int o = 1; o < SPH; o <<= 1) {
+        cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
+      }
       const float m_new = max(m, cmax);
       const float alpha = expf(m - m_new);
       float pw[PPT];
@@ -1203,12 +1233,13 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         pw[k] = live[k] ? expf(sv[k] - m_new) : 0.0f;
         psum += pw[k];
       }
-      psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-      psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+      #pragma unroll
+      for (int o = 1; o < SPH; o <<= 1) {
+        psum += __shfl_xor_sync(0xffffffffu, psum, o);
+      }
       m = m_new;
       l = l * alpha + psum;
-      *reinterpret_cast<float4*>(p_s + hs * PS + cs) = make_float4(pw[0], pw[1], pw[2], pw[3]);
+      colibri_mla::store_row<PPT>(p_s + hs * PS + cs, pw);
       if (cs == 0) {
         alpha_s[hs] = alpha;
       }
