@@ -156,6 +156,18 @@ for s in "${steps[@]}"; do
                    step kp4_kernel 150 python3 scripts/profile_kernels.py --cupti --only mla_attn --cache 4096 32768
                    step bench_mla_kp8 200 env COLIBRI_MLA_KPARTS=8 python3 scripts/bench_moe_mla.py --iters 10 \
                      --only mla --cache 4096 32768 ;;
+    tile_times)    # mla_attn_wide's tile at a 4096 cache (default 128 positions: 32 tiles x 8 head blocks,
+                   # each block loading its 36 KB of q' and writing 32 KB of partials for 4 chunks) against
+                   # 256 and 512: the attention and mla_out alone, then the MLA block per layer
+                   for t in 256 512; do
+                     step tile${t}_kernel 100 env COLIBRI_MLA_TILE=$t python3 scripts/profile_kernels.py --cupti \
+                       --only mla_attn mla_out --cache 4096
+                   done
+                   step tile_default_kernel 100 python3 scripts/profile_kernels.py --cupti --only mla_attn mla_out \
+                     --cache 4096
+                   step bench_mla_tile256 150 env COLIBRI_MLA_TILE=256 python3 scripts/bench_moe_mla.py --iters 10 \
+                     --only mla --cache 4096
+                   step bench_mla_tile_default 150 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 ;;
     fold_tests)    # mla_rows_qb_qabs bit for bit against its two launches, the compiled step with it,
                    # and mla_attn_wide's planted defects
                    step fold_tests 240 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py \

@@ -61,7 +61,8 @@ VARIANTS = ("mma", "simt", "wide")
 # (template BX2; bf16 caches whose rows are whole k16 steps): the tensor work of TF32's, without
 # the two conversion instructions each TF32 B fragment takes (Nsight, nineteenth session: the
 # kernel is latency-bound at 44 % of its issue slots), and ~16 bits of q' and P against TF32's
-# 11. Opt-in: built after the last device run, not yet run on a GPU.
+# 11. Opt-in: on the H200 (twentieth session) it ran the edge tests and timed even with TF32
+# (kernel alone 21.6 / 95.1 us at caches 4096 / 32768 against 21.8 / 93.8).
 WIDE_BF16_VAR = "COLIBRI_MLA_WIDE_BF16"
 MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma tiles
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
@@ -82,7 +83,9 @@ WIDE_HEADS = 16
 # combine's latent columns). 4: 128 threads of ~212 registers, two blocks an SM, and Nsight
 # (nineteenth session) found the kernel latency-bound on those two warps a scheduler. 8: 256
 # threads compiled for two blocks an SM (launch bounds: 128 registers a thread), twice the warps
-# with half the q' fragments and accumulators each. Env KPARTS_VAR overrides (both twins).
+# with half the q' fragments and accumulators each; on the H200 (twentieth session) slower:
+# kernel alone 24.1 / 112.6 us at caches 4096 / 32768 against 4's 22.0 / 93.7, so 4 stays.
+# Env KPARTS_VAR overrides (both twins).
 WIDE_KPARTS = 4
 WIDE_KPARTS_CHOICES = (4, 8)
 KPARTS_VAR = "COLIBRI_MLA_KPARTS"
