@@ -145,31 +145,24 @@ def simulate(spec, simulator):
 REL_TF32 = REL + 2.0**-10 * (1 + 2.0**-12)
 
 
-def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None, rel_attn=REL):
-    """(out64 [B, H, L, v], error budget) of absorbed MLA in float64.
-
-    Budget: the context is a convex combination of latent rows, so a score error ds moves it by
-    at most 2 * ds * max|latent| (softmax is 1-Lipschitz from scores to weights in l1, times
-    the row spread). ds <= rel_attn * (|q'|.|latent| + |q_rope|.|k_rope|) * scale plus the q'
-    error REL * (|W_UK|^T |q_nope|) . |latent|; the combine errs by rel_attn * max|latent| (a
-    weight rounded by a relative 2^-11 moves the convex combination by that much of the
-    spread); out adds REL * |W_UV| @ |ctx| + |W_UV| @ dctx. ``rel_attn``: REL for float32
-    arithmetic, REL_TF32 for TF32 tensor-core operands.
-    """
+def _mla_operands(q_nope, q_rope, latent, k_rope, kv_b, nope, v):
+    """float64 (q_nope, q_rope, latent, k_rope, W_UK [H, nope, R], W_UV [H, v, R])."""
     qn, qr, lat, kr = (_f64(a) for a in (q_nope, q_rope, latent, k_rope))
-    B, H, L, _ = qn.shape
-    T, R = lat.shape[1:]
+    H, R = qn.shape[1], lat.shape[2]
     w = weight_f64(kv_b).reshape(H, nope + v, R)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
-    q_abs = qn @ w_uk[None]                                   # [B, H, L, R]
-    dq = REL * (np.abs(qn) @ np.abs(w_uk)[None])
+    return qn, qr, lat, kr, w[:, :nope], w[:, nope:]
 
-    def over_t(a, c):  # [B, H, L, X] x [B, T, X] -> [B, H, L, T] through BLAS
-        return a @ c[:, None].transpose(0, 1, 3, 2)
 
-    s = (over_t(q_abs, lat) + over_t(qr, kr)) * scale
-    ds = (rel_attn * (over_t(np.abs(q_abs), np.abs(lat)) + over_t(np.abs(qr), np.abs(kr)))
-          + over_t(dq, np.abs(lat))) * abs(scale)
+def _over_t(a, c):
+    """[B, H, L, X] x [B, T, X] -> [B, H, L, T] through BLAS."""
+    return a @ c[:, None].transpose(0, 1, 3, 2)
+
+
+def _mla_softmax(s, mask, selected):
+    """(p, allowed, exists) for scores s [B, H, L, T]: masked positions score -1e30 (as the
+    kernels: they keep a weight where a whole row is masked), positions off a DSA list
+    (``selected`` [B, L, P]) do not exist (-inf). allowed / exists: [B, 1, L, T]."""
+    B, _, L, T = s.shape
     allowed = np.ones((B, 1, L, T), bool) if mask is None else np.asarray(mask).reshape(B, 1, L, T)
     exists = np.ones((B, 1, L, T), bool)
     if selected is not None:
@@ -182,6 +175,27 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
     s = np.where(exists, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    return p, allowed, exists
+
+
+def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None, rel_attn=REL):
+    """(out64 [B, H, L, v], error budget) of absorbed MLA in float64.
+
+    Budget: the context is a convex combination of latent rows, so a score error ds moves it by
+    at most 2 * ds * max|latent| (softmax is 1-Lipschitz from scores to weights in l1, times
+    the row spread). ds <= rel_attn * (|q'|.|latent| + |q_rope|.|k_rope|) * scale plus the q'
+    error REL * (|W_UK|^T |q_nope|) . |latent|; the combine errs by rel_attn * max|latent| (a
+    weight rounded by a relative 2^-11 moves the convex combination by that much of the
+    spread); out adds REL * |W_UV| @ |ctx| + |W_UV| @ dctx. ``rel_attn``: REL for float32
+    arithmetic, REL_TF32 for TF32 tensor-core operands (mla_oracle_tf32: a tighter budget).
+    """
+    qn, qr, lat, kr, w_uk, w_uv = _mla_operands(q_nope, q_rope, latent, k_rope, kv_b, nope, v)
+    q_abs = qn @ w_uk[None]                                   # [B, H, L, R]
+    dq = REL * (np.abs(qn) @ np.abs(w_uk)[None])
+    s = (_over_t(q_abs, lat) + _over_t(qr, kr)) * scale
+    ds = (rel_attn * (_over_t(np.abs(q_abs), np.abs(lat)) + _over_t(np.abs(qr), np.abs(kr)))
+          + _over_t(dq, np.abs(lat))) * abs(scale)
+    p, _, exists = _mla_softmax(s, mask, selected)
     ctx = p @ lat[:, None]
     spread = np.abs(lat).max(1)[:, None, None, :]          # [B, 1, 1, R]
     dctx = 2 * np.where(exists, ds, 0).max(-1, keepdims=True) * spread + rel_attn * spread
@@ -198,6 +212,192 @@ def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
     assert np.isfinite(got).all(), f"{label}: non-finite output"
     ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
     assert ratio.max() <= 1.0, f"{label}: error {np.abs(got - want).max():.3g} over budget (ratio {ratio.max():.3g})"
+    return float(ratio.max())
+
+
+# ---------------------------------------------------------------------------------------
+# mla_decode's CUDA tensor-core attention (mla_attn_mma / mla_attn_wide): a budget of what they
+# round, instead of REL_TF32's worst case
+
+U32 = 2.0**-24      # float32 unit roundoff (round to nearest: CUDA's float add / mul / fma)
+P_TF32 = 2.0**-11   # cvt.rna to TF32, relative: half of 2^-10, the spacing of 10 stored bits
+
+
+def tf32_rna(x) -> np.ndarray:
+    """x rounded to float32, then to TF32 as cvt.rna.tf32.f32 (mla_decode.cu's tf32_bits): 10
+    stored mantissa bits, to nearest, ties away from zero; a float32 with the low 13 bits zero.
+    On the sign-magnitude bit pattern, adding half of the dropped range (0x1000) and clearing
+    it rounds the magnitude half away; a carry into the exponent is the next binade (or inf).
+    Non-finite values pass through."""
+    x = np.asarray(x, np.float32)
+    r = ((x.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), r, x)
+
+
+def _f32_toward(x: np.ndarray, direction: float) -> np.ndarray:
+    """The float32 nearest x on the side of ``direction`` (-inf: at most x, inf: at least x)."""
+    y = x.astype(np.float32)
+    off = (y < x) if direction > 0 else (y > x)
+    return np.where(off, np.nextafter(y, np.float32(direction)), y).astype(np.float32)
+
+
+def tf32_known(x64: np.ndarray, dx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(t, e): what the kernel holds for a value computed in float32 as any float32 within dx
+    of x64, then rounded to TF32: t = tf32(fl32(x64)) (float64), and e >= |tf32(y) - t| over
+    every such y. TF32 rounding is monotone, so tf32(y) lies between the TF32 values of the
+    outermost float32 values of [x64 - dx, x64 + dx]; e = 0 where both are t (the kernel's value
+    is known exactly), one or more TF32 spacings where the interval straddles a rounding
+    boundary (the "straddle allowance")."""
+    t = tf32_rna(x64).astype(np.float64)
+    lo = tf32_rna(_f32_toward(x64 - dx, -np.inf)).astype(np.float64)
+    hi = tf32_rna(_f32_toward(x64 + dx, np.inf)).astype(np.float64)
+    return t, np.maximum(hi - t, t - lo)
+
+
+def tc_dot_rel(n) -> np.ndarray:
+    """Relative error (of sum|terms|) of a dot product of n exact products (TF32 x TF32 or TF32
+    x 16-bit values: at most 22 significant bits, exact in float32) summed by chains of
+    mma.m16n8k8 steps, then a few float32 adds (the k-parts' partial scores, two
+    accumulators, the scale; or the rescales and the tiles' merge: counted by the callers).
+    A step adds 8 products to its accumulator in one multi-operand adder that aligns the 9
+    addends to the largest exponent and may truncate (the PTX ISA leaves the rounding of
+    .f32 accumulation unspecified; measured tensor cores truncate): each addend then loses
+    less than 2^-23 of the largest and the normalised result less than 2^-23 of itself, so a
+    step errs by at most 10 * 2^-23 * (|c| + sum|its products|) <= 10 * 2^-23 * sum|the chain's
+    terms|, and a chain of n / 8 steps by 1.25 * n * 2^-23 = 2.5 * n * U32 of sum|terms|: the
+    recursive-summation bound with the unit roundoff doubled for truncation and a quarter more
+    for the alignment. Whatever the chains' split (k-parts, head tiles), n bounds them all."""
+    return 2.5 * (np.asarray(n, np.float64) + 8) * U32
+
+
+def mla_scores_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, nope, v, q_rel=None):
+    """The tensor-core kernels' scores as mla_oracle_tf32 models them (its docstring says why):
+    (s [B, H, L, T] from the TF32 values the kernels hold, ds: the bound on |kernel's float32
+    score - s| (accumulation and straddles, before masking), the latent as the kernels see it
+    (a float32 cache rounded to TF32), W_UV [H, v, R]), all float64."""
+    qn, qr, lat, kr, w_uk, w_uv = _mla_operands(q_nope, q_rope, latent, k_rope, kv_b, nope, v)
+    if mx.array(latent).dtype == mx.float32:
+        lat = tf32_rna(lat).astype(np.float64)
+    if mx.array(k_rope).dtype == mx.float32:
+        kr = tf32_rna(kr).astype(np.float64)
+    q_err = (nope + 4) * U32 if q_rel is None else q_rel
+    t, e_q = tf32_known(qn @ w_uk[None], q_err * (np.abs(qn) @ np.abs(w_uk)[None]))
+    r = tf32_rna(qr).astype(np.float64)
+    s = (_over_t(t, lat) + _over_t(r, kr)) * scale
+    mag = _over_t(np.abs(t), np.abs(lat)) + _over_t(np.abs(r), np.abs(kr))
+    ds = (tc_dot_rel(lat.shape[2] + kr.shape[2]) * mag + _over_t(e_q, np.abs(lat))) * abs(scale)
+    return s, ds, lat, w_uv
+
+
+def mla_oracle_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
+                    q_rel=None, heavy=4096):
+    """(out64 [B, H, L, v], error budget) for mla_decode's CUDA tensor-core attention
+    (mla_attn_mma, mla_attn_wide without BX2) after mla_qabs, finishing in mla_out: a model of
+    what those kernels round, not REL_TF32's worst case. Same arguments as mla_oracle.
+
+    What is known exactly. The kernels multiply TF32 operands: q' | q_rope loaded with
+    cvt.rna, a float32 cache rounded to TF32 when staged (for the scores and the combine
+    alike; bf16 / f16 values are TF32 values), so the oracle rounds the cache as they do and
+    computes with it. q_rope arrives as the given float32 values (mla_qabs copies them), so
+    tf32(q_rope) is known. q' = W_UK^T q_nope comes from mla_qabs in float32, within
+    dq = (nope + 4) U32 |q_nope| @ |W_UK| of the float64 q' (nope - 1 adds in any order, up
+    to three roundings forming each term: the recursive-summation bound; ``q_rel`` replaces
+    (nope + 4) U32, e.g. REL); its TF32 value t = tf32(fl32(q'64)) is known except where
+    [q' - dq, q' + dq] straddles a TF32 rounding boundary: there the kernel may hold a
+    neighbour, e_q (tf32_known) apart. The oracle's scores and everything after use t.
+
+    Score error, per position i (a logit error D_i):
+      |scale| * (tc_dot_rel(R + rope) * (|t|.|lat_i| + |tf32 q_rope|.|k_rope_i|)
+      + e_q . |lat_i|)                       accumulation (tensor cores), straddles
+      + 2^-23 (8 + n / 4 + 5 (max s - min s + 2 max D))
+           expf's error (fast-math __expf: 2 + 1.17 |x| ulps) on P, on each chunk's rescale
+           alpha (it scales the accumulator and l alike: a logit shift of the earlier chunks,
+           one per chunk, n / 8 at most) and on mla_out's tile weights, and the rounding of
+           s - m; x, the jumps of the running max and the tile maxima are within the scores'
+           range. Masked positions score -1e30 exactly: no error.
+    Softmax of scores off by |delta_i| <= D_i: w'_i = p_i e^delta_i / Z with
+    |ln Z| <= Dbar = ln sum p_j e^D_j, so |w'_i - p_i| <= p_i (e^(D_i + Dbar) - 1) exactly (no
+    linearisation), and, as sum (w'_i - p_i) = 0, the output moves by
+    |sum_i (w'_i - p_i) (V_i - out)| <= sum_i p_i (e^(D_i + Dbar) - 1) |V_i - out|, with
+    V_i = W_UV lat_i the position's value (absorbed MLA is attention with these values). In
+    V space a score error moves the output along (V_i - out); |W_UV| @ (a latent-space bound)
+    would add R terms of random sign at their worst (~sqrt(R) x looser).
+    The combine: ctx = (sum_i w''_i (1 + rho_i) lat_i + e_num) / (1 + lambda), w'' <= G p with
+    G = e^(max D + Dbar):
+      rho_i: tf32(P_i), |rho_i| <= 2^-11, one factor per position and head, the same for
+           every latent column, so in V space: 2^-11 G sum_i p_i |V_i| (l sums the unrounded
+           weights: only the numerator sees it).
+      e_num: the P . latent mma chains over a tile's positions (tc_dot_rel(n)) and the float32
+           rescale per chunk and mla_out's merge (n / 4 + 8 roundings): per latent column,
+           of sum_i w''_i (1 + rho_i) |lat_i|, through |W_UV|.
+      lambda: l, a float32 sum of positive terms (in-chunk and shuffle adds, l * alpha + psum
+           per chunk, the tiles' merge): (n / 2 + 16) U32 relative; it scales ctx, so
+           lambda |out|.
+    out = W_UV ctx in float32 (mla_out): (R + 4) U32 |W_UV| @ |ctx_kernel| (R - 1 adds, up to
+    three roundings a term and the row scale), |ctx_kernel| bounded from the terms above.
+    n: the row's positions (the cache length or the DSA list). The latent-space bound
+    (|V_i - out| <= |W_UV| @ (|lat_i| + |ctx|), several times looser over diffuse weights)
+    covers positions beyond the ``heavy`` of most weight in a batch row (V for every position of
+    a 40000-long cache and 128 heads would be 670 GFLOP).
+    """
+    s, ds, lat, w_uv = mla_scores_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, nope, v, q_rel)
+    B, H, L, T = s.shape
+    R = lat.shape[2]
+    p, allowed, exists = _mla_softmax(s, mask, selected)
+    live = allowed & exists                                   # [B, 1, L, T]
+    n = exists.sum(-1, keepdims=True).astype(np.float64)      # [B, 1, L, 1]
+    s_max = np.where(live, s, -np.inf).max(-1, keepdims=True)
+    s_min = np.where(live, s, np.inf).min(-1, keepdims=True)
+    s_range = np.where(np.isfinite(s_max), s_max - s_min, 0.0)
+    d_max = np.where(live, ds, 0).max(-1, keepdims=True)
+    exp_err = 2.0**-23 * (8 + n / 4 + 5 * (s_range + 2 * d_max))
+    D = np.where(live, ds + exp_err, 0.0)
+    d_bar = np.log((p * np.exp(D)).sum(-1, keepdims=True))
+    grow = np.expm1(D + d_bar)                                # |w'_i / p_i - 1|
+    G = np.exp(D.max(-1, keepdims=True) + d_bar)
+
+    ctx = p @ lat[:, None]                                    # [B, H, L, R]
+    w_uv_t = w_uv.transpose(0, 2, 1)[None]                   # [1, H, R, v]
+    out = ctx @ w_uv_t
+    # V space over each batch row's `heavy` positions of most weight, latent space beyond
+    shift = np.zeros_like(out)                                # sum_i p_i grow_i |V_i - out|
+    mass = np.zeros_like(out)                                 # sum_i p_i |V_i|
+    rest = np.ones((B, 1, 1, T), bool)
+    for b in range(B):
+        heaviest = np.argsort(-p[b].max(axis=(0, 1)), kind="stable")[:heavy]
+        rest[b, 0, 0, heaviest] = False
+        for k0 in range(0, len(heaviest), 512):                # V [H, 512, v] a block: ~70 MB at 128 heads
+            idx = heaviest[k0:k0 + 512]
+            V = lat[b, idx][None] @ w_uv_t[0]
+            for l in range(L):
+                pk = p[b][:, l][:, idx, None].transpose(0, 2, 1)  # [H, 1, K]
+                shift[b, :, l] += ((pk * grow[b][:, l][:, idx, None].transpose(0, 2, 1))
+                                   @ np.abs(V - out[b, :, l, None, :]))[:, 0]
+                mass[b, :, l] += (pk @ np.abs(V))[:, 0]
+    p_rest, pg_rest = p * rest, p * grow * rest
+    abs_uv = np.abs(w_uv_t)
+    shift += ((pg_rest @ np.abs(lat)[:, None]) + pg_rest.sum(-1, keepdims=True) * np.abs(ctx)) @ abs_uv
+    mass += (p_rest @ np.abs(lat)[:, None]) @ abs_uv
+
+    p_lat = p @ np.abs(lat)[:, None]                          # sum_i p_i |lat_i|, [B, H, L, R]
+    rel_num = tc_dot_rel(n) + (n / 4 + 8) * U32
+    lam = (n / 2 + 16) * U32
+    attn = (shift + P_TF32 * G * mass + (rel_num * (1 + P_TF32) * G * p_lat) @ abs_uv + lam * np.abs(out)) / (1 - lam)
+    ctx_grow = G * (1 + P_TF32) * (1 + rel_num) / (1 - lam) - 1  # |ctx_kernel - ctx| <= ctx_grow (p_lat + |ctx|)
+    ctx_kernel = np.abs(ctx) + ctx_grow * (p_lat + np.abs(ctx))
+    bound = attn + (R + 4) * U32 * (ctx_kernel @ abs_uv)
+    return out, bound
+
+
+def assert_mla_close_tf32(out, *args, label="", extra_rel=0.0, **kw):
+    """assert_mla_close against mla_oracle_tf32's budget; returns the worst ratio error / budget."""
+    want, bound = mla_oracle_tf32(*args, **kw)
+    got = _f64(out)
+    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(got).all(), f"{label}: non-finite output"
+    ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
+    assert ratio.max() <= 1.0, (f"{label}: error {np.abs(got - want).max():.3g} over the TF32 model's budget "
+                                f"(ratio {ratio.max():.3g} at {np.unravel_index(ratio.argmax(), ratio.shape)})")
     return float(ratio.max())
 
 
