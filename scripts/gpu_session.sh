@@ -157,8 +157,9 @@ for s in "${steps[@]}"; do
                    step bench_mla_kp8 200 env COLIBRI_MLA_KPARTS=8 python3 scripts/bench_moe_mla.py --iters 10 \
                      --only mla --cache 4096 32768 ;;
     mla_tests)     # every mla_decode GPU test (the TF32 model's budget for the matrix variants, the planted
-                   # defects, the opt-in knobs' edges)
-                   step mla_tests 270 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py; reap ;;
+                   # defects, the opt-in knobs' edges); a call of its own: the float64 model of the 40000-
+                   # position cases is CPU work (run 9 of the twentieth session: 58 passed in 270 s, then cut)
+                   step mla_tests 480 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py; reap ;;
     tile_times)    # mla_attn_wide's tile at a 4096 cache (default 128 positions: 32 tiles x 8 head blocks,
                    # each block loading its 36 KB of q' and writing 32 KB of partials for 4 chunks) against
                    # 256 and 512: the attention and mla_out alone, then the MLA block per layer
