@@ -205,14 +205,20 @@ def mla_oracle(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selec
     return out, bound
 
 
-def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
-    want, bound = mla_oracle(*args, **kw)
+def _assert_within(out, want, bound, label, extra_rel, budget_name):
+    """``out`` within ``bound`` (+ extra_rel of |want|) of ``want``; returns the worst ratio."""
     got = _f64(out)
     assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
     assert np.isfinite(got).all(), f"{label}: non-finite output"
     ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
-    assert ratio.max() <= 1.0, f"{label}: error {np.abs(got - want).max():.3g} over budget (ratio {ratio.max():.3g})"
+    assert ratio.max() <= 1.0, (f"{label}: error {np.abs(got - want).max():.3g} over {budget_name} "
+                                f"(ratio {ratio.max():.3g} at {np.unravel_index(ratio.argmax(), ratio.shape)})")
     return float(ratio.max())
+
+
+def assert_mla_close(out, *args, label="", extra_rel=0.0, **kw):
+    """``out`` against mla_oracle's budget; returns the worst ratio error / budget."""
+    return _assert_within(out, *mla_oracle(*args, **kw), label, extra_rel, "budget")
 
 
 # ---------------------------------------------------------------------------------------
@@ -391,13 +397,7 @@ def mla_oracle_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, 
 
 def assert_mla_close_tf32(out, *args, label="", extra_rel=0.0, **kw):
     """assert_mla_close against mla_oracle_tf32's budget; returns the worst ratio error / budget."""
-    want, bound = mla_oracle_tf32(*args, **kw)
-    got = _f64(out)
-    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(got).all(), f"{label}: non-finite output"
-    ratio = np.abs(got - want) / (bound + extra_rel * np.abs(want) + 1e-30)
-    assert ratio.max() <= 1.0, (f"{label}: error {np.abs(got - want).max():.3g} over the TF32 model's budget "
-                                f"(ratio {ratio.max():.3g} at {np.unravel_index(ratio.argmax(), ratio.shape)})")
+    return _assert_within(out, *mla_oracle_tf32(*args, **kw), label, extra_rel, "the TF32 model's budget")
     return float(ratio.max())
 
 
