@@ -366,7 +366,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
     out_nsg = out_simdgroups(out_warps_asked)
     bx2 = variant == "wide" and wide_bf16_split(backend, cache_dtype, R + rope)
-    kparts = wide_kparts(backend, HT) if variant == "wide" else 4
+    kparts = wide_kparts(backend, HT) if variant == "wide" else 4   # mla_attn_mma: 4 (8 softmax threads a head)
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
            out_nsg, bx2, kparts)
     hit = _statics.get(key)

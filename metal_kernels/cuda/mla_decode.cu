@@ -267,6 +267,7 @@ __device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __half*
 }
 
 // PPT consecutive floats of a 16-byte (PPT 4) or 8-byte (PPT 2) aligned shared row, one access.
+// (v[PPT - 2], v[PPT - 1]: in bounds in the branch PPT 2 compiles and never takes.)
 template <int PPT>
 __device__ __forceinline__ void load_row(float* v, const float* src) {
   static_assert(PPT == 2 || PPT == 4, "2 or 4 positions a softmax thread");
