@@ -216,11 +216,14 @@ def mla_specs(full: bool):
 
 def moe_specs(full: bool):
     """moe_gate_up / moe_down / hadamard for every fmt at S = 1 (bf16 x) and S = 8 (f32 x),
-    the launch MLX gets (moe.gate_up_spec / down_spec) plus the split-K variants."""
+    the launches MLX gets by default (moe.gate_up_spec / down_spec); the opt-in tuning variants
+    (other warps, the PF 1 loops, gate_up's shape compiled in, the routed selection) for fmt 4
+    and 6 (the most used and the most different decoder), for every fmt with ``full``."""
     from colibri_mlx.kernels import moe, router
 
     fmts = (0, 1, 2, 3, 4, 5, 6)
     for fmt in fmts:
+        opt_in = full or fmt in (4, 6)
         D, inter = (512, 256) if fmt != 6 else (512, 256)
         experts = []
         for e in range(4):
@@ -236,7 +239,7 @@ def moe_specs(full: bool):
             ids = mx.zeros((S, K), mx.int32)
             w = mx.ones((S, K), mx.float32)
             h = mx.zeros((S * K, inter), mx.float32)
-            for nw in ((None, 2, 4) if full else (None, 2)):
+            for nw in ((None, 2, 4) if full else (None, 2) if opt_in else (None,)):
                 yield f"gate_up_fmt{fmt}_S{S}_{dtype}_nw{nw}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, simdgroups=nw)
                 yield f"down_fmt{fmt}_S{S}_nw{nw}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=nw)
             yield f"down_fmt{fmt}_S{S}_out{dtype}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
@@ -246,8 +249,9 @@ def moe_specs(full: bool):
             yield f"down_fmt{fmt}_S{S}_out{dtype}_res", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                      out_dtype=dtype, residual=random_x(S, D, dtype=dtype))
             # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
-            yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
-                   moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
+            if opt_in:
+                yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
+                       moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
             if S == 1 and fmt in (2, 4, 6):   # persistent grids (CUDA default for one token; COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT)
                 yield f"down_fmt{fmt}_S1_pers", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                              out_dtype=dtype, persistent=3)
@@ -255,16 +259,18 @@ def moe_specs(full: bool):
                 # the shape compiled in (env COLIBRI_MOE_DOWN_SHAPE=1)
                 yield f"down_fmt{fmt}_S1_shape", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                               out_dtype=dtype, persistent=3, shape_in=True)
-                yield f"gate_up_fmt{fmt}_S1_shape", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3,
-                                                                    shape_in=True)
-            if fmt in (2, 4, 6):   # the router's selection inside moe_gate_up (kernels.moe.routed_block)
+                if opt_in:
+                    yield f"gate_up_fmt{fmt}_S1_shape", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA,
+                                                                        persistent=3, shape_in=True)
+            if fmt in (2, 4, 6) and opt_in:   # the router's selection inside moe_gate_up (kernels.moe.routed_block)
                 for E, cfg in ((3, router.RouterConfig(1, 1, 1, True, 1.0)), (256, router.RouterConfig(1, 8, 4, True, 2.5))):
                     route = [mx.zeros((S, E), mx.float32), mx.zeros((E,), mx.float32), *router.topk_params(E, cfg, 3)]
                     yield (f"gate_up_routed_fmt{fmt}_S{S}_{dtype}_E{E}",
                            moe.gate_up_spec(x, group, None, K, dispatch.CUDA, route=route))
             # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
-            yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
-                                                                  out_dtype=dtype, prefetch=1)
+            if opt_in:
+                yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
+                                                                      out_dtype=dtype, prefetch=1)
         if fmt == 4:   # a bank of uint32 words (layers past 2^31 bytes): the same bodies, a byte pointer
             saved, moe.MAX_BANK_BYTES = moe.MAX_BANK_BYTES, 1024
             try:
