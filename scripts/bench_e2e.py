@@ -260,6 +260,7 @@ def main():
     res["counters"] = kernels.counters()
     del ours, cache
     kernels.moe.clear_banks()
+    mx.clear_cache()                      # ours' buffers back to the device before mlx-lm's model is made
     print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
 
     from mlx_lm.models.cache import make_prompt_cache

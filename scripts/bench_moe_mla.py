@@ -131,10 +131,17 @@ def count_nodes(fn, label):
 
 
 def mlxlm_quantize(module):
+    """mlx-lm's affine 4-bit g64 in bf16, one layer (Linear, SwitchLinear, Embedding) at a time:
+    a whole model's float32 initial weights at once do not fit an 80 GB card (a 256-expert
+    SwitchLinear alone is 15 GB)."""
     import mlx.nn as nn
 
     module.set_dtype(mx.bfloat16)
-    nn.quantize(module, group_size=64, bits=4)
+    for path in [p for p, m in module.named_modules() if hasattr(m, "to_quantized")]:
+        nn.quantize(module, group_size=64, bits=4, class_predicate=lambda p, m, path=path: p == path)
+        done = dict(module.named_modules())[path]
+        assert not hasattr(done, "to_quantized"), f"mlx-lm quantize: {path} was not quantized"
+        mx.eval(done.parameters())
     mx.eval(module.parameters())
     return module
 

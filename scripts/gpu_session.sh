@@ -42,6 +42,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$
 xdist_args() {  # 12 workers when pytest-xdist imports (the JIT of each kernel specialization is
   python3 -c 'import xdist' 2>/dev/null && echo "-n 12"   # single-threaded)
 }
+# One BLAS thread a process: 12 test workers each running the float64 oracles with OpenBLAS's
+# 16 threads oversubscribed the 16 cores (mla_tests: 64 of 72 passed in 480 s, 2026-12-02).
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 reap() {  # test workers a timeout left behind (xdist) would compile and run beside the timings
   pkill -f "^python3 -m pytest" 2>/dev/null   # anchored: not a shell whose command line mentions it
@@ -158,8 +161,9 @@ for s in "${steps[@]}"; do
                      --only mla --cache 4096 32768 ;;
     mla_tests)     # every mla_decode GPU test (the TF32 model's budget for the matrix variants, the planted
                    # defects, the opt-in knobs' edges); a call of its own: the float64 model of the 40000-
-                   # position cases is CPU work (run 9 of the twentieth session: 58 passed in 270 s, then cut)
-                   step mla_tests 480 python3 -m pytest -q $(xdist_args) tests/test_mla_decode.py; reap ;;
+                   # position cases is CPU work (run 9 of the twentieth session: 58 passed in 270 s, then cut);
+                   # -v names each test as it passes, so a cut run still says which did
+                   step mla_tests 480 python3 -m pytest -v --durations=20 $(xdist_args) tests/test_mla_decode.py; reap ;;
     tile_times)    # mla_attn_wide's tile at a 4096 cache (default 128 positions: 32 tiles x 8 head blocks,
                    # each block loading its 36 KB of q' and writing 32 KB of partials for 4 chunks) against
                    # 256 and 512: the attention and mla_out alone, then the MLA block per layer

@@ -398,7 +398,6 @@ def mla_oracle_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, 
 def assert_mla_close_tf32(out, *args, label="", extra_rel=0.0, **kw):
     """assert_mla_close against mla_oracle_tf32's budget; returns the worst ratio error / budget."""
     return _assert_within(out, *mla_oracle_tf32(*args, **kw), label, extra_rel, "the TF32 model's budget")
-    return float(ratio.max())
 
 
 def simulator_or_skip():
