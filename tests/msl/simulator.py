@@ -3,8 +3,9 @@
 `run_metal_kernel` writes the kernel function exactly as MLX 0.32 does
 (mlx/backend/common/metal_kernel.cpp, MLX_PLATFORM.md §B1), compiles it with clang against
 metal_shim.h (Metal stdlib + MLX utils subset) and runtime.c (coroutine scheduler), and runs it in
-a forked child process so that a fault (guard page hit, stack overflow) or a hang becomes a
-SimulatorError instead of killing the test run. See README.md.
+a process of its own (runner.c, spawned; a forked child where there is no memfd) so that a fault
+(guard page hit, stack overflow) or a hang becomes a SimulatorError instead of killing the test
+run. See README.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "metal_shim.h"
 RUNTIME = HERE / "runtime.c"
+RUNNER = HERE / "runner.c"
 CACHE_DIR = Path(tempfile.gettempdir()) / f"colibri_msl_cache_{os.getuid()}"
 PAGE = mmap.PAGESIZE
 CANARY = 0xA5
@@ -265,6 +267,21 @@ def _runtime_object() -> Path:
     return obj
 
 
+def _runner() -> Path:
+    """The msl_runner executable (runner.c), compiled once and cached like the kernels."""
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    exe = CACHE_DIR / f"msl_runner_{hashlib.sha256(RUNNER.read_bytes()).hexdigest()[:16]}"
+    if not exe.exists():
+        tmp = exe.with_suffix(f".{os.getpid()}.tmp")
+        cc = shutil.which("clang") or _clang()
+        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", str(RUNNER), "-o", str(tmp), "-ldl"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SimulatorError(f"runner.c failed to compile:\n{res.stderr}")
+        os.replace(tmp, exe)
+    return exe
+
+
 _CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__local'": "'threadgroup'",
                    "__global ": "device ", "__private ": "constant ", "__local ": "threadgroup "}
 
@@ -315,8 +332,14 @@ class _MslError(ctypes.Structure):
                 ("message", ctypes.c_char * 2048)]
 
 
+# Buffers in memfds, so a spawned msl_runner maps the driver's memory (Linux); elsewhere
+# anonymous shared memory a forked child sees.
+_MEMFD = hasattr(os, "memfd_create")
+
+
 class _GuardedBuffer:
-    """Shared (fork-visible) memory whose data ends right before a PROT_NONE page.
+    """Shared memory (a memfd, or anonymous and fork-visible) whose data ends right before a
+    PROT_NONE page.
 
     The bytes between the aligned end of the data and the guard page are canaries."""
 
@@ -324,7 +347,11 @@ class _GuardedBuffer:
         self.nbytes = nbytes
         padded = max(16, -(-nbytes // 16) * 16)
         data_pages = -(-padded // PAGE)
-        self.map = mmap.mmap(-1, (data_pages + 2) * PAGE)
+        self.fd = -1
+        if _MEMFD:
+            self.fd = os.memfd_create("msl_buffer")
+            os.ftruncate(self.fd, (data_pages + 2) * PAGE)
+        self.map = mmap.mmap(self.fd, (data_pages + 2) * PAGE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.start_offset = PAGE + data_pages * PAGE - padded
         self.address = base + self.start_offset
@@ -360,6 +387,9 @@ class _GuardedBuffer:
             self.map.close()
         except BufferError:
             pass  # a numpy view still exists; the GC frees the mapping later
+        if self.fd >= 0:
+            os.close(self.fd)                      # the mapping keeps the memory while it lives
+            self.fd = -1
 
 
 _POISON_BYTES = (0xAB, 0x54)  # integer poison per schedule (two, so a 1-byte 0xAB result is no false alarm)
@@ -380,6 +410,46 @@ def _poison(dtype, variant: int = 0) -> np.ndarray:
 
 
 def _run_child(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
+    return (_run_spawned if _MEMFD else _run_forked)(lib, bufs, grid, tg, reverse, timeout)
+
+
+def _child_status(result: _MslError, status: int, detail: str = "") -> _MslError:
+    """``result`` with a child's exit status folded in (``status`` < 0: killed by signal -status)."""
+    if status < 0:
+        result.code = 2
+        result.message = f"child killed by signal {-status}".encode()
+    elif status != 0 and result.code == 0:
+        result.code = 1
+        result.message = f"child exited with status {status}{detail}".encode()[:2000]
+    return result
+
+
+def _run_spawned(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
+    """The launch in a spawned msl_runner (runner.c) on the buffers' memfds."""
+    size = ctypes.sizeof(_MslError)
+    err_fd = os.memfd_create("msl_error")
+    try:
+        os.ftruncate(err_fd, size)
+        args = [str(_runner()), str(lib), str(reverse), *map(str, grid), *map(str, tg), str(err_fd), str(size)]
+        for b in bufs:
+            args += [str(b.fd), str(len(b.map)), str(b.start_offset), str(b.nbytes)]
+        proc = subprocess.Popen(args, pass_fds=[err_fd] + [b.fd for b in bufs], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise SimulatorError(f"kernel did not finish within {timeout:.0f} s (infinite loop?)") from None
+        result = _MslError.from_buffer_copy(os.pread(err_fd, size, 0))
+    finally:
+        os.close(err_fd)
+    detail = stderr.decode(errors="replace").strip()
+    return _child_status(result, proc.returncode, f": {detail}" if detail else "")
+
+
+def _run_forked(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
+    """The launch in a forked child (no memfd: the buffers are anonymous shared memory)."""
     err_map = mmap.mmap(-1, ctypes.sizeof(_MslError))
     err = _MslError.from_buffer(err_map)
     pid = os.fork()
@@ -410,13 +480,7 @@ def _run_child(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslE
     ctypes.memmove(ctypes.byref(result), ctypes.byref(err), ctypes.sizeof(_MslError))
     del err
     err_map.close()
-    if os.WIFSIGNALED(status):
-        result.code = 2
-        result.message = f"child killed by signal {os.WTERMSIG(status)}".encode()
-    elif os.WEXITSTATUS(status) != 0 and result.code == 0:
-        result.code = 1
-        result.message = f"child exited with status {os.WEXITSTATUS(status)}".encode()
-    return result
+    return _child_status(result, -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
 
 def _describe_error(e: _MslError, names: list[str], bufs) -> str:

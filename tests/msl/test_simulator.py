@@ -571,3 +571,28 @@ def test_simdgroup_matrix_thread_elements_follow_the_load_layout():
                                    output_dtypes=["float32", "float32"], grid=(32, 1, 1), threadgroup=(32, 1, 1))
     np.testing.assert_array_equal(read, x)
     np.testing.assert_array_equal(built, x)
+
+
+@pytest.mark.parametrize("spawned", [True, False])
+def test_both_launch_paths_run_and_catch_faults(monkeypatch, spawned):
+    """Launches run in a spawned msl_runner on memfd buffers (Linux) or in a forked child on
+    anonymous shared memory (elsewhere): each gives the block sums, reports a read past a
+    buffer's guard page with the buffer's name, and stops a spinning kernel."""
+    import tests.msl.simulator as sim
+
+    if spawned and not hasattr(__import__("os"), "memfd_create"):
+        pytest.skip("no memfd on this platform: launches fork")
+    monkeypatch.setattr(sim, "_MEMFD", spawned)
+    x = RNG.standard_normal(256).astype(np.float32)
+    (out,) = run_metal_kernel("reduce", ["x", "scale"], ["out"], REDUCE_SRC, inputs=[x, np.float32(0.5)],
+                              output_shapes=[(2,)], output_dtypes=[np.float32], grid=(256, 1, 1),
+                              threadgroup=(128, 1, 1))
+    np.testing.assert_allclose(out, _block_sums(x, 0.5, 128), rtol=1e-5)
+    src = "uint i = thread_position_in_grid.x; y[i] = x[i + 16];"
+    with pytest.raises(SimulatorError, match=r"out-of-bounds access to buffer 'x' \(64 bytes\): 0 bytes past"):
+        run_metal_kernel("oobr", ["x"], ["y"], src, inputs=[x[:16]], output_shapes=[(16,)],
+                         output_dtypes=[np.float32], grid=(16, 1, 1), threadgroup=(16, 1, 1))
+    spin = "uint i = 0; while (x[0] > 0.0f) { ((volatile device float*)y)[0] = float(i++); }"
+    with pytest.raises(SimulatorError, match="did not finish"):
+        run_metal_kernel("spin", ["x"], ["y"], spin, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
+                         output_dtypes=[np.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1), timeout=1.0)
