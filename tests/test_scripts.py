@@ -25,7 +25,7 @@ def run_script(*args, timeout=300):
 
 
 def test_bench_e2e_rows():
-    out = run_script("scripts/bench_e2e.py", "--tiny", "--steps", "2", "--quick")
+    out = run_script("scripts/bench_e2e.py", "--tiny", "--steps", "2", "--quick", "--experts", "16", "--vocab", "4096")
     for row in ("ours (kernels on)", "ours (COLIBRI_STEP_GRAPH=layer)", "ours (COLIBRI_LAYER_COMMIT=1)",
                 "ours (earlier step ops: slice_update)", "ours (kernels on, again: drift)",
                 "mlx-lm 0.32.2", "mlx-lm/ours ="):
@@ -45,14 +45,15 @@ def test_bench_mla_rows():
 
 
 def test_bench_long_context_rows():
-    out = run_script("scripts/bench_long_context.py", "--tiny", "--context", "40", "--steps", "2")
+    out = run_script("scripts/bench_long_context.py", "--tiny", "--context", "40", "--steps", "2", "--experts", "16",
+                     "--vocab", "4096")
     for row in ("      40       ours, in place", "      40        ours, scatter", "      40               mlx-lm",
                 "buffer moved"):
         assert row in out, out
 
 
 def test_bench_build_reports_the_step_graph():
-    out = run_script("scripts/bench_build.py", "--steps", "5")
+    out = run_script("scripts/bench_build.py", "--tiny", "--steps", "5")
     assert "decode step build (launches stubbed)" in out and "whole step (one compiled graph)" in out, out
 
 
