@@ -253,33 +253,29 @@ def _tool_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def _runtime_object() -> Path:
+def _compiled_c(source: Path, name: str, suffix: str, flags=(), libs=()) -> Path:
+    """``source`` (C) compiled once with ``flags`` (and ``libs`` after it) into the cache, keyed
+    by its text."""
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    obj = CACHE_DIR / f"runtime_{hashlib.sha256(RUNTIME.read_bytes()).hexdigest()[:16]}.o"
-    if not obj.exists():
-        tmp = obj.with_suffix(f".{os.getpid()}.tmp.o")
+    out = CACHE_DIR / f"{name}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}{suffix}"
+    if not out.exists():
+        tmp = CACHE_DIR / f"{out.name}.{os.getpid()}.tmp"
         cc = shutil.which("clang") or _clang()
-        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", "-fPIC", "-c", str(RUNTIME), "-o", str(tmp)],
+        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", *flags, str(source), "-o", str(tmp), *libs],
                              capture_output=True, text=True)
         if res.returncode != 0:
-            raise SimulatorError(f"runtime.c failed to compile:\n{res.stderr}")
-        os.replace(tmp, obj)
-    return obj
+            raise SimulatorError(f"{source.name} failed to compile:\n{res.stderr}")
+        os.replace(tmp, out)
+    return out
+
+
+def _runtime_object() -> Path:
+    return _compiled_c(RUNTIME, "runtime", ".o", flags=("-fPIC", "-c"))
 
 
 def _runner() -> Path:
     """The msl_runner executable (runner.c), compiled once and cached like the kernels."""
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    exe = CACHE_DIR / f"msl_runner_{hashlib.sha256(RUNNER.read_bytes()).hexdigest()[:16]}"
-    if not exe.exists():
-        tmp = exe.with_suffix(f".{os.getpid()}.tmp")
-        cc = shutil.which("clang") or _clang()
-        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", str(RUNNER), "-o", str(tmp), "-ldl"],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            raise SimulatorError(f"runner.c failed to compile:\n{res.stderr}")
-        os.replace(tmp, exe)
-    return exe
+    return _compiled_c(RUNNER, "msl_runner", "", libs=("-ldl",))
 
 
 _CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__local'": "'threadgroup'",
