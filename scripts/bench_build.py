@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Python graph-building cost of one decode step on the GPU path, measured on any machine.
 
-    python3 scripts/bench_build.py [--steps 300] [--tiny]
+    python3 scripts/bench_build.py [--steps 300] [--tiny] [--layers 4 --experts 16 --vocab 4096]
 
 End-to-end decode on the H200 is host-bound (bench_e2e.py: the pipelined loop, which overlaps
 building step n+1 with the GPU running step n, is barely faster than the synchronized one), so
@@ -31,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_e2e as E  # noqa: E402
-import bench_moe_mla as B  # noqa: E402
 from colibri_mlx.kernels import dispatch  # noqa: E402
 
 
@@ -79,14 +78,11 @@ class Timed:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--tiny", action="store_true", help="tiny widths: a smoke run of the script (the tests')")
+    E.add_model_args(ap)
+    ap.set_defaults(experts=16, vocab=4096)
     args = ap.parse_args()
     stub_launches()
-    if args.tiny:
-        B.shrink()
-    cfg = B.config(n_layers=4, experts=16, first_dense=1, vocab=4096)
-    if args.tiny:
-        cfg["intermediate_size"] = 256
+    cfg = E.model_config(args)
     model = E.our_model(cfg)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1, 2, 3, 4]]), cache))
