@@ -43,6 +43,10 @@ int main(int argc, char **argv) {
     tg[k] = (uint32_t)strtoul(argv[6 + k], NULL, 10);
   }
   void *err = map_fd(argv[9], atoll(argv[10]));
+  if (!err) {
+    perror("msl_runner: mapping the error record");
+    return 66;
+  }
   int nbuf = (argc - 11) / 4;
   void **ptrs = calloc((size_t)(nbuf > 0 ? nbuf : 1), sizeof(void *));
   int64_t *sizes = calloc((size_t)(nbuf > 0 ? nbuf : 1), sizeof(int64_t));
@@ -51,7 +55,7 @@ int main(int argc, char **argv) {
     char **a = argv + 11 + 4 * i;
     long long map_bytes = atoll(a[1]);
     char *base = map_fd(a[0], map_bytes);
-    if (!err || !base || mprotect(base, (size_t)page, PROT_NONE) != 0 ||
+    if (!base || mprotect(base, (size_t)page, PROT_NONE) != 0 ||
         mprotect(base + map_bytes - page, (size_t)page, PROT_NONE) != 0) {
       perror("msl_runner: mapping a buffer");
       return 66;
