@@ -580,7 +580,7 @@ def test_both_launch_paths_run_and_catch_faults(monkeypatch, spawned):
     buffer's guard page with the buffer's name, and stops a spinning kernel."""
     import tests.msl.simulator as sim
 
-    if spawned and not hasattr(__import__("os"), "memfd_create"):
+    if spawned and not sim._MEMFD:
         pytest.skip("no memfd on this platform: launches fork")
     monkeypatch.setattr(sim, "_MEMFD", spawned)
     x = RNG.standard_normal(256).astype(np.float32)
