@@ -365,3 +365,30 @@ def test_kernel_objects_found_by_identity_then_by_content(monkeypatch):
     spec.source = spec.source + "\n"          # other text: another kernel
     assert dispatch._kernel_object(dispatch.METAL, spec) is not k
     assert len(made) == 2
+
+
+@pytest.mark.parametrize("setting, empty", [("1", True), ("0", False), (None, False)])
+def test_empty_kernels_knob_returns_at_the_first_line(monkeypatch, setting, empty):
+    # COLIBRI_EMPTY_KERNELS=1 (bench_moe_mla's host-floor rows): the body MLX gets starts with a
+    # return and is otherwise the launch's own text; unset or 0, the text is untouched.
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or object())
+    monkeypatch.setattr(dispatch, "_kernels", {})
+    monkeypatch.setattr(dispatch, "_kernels_by_id", {})
+    if setting is None:
+        monkeypatch.delenv(dispatch.EMPTY_KERNELS_VAR, raising=False)
+    else:
+        monkeypatch.setenv(dispatch.EMPTY_KERNELS_VAR, setting)
+    dispatch.empty_kernels.cache_clear()
+    try:
+        if empty:
+            with pytest.warns(RuntimeWarning, match="garbage"):
+                assert dispatch.empty_kernels()
+        spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(2, 4, 64), dispatch.CUDA)
+        dispatch._kernel_object(dispatch.CUDA, spec)
+    finally:
+        dispatch.empty_kernels.cache_clear()
+    header, body = dispatch.launch_text(spec.header, spec.source, spec.name)
+    (kw,) = made
+    assert kw["header"] == header
+    assert kw["source"] == (dispatch.EMPTY_BODY_LINE + body if empty else body)

@@ -288,6 +288,26 @@ _kernels: dict = {}
 _kernels_by_id: dict = {}
 
 
+EMPTY_KERNELS_VAR = "COLIBRI_EMPTY_KERNELS"
+EMPTY_BODY_LINE = "return;  // COLIBRI_EMPTY_KERNELS=1\n"
+
+
+@functools.lru_cache(maxsize=None)
+def empty_kernels() -> bool:
+    """COLIBRI_EMPTY_KERNELS=1, read once a process: every kernel returns at its first line.
+
+    For measuring host cost only (scripts/bench_moe_mla.py's host-floor rows): the launches,
+    their text (hashed by MLX on every evaluation), arguments and graph stay as they are, so a
+    timed call costs everything but the GPU's work. Outputs are garbage, hence the warning."""
+    on = getenv(EMPTY_KERNELS_VAR, "0") == "1"
+    if on:
+        import warnings
+
+        warnings.warn(f"{EMPTY_KERNELS_VAR}=1: every GPU kernel returns at once and its outputs "
+                      "are garbage (host-cost measurement only)", RuntimeWarning, stacklevel=2)
+    return on
+
+
 def _kernel_object(backend_name: str, spec: LaunchSpec):
     """The MLX kernel object for a spec, made once per distinct source.
 
@@ -305,6 +325,8 @@ def _kernel_object(backend_name: str, spec: LaunchSpec):
     if k is None:
         make = mx.fast.metal_kernel if backend_name == METAL else mx.fast.cuda_kernel
         header, source = launch_text(spec.header, spec.source, spec.name)
+        if empty_kernels():
+            source = EMPTY_BODY_LINE + source
         # Created lazily: cuda_kernel raises at creation on builds without CUDA.
         extra = {"shared_memory": spec.shared_memory} if spec.shared_memory and backend_name != METAL else {}
         k = make(name=spec.name, input_names=list(spec.input_names),
