@@ -192,6 +192,15 @@ for s in "${steps[@]}"; do
                    step bench_empty 200 env COLIBRI_EMPTY_KERNELS=1 python3 scripts/bench_moe_mla.py --iters 10 \
                      --only moe mla --cache 4096 32768
                    step bench_full 200 python3 scripts/bench_moe_mla.py --iters 10 --only moe mla --cache 4096 32768 ;;
+    host_floor_fold) # the same for the MLA block with the decode row folded into the attention's
+                   # first launch (COLIBRI_MLA_ROWS_FOLD=1: 5 launches a layer), then the default again
+                   step bench_empty_fold 200 env COLIBRI_EMPTY_KERNELS=1 COLIBRI_MLA_ROWS_FOLD=1 \
+                     python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768
+                   step bench_full_fold 200 env COLIBRI_MLA_ROWS_FOLD=1 python3 scripts/bench_moe_mla.py --iters 10 \
+                     --only mla --cache 4096 32768
+                   step bench_empty2 200 env COLIBRI_EMPTY_KERNELS=1 python3 scripts/bench_moe_mla.py --iters 10 \
+                     --only mla --cache 4096 32768
+                   step bench_full2 200 python3 scripts/bench_moe_mla.py --iters 10 --only mla --cache 4096 32768 ;;
     moe_tests)     step moe_tests 200 python3 -m pytest -q $(xdist_args) tests/test_moe_block.py \
                      tests/test_moe_shared_slot.py tests/test_moe_routed.py tests/test_router.py; reap ;;
     bench_moe)     step bench_moe 150 python3 scripts/bench_moe_mla.py --iters 10 --only moe ;;
