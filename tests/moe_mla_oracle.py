@@ -405,8 +405,8 @@ def simulator_or_skip():
     import pytest
 
     simulator = pytest.importorskip("msl.simulator")
-    if not simulator.clang_available():
-        pytest.skip("clang not available for the MSL simulator")
+    if simulator.unavailable_reason():
+        pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}")
     return simulator
 
 

@@ -463,15 +463,15 @@ def _attention_step(model, start, whole_layer=False):
 @pytest.mark.parametrize("kind, whole_layer, fold", [("dense", False, False), ("dense", False, True),
                                                      ("dense", True, False), ("moe", True, False),
                                                      ("moe_one_group", True, True)])
+@pytest.mark.msl
 def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer, fold):
     """The decode step's glue around the kernels (views, the row write, the residual adds; the
     MLP / MoE block), run with every launch in the MSL simulator as on a Mac, equals the
     reference path: what changes the graph between kernels is checked here, not first on a GPU."""
-    simulator = pytest.importorskip("msl.simulator")
-    if not simulator.clang_available():
-        pytest.skip("clang not available for the MSL simulator")
     from colibri_mlx.models.loading import load_model
-    from moe_mla_oracle import route_launches_to_simulator
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    simulator = simulator_or_skip()
 
     monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
     model = load_model(containers[kind], dtype="float32")

@@ -19,8 +19,8 @@ from kernel_oracle import random_qtensor
 from moe_mla_oracle import assert_moe_close, hadamard_f64, route_launches_to_simulator, simulate
 
 simulator = pytest.importorskip("msl.simulator")
-if not simulator.clang_available():
-    pytest.skip("clang not available for the MSL simulator", allow_module_level=True)
+if simulator.unavailable_reason():
+    pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}", allow_module_level=True)
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from colibri_mlx.kernels.kernel_text import launch_text
 from kernel_oracle import assert_close, random_qtensor, random_x
 
 simulator = pytest.importorskip("msl.simulator")
-if not simulator.clang_available():
-    pytest.skip("clang not available for the MSL simulator", allow_module_level=True)
+if simulator.unavailable_reason():
+    pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}", allow_module_level=True)
 
 _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.uint8: np.uint8,
        mx.int32: np.int32, mx.uint32: np.uint32}

@@ -12,7 +12,7 @@
  * (emitted as statics in the section msl_tgmem) are shared by exactly one threadgroup; the section
  * is poisoned with 0xFF bytes (NaN / -1) before each threadgroup.
  *
- * The process running this is a fork()ed child of the Python driver: a fault (guard page hit,
+ * The process running this is a child of the Python driver (runner.c, or a fork): a fault (guard page hit,
  * stack overflow) is reported through the shared error record and the child exits.
  */
 #define _GNU_SOURCE
@@ -449,7 +449,23 @@ int msl_run(void **buffers, const int64_t *sizes, int nbuf, const uint32_t *grid
   return 0;
 }
 
-/* ---- half-precision conversion libcalls (LLVM emits these on x86 without F16C) ------------- */
+/* ---- half-precision conversion libcalls ------------------------------------------------- */
+/* On x86-64 without F16C, LLVM lowers every half <-> float conversion to a library call, and
+ * which call, and how the half travels, depends on the compiler:
+ *   - LLVM <= 14: __gnu_h2f_ieee / __gnu_f2h_ieee, the half as a 16-bit integer (edi / ax);
+ *   - LLVM >= 15: __extendhfsf2 / __truncsfhf2 / __truncdfhf2, the half in xmm0 (the _Float16
+ *     ABI of the x86-64 psABI).
+ * A definition with the wrong parameter type reads whatever the register holds, so the
+ * __extendhfsf2 family is declared with _Float16 wherever the compiler has that type (it then
+ * has the xmm0 convention) and with uint16_t only where it has not (where no caller would use
+ * the xmm0 convention either). runtime.c is always compiled by the compiler that compiles the
+ * kernels (simulator.py). */
+#if defined(__FLT16_MANT_DIG__)
+typedef _Float16 msl_abi_half;
+#else
+typedef uint16_t msl_abi_half;
+#endif
+
 static float half_bits_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -470,31 +486,46 @@ static float half_bits_to_float(uint16_t h) {
   return f;
 }
 
-static uint16_t float_to_half_bits(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000, absx = x & 0x7fffffffu;
-  if (absx >= 0x7f800000u) /* inf or nan (keep nan quiet) */
-    return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 | ((absx >> 13) & 0x3ff) : 0));
-  if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to inf */
-  if (absx < 0x38800000u) { /* subnormal half or zero */
-    if (absx < 0x33000000u) return (uint16_t)sign;
-    uint32_t e = absx >> 23, m = (absx & 0x7fffff) | 0x800000;
-    int shift = (int)(126 - e) + 14; /* 14..24 */
-    uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1))) r++;
-    return (uint16_t)(sign | r);
-  }
-  uint32_t r = ((absx >> 13) - (112u << 10)), rem = absx & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
-  return (uint16_t)(sign | r);
+/* Round-to-nearest-even of a double to half, from the bits (no double rounding through float). */
+static uint16_t double_to_half_bits(double d) {
+  uint64_t x;
+  memcpy(&x, &d, 8);
+  uint16_t sign = (uint16_t)((x >> 48) & 0x8000);
+  uint64_t absx = x & 0x7fffffffffffffffull;
+  int exp = (int)(absx >> 52);
+  uint64_t man = absx & 0xfffffffffffffull;
+  if (exp == 0x7ff) /* inf or nan (keep nan quiet, keep the top payload bits) */
+    return (uint16_t)(sign | 0x7c00 | (man ? 0x200 | (uint16_t)(man >> 42) : 0));
+  int e = exp - 1023; /* unbiased */
+  if (e > 15) return (uint16_t)(sign | 0x7c00);
+  if (exp == 0 || e < -26) return sign; /* zero, double subnormals and < half(min_sub) / 2 */
+  uint64_t m = man | (1ull << 52); /* 53 significant bits */
+  /* half normal: 11 bits kept (shift 42); half subnormal (e < -14): fewer, value m * 2^(e-52) */
+  int shift = e >= -14 ? 42 : 42 + (-14 - e);
+  uint64_t r = m >> shift, rem = m & ((1ull << shift) - 1), halfway = 1ull << (shift - 1);
+  if (rem > halfway || (rem == halfway && (r & 1))) r++;
+  /* normal: r is 1.m in 11 bits (may carry to 2^11, which the exponent add absorbs) */
+  uint32_t bits = e >= -14 ? (uint32_t)((e + 14) << 10) + (uint32_t)r : (uint32_t)r;
+  if (bits >= 0x7c00) return (uint16_t)(sign | 0x7c00);
+  return (uint16_t)(sign | bits);
+}
+
+static uint16_t float_to_half_bits(float f) { return double_to_half_bits((double)f); }
+
+static uint16_t abi_to_bits(msl_abi_half h) {
+  uint16_t b;
+  memcpy(&b, &h, 2);
+  return b;
+}
+
+static msl_abi_half bits_to_abi(uint16_t b) {
+  msl_abi_half h;
+  memcpy(&h, &b, 2);
+  return h;
 }
 
 float __gnu_h2f_ieee(uint16_t h) { return half_bits_to_float(h); }
 uint16_t __gnu_f2h_ieee(float f) { return float_to_half_bits(f); }
-float __extendhfsf2(uint16_t h) { return half_bits_to_float(h); }
-uint16_t __truncsfhf2(float f) { return float_to_half_bits(f); }
-uint16_t __truncdfhf2(double d) {
-  /* double -> float -> half can double-round; kernels convert from float, so this is rare. */
-  return float_to_half_bits((float)d);
-}
+float __extendhfsf2(msl_abi_half h) { return half_bits_to_float(abi_to_bits(h)); }
+msl_abi_half __truncsfhf2(float f) { return bits_to_abi(float_to_half_bits(f)); }
+msl_abi_half __truncdfhf2(double d) { return bits_to_abi(double_to_half_bits(d)); }

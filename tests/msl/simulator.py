@@ -89,15 +89,93 @@ class SimulatorError(RuntimeError):
     """The kernel failed to compile, deadlocked, diverged, faulted or left outputs unwritten."""
 
 
+@dataclass(frozen=True)
+class Compiler:
+    """The clang++ that builds the kernels, the shim and the runtime (all three, so that their
+    calling conventions agree: LLVM 15 changed how a half travels to its conversion calls)."""
+    path: str
+    version: str  # the first line of `--version`
+    major: int
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.version})"
+
+
+CLANG_ENV = "COLIBRI_MSL_CLANG"
+_VERSIONED = re.compile(r"clang\+\+-(\d+)$")
+
+
+def installed_compilers() -> list[str]:
+    """clang++ executables on PATH: the plain one first, then `clang++-N`, newest first."""
+    found: dict[int, str] = {}
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        try:
+            names = os.listdir(d or ".")
+        except OSError:
+            continue
+        for n in names:
+            m = _VERSIONED.match(n)
+            if m and int(m.group(1)) not in found and os.access(os.path.join(d, n), os.X_OK):
+                found[int(m.group(1))] = os.path.join(d, n)
+    plain = shutil.which("clang++")
+    return ([plain] if plain else []) + [found[k] for k in sorted(found, reverse=True)]
+
+
+def _probe(exe: str) -> Compiler:
+    res = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    first = (res.stdout or res.stderr).splitlines()[0] if res.returncode == 0 else ""
+    m = re.search(r"clang version (\d+)\.", first)
+    if not m:
+        raise SimulatorError(f"{exe} is not a clang++ ({first or res.stderr.strip()!r})")
+    return Compiler(exe, first.strip(), int(m.group(1)))
+
+
+_COMPILER: Compiler | SimulatorError | None = None
+
+
+def compiler() -> Compiler:
+    """The compiler in use: $COLIBRI_MSL_CLANG (a name on PATH or a path) when set, else plain
+    `clang++`, else the newest versioned `clang++-N`. Raises SimulatorError when there is none."""
+    global _COMPILER
+    if _COMPILER is None:
+        want = os.environ.get(CLANG_ENV, "").strip()
+        try:
+            if want:
+                exe = shutil.which(want)
+                if exe is None:
+                    raise SimulatorError(f"{CLANG_ENV}={want} is not an executable on PATH")
+            else:
+                exes = installed_compilers()
+                if not exes:
+                    raise SimulatorError("no clang++ is installed (apt-get install -y clang)")
+                exe = exes[0]
+            _COMPILER = _probe(exe)
+        except SimulatorError as e:
+            _COMPILER = e
+    if isinstance(_COMPILER, SimulatorError):
+        raise _COMPILER
+    return _COMPILER
+
+
+def unavailable_reason() -> str | None:
+    """Why the simulator cannot run here, or None when it can."""
+    try:
+        compiler()
+    except SimulatorError as e:
+        return str(e)
+    return None
+
+
 def clang_available() -> bool:
-    return shutil.which("clang++") is not None or shutil.which("clang") is not None
+    return unavailable_reason() is None
 
 
 def _clang() -> str:
-    exe = shutil.which("clang++") or shutil.which("clang")
-    if exe is None:
-        raise SimulatorError("clang is not installed (apt-get install -y clang)")
-    return exe
+    return compiler().path
 
 
 def _is_bfloat16(dtype) -> bool:
@@ -250,21 +328,23 @@ def _tool_hash() -> str:
     for p in (SHIM, RUNTIME, Path(__file__)):
         h.update(p.read_bytes())
     h.update(" ".join(CLANG_FLAGS).encode())
+    h.update(compiler().path.encode() + compiler().version.encode())
     return h.hexdigest()[:16]
 
 
 def _compiled_c(source: Path, name: str, suffix: str, flags=(), libs=()) -> Path:
     """``source`` (C) compiled once with ``flags`` (and ``libs`` after it) into the cache, keyed
-    by its text."""
+    by its text and the compiler."""
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    out = CACHE_DIR / f"{name}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}{suffix}"
+    cc = compiler()
+    key = hashlib.sha256(source.read_bytes() + cc.path.encode() + cc.version.encode()).hexdigest()[:16]
+    out = CACHE_DIR / f"{name}_{key}{suffix}"
     if not out.exists():
         tmp = CACHE_DIR / f"{out.name}.{os.getpid()}.tmp"
-        cc = shutil.which("clang") or _clang()
-        res = subprocess.run([cc, "-x", "c", "-std=gnu11", "-O2", *flags, str(source), "-o", str(tmp), *libs],
+        res = subprocess.run([cc.path, "-x", "c", "-std=gnu11", "-O2", *flags, str(source), "-o", str(tmp), *libs],
                              capture_output=True, text=True)
         if res.returncode != 0:
-            raise SimulatorError(f"{source.name} failed to compile:\n{res.stderr}")
+            raise SimulatorError(f"{source.name} failed to compile with {cc.describe()}:\n{res.stderr}")
         os.replace(tmp, out)
     return out
 

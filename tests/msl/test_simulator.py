@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from tests.msl.simulator import SimulatorError, as_bfloat16, clang_available, generate_source, run_metal_kernel
+from tests.msl.simulator import SimulatorError, as_bfloat16, generate_source, run_metal_kernel, unavailable_reason
 
-pytestmark = pytest.mark.skipif(not clang_available(), reason="clang is not installed")
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"MSL simulator: {unavailable_reason()}")
 
 RNG = np.random.default_rng(20260521)
 
