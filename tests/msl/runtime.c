@@ -524,8 +524,11 @@ static msl_abi_half bits_to_abi(uint16_t b) {
   return h;
 }
 
-float __gnu_h2f_ieee(uint16_t h) { return half_bits_to_float(h); }
-uint16_t __gnu_f2h_ieee(float f) { return float_to_half_bits(f); }
-float __extendhfsf2(msl_abi_half h) { return half_bits_to_float(abi_to_bits(h)); }
-msl_abi_half __truncsfhf2(float f) { return bits_to_abi(float_to_half_bits(f)); }
-msl_abi_half __truncdfhf2(double d) { return bits_to_abi(double_to_half_bits(d)); }
+/* Hidden: the kernel library binds to these, never to a same-named definition elsewhere in the
+ * process (libgcc_s has the __extendhfsf2 family too), so what runs is what this file says. */
+#define MSL_LIBCALL __attribute__((visibility("hidden")))
+MSL_LIBCALL float __gnu_h2f_ieee(uint16_t h) { return half_bits_to_float(h); }
+MSL_LIBCALL uint16_t __gnu_f2h_ieee(float f) { return float_to_half_bits(f); }
+MSL_LIBCALL float __extendhfsf2(msl_abi_half h) { return half_bits_to_float(abi_to_bits(h)); }
+MSL_LIBCALL msl_abi_half __truncsfhf2(float f) { return bits_to_abi(float_to_half_bits(f)); }
+MSL_LIBCALL msl_abi_half __truncdfhf2(double d) { return bits_to_abi(double_to_half_bits(d)); }

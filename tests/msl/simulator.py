@@ -355,7 +355,7 @@ def _runtime_object() -> Path:
 
 def _runner() -> Path:
     """The msl_runner executable (runner.c), compiled once and cached like the kernels."""
-    return _compiled_c(RUNNER, "msl_runner", "", libs=("-ldl",))
+    return _compiled_c(RUNNER, "msl_runner", "", flags=("-nostdlib++",), libs=("-ldl",))
 
 
 _CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__local'": "'threadgroup'",

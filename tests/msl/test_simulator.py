@@ -134,6 +134,36 @@ def test_template_half_and_vector_constructors():
     np.testing.assert_array_equal(out.astype(np.float64), want)
 
 
+def test_half_conversions_are_exact_both_ways():
+    """Every half bit pattern widened to float, and floats around every rounding boundary
+    narrowed to half, bit for bit as numpy (IEEE round-to-nearest-even). On x86-64 these
+    conversions are library calls whose calling convention changed in LLVM 15: a runtime that
+    defines them for the wrong one reads a stale register, which this catches."""
+    src = """
+      uint i = thread_position_in_grid.x;
+      wide[i] = float(h[i]);
+      narrow[i] = half(f[i]);
+    """
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    finite = np.sort(h[np.isfinite(h)].astype(np.float32))
+    ties = finite[:-1].astype(np.float64) / 2 + finite[1:].astype(np.float64) / 2  # exact in float32
+    extra = [65519.99, 65520.0, 1e6, -1e6, 2.0**-25, 2.0**-24 * 0.75, np.inf, -np.inf]
+    f = np.concatenate([finite, np.nextafter(finite, np.float32(np.inf)), np.nextafter(finite, np.float32(-np.inf)),
+                        ties, extra]).astype(np.float32)
+    n = -(-f.size // 256) * 256
+    f, h = np.resize(f, n), np.resize(h, n)
+    wide, narrow = run_metal_kernel("halfconv", ["h", "f"], ["wide", "narrow"], src, inputs=[h, f],
+                                    output_shapes=[(n,), (n,)], output_dtypes=[np.float32, np.float16],
+                                    grid=(n, 1, 1), threadgroup=(256, 1, 1))
+    want_wide = h.astype(np.float32)
+    nan = np.isnan(want_wide)
+    np.testing.assert_array_equal(wide[~nan].view(np.uint32), want_wide[~nan].view(np.uint32))
+    assert np.isnan(wide[nan]).all()
+    with np.errstate(over="ignore"):  # 1e6 and 65520 round to infinity, as they should
+        want_narrow = f.astype(np.float16)
+    np.testing.assert_array_equal(narrow.view(np.uint16), want_narrow.view(np.uint16))
+
+
 def test_bfloat16_input_and_output():
     src = """
       uint i = thread_position_in_grid.x;
