@@ -5,7 +5,15 @@ import os
 # own test harness does. Must be set before the first MLX operation.
 os.environ["MLX_ENABLE_TF32"] = "0"
 
+from pathlib import Path
+
 import pytest
+
+# Kernels from another directory: a copy with a planted defect (tests/test_planted_defects.py).
+if os.environ.get("COLIBRI_MSL_KERNEL_DIR"):
+    from colibri_mlx.kernels import dispatch
+
+    dispatch.KERNEL_DIR = Path(os.environ["COLIBRI_MSL_KERNEL_DIR"])
 
 # Tests that run Metal kernels in the MSL simulator (tests/msl/): whole modules, and any test that
 # takes the `metal` fixture (every hot-path launch routed to the simulator). `-m msl` selects them,

@@ -24,6 +24,31 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+/* AddressSanitizer keeps a shadow of each stack: every switch between the scheduler's stack
+ * and a coroutine's is announced to it (its fiber interface), or it would take the coroutine's
+ * frames for a stack overflow or report stale redzones of a finished coroutine's stack. */
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MSL_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define MSL_ASAN 1
+#endif
+#if defined(MSL_ASAN)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define MSL_FIBER_LEAVE(save, bottom, size) __sanitizer_start_switch_fiber((save), (bottom), (size))
+#define MSL_FIBER_ENTER(save) \
+  __sanitizer_finish_switch_fiber((save), &scheduler_stack_bottom, &scheduler_stack_size)
+#else
+#define MSL_FIBER_LEAVE(save, bottom, size) ((void)(save), (void)(bottom), (void)(size))
+#define MSL_FIBER_ENTER(save) ((void)(save))
+#endif
+
+static const void *scheduler_stack_bottom; /* learnt at a coroutine's first entry (ASan) */
+static size_t scheduler_stack_size;
+
 #if defined(__x86_64__) && !defined(MSL_USE_UCONTEXT)
 #define MSL_X86_SWITCH 1
 #else
@@ -33,7 +58,9 @@
 #define MSL_SIMD_WIDTH 32
 #define MSL_SLOT_BYTES 64
 #define MSL_MAX_THREADS 1024
+#ifndef MSL_STACK_BYTES /* the sanitizer build passes a larger one: ASan's redzones grow frames */
 #define MSL_STACK_BYTES (64 * 1024)
+#endif
 #define MSL_MAX_BUFFERS 64
 
 enum { ST_RUNNABLE = 0, ST_BARRIER = 1, ST_SIMD = 2, ST_DONE = 3 };
@@ -117,24 +144,39 @@ void msl_trampoline(void);
 static void thread_main(void *arg);
 
 static void to_scheduler(void) {
+  /* A finished thread's stack is abandoned (NULL save): it is never resumed. */
+  void *fake = NULL;
+  MSL_FIBER_LEAVE(current->state == ST_DONE ? NULL : &fake, scheduler_stack_bottom,
+                  scheduler_stack_size);
 #if defined(MSL_X86_SWITCH)
   msl_switch(&current->sp, scheduler_sp);
 #else
   swapcontext(&current->uc, &scheduler_uc);
 #endif
+  MSL_FIBER_ENTER(fake);
 }
 
 static void resume(msl_thread *t) {
   current = t;
+  void *fake = NULL;
+  MSL_FIBER_LEAVE(&fake, t->stack, MSL_STACK_BYTES);
 #if defined(MSL_X86_SWITCH)
   msl_switch(&scheduler_sp, t->sp);
 #else
   swapcontext(&scheduler_uc, &t->uc);
 #endif
+  /* back on the scheduler's stack */
+#if defined(MSL_ASAN)
+  __sanitizer_finish_switch_fiber(fake, NULL, NULL);
+#endif
   current = NULL;
 }
 
 static void start_thread(msl_thread *t) {
+#if defined(MSL_ASAN)
+  /* the stack of the last threadgroup's thread: its frames' redzones are gone with it */
+  ASAN_UNPOISON_MEMORY_REGION(t->stack, MSL_STACK_BYTES);
+#endif
 #if defined(MSL_X86_SWITCH)
   uintptr_t top = ((uintptr_t)t->stack + MSL_STACK_BYTES) & ~(uintptr_t)15;
   uint64_t *sp = (uint64_t *)top;
@@ -164,6 +206,7 @@ static void start_thread(msl_thread *t) {
 static void thread_main(void *arg) {
   msl_thread *t = (msl_thread *)arg;
   (void)t;
+  MSL_FIBER_ENTER(NULL); /* first entry: learns the scheduler's stack */
   msl_kernel_entry(kernel_buffers);
   current->state = ST_DONE;
   to_scheduler();
@@ -395,8 +438,12 @@ static void install_fault_handler(void) {
 /* ---- entry point ------------------------------------------------------------------------- */
 /* buffers[i] spans [buffers[i], buffers[i] + sizes[i]) and is followed by a guard page.
  * reverse: 1 runs threads and threadgroups in reverse order. */
+/* err_record is an msl_error; its type is void * so that the runner's declaration (runner.c),
+ * which does not know the struct, names the same function type (calling through a pointer of
+ * another function type is undefined behaviour, and UBSan reports it). */
 int msl_run(void **buffers, const int64_t *sizes, int nbuf, const uint32_t *grid,
-            const uint32_t *tg, int reverse, msl_error *err) {
+            const uint32_t *tg, int reverse, void *err_record) {
+  msl_error *err = (msl_error *)err_record;
   error_out = err;
   memset(err, 0, sizeof *err);
   err->buffer = -1;

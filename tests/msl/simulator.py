@@ -45,6 +45,36 @@ CLANG_FLAGS = [
     "-fstack-clash-protection",  # big frames probe every page, so they hit the stack guard page
 ]
 
+# Sanitizer build ($COLIBRI_MSL_SANITIZE: "address", "undefined" or both, comma-separated): the
+# kernels, the shim, runtime.c and the runner are built with them, and any report fails the launch.
+SANITIZE_ENV = "COLIBRI_MSL_SANITIZE"
+_SANITIZERS = ("address", "undefined")
+
+
+def sanitizers() -> tuple[str, ...]:
+    names = tuple(n.strip() for n in os.environ.get(SANITIZE_ENV, "").split(",") if n.strip())
+    bad = [n for n in names if n not in _SANITIZERS]
+    if bad:
+        raise SimulatorError(f"{SANITIZE_ENV}: unknown sanitizer {bad[0]!r} (use {', '.join(_SANITIZERS)})")
+    return names
+
+
+def _sanitize_flags() -> list[str]:
+    names = sanitizers()
+    if not names:
+        return []
+    # 256 KiB coroutine stacks: ASan's redzones make frames several times larger.
+    return [f"-fsanitize={','.join(names)}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+            "-DMSL_STACK_BYTES=262144"]
+
+
+# What the sanitizers' runtimes are told: stop at the first report; no leak check (the runner
+# exits without freeing, on purpose); the simulator's own SIGSEGV handler reports guard-page hits.
+_SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:allow_user_segv_handler=1:detect_stack_use_after_return=0",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+}
+
 METAL_ATTRIBUTES = [  # (name, type, C++ expression) in MLX's order
     ("dispatch_quadgroups_per_threadgroup", "uint", "(msl_dispatch.tg[0]*msl_dispatch.tg[1]*msl_dispatch.tg[2]+3)/4"),
     ("dispatch_simdgroups_per_threadgroup", "uint", "(msl_dispatch.tg[0]*msl_dispatch.tg[1]*msl_dispatch.tg[2]+31)/32"),
@@ -328,7 +358,7 @@ def _tool_hash() -> str:
     for p in (SHIM, RUNTIME, Path(__file__)):
         h.update(p.read_bytes())
     h.update(" ".join(CLANG_FLAGS).encode())
-    h.update(compiler().path.encode() + compiler().version.encode())
+    h.update(compiler().path.encode() + compiler().version.encode() + " ".join(_sanitize_flags()).encode())
     return h.hexdigest()[:16]
 
 
@@ -337,7 +367,9 @@ def _compiled_c(source: Path, name: str, suffix: str, flags=(), libs=()) -> Path
     by its text and the compiler."""
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     cc = compiler()
-    key = hashlib.sha256(source.read_bytes() + cc.path.encode() + cc.version.encode()).hexdigest()[:16]
+    flags = (*flags, *_sanitize_flags())
+    key = hashlib.sha256(source.read_bytes() + cc.path.encode() + cc.version.encode()
+                         + " ".join(flags + tuple(libs)).encode()).hexdigest()[:16]
     out = CACHE_DIR / f"{name}_{key}{suffix}"
     if not out.exists():
         tmp = CACHE_DIR / f"{out.name}.{os.getpid()}.tmp"
@@ -355,7 +387,7 @@ def _runtime_object() -> Path:
 
 def _runner() -> Path:
     """The msl_runner executable (runner.c), compiled once and cached like the kernels."""
-    return _compiled_c(RUNNER, "msl_runner", "", flags=("-nostdlib++",), libs=("-ldl",))
+    return _compiled_c(RUNNER, "msl_runner", "", libs=("-ldl",))
 
 
 _CLANG_AS_NAMES = {"'__global'": "'device'", "'__private'": "'constant'", "'__local'": "'threadgroup'",
@@ -394,7 +426,7 @@ def compile_kernel(cpp_source: str) -> Path:
     src = CACHE_DIR / f"kernel_{key}.{os.getpid()}.cpp"  # per process: parallel test runs
     src.write_text(cpp_source)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp.so")
-    cmd = [_clang(), *CLANG_FLAGS, "-I", str(HERE), "-I", str(_stub_include_dir()), str(src),
+    cmd = [_clang(), *CLANG_FLAGS, *_sanitize_flags(), "-I", str(HERE), "-I", str(_stub_include_dir()), str(src),
            str(runtime_obj), "-o", str(tmp), "-lm"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
@@ -486,6 +518,8 @@ def _poison(dtype, variant: int = 0) -> np.ndarray:
 
 
 def _run_child(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _MslError:
+    if sanitizers() and not _MEMFD:
+        raise SimulatorError(f"{SANITIZE_ENV} needs the spawned runner (Linux memfds)")
     return (_run_spawned if _MEMFD else _run_forked)(lib, bufs, grid, tg, reverse, timeout)
 
 
@@ -509,8 +543,9 @@ def _run_spawned(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _Ms
         args = [str(_runner()), str(lib), str(reverse), *map(str, grid), *map(str, tg), str(err_fd), str(size)]
         for b in bufs:
             args += [str(b.fd), str(len(b.map)), str(b.start_offset), str(b.nbytes)]
+        env = {**os.environ, **_SANITIZER_ENV} if sanitizers() else None
         proc = subprocess.Popen(args, pass_fds=[err_fd] + [b.fd for b in bufs], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -521,6 +556,10 @@ def _run_spawned(lib: Path, bufs, grid, tg, reverse: int, timeout: float) -> _Ms
     finally:
         os.close(err_fd)
     detail = stderr.decode(errors="replace").strip()
+    report = re.search(r"(ERROR: AddressSanitizer.*|\S*: runtime error: .*)", detail, re.S)
+    if report:  # a sanitizer stopped the launch: its report is the error
+        result.code = 1
+        result.message = f"sanitizer report: {report.group(1)}".encode()[:2000]
     return _child_status(result, proc.returncode, f": {detail}" if detail else "")
 
 

@@ -405,9 +405,9 @@ def test_mlx_arrays_and_dtypes_are_accepted():
 
 def test_stack_overflow_is_reported():
     src = """
-      thread float big[40000];  // 160 KB of thread-private memory: more than a simulated stack
-      for (int k = 0; k < 40000; k++) big[k] = x[k % 8] * float(k);
-      y[0] = big[int(x[0]) + 39990];
+      thread float big[100000];  // 400 KB of thread-private memory: more than a simulated stack
+      for (int k = 0; k < 100000; k++) big[k] = x[k % 8] * float(k);
+      y[0] = big[int(x[0]) + 99990];
     """
     with pytest.raises(SimulatorError, match="stack overflow"):
         run_metal_kernel("stack", ["x"], ["y"], src, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
@@ -612,6 +612,8 @@ def test_both_launch_paths_run_and_catch_faults(monkeypatch, spawned):
 
     if spawned and not sim._MEMFD:
         pytest.skip("no memfd on this platform: launches fork")
+    if not spawned and sim.sanitizers():
+        pytest.skip("the sanitizer build runs launches in the spawned runner only")
     monkeypatch.setattr(sim, "_MEMFD", spawned)
     x = RNG.standard_normal(256).astype(np.float32)
     (out,) = run_metal_kernel("reduce", ["x", "scale"], ["out"], REDUCE_SRC, inputs=[x, np.float32(0.5)],
@@ -626,3 +628,50 @@ def test_both_launch_paths_run_and_catch_faults(monkeypatch, spawned):
     with pytest.raises(SimulatorError, match="did not finish"):
         run_metal_kernel("spin", ["x"], ["y"], spin, inputs=[np.ones(8, np.float32)], output_shapes=[(1,)],
                          output_dtypes=[np.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1), timeout=1.0)
+
+
+# The sanitizer build (COLIBRI_MSL_SANITIZE): undefined behaviour that the plain build runs
+# through silently is a report, and the report fails the launch.
+SANITIZER_DEFECTS = {
+    # A shift by the type's width: undefined in C++ and in Metal; x86 masks the count, so the
+    # plain build returns a value.
+    "undefined-shift": ("undefined", "shift exponent", """
+      uint i = thread_position_in_grid.x;
+      uint sh = uint(x[i]) + 31u;  // 32 for x = 1
+      y[i] = float(1u << sh);
+    """),
+    # Reading one past a threadgroup array: the plain build reads the next static.
+    "threadgroup-array-bounds": ("undefined", "out of bounds", """
+      uint i = thread_position_in_grid.x;
+      threadgroup float buf[32];
+      buf[i] = x[i];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      y[i] = buf[i + uint(x[0])];  // index 32 for the last thread
+    """),
+    # Writing one past a thread-private array: the plain build overwrites the frame.
+    "thread-array-overflow": ("address", "stack-buffer-overflow", """
+      uint i = thread_position_in_grid.x;
+      float acc[4];
+      for (int k = 0; k < 4; k++) acc[k] = x[i] * float(k);
+      volatile int n = 4 + int(x[0]);  // 5: one past the end, unknown to the compiler
+      for (int k = 0; k < n; k++) acc[k] += 1.0f;
+      y[i] = acc[0] + acc[3];
+    """),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(SANITIZER_DEFECTS))
+def test_sanitizer_build_reports_undefined_behaviour(monkeypatch, defect):
+    import tests.msl.simulator as sim
+
+    if not sim._MEMFD:
+        pytest.skip("the sanitizer build needs the spawned runner (memfds)")
+    sanitizer, message, src = SANITIZER_DEFECTS[defect]
+    x = np.ones(32, np.float32)
+    run = lambda: run_metal_kernel("ub", ["x"], ["y"], src, inputs=[x], output_shapes=[(32,)],  # noqa: E731
+                                   output_dtypes=[np.float32], grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    monkeypatch.delenv(sim.SANITIZE_ENV, raising=False)
+    run()  # the plain build does not notice
+    monkeypatch.setenv(sim.SANITIZE_ENV, sanitizer)
+    with pytest.raises(SimulatorError, match=f"sanitizer report: .*{message}"):
+        run()
