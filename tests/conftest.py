@@ -58,8 +58,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             red=True, bold=True)
         return
     counts = _msl_outcomes(terminalreporter)
-    text = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no simulator test selected"
-    terminalreporter.write_line(f"MSL simulator: {sim.compiler().describe()}: {text}")
+    if counts:
+        text = ", ".join(f"{n} {k}" for k, n in counts.items())
+        terminalreporter.write_line(f"MSL simulator: {sim.compiler().describe()}: {text}")
 
 
 def pytest_sessionfinish(session, exitstatus):
