@@ -476,13 +476,3 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       threadgroup_barrier(mem_flags::mem_threadgroup);                          // red is written again next row block
     }
   }
-// ==== kernel body: moe_gate_up_routing ====
-  // Not a kernel: the lines moe.py puts in place of moe_gate_up's slot table for its routed
-  // launch (moe_gate_up_routed), whose inputs are router_scores' scores and the router's bias
-  // and params instead of ids, and whose outputs add the ids and weights moe_down reads.
-  // RE: the router's experts (template).
-  threadgroup float rch[S * RE];
-  threadgroup int rsel[S * 32];
-  threadgroup int rkeep[S * 32];
-  router_route_slots(scores, bias, rparams, fparams[0], lut, E, S, NW, warp, lane, rch, rsel, rkeep, sl,
-                     ids, weights, threadgroup_position_in_grid.x == 0 && threadgroup_position_in_grid.y == 0);

@@ -15,7 +15,6 @@
 // the unbiased scores, divided by (their sum + 1e-20) when norm_topk_prob, times
 // routed_scaling_factor. ids come out in selection order (descending choice). With a shared
 // slot (params[5] >= 0) slot K is (shared id, 1.0).
-// router_route_slots: router_topk's selection inside moe_gate_up (moe.py's routed launch).
 // The CUDA twin metal_kernels/cuda/router.cu implements the same algorithm line for line.
 //
 // router_scores params (int32[8]): D, E. Template: T (x dtype), S, ROWS, NW, V4 (D % 4 == 0).
@@ -63,91 +62,6 @@ inline float router_slot_weight(const device float* scores, const threadgroup in
     wt = wt / (sum + 1e-20f);
   }
   return wt * scale;
-}
-
-// A taken expert: below ROUTER_NONE, so a masked expert still outranks it (router_topk leaves
-// taken experts out of its argmax and lets masked ones in).
-#define ROUTER_TAKEN (-3.2e38f)
-
-// router_topk's selection inside moe_gate_up (moe.py, ROUTE 1): every threadgroup selects for
-// itself, one SIMD group a token (tokens warp, warp + nw, ...), from ch (S * E floats of
-// threadgroup memory, the token's choices) with sel and keep (S * 32 ints). The same choices,
-// order and float operations as router_topk: ties go to the lower index, a group scores its
-// top-2 sum, the weights' sum runs in selection order. Each slot's group-local expert goes to
-// sl; the threadgroup that writes (writer) stores ids and weights for moe_down. rp:
-// router_topk's params (E, K, n_group, topk_group, norm, shared id or -1); lut / E_lut: the
-// bank's, as moe_slot_table.
-inline void router_route_slots(const device float* scores, const device float* bias,
-                               const device int* rp, float scale, const device int* lut, int E_lut,
-                               int S, int nw, int warp, int lane, threadgroup float* ch,
-                               threadgroup int* sel, threadgroup int* keep, threadgroup int* sl,
-                               device int* ids, device float* weights, bool writer) {
-  const int E = rp[0];
-  const int K = rp[1];
-  const int G = rp[2];
-  const int TKG = rp[3];
-  const int norm = rp[4];
-  const int shared = rp[5];
-  const int KO = K + (shared >= 0 ? 1 : 0);
-  for (int s = warp; s < S; s += nw) {
-    threadgroup float* c = ch + s * E;
-    threadgroup int* sk = sel + s * 32;
-    for (int j = lane; j < E; j += 32) {
-      c[j] = scores[s * E + j] + bias[j];
-    }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    if (G > 1) {
-      const int gsz = E / G;
-      float gs = ROUTER_NONE;
-      if (lane < G) {
-        gs = router_group_score(c, lane, gsz);
-      }
-      int rank = 0;
-      for (int g = 0; g < G; ++g) {
-        const float og = simd_shuffle(gs, ushort(g));
-        rank += (og > gs || (og == gs && g < lane)) ? 1 : 0;
-      }
-      keep[s * 32 + lane] = (lane < G && rank < TKG) ? 1 : 0;
-      simdgroup_barrier(mem_flags::mem_threadgroup);
-      for (int j = lane; j < E; j += 32) {
-        if (keep[s * 32 + j / gsz] == 0) {
-          c[j] = ROUTER_NONE;
-        }
-      }
-      simdgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    for (int k = 0; k < K; ++k) {
-      float v = ROUTER_TAKEN;
-      int i = 1 << 30;
-      for (int j = lane; j < E; j += 32) {
-        router_better(v, i, c[j], j);
-      }
-      for (int off = 16; off >= 1; off /= 2) {
-        const float ov = simd_shuffle_xor(v, ushort(off));
-        const int oi = simd_shuffle_xor(i, ushort(off));
-        router_better(v, i, ov, oi);
-      }
-      if (lane == 0) {
-        sk[k] = i;
-        c[i] = ROUTER_TAKEN;
-      }
-      simdgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    if (lane < KO) {
-      float wt = 1.0f;
-      int id = shared;
-      if (lane < K) {
-        id = sk[lane];
-        wt = router_slot_weight(scores + s * E, sk, K, lane, norm, scale);
-      }
-      sl[s * KO + lane] = (id >= 0 && id < E_lut) ? lut[id] : -1;
-      if (writer) {
-        ids[s * KO + lane] = id;
-        weights[s * KO + lane] = wt;
-      }
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // ==== kernel body: router_scores ====

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -207,15 +206,6 @@ def bench_moe(args, results):
     moe_chain = compiled.CompiledBlock(functools.partial(_moe_chain, ours), "bench_moe_chain")
     block_static = ours[0].host_reason(rows[0])
     t_ours_block_chain = timeit(lambda: moe_chain(*rows, static=block_static), args.iters, "ours moe_block_chain") / CHAIN
-    # A/B: the router's selection inside moe_gate_up (opt-in, COLIBRI_MOE_ROUTE=1) instead of
-    # router_topk's launch (a compiled block of its own: the env is read while tracing).
-    os.environ["COLIBRI_MOE_ROUTE"] = "1"
-    try:
-        moe_chain_routed = compiled.CompiledBlock(functools.partial(_moe_chain, ours), "bench_moe_chain_routed")
-        t_ours_block_chain_routed = timeit(lambda: moe_chain_routed(*rows, static=block_static), args.iters,
-                                           "ours moe_block_chain_routed") / CHAIN
-    finally:
-        del os.environ["COLIBRI_MOE_ROUTE"]
 
     lm_args = lm.ModelArgs(**{k: v for k, v in config(experts=E).items() if k in lm.ModelArgs.__dataclass_fields__})
     switch = [mlxlm_quantize(SwitchGLU(D, INTER, E)) for _ in range(CHAIN)]
@@ -244,8 +234,6 @@ def bench_moe(args, results):
                                 floor_us=block_bytes / COPY_BW * 1e6)
     results["moe_block_chain"] = dict(ours_us=t_ours_block_chain * 1e6, mlxlm_us=t_lm_block * 1e6, bytes=block_bytes,
                                       floor_us=block_bytes / COPY_BW * 1e6)
-    results["moe_block_chain_routed"] = dict(ours_us=t_ours_block_chain_routed * 1e6, mlxlm_us=t_lm_block * 1e6,
-                                             bytes=block_bytes, floor_us=block_bytes / COPY_BW * 1e6)
     del ours
     kernels.moe.clear_banks()
 

@@ -217,9 +217,9 @@ def mla_specs(full: bool):
 def moe_specs(full: bool):
     """moe_gate_up / moe_down / hadamard for every fmt at S = 1 (bf16 x) and S = 8 (f32 x),
     the launches MLX gets by default (moe.gate_up_spec / down_spec); the opt-in tuning variants
-    (other warps, the PF 1 loops, gate_up's shape compiled in, the routed selection) for fmt 4
+    (other warps, the PF 1 loops, gate_up's shape compiled in) for fmt 4
     and 6 (the most used and the most different decoder), for every fmt with ``full``."""
-    from colibri_mlx.kernels import moe, router
+    from colibri_mlx.kernels import moe
 
     fmts = (0, 1, 2, 3, 4, 5, 6)
     for fmt in fmts:
@@ -262,11 +262,6 @@ def moe_specs(full: bool):
                 if opt_in:
                     yield f"gate_up_fmt{fmt}_S1_shape", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA,
                                                                         persistent=3, shape_in=True)
-            if fmt in (2, 4, 6) and opt_in:   # the router's selection inside moe_gate_up (kernels.moe.routed_block)
-                for E, cfg in ((3, router.RouterConfig(1, 1, 1, True, 1.0)), (256, router.RouterConfig(1, 8, 4, True, 2.5))):
-                    route = [mx.zeros((S, E), mx.float32), mx.zeros((E,), mx.float32), *router.topk_params(E, cfg, 3)]
-                    yield (f"gate_up_routed_fmt{fmt}_S{S}_{dtype}_E{E}",
-                           moe.gate_up_spec(x, group, None, K, dispatch.CUDA, route=route))
             # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
             if opt_in:
                 yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,

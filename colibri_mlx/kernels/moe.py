@@ -375,25 +375,8 @@ class _Static:
                                    self.threadgroup, self.template)
 
 
-# moe_gate_up's slot table from ids, which its routed launch replaces with its own selection.
-SLOT_TABLE_CALL = {dispatch.METAL: "  moe_slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);\n",
-                   dispatch.CUDA: "  colibri_moe::slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);\n"}
-
-
-@functools.lru_cache(maxsize=None)
-def _routed_gate_up_source(backend: str) -> tuple[str, str]:
-    """``(body, header)`` of moe_gate_up_routed: moe_gate_up's body with the router's selection
-    (the ``moe_gate_up_routing`` section) for its slot table; the router's helpers in the header."""
-    _, bodies = read_kernel_sections("moe_block", backend)
-    body = bodies["moe_gate_up"]
-    if body.count(SLOT_TABLE_CALL[backend]) != 1:
-        raise RuntimeError(f"moe_block ({backend}): moe_gate_up's slot table call is not the line moe.py replaces")
-    header = kernel_header("moe_block", backend) + read_kernel_sections("router", backend)[0]
-    return body.replace(SLOT_TABLE_CALL[backend], bodies["moe_gate_up_routing"]), header
-
-
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
-                    prefetch=None, persistent=None, shape_in=None, router_experts: int = 0) -> _Static:
+                    prefetch=None, persistent=None, shape_in=None) -> _Static:
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
     # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
@@ -412,7 +395,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     if shape_in is None:
         shape_in = dispatch.getenv("COLIBRI_MOE_GATE_UP_SHAPE", "0") == "1"
     shape_in = bool(shape_in) and backend == dispatch.CUDA
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent, shape_in, router_experts)
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent, shape_in)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -425,25 +408,15 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     if persistent is None:
         persistent = default_gate_up_persistent(p.fmt, S, n_slots, nw, pf, n_blocks, backend)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
-    if router_experts:
-        # The router's selection made by every threadgroup (kernels/router.py, Routing): inputs
-        # the scores and the router's bias and params instead of ids, outputs h, ids, weights.
-        body, header = _routed_gate_up_source(backend)
-        names = dict(name="moe_gate_up_routed",
-                     input_names=("x", "wgu", "sgu", "e8grid", "scores", "bias", "lut", "params", "rparams", "fparams"),
-                     output_names=("h", "ids", "weights"),
-                     output_shapes=[(n_slots, h_width(group)), (S, K), (S, K)],
-                     output_dtypes=[mx.float32, mx.int32, mx.float32])
-    else:
-        body, header = read_kernel_sections("moe_block", backend)[1]["moe_gate_up"], kernel_header("moe_block", backend)
-        names = dict(name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
-                     output_names=("h",), output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32])
+    header = kernel_header("moe_block", backend)
+    _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
-        **names, source=body, header=header,
+        name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
+        output_names=("h",), source=bodies["moe_gate_up"], header=header,
+        output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, x_dtype, backend, pf)
         + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers)]
-        + ([("RE", router_experts)] if router_experts else [])
         + (list(zip(("KI", "KO", "KRB", "KNG", "KNU"),
                     (p.I, p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 5))
            if backend == dispatch.CUDA else []),
@@ -507,26 +480,17 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     return st
 
 
-def gate_up_spec(x: mx.array, group: ExpertGroup, ids: Optional[mx.array], K: int,
+def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
                  simdgroups: Optional[int] = None, prefetch: Optional[int] = None,
-                 persistent: Optional[int] = None, shape_in: Optional[bool] = None,
-                 route: Optional[list] = None) -> dispatch.LaunchSpec:
+                 persistent: Optional[int] = None, shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
     in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
     (0: one a row block; None: env COLIBRI_MOE_GATE_UP_PERSISTENT, else
     :func:`default_gate_up_persistent`). ``shape_in``: CUDA, the projection's shape compiled in
-    (None: env COLIBRI_MOE_GATE_UP_SHAPE). ``route`` (``Routing.kernel_inputs``: scores [N, E],
-    bias, params, fparams) instead of ``ids``: moe_gate_up_routed, which selects the K slots a
-    token itself and also returns ``ids`` and ``weights`` [N, K]."""
-    router_experts = 0 if route is None else route[0].shape[-1]
-    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent, shape_in,
-                         router_experts)
+    (None: env COLIBRI_MOE_GATE_UP_SHAPE)."""
+    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent, shape_in)
     p = group.gate_up
-    if route is not None:
-        scores, bias, rparams, fparams = route
-        return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), at_least_8(scores), at_least_8(bias),
-                        group.lut, st.params, rparams, fparams])
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 
 
@@ -705,53 +669,6 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
     return (y if y.dtype == x.dtype else y.astype(x.dtype)), False
-
-
-def routed_block(x: mx.array, experts: Sequence, routing, residual: Optional[mx.array] = None) -> mx.array:
-    """:func:`moe_block` of the experts ``routing`` (kernels.router.Routing) selects. With env
-    COLIBRI_MOE_ROUTE=1 the selection is made inside moe_gate_up: router_scores,
-    moe_gate_up_routed and moe_down, one launch fewer than router_topk + moe_block. Otherwise,
-    and where it cannot (reference backend, prefill, streamed experts, declines: counted),
-    ``routing.select()`` and :func:`moe_block`."""
-    impl = dispatch.backend()
-    reason = _routed_reason(x, experts, routing, impl)
-    if reason is not None:
-        ids, weights = routing.select()
-        return moe_block(x, experts, ids, weights, residual)
-    group = resident_bank(experts).groups[0]
-    dispatch.record_call("router", f"{impl}-in-gate-up")
-    dispatch.record_call("moe_block", impl)
-    N, K = x.shape[0], routing.slots
-    route = routing.kernel_inputs(impl)
-    h, ids, weights = dispatch.launch(impl, gate_up_spec(rotate(x, impl) if group.rotated else x, group, None, K,
-                                                         impl, route=route))
-    if group.down.fmt == E8_FMT:
-        h = rotate(h, impl)
-    return dispatch.launch(impl, down_spec(h, group, ids, weights, N, K, impl, out_dtype=x.dtype,
-                                           residual=residual))[0]
-
-
-def _routed_reason(x, experts, routing, impl) -> Optional[str]:
-    """Why :func:`routed_block` selects with router_topk; the declines of a decode row the
-    fused launch could have taken are counted (``moe_route``)."""
-    if impl == dispatch.REFERENCE or x.shape[0] > MAX_TOKENS or getattr(experts, "prepare", None) is not None:
-        return "the routing is read on the host"
-    # Opt-in (env COLIBRI_MOE_ROUTE=1): on the H200 the selection inside moe_gate_up cost what the
-    # launch it saves did (MoE block, chain of 8, three runs: 143.0 / 139.5 / 152.6 us a layer
-    # against router_topk's 143.5 / 141.0 / 149.1; docs/performance.md, seventeenth session).
-    if dispatch.getenv("COLIBRI_MOE_ROUTE", "0") != "1":
-        return "router_topk selects (COLIBRI_MOE_ROUTE=1: moe_gate_up does)"
-    reason = routing.kernel_decline_reason() or decline_reason(x, routing.slots)
-    if reason is not None:
-        return reason                   # counted by router_topk / moe_block, which take it
-    reason = routing.decline_reason()
-    if reason is None:
-        bank = resident_bank(experts)
-        if bank.declined or len(bank.groups) != 1:
-            reason = "experts of several formats or on the reference path (one moe_gate_up selects for one group)"
-    if reason is not None:
-        dispatch.record_fallback("moe_route", reason)
-    return reason
 
 
 def _declined_part(x, experts, ids, weights, bank):

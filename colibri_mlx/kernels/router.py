@@ -18,7 +18,7 @@ argpartition order: consumers (moe_block) do not depend on slot order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -30,8 +30,6 @@ MAX_TOKENS = 8            # decode; more tokens (prefill) use the reference
 MAX_EXPERTS = 1024        # router_topk: one thread per expert in one threadgroup
 MAX_K = 32                # selected experts per token (threadgroup table)
 MAX_GROUPS = 32
-# moe_gate_up_routed keeps every token's choices in threadgroup memory (S * E floats, 16 KB).
-MAX_ROUTED_CHOICES = 4096
 SCORE_ROWS = 2            # experts per router_scores threadgroup: E / 2 threadgroups (128 for 256)
 SCORE_SIMDGROUPS = 8      # 256 threads split each row (7168 floats: 7 float4 units per thread)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -128,7 +126,7 @@ def scores_spec(x: mx.array, weight: mx.array, backend: str = dispatch.METAL, ro
 
 
 def topk_params(E: int, cfg: RouterConfig, shared_id: Optional[int] = None) -> tuple[mx.array, mx.array]:
-    """router_topk's ``(params, fparams)``; moe_gate_up_routed reads the same two."""
+    """router_topk's ``(params, fparams)``."""
     return (dispatch.int_params(E, cfg.top_k, cfg.n_group, cfg.topk_group, int(cfg.norm_topk_prob),
                                 -1 if shared_id is None else int(shared_id)),
             dispatch.float_params(float(cfg.routed_scaling_factor)))
@@ -177,45 +175,6 @@ def _decline_cached(x, weight, bias, cfg) -> Optional[str]:
     if key not in _declined:
         _declined[key] = decline_reason(x, weight, bias, cfg)
     return _declined[key]
-
-
-@dataclass(eq=False)
-class Routing:
-    """A MoE block's router inputs, before selection: kernels.moe.routed_block selects inside
-    moe_gate_up where it can (:meth:`decline_reason`), else calls :meth:`select`."""
-
-    x: mx.array                 # [S, D]
-    weight: mx.array            # [E, D] float32
-    bias: mx.array              # [E] float32
-    cfg: RouterConfig
-    shared_id: Optional[int] = None
-    slots: int = field(init=False)   # K (+1 with the shared slot) a token
-
-    def __post_init__(self):
-        self.slots = self.cfg.top_k + (self.shared_id is not None)
-
-    def select(self) -> tuple[mx.array, mx.array]:
-        """``(ids, weights)`` by :func:`router_topk`."""
-        return router_topk(self.x, self.weight, self.bias, self.cfg, self.shared_id)
-
-    def kernel_decline_reason(self) -> Optional[str]:
-        """Why router_topk's kernels decline these inputs (they count it), or None."""
-        return _decline_cached(self.x, self.weight, self.bias, self.cfg)
-
-    def decline_reason(self) -> Optional[str]:
-        """Why moe_gate_up cannot select where router_topk's kernel can, or None: the slots fit
-        one SIMD group, every token's choices fit threadgroup memory."""
-        S, E = self.x.shape[0], self.weight.shape[0]
-        if self.slots > 32:
-            return f"{self.slots} slots a token above one SIMD group's 32"
-        if S * E > MAX_ROUTED_CHOICES:
-            return f"S*E={S * E} choices above {MAX_ROUTED_CHOICES} (threadgroup memory)"
-        return None
-
-    def kernel_inputs(self, impl: str) -> list:
-        """moe_gate_up_routed's router inputs: router_scores' launch, bias, params, fparams."""
-        scores = dispatch.launch(impl, scores_spec(self.x, self.weight, impl))[0]
-        return [scores, self.bias, *topk_params(self.weight.shape[0], self.cfg, self.shared_id)]
 
 
 def router_topk(x: mx.array, weight: mx.array, bias: mx.array, cfg: RouterConfig,

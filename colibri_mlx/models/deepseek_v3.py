@@ -711,13 +711,6 @@ class Router:
             self._config = (key, kernels.router.RouterConfig(*key))
         return self._config[1]
 
-    def routing(self, x: mx.array, shared_id: int | None = None):
-        """The selection to make for ``x [N, D]`` (kernels.router.Routing: router_topk's, or
-        moe_gate_up's own); None with router top-p (it selects on the host)."""
-        if self.top_p is not None:
-            return None
-        return kernels.router.Routing(x, self.weight, self.bias, self.config, shared_id)
-
     def __call__(self, x: mx.array, shared_id: int | None = None) -> tuple[mx.array, mx.array]:
         """``(ids [..., K], weights [..., K])``; with ``shared_id`` one more slot ``(shared_id, 1.0)``."""
         if self.top_p is None:
@@ -788,11 +781,7 @@ class MoE:
         return self.routed(flat, res).reshape(x.shape)
 
     def routed(self, flat, residual=None):
-        """The routed experts (and the shared slot) of ``flat [N, D]`` (kernels.moe.routed_block:
-        with COLIBRI_MOE_ROUTE=1 the router's selection is made inside moe_gate_up)."""
-        routing = self.router.routing(flat, self.shared_slot) if isinstance(self.router, Router) else None
-        if routing is not None:
-            return kernels.moe.routed_block(flat, self.bank, routing, residual)
+        """The routed experts (and the shared slot) of ``flat [N, D]``."""
         ids, weights = self.router(flat, self.shared_slot)     # [N, K(+1)]
         return routed_experts(flat, self.bank, ids, weights, residual)
 

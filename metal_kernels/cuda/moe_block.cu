@@ -512,13 +512,3 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       __syncthreads();                          // red is written again next row block
     }
   }
-// ==== kernel body: moe_gate_up_routing ====
-  // Not a kernel: the lines moe.py puts in place of moe_gate_up's slot table for its routed
-  // launch (moe_gate_up_routed), whose inputs are router_scores' scores and the router's bias
-  // and params instead of ids, and whose outputs add the ids and weights moe_down reads.
-  // RE: the router's experts (template).
-  __shared__ float rch[S * RE];
-  __shared__ int rsel[S * 32];
-  __shared__ int rkeep[S * 32];
-  colibri_router::route_slots(scores, bias, rparams, fparams[0], lut, E, S, NW, warp, lane, rch, rsel,
-                              rkeep, sl, ids, weights, blockIdx.x == 0 && blockIdx.y == 0);

@@ -3,8 +3,7 @@
 // (split-K over float4 units, partial sums through warp shuffles and shared memory);
 // router_topk: one block per token, group-limited top-k by K rounds of a block argmax (larger
 // value wins, equal values go to the lower index), weights normalized (+1e-20) and scaled,
-// slot K = (shared id, 1.0) when params[5] >= 0. route_slots: router_topk's selection inside
-// moe_gate_up. Template values arrive as constexpr lines.
+// slot K = (shared id, 1.0) when params[5] >= 0. Template values arrive as constexpr lines.
 
 namespace colibri_router {
 
@@ -56,90 +55,6 @@ __device__ __forceinline__ float slot_weight(const float* scores, const int* sel
     wt = wt / (sum + 1e-20f);
   }
   return wt * scale;
-}
-
-// A taken expert: below ROUTER_NONE, so a masked expert still outranks it (router_topk leaves
-// taken experts out of its argmax and lets masked ones in).
-#define ROUTER_TAKEN (-3.2e38f)
-
-// router_topk's selection inside moe_gate_up (moe.py, ROUTE 1): every block selects for
-// itself, one warp a token (tokens warp, warp + nw, ...), from ch (S * E floats of shared
-// memory, the token's choices) with sel and keep (S * 32 ints). The same choices, order and
-// float operations as router_topk: ties go to the lower index, a group scores its top-2 sum,
-// the weights' sum runs in selection order. Each slot's group-local expert goes to sl; the
-// block that writes (writer) stores ids and weights for moe_down. rp: router_topk's params
-// (E, K, n_group, topk_group, norm, shared id or -1); lut / E_lut: the bank's, as slot_table.
-__device__ __forceinline__ void route_slots(const float* scores, const float* bias, const int* rp,
-                                            float scale, const int32_t* lut, int E_lut, int S,
-                                            int nw, int warp, int lane, float* ch, int* sel,
-                                            int* keep, int* sl, int32_t* ids, float* weights,
-                                            bool writer) {
-  const int E = rp[0];
-  const int K = rp[1];
-  const int G = rp[2];
-  const int TKG = rp[3];
-  const int norm = rp[4];
-  const int shared = rp[5];
-  const int KO = K + (shared >= 0 ? 1 : 0);
-  for (int s = warp; s < S; s += nw) {
-    float* c = ch + s * E;
-    int* sk = sel + s * 32;
-    for (int j = lane; j < E; j += 32) {
-      c[j] = scores[s * E + j] + bias[j];
-    }
-    __syncwarp();
-    if (G > 1) {
-      const int gsz = E / G;
-      float gs = ROUTER_NONE;
-      if (lane < G) {
-        gs = group_score(c, lane, gsz);
-      }
-      int rank = 0;
-      for (int g = 0; g < G; ++g) {
-        const float og = __shfl_sync(0xffffffffu, gs, g);
-        rank += (og > gs || (og == gs && g < lane)) ? 1 : 0;
-      }
-      keep[s * 32 + lane] = (lane < G && rank < TKG) ? 1 : 0;
-      __syncwarp();
-      for (int j = lane; j < E; j += 32) {
-        if (keep[s * 32 + j / gsz] == 0) {
-          c[j] = ROUTER_NONE;
-        }
-      }
-      __syncwarp();
-    }
-    for (int k = 0; k < K; ++k) {
-      float v = ROUTER_TAKEN;
-      int i = 1 << 30;
-      for (int j = lane; j < E; j += 32) {
-        better(v, i, c[j], j);
-      }
-      for (int off = 16; off >= 1; off /= 2) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, off);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, off);
-        better(v, i, ov, oi);
-      }
-      if (lane == 0) {
-        sk[k] = i;
-        c[i] = ROUTER_TAKEN;
-      }
-      __syncwarp();
-    }
-    if (lane < KO) {
-      float wt = 1.0f;
-      int id = shared;
-      if (lane < K) {
-        id = sk[lane];
-        wt = slot_weight(scores + s * E, sk, K, lane, norm, scale);
-      }
-      sl[s * KO + lane] = (id >= 0 && id < E_lut) ? lut[id] : -1;
-      if (writer) {
-        ids[s * KO + lane] = id;
-        weights[s * KO + lane] = wt;
-      }
-    }
-  }
-  __syncthreads();
 }
 
 }  // namespace colibri_router
