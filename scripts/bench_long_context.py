@@ -11,7 +11,7 @@ in place only once this step has finished. A pipelined loop (the next step built
 while this one runs, as `colibri generate` and mlx-lm's generate do) then copies every layer's
 whole cache every step; mla_rows_into writes the row into the buffer itself (docs/kernels.md).
 
-Method (PERF.md): the cache is filled to --context positions with random rows (no prefill: its
+Method: the cache is filled to --context positions with random rows (no prefill: its
 content does not change the time), then ms/token = median over --steps greedy decode steps, each
 evaluated and synchronized, and the same pipelined (bench_e2e.decode_times_pipelined). Each
 variant runs once unrecorded first. "buffer moved": whether any layer's buffer changed address

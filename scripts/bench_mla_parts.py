@@ -5,7 +5,7 @@ g64, bf16 queries and cache on GPUs).
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_mla_parts.py [--cache 4096 32768]
 
-Method (PERF.md): a chain of 8 independent instances (each its own cache, so nothing is an L2
+Method: a chain of 8 independent instances (each its own cache, so nothing is an L2
 hit across instances) in one evaluation, median of --iters after a warm-up, time / 8. Launch
 inputs are evaluated beforehand, so a launch timed alone is that kernel plus its launch cost.
 The floor column is the bytes the launch must read / 4.3 TB/s.

@@ -3,7 +3,7 @@
 
     PYTHONPATH=/root/site:$PWD python3 scripts/bench_qgemv.py [--json out.json]
 
-Method (docs/PERF.md): S = 1, bf16 x; each timed evaluation runs N independent GEMVs that
+Method: S = 1, bf16 x; each timed evaluation runs N independent GEMVs that
 cycle through enough weight copies to exceed the 60 MB L2 several times, so weights come from
 HBM; the graph is built before the clock starts and the clock stops after mx.synchronize();
 median of REPS evaluations, divided by N. Bytes = packed weights + scales + x (what must be

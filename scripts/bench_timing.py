@@ -1,4 +1,4 @@
-"""The timing loop the per-layer benchmarks share (method: ../shared/docs/PERF.md)."""
+"""The timing loop the per-layer benchmarks share."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def _iq3_grid_bytes() -> np.ndarray:
 
 
 def decode_e8_f64(packed: np.ndarray, O: int, I: int) -> np.ndarray:
-    """FORMAT.md §3.3 written out per field in float64 (loops over the 8 sub-blocks only)."""
+    """docs/format.md#fmt-6-e8-iq3-lattice written out per field in float64 (loops over the 8 sub-blocks only)."""
     grid = _iq3_grid_bytes()
     blk = packed.reshape(O, -1, FMT6_BLOCK_BYTES)
     nb = blk.shape[1]

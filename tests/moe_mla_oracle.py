@@ -28,7 +28,7 @@ def weight_f64(w) -> np.ndarray:
 
 
 def hadamard_f64(n: int) -> np.ndarray:
-    """Q of FORMAT.md §3.6 for rows of length n (block diagonal D*H/sqrt(b)), float64."""
+    """Q of docs/format.md#rotation for rows of length n (block diagonal D*H/sqrt(b)), float64."""
     from colibri_mlx.formats.e8 import block_tiling, sign_bits
 
     Q = np.zeros((n, n))

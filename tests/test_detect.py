@@ -1,7 +1,7 @@
 """Format detection: upstream's exact first-match rule (misreadings included) and ours.
 
 The misreadings are listed here by hand from qt_resolve_fmt / detect_group_size
-(c/colibri.c, FORMAT.md §1.4), not recomputed: a change in detect_format that reads any
+(c/colibri.c, docs/format.md#detection), not recomputed: a change in detect_format that reads any
 written (fmt, gs) differently from upstream fails the sweep.
 """
 

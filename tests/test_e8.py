@@ -1,4 +1,4 @@
-"""fmt 6 (E8/IQ3 lattice + Walsh–Hadamard rotation) against independent oracles (FORMAT.md §3)."""
+"""fmt 6 (E8/IQ3 lattice + Walsh–Hadamard rotation) against independent oracles (docs/format.md#fmt-6-e8-iq3-lattice)."""
 
 import numpy as np
 import pytest
@@ -78,7 +78,7 @@ def test_rotation_preserves_products():
 
 
 def test_rotate_rows_matches_butterfly_transcription():
-    """Bit-exact vs the in-place butterfly written as in FORMAT.md §3.6 (upstream's rounding)."""
+    """Bit-exact vs the in-place butterfly written as in docs/format.md#rotation (upstream's rounding)."""
     x = _rng(3).standard_normal((5, 1536)).astype(np.float32)
     ref, off = x.copy(), 0
     for b in e8.block_tiling(1536):
@@ -117,7 +117,7 @@ def _random_blocks(n, rng):
 
 
 def _decode_f64(blocks):
-    """Per-weight float64 decoder written from FORMAT.md §3.3, one weight at a time."""
+    """Per-weight float64 decoder written from docs/format.md#fmt-6-e8-iq3-lattice, one weight at a time."""
     out = np.empty((len(blocks), 256))
     for n, blk in enumerate(blocks):
         d = float(np.frombuffer(blk[96:98].tobytes(), "<f2")[0])
@@ -144,7 +144,7 @@ def test_decode_matches_float64_per_weight_decoder():
 
 
 def test_decode_matches_gguf_iq3_xxs():
-    """Colibri blocks = GGML IQ3_XXS with fields reordered and d doubled (FORMAT.md §3.5)."""
+    """Colibri blocks = GGML IQ3_XXS with fields reordered and d doubled (docs/format.md#fmt-6-e8-iq3-lattice)."""
     gguf_quants.IQ3_XXS.init_grid()
     blocks = _random_blocks(64, _rng(6))
     d = np.frombuffer(blocks[:, 96:98].tobytes(), "<f2")
@@ -174,7 +174,7 @@ def _dot_fma_chain(q, g):
 
 
 def _encode_reference(w_rot):
-    """Straightforward per-super-block encoder from FORMAT.md §3.9 (float32 like iq3_pack)."""
+    """Straightforward per-super-block encoder after upstream's iq3_pack.encode (float32 like it)."""
     g = e8.GRID.astype(np.float32) * np.float32(0.5)
     g2 = (g * g).sum(1)
     out = []

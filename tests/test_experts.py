@@ -1,6 +1,6 @@
 """ExpertStore pieces on their own: .coli_usage format, read layout, cache policy, read pool.
 
-Oracles: upstream's file format written out by hand (FORMAT.md §1.6), FNV-1a 32 reference
+Oracles: upstream's file format written out by hand (docs/format.md#usage-history), FNV-1a 32 reference
 values, the container's own tensor views (bytes and scales), and a dictionary-based LRU model
 of the cache replayed on the same access sequence.
 """
@@ -107,7 +107,7 @@ def test_expert_is_two_coalesced_reads_matching_the_container(small):
     # expert aliasing it instead of owning a copy would show the last expert's bytes.
     loaded = {key: store._read(key).weights for key in store.layouts}
     for key, layout in store.layouts.items():
-        assert len(layout.reads) == 2  # scales block + weights block (writer order, FORMAT.md §1.3)
+        assert len(layout.reads) == 2  # scales block + weights block (writer order, docs/format.md#tensor-order)
         for proj, qt in zip(("gate", "up", "down"), loaded[key]):
             name = f"model.layers.{key[0]}.mlp.experts.{key[1]}.{proj}_proj.weight"
             want = c.tensor(name, shapes[proj])

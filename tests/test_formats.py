@@ -1,4 +1,4 @@
-"""fmt 0–6 codecs against oracles written here from FORMAT.md §2 / §5.3, element by element.
+"""fmt 0–6 codecs against oracles written here from docs/format.md#formats, element by element.
 
 * ``dumb_encode`` follows the converter's formulas with float32 scalars, one element at a time,
   and packs bits by the layout text (nibble order, planes, padding) — the bit-exact oracle.

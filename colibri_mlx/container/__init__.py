@@ -1,4 +1,4 @@
-"""Read and write colibri containers: directories of safetensors shards (FORMAT.md §1).
+"""Read and write colibri containers: directories of safetensors shards (docs/format.md).
 
 Public surface: ``Container`` (lazy, strictly validated reader), ``write_shard`` (atomic,
 upstream-compatible writer), ``expected_shapes`` (config.json -> [O, I] of every 2-D weight),

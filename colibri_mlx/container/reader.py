@@ -20,7 +20,7 @@ from .safetensors_reader import DTYPES, UNSHAPED_DTYPES, ContainerError, ShardHe
 from .shapes import expected_shapes
 from .writer import STAMP_KEY
 
-UPSTREAM_STAMP_KEY = "colibri.fmt"  # optional upstream stamp {name: fmt name} (FORMAT.md §1.4)
+UPSTREAM_STAMP_KEY = "colibri.fmt"  # optional upstream stamp {name: fmt name} (docs/format.md#format-stamps)
 SCALE_DTYPES = frozenset(("F32", "BF16", "F16"))  # upstream's st_read_f32 widens these
 QUANT_DTYPES = UNSHAPED_DTYPES  # U8, I8
 MAX_SHARDS = 512  # upstream ST_MAX_SHARDS
@@ -28,7 +28,7 @@ Stamp = Union[tuple, str]  # what resolve_format accepts
 
 
 class Container:
-    """A colibri container directory (FORMAT.md §1).
+    """A colibri container directory (docs/format.md).
 
     * ``tensor(name, shape=None)``: a QTensor for ``<name>`` (U8/I8) + ``<name>.qs``; otherwise
       the stored numpy array as a read-only memory-mapped view in its stored dtype. BF16 comes
@@ -187,7 +187,7 @@ class Container:
         count = info.nbytes // storage.itemsize
         flat = np.frombuffer(self._map(info.path), storage, count, info.offset)
         if info.dtype in QUANT_DTYPES and info.numel != count:
-            return flat  # upstream ignores the shape of U8/I8 tensors (FORMAT.md §1.2)
+            return flat  # upstream ignores the shape of U8/I8 tensors (docs/format.md#header-rules)
         return flat.reshape(info.shape)
 
     def _scales(self, name: str) -> np.ndarray:

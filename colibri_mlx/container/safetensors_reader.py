@@ -1,7 +1,7 @@
 """Strict safetensors header parser: every entry is validated before any tensor byte is touched.
 
 Rules: the safetensors format plus the hardening of upstream colibri's `st_init_multi`
-(FORMAT.md §1.5). Like upstream (and unlike the Rust parser) gaps between tensors and trailing
+(docs/format.md#header-rules). Like upstream (and unlike the Rust parser) gaps between tensors and trailing
 bytes are allowed; overlaps are not. Every failure is a :class:`ContainerError` naming the file, the tensor and
 what was expected; nothing here may crash, hang or allocate more than the header itself on
 garbage input (tests/test_container_fuzz.py).
@@ -34,7 +34,7 @@ class DType:
     storage: np.dtype  # numpy dtype the raw bytes are viewed as (bit patterns for bf16/fp8)
 
 
-# Accepted dtypes (FORMAT.md §1.5), keyed by every spelling upstream accepts.
+# Accepted dtypes (docs/format.md#shards-and-tensors), keyed by every spelling upstream accepts.
 _CANONICAL = {
     "F32": DType("F32", 4, np.dtype("<f4")),
     "F16": DType("F16", 2, np.dtype("<f2")),
@@ -52,7 +52,7 @@ DTYPES: dict[str, DType] = {
     "float8_e4m3fn": _CANONICAL["F8_E4M3"],
     "F8_E8M0FNU": _CANONICAL["F8_E8M0"],
 }
-# Byte counts of these are not tied to their shape (upstream skips the numel check, FORMAT.md §1.2).
+# Byte counts of these are not tied to their shape (upstream skips the numel check, docs/format.md#header-rules).
 UNSHAPED_DTYPES = frozenset(("U8", "I8"))
 
 

@@ -1,4 +1,4 @@
-"""Tensor names and [O, I] shapes implied by a config.json (FORMAT.md §6.2), and name classes.
+"""Tensor names and [O, I] shapes implied by a config.json (docs/format.md#shapes), and name classes.
 
 The container stores quantized weights as flat byte streams, so [O, I] has to come from the
 config: this is upstream's `model_init` table, extended to the DeepSeek-V3 family
@@ -84,7 +84,7 @@ class _Dims:
         return self.experts > 0 and i >= self.first_dense and i % self.moe_freq == 0
 
     def has_indexer(self, i: int) -> bool:
-        """DeepSeek-V3.2 indexes every layer; GLM-5.x only its "full" layers (FORMAT.md §6.3)."""
+        """DeepSeek-V3.2 indexes every layer; GLM-5.x only its "full" layers."""
         if not self.dsa:
             return False
         types = self.config.get("indexer_types")

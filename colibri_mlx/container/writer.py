@@ -4,7 +4,7 @@ Byte layout equals `safetensors.numpy.save_file` (checked against safetensors 0.
 tests/test_container.py): compact JSON header with `__metadata__` first, space-padded so that
 8 + header length is a multiple of 8; tensors ordered by safetensors' dtype rank (descending)
 then name, no padding between them. That order puts every F32 `.qs` before the U8 weights and
-keeps the three projections of one expert adjacent (FORMAT.md §1.3).
+keeps the three projections of one expert adjacent (docs/format.md#tensor-order).
 
 Quantized tensors are stamped in ``__metadata__["colibri_mlx.formats"]`` as a JSON string
 ``{name: {"fmt": f, "gs": g}}`` so that the reader never has to guess an ambiguous byte count.

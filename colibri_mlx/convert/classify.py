@@ -1,7 +1,7 @@
 """What each checkpoint tensor becomes: its kind, its bit width, its container format.
 
 Mirrors upstream's converter (`c/tools/convert_fp8_to_int4.py`: `classify`, the bits
-resolution in `convert_shard`, `main`'s PROJ_BITS / bits_map), FORMAT.md §1.2 and §5.
+resolution in `convert_shard`, `main`'s PROJ_BITS / bits_map); see docs/convert.md.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def parse_bits(value) -> Bits:
 
 
 def format_for(bits: Bits, group_size: int) -> tuple[int, Optional[int]]:
-    """Upstream's bits -> (fmt, gs) priority order (FORMAT.md §1.2)."""
+    """Upstream's bits -> (fmt, gs) priority order (docs/convert.md)."""
     if bits == E8:
         return 6, None
     if bits == 3:

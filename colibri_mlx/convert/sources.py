@@ -1,7 +1,7 @@
 """Checkpoint shards in, float32 weights out.
 
 Shards are memory-mapped behind the container's strict header parser (the `safetensors`
-numpy API has no float8 dtypes), with the dequantizers for every input the converter accepts (FORMAT.md §5.2):
+numpy API has no float8 dtypes), with the dequantizers for every input the converter accepts (docs/convert.md):
 BF16 / F16 / F32, FP8 e4m3 with 128x128 block scales (f32 or UE8M0), and NVFP4 (modelopt).
 All decoding is table-driven numpy and reproduces upstream's torch arithmetic exactly:
 one float32 product per scale, in upstream's order.

@@ -1,4 +1,4 @@
-"""Router top-p over the selected experts (upstream's ``TOPP``, FORMAT.md §7.2). Changes results.
+"""Router top-p over the selected experts (upstream's ``TOPP``). Changes results.
 
 Per position: sort the K selected experts by gate weight (the bias-free sigmoid score)
 descending, keep the shortest prefix whose cumulative weight reaches ``p`` x (sum of the K

@@ -3,7 +3,7 @@
 Everything but the routed experts is resident; an expert's bytes are read when a layer selects
 it. The cache holds at most ``budget_bytes`` of experts in two parts:
 
-* a pinned set, the hottest experts of the usage history (``.coli_usage``, FORMAT.md §1.6) that
+* a pinned set, the hottest experts of the usage history (``.coli_usage``, docs/format.md#usage-history) that
   fit the pin budget, never evicted;
 * an LRU for the rest of the budget. While the LRU is smaller than one token's unpinned
   working set (where a plain LRU evicts everything before its reuse: 0% hits), it admits an
@@ -25,7 +25,7 @@ flight, the expert being multiplied) + one staging buffer (one expert) per reade
 allocator slack.
 
 Each expert is read in as few ``preadv`` calls as the layout allows: the tensors of one expert
-are sorted by file offset and adjacent ones coalesced (FORMAT.md §1.3: our writer and
+are sorted by file offset and adjacent ones coalesced (docs/format.md#tensor-order: our writer and
 upstream's converter put an expert's three weights next to each other, and its three ``.qs``
 next to each other), so a container expert costs two reads, weights and scales.
 """

@@ -1,6 +1,6 @@
 """.coli_usage: how often each routed expert was selected, in upstream colibri's text format.
 
-FORMAT.md §1.6 (upstream ``c/route_trace.h``, ``rt_read_ex`` / ``usage_save``): one record per
+docs/format.md#usage-history (upstream ``c/route_trace.h``, ``rt_read_ex`` / ``usage_save``): one record per
 line, three whitespace-separated integers ``<layer> <expert> <count>``, sparse (non-zero counts
 only), plus two header records with a negative layer field::
 

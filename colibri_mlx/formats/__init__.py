@@ -1,6 +1,6 @@
 """colibri's quantized tensor formats fmt 0–6: byte counts, detection, numpy codecs.
 
-Public surface (FORMAT.md §2): ``FMT_NAMES``, ``GS_CANDIDATES``, ``weight_nbytes``,
+Public surface (docs/format.md#formats): ``FMT_NAMES``, ``GS_CANDIDATES``, ``weight_nbytes``,
 ``scale_nbytes``, ``encode``, ``decode``, ``detect_format`` (upstream's exact rule),
 ``possible_formats`` / ``resolve_format`` (our rule), ``FormatError``, ``QTensor``.
 """

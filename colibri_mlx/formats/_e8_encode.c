@@ -3,7 +3,7 @@
  * Compiled on first use by colibri_mlx/formats/e8.py (cc -O2 -ffp-contract=off -shared) and
  * called through ctypes; e8.py keeps the numpy implementation as the reference. The bytes must
  * equal upstream iq3_pack.encode on numpy/OpenBLAS, so every float32 operation that decides an
- * output is spelled out in the same order and rounding as there (FORMAT.md §3.9):
+ * output is spelled out in the same order and rounding as there:
  *   q      = m / max(db, 1e-20f)
  *   score  = |g|^2 - 2 * dot(q, g), dot a fused multiply-add chain k = 0..3 (OpenBLAS sgemm)
  *   err    = sum_32 (g * db - m)^2, summed like numpy's pairwise sum (8 accumulators)
@@ -269,7 +269,7 @@ static void search_sub(const float m[32], float d, uint8_t *code_out, uint8_t id
 
 /* ---- entry points ---------------------------------------------------------------------- */
 
-/* grid: [256][4] uint8 (FORMAT.md Appendix A). Call once before anything else. */
+/* grid: [256][4] uint8 (e8.GRID, GGML's iq3xxs_grid). Call once before anything else. */
 int e8_init(const uint8_t *grid) {
     for (int j = 0; j < NGRID; j++) {
         double g2 = 0.0;

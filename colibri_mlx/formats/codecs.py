@@ -1,7 +1,7 @@
-"""fmt 0–6: one table of byte-count facts and one numpy codec class per fmt (FORMAT.md §2).
+"""fmt 0–6: one table of byte-count facts and one numpy codec class per fmt (docs/format.md#formats).
 
 Encoders reproduce upstream's converter ``c/tools/convert_fp8_to_int4.py`` (@20b6143,
-FORMAT.md §5.3) bit for bit, padding bytes included: the converter receives float32 weights
+docs/format.md#formats) bit for bit, padding bytes included: the converter receives float32 weights
 (torch ``.to(float32).numpy()``) and computes in float32 — ``s = max(amax / qmax, 1e-8)``,
 ``v = clip(rint(w / s), lo, qmax)`` (``np.rint`` rounds half to even). Every codec works on all
 rows / groups at once; nothing loops over rows or blocks.
@@ -32,7 +32,7 @@ FMT_NAMES = {
 FMT_BY_NAME = {name: fmt for fmt, name in FMT_NAMES.items()}
 
 # Upstream's detect_group_size probes these in this order (c/colibri.c); the order decides
-# which gs a shared scale count is read as (FORMAT.md §1.4).
+# which gs a shared scale count is read as (docs/format.md#detection).
 GS_CANDIDATES = (16, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_GS = 64  # converter default --group-size
 
@@ -172,7 +172,7 @@ class Int8Row(_PerRow, fmt=1):
 
 
 class Int4Row(_PerRow, fmt=2):
-    """Nibble ``v + 8``; even element in the low nibble (FORMAT.md §2.3)."""
+    """Nibble ``v + 8``; even element in the low nibble (docs/format.md#formats)."""
 
     qmax, lo = 7, -8
 
@@ -188,7 +188,7 @@ class Int4Row(_PerRow, fmt=2):
 
 
 class Int2Row(_PerRow, fmt=3):
-    """2-bit ``v + 2``, element 0 in the least-significant pair (FORMAT.md §2.4)."""
+    """2-bit ``v + 2``, element 0 in the least-significant pair (docs/format.md#formats)."""
 
     qmax, lo = 1, -2
 
@@ -238,7 +238,7 @@ class Int4Grouped(Codec, fmt=4):
 
 
 class Int3G64(Codec, fmt=5):
-    """24-byte groups of 64: 16-byte low-2-bit plane + 8-byte high-bit plane (FORMAT.md §2.6)."""
+    """24-byte groups of 64: 16-byte low-2-bit plane + 8-byte high-bit plane (docs/format.md#fmt-5-int3-g64)."""
 
     qmax, lo = 3, -4
 
@@ -332,7 +332,7 @@ def _check_gs(fmt: int, gs, *, required: bool) -> Optional[int]:
 
 
 def weight_nbytes(fmt: int, O: int, I: int, gs: Optional[int] = None) -> int:
-    """Bytes of the packed weight tensor ``<name>`` (FORMAT.md §2.0; gs is not needed)."""
+    """Bytes of the packed weight tensor ``<name>`` (docs/format.md#detection; gs is not needed)."""
     c = codec(fmt)
     O, I = _check_shape(O, I)
     return c.weight_nbytes(O, I, _check_gs(c.fmt, gs, required=False))

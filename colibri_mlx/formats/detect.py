@@ -3,7 +3,7 @@
 Two rules live here:
 
 * :func:`detect_format` is upstream's ``qt_resolve_fmt`` + ``detect_group_size``
-  (c/colibri.c, FORMAT.md §1.4) reproduced exactly, misreadings included: the first gs
+  (c/colibri.c, docs/format.md#detection) reproduced exactly, misreadings included: the first gs
   candidate whose scale count fits wins, so gs=64 with I in 65–96 reads as gs=48, gs=128 with
   I in 129–192 as gs=96, int3-g64 with I in {47, 48, 95, 96, 143, 144} as int4, and so on.
   Use it to know what upstream's engine would load.

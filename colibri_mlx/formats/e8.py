@@ -1,9 +1,10 @@
 """fmt 6 "e8-iq3-lattice": IQ3_XXS-style super-blocks over Walsh–Hadamard-rotated rows.
 
-Layout, decoding, rotation and encoder search follow FORMAT.md §3 (upstream ``c/quant.h``,
-``c/tools/iq3_pack.py``). Stored weights are the rotated rows ``W @ Q``; inputs go through
-:func:`rotate` before the matmul. The encoder reproduces ``iq3_pack.encode`` byte for byte,
-including its float32 arithmetic (see :func:`_nearest_grid` for how near-ties are settled).
+Layout, decoding, rotation and encoder search follow upstream ``c/quant.h`` and
+``c/tools/iq3_pack.py`` (layout: docs/format.md#fmt-6-e8-iq3-lattice). Stored weights are the
+rotated rows ``W @ Q``; inputs go through :func:`rotate` before the matmul. The encoder
+reproduces ``iq3_pack.encode`` byte for byte, including its float32 arithmetic (see
+:func:`_nearest_grid` for how near-ties are settled).
 
 Encoding and rotation run in a small C core (``_e8_encode.c``, compiled on first use into
 ``$COLIBRI_CACHE_DIR`` or ``~/.cache/colibri_mlx`` and loaded with ctypes; ~0.6 CPU-s per
@@ -36,7 +37,7 @@ TAG = 6.0           # the `.qs` value the converter writes; only its 4-byte size
 MAX_ROT_BLOCK = 32768
 _N_CODES = 16
 
-# GGML iq3xxs_grid (FORMAT.md Appendix A) as little-endian u32 words: byte 0 is element 0.
+# GGML iq3xxs_grid (= gguf's IQ3_XXS grid) as little-endian u32 words: byte 0 is element 0.
 _GRID_WORDS = """
     0x04040404 0x04040414 0x04040424 0x04040c0c 0x04040c1c 0x04040c3e 0x04041404 0x04041414
     0x04041c0c 0x04042414 0x04043e1c 0x04043e2c 0x040c040c 0x040c041c 0x040c0c04 0x040c0c14
@@ -91,7 +92,7 @@ def _parallel(fn, n, chunk):
             pass
 
 
-# ---- rotation (FORMAT.md §3.6) ------------------------------------------------------------
+# ---- rotation (docs/format.md#rotation) ---------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def sign_bits(n: int) -> np.ndarray:
@@ -199,7 +200,7 @@ def rotate(x):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
-# ---- decoding (FORMAT.md §3.2–3.3) --------------------------------------------------------
+# ---- decoding (docs/format.md#fmt-6-e8-iq3-lattice) ---------------------------------------
 
 def _check_packed(packed: np.ndarray, O: int, I: int) -> np.ndarray:
     packed = np.asarray(packed)
@@ -237,7 +238,7 @@ def decode_e8(packed: np.ndarray, O: int, I: int) -> np.ndarray:
     return w.reshape(O, nsb * QK)[:, :I]
 
 
-# ---- encoding (FORMAT.md §3.9) ------------------------------------------------------------
+# ---- encoding (docs/formats-e8.md) --------------------------------------------------------
 
 def encode_e8(w_unrotated: np.ndarray, backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Unrotated ``W[O, I]`` -> (packed uint8 of ``98*O*I/256`` bytes, scales ``[6.0]``).

@@ -13,7 +13,7 @@ class QTensor:
     ``packed`` is the 1-D uint8 weight stream and ``scales`` the 1-D float32 ``.qs`` array
     (a 1-element tag for fmt 6). Both may be numpy arrays (memory-mapped views from the
     container) or ``mx.array`` (after :meth:`to_mlx`). fmt 6 holds the *rotated* matrix
-    ``W @ Q``: inputs must be rotated before multiplying (FORMAT.md §3.6).
+    ``W @ Q``: inputs must be rotated before multiplying (docs/format.md#rotation).
     """
 
     packed: Any

@@ -30,7 +30,7 @@ __all__ = [
     "concat_rows", "mla_decode", "mla_rows", "moe_block", "qmatmul", "reset_counters", "router",
 ]
 
-# Formats whose rows are independent byte runs with their scales in per-row order (FORMAT.md §2:
+# Formats whose rows are independent byte runs with their scales in per-row order (docs/format.md#formats:
 # row o starts at o * row_bytes, scales [O] or [O, ng] row-major): stacking two tensors' rows is
 # concatenating their byte streams and their scale arrays. fmt 6 is row-wise too but holds the
 # rotated matrix and only routed experts use it, fmt 0 takes the dequant-matmul path anyway: both
@@ -44,7 +44,7 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtyp
     x's dtype) when given, rounded as a separate add would round it.
 
     ``w`` is a float ``mx.array [O, I]`` or a :class:`QTensor` (fmt 0-6; for fmt 6 ``x`` must
-    already be rotated, FORMAT.md §3.6). Up to 8 rows of x go to the GEMV kernel, which reads
+    already be rotated, docs/format.md#rotation). Up to 8 rows of x go to the GEMV kernel, which reads
     every weight byte once (and adds the residual as it writes: no launch of its own); more rows
     (prefill) dequantize row tiles and use matmul.
     """
@@ -149,7 +149,7 @@ def rows_of(w, r0: int, r1: int):
 def take_rows(w, order):
     """``w`` with its rows in ``order`` (a permutation of ``range(O)``), evaluated: the same
     bytes and scales per row, so every output of a qmatmul is the same number, moved. Float
-    weights or QTensor fmt 0-6 (every fmt stores rows independently, FORMAT.md §2; fmt 0 and 6
+    weights or QTensor fmt 0-6 (every fmt stores rows independently, docs/format.md#formats; fmt 0 and 6
     carry no per-row scales)."""
     import numpy as np
 

@@ -1,6 +1,6 @@
 """Backend choice, kernel construction and call/fallback counters for every hot path.
 
-Each hot path has three implementations (ARCHITECTURE.md, "Kernels"): ``reference`` (pure
+Each hot path has three implementations: ``reference`` (pure
 ``mx`` ops, the oracle and the fallback), ``metal`` (``metal_kernels/<name>.metal`` through
 ``mx.fast.metal_kernel``) and ``cuda`` (``metal_kernels/cuda/<name>.cu`` through
 ``mx.fast.cuda_kernel``). This module decides which one runs and counts what ran.

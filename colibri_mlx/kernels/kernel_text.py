@@ -2,7 +2,7 @@
 
 MLX's custom kernels pay for the length of their source on every launch: the CUDA backend
 builds the whole kernel text on every call of the kernel object and hashes it (``std::hash``)
-on every evaluation, Metal's builds it per call too (MLX_PLATFORM.md §B). Our kernels share
+on every evaluation, Metal's builds it per call too. Our kernels share
 one header of decoders for every format (qdecode) plus their file's helpers, ~15-20 KB, of
 which one launch uses a fraction. :func:`launch_text` keeps the helpers the body reaches
 (transitively, by name) and drops the rest, then :func:`compact_source` drops comments,

@@ -1,7 +1,7 @@
 """Pure-MLX reference for qmatmul: dequantize the container bytes with ``mx`` ops, then matmul.
 
 This is the oracle for the GPU kernels and the path on MLX's CPU backend. It reads exactly
-the bytes FORMAT.md §2 describes (bit shifts and masks on uint8 arrays, a gather into the
+the bytes docs/format.md#formats describes (bit shifts and masks on uint8 arrays, a gather into the
 fmt 6 grid) and multiplies in float32.
 """
 
@@ -29,7 +29,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def row_bytes(fmt: int, I: int) -> int:
-    """Bytes of one stored row (FORMAT.md §2.0: every row is padded independently)."""
+    """Bytes of one stored row (docs/format.md#formats: every row is padded independently)."""
     if fmt == 0:
         return 4 * I
     if fmt == 1:
@@ -134,7 +134,7 @@ def _deq_int3_g64(packed, scales, rows, I, gs):
 def _deq_e8(packed, scales, rows, I, gs):
     nb = _ceil_div(I, E8_BLOCK)
     blk = packed.reshape(rows, nb, E8_BLOCK_BYTES)
-    # 64 grid indices, each 4 weights, already in weight order (FORMAT.md §3.2).
+    # 64 grid indices, each 4 weights, already in weight order (docs/format.md#fmt-6-e8-iq3-lattice).
     mags = e8_grid()[blk[..., :64].astype(mx.uint32)].reshape(rows, nb, 8, 32).astype(mx.float32)
     wb = blk[..., 64:96].reshape(rows, nb, 8, 4).astype(mx.uint32)
     word = wb[..., 0] | (wb[..., 1] << 8) | (wb[..., 2] << 16) | (wb[..., 3] << 24)

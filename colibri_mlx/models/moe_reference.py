@@ -21,7 +21,7 @@ E8_FMT = 6
 
 
 def _rotated_for(x: mx.array, w) -> mx.array:
-    # fmt 6 stores W @ Q, so the input must be rotated by Q first (FORMAT.md §3.6).
+    # fmt 6 stores W @ Q, so the input must be rotated by Q first (docs/format.md#rotation).
     if isinstance(w, QTensor) and w.fmt == E8_FMT:
         from ..formats.e8 import rotate
 

@@ -1,7 +1,7 @@
 """Run a `mx.fast.metal_kernel` source on the Linux CPU with Metal threadgroup/SIMD semantics.
 
 `run_metal_kernel` writes the kernel function exactly as MLX 0.32 does
-(mlx/backend/common/metal_kernel.cpp, MLX_PLATFORM.md §B1), compiles it with clang against
+(mlx/backend/common/metal_kernel.cpp), compiles it with clang against
 metal_shim.h (Metal stdlib + MLX utils subset) and runtime.c (coroutine scheduler), and runs it in
 a process of its own (runner.c, spawned; a forked child where there is no memfd) so that a fault
 (guard page hit, stack overflow) or a hang becomes a SimulatorError instead of killing the test
