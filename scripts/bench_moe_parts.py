@@ -105,15 +105,13 @@ def template_of(spec, *names) -> str:
 
 
 def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
-    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB[:PB[:SHAPE]]] ("-":
+    """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] ("-":
     moe.py's; MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks; PB: blocks a slot
-    of a persistent grid; SHAPE 1: the projection's shape compiled in, CUDA)."""
-    rows, nw, unroll, nib, pf, minb, pb, shape = parse(cfg, 8)
+    of a persistent grid)."""
+    rows, nw, unroll, nib, pf, minb, pb = parse(cfg, 7)
     cuda_only(minb, impl)
-    cuda_only(shape, impl, "SHAPE (the shape compiled in)")
     return [dispatch.with_min_blocks(with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw,
-                                                                    prefetch=pf, persistent=pb,
-                                                                    shape_in=None if shape is None else bool(shape)),
+                                                                    prefetch=pf, persistent=pb),
                                                    UNROLL=unroll, NIB=nib), minb)
             for x, L, i in zip(xs, layers, ids)]
 

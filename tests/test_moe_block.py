@@ -93,17 +93,6 @@ def test_deepseek_shape_down_with_the_shape_from_params(monkeypatch, fmts):
 
 
 @gpu_only
-@pytest.mark.parametrize("fmts", [[4] * 10, [2, 4, 5, 1, 3, 4, 2, 4, 4, 2]])
-def test_deepseek_shape_gate_up_with_the_shape_compiled_in(monkeypatch, fmts):
-    """moe_gate_up with its projection's shape compiled in (CUDA, env COLIBRI_MOE_GATE_UP_SHAPE=1),
-    moe_down's too: one group, and a launch per group of several formats."""
-    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_SHAPE", "1")
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "1")
-    experts = make_experts(fmts, D=7168, inter=2048, gs=64, seed=6)
-    run(experts, [[0, 3, 5, 7, 1, 9, 2, 8]], dtype=mx.bfloat16, seed=6)
-
-
-@gpu_only
 def test_deepseek_shape_mixed_fmt6_and_fmt4():
     experts = make_experts([6, 4, 6, 5, 4, 6, 2, 4, 6], D=7168, inter=2048, gs=64, seed=4)
     run(experts, [[0, 1, 2, 3, 4, 5, 6, 8], [8, 2, 1, 0, 7, 6, 5, 4]], dtype=mx.bfloat16, seed=4)

@@ -258,29 +258,6 @@ def test_cuda_down_shape_compiled_in(monkeypatch):
     assert shape(dispatch.METAL) == (None,) * 4
 
 
-def test_cuda_gate_up_shape_compiled_in(monkeypatch):
-    """moe_gate_up's CUDA template carries its projection's shape (KI, KO, KRB, KNG, KNU) under
-    COLIBRI_MOE_GATE_UP_SHAPE=1 or shape_in=True, zeros otherwise; Metal has no such template.
-    tests/test_moe_block.py runs it on a GPU."""
-    monkeypatch.delenv("COLIBRI_MOE_GATE_UP_SHAPE", raising=False)
-    experts = make_experts([4] * 4, D=512, inter=128, gs=64, seed=8)
-    group = moe.resident_bank(experts).groups[0]
-    ids = mx.array([[0, 2]], dtype=mx.int32)
-
-    def shape(backend, **kw):
-        spec = moe.gate_up_spec(mx.zeros((1, 512), mx.bfloat16), group, ids, 2, backend, **kw)
-        t = dict(spec.template)
-        return tuple(t.get(k) for k in ("KI", "KO", "KRB", "KNG", "KNU"))
-
-    p = group.gate_up
-    assert (p.I, p.O, p.rb, p.ng, p.n_units) == (512, 128, 256, 8, 16)
-    assert shape(dispatch.CUDA) == (0,) * 5
-    assert shape(dispatch.CUDA, shape_in=True) == (512, 128, 256, 8, 16)
-    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_SHAPE", "1")
-    assert shape(dispatch.CUDA) == (512, 128, 256, 8, 16)
-    assert shape(dispatch.METAL) == (None,) * 5
-
-
 # The persistent loops (PERS 1): (kernel, text, planted replacement, its count in the kernel).
 PERSISTENT_DEFECTS = [
     ("moe_down", "blk += blk_step", "blk += n_blocks", 1),                               # one row block each

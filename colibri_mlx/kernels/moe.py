@@ -376,7 +376,7 @@ class _Static:
 
 
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
-                    prefetch=None, persistent=None, shape_in=None) -> _Static:
+                    prefetch=None, persistent=None) -> _Static:
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
     # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
@@ -389,13 +389,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # default, :func:`default_gate_up_persistent`.
     if persistent is None:
         persistent = _env_blocks("COLIBRI_MOE_GATE_UP_PERSISTENT")
-    # CUDA: the projection's shape compiled in (template KI, KO, KRB, KNG, KNU), as moe_down's.
-    # Off by default: slower on the H200 (kernel alone, 8 experts of 7168 -> 2 x 2048 fmt 4:
-    # 46.7 us against 45.5); env COLIBRI_MOE_GATE_UP_SHAPE=1 turns it on.
-    if shape_in is None:
-        shape_in = dispatch.getenv("COLIBRI_MOE_GATE_UP_SHAPE", "0") == "1"
-    shape_in = bool(shape_in) and backend == dispatch.CUDA
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent, shape_in)
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -416,10 +410,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, x_dtype, backend, pf)
-        + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers)]
-        + (list(zip(("KI", "KO", "KRB", "KNG", "KNU"),
-                    (p.I, p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 5))
-           if backend == dispatch.CUDA else []),
+        + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers)],
         params=_params(p, K, n_slots, group.n_layer_experts))
     return st
 
@@ -483,13 +474,12 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
                  simdgroups: Optional[int] = None, prefetch: Optional[int] = None,
-                 persistent: Optional[int] = None, shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
+                 persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
     in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
     (0: one a row block; None: env COLIBRI_MOE_GATE_UP_PERSISTENT, else
-    :func:`default_gate_up_persistent`). ``shape_in``: CUDA, the projection's shape compiled in
-    (None: env COLIBRI_MOE_GATE_UP_SHAPE)."""
-    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent, shape_in)
+    :func:`default_gate_up_persistent`)."""
+    st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 

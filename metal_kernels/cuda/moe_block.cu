@@ -282,13 +282,11 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   // The stacked bank is uint8, or uint32 words past 2^31 bytes (moe.py: MLX shapes are 32-bit).
   const uint8_t* wgu8 = reinterpret_cast<const uint8_t*>(wgu);
   constexpr int R2 = 2 * ROWS;
-  // KI, KO, KRB, KNG, KNU > 0: the projection's shape compiled in (moe.py, env
-  // COLIBRI_MOE_GATE_UP_SHAPE): constant loop bounds and row offsets, as qgemv's large shapes.
-  const int I = KI > 0 ? KI : params[0];
-  const int O = KO > 0 ? KO : params[1];
-  const int rb = KRB > 0 ? KRB : params[2];
-  const int ng = KNG > 0 ? KNG : params[3];
-  const int n_units = KNU > 0 ? KNU : params[4];
+  const int I = params[0];
+  const int O = params[1];
+  const int rb = params[2];
+  const int ng = params[3];
+  const int n_units = params[4];
   const int K = params[5];
   const int n_slots = params[6];
   const int E = params[7];
