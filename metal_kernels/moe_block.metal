@@ -421,39 +421,15 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
         acc[r][s] = 0.0f;
       }
     }
-    // PF 0: load UNROLL items x ROWS rows, then compute them; PF 1: gate_up's two buffers, the
-    // next step's loads issued before this step's arithmetic.
-    constexpr int STEP = 32 * NW * UNROLL;
-    uint raw_a[UNROLL][ROWS][W];
-    float scl_a[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
-    if (PF) {
-      uint raw_b[UNROLL][ROWS][W];
-      float scl_b[UNROLL][ROWS][NSEG];
-      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, tid,
-                                                    raw_a, scl_a);
-      for (int base = tid; base < n_items; base += 2 * STEP) {
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
-                                                      base + STEP, raw_b, scl_b);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
-                                                                    soff, ng, I, hs, n_units, n_items, base, raw_a,
-                                                                    scl_a, acc);
-        if (base + STEP >= n_items) {
-          break;
-        }
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
-                                                      base + 2 * STEP, raw_a, scl_a);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
-                                                                    soff, ng, I, hs, n_units, n_items, base + STEP,
-                                                                    raw_b, scl_b, acc);
-      }
-    } else {
-      for (int base = tid; base < n_items; base += STEP) {
-        moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
-                                                      raw_a, scl_a);
-        moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
-                                                                    soff, ng, I, hs, n_units, n_items, base, raw_a,
-                                                                    scl_a, acc);
-      }
+    // Load UNROLL items x ROWS rows, then compute them.
+    uint raw[UNROLL][ROWS][W];
+    float scl[UNROLL][ROWS][NSEG];                 // fmt 4/5 scales, loaded with the weights
+    for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
+      moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
+                                                    raw, scl);
+      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
+                                                                  soff, ng, I, hs, n_units, n_items, base, raw,
+                                                                  scl, acc);
     }
     qd_simd_partials<ROWS, S>(acc, red, warp, lane);
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -118,13 +118,15 @@ def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
 
 def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
     """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB[:SHAPE]]]] ("-":
-    moe.py's; MINB 0: no launch bounds; PB: blocks of a persistent grid, 0: one a row block;
-    SHAPE 1: the projection's shape compiled in, CUDA)."""
+    moe.py's; PF: none, moe_down has no prefetch loop; MINB 0: no launch bounds; PB: blocks of a
+    persistent grid, 0: one a row block; SHAPE 1: the projection's shape compiled in, CUDA)."""
     rows, nw, unroll, nib, pf, minb, pb, shape = parse(cfg, 8)
+    if pf:
+        raise ValueError("PF: moe_down has no prefetch loop")
     cuda_only(minb, impl)
     cuda_only(shape, impl, "SHAPE (the shape compiled in)")
     return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw, out_dtype=out_dtype,
-                                        prefetch=pf, min_blocks=minb, persistent=pb,
+                                        min_blocks=minb, persistent=pb,
                                         shape_in=None if shape is None else bool(shape)), UNROLL=unroll, NIB=nib)
             for h, L, i, w in zip(hs, layers, ids, gw)]
 

@@ -217,7 +217,7 @@ def mla_specs(full: bool):
 def moe_specs(full: bool):
     """moe_gate_up / moe_down / hadamard for every fmt at S = 1 (bf16 x) and S = 8 (f32 x),
     the launches MLX gets by default (moe.gate_up_spec / down_spec); the opt-in tuning variants
-    (other warps, the PF 1 loops) for fmt 4
+    (other warps, gate_up's PF 1 loop) for fmt 4
     and 6 (the most used and the most different decoder), for every fmt with ``full``."""
     from colibri_mlx.kernels import moe
 
@@ -259,10 +259,6 @@ def moe_specs(full: bool):
                 # the shape compiled in (env COLIBRI_MOE_DOWN_SHAPE=1)
                 yield f"down_fmt{fmt}_S1_shape", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                               out_dtype=dtype, persistent=3, shape_in=True)
-            # moe_down's PF 1 loop (off by default; env COLIBRI_MOE_DOWN_PF=1)
-            if opt_in:
-                yield f"down_fmt{fmt}_S{S}_{dtype}_pf1", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
-                                                                      out_dtype=dtype, prefetch=1)
         if fmt == 4:   # a bank of uint32 words (layers past 2^31 bytes): the same bodies, a byte pointer
             saved, moe.MAX_BANK_BYTES = moe.MAX_BANK_BYTES, 1024
             try:

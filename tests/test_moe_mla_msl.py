@@ -158,19 +158,6 @@ def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
     run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=61 + fmt)
 
 
-@pytest.mark.parametrize("fmt", [1, 4, 5, 6])
-def test_moe_down_prefetch(metal, monkeypatch, fmt):
-    # moe_down's PF 1 loop (env COLIBRI_MOE_DOWN_PF=1): 3 distinct experts x 768 / wpu units =
-    # 36-144 items over 32 or 64 threads, so some lanes run an odd and some an even number of
-    # steps, and steps past the last item are loaded and computed as nothing.
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_PF", "1")
-    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
-    experts = make_experts([fmt] * 4, D=64, inter=768, gs=32, seed=80 + fmt)
-    run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=80 + fmt)
-    monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
-    run_moe(experts, N=2, K=2, ids=[[2, 3], [1, 1]], seed=81 + fmt)
-
-
 @pytest.mark.parametrize("fmt", [2, 4, 6])
 def test_moe_down_persistent_grid(metal, monkeypatch, fmt):
     # PERS 1 (env COLIBRI_MOE_DOWN_PERSISTENT=3): 3 threadgroups loop over the 16 row blocks of
@@ -289,15 +276,6 @@ def test_moe_persistent_planted_defect_is_caught(metal, monkeypatch, kernel, goo
     assert "failed to compile" not in str(caught.value)
 
 
-# moe_down's PF 1 loop (run with COLIBRI_MOE_DOWN_PF=1): each defect must fail the oracle.
-MOE_DOWN_PF_DEFECTS = {
-    "down prefetch: second buffer computed as the first's items": ("n_items, base + STEP,\n", "n_items, base,\n"),
-    "down prefetch: loop stops after the first buffer": ("if (base + STEP >= n_items) {", "if (base + STEP >= 0) {"),
-    "down prefetch: next step loaded into the live buffer": ("base + 2 * STEP, raw_a, scl_a);",
-                                                             "base + 2 * STEP, raw_b, scl_b);"),
-}
-
-
 def test_moe_prefill_groups_tokens(metal):
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
     run_moe(experts, N=12, K=2, seed=13)
@@ -364,16 +342,9 @@ MOE_PF_DEFECTS = {
 }
 
 
-# The PF 1 loops: (env var, expert shapes where lane 0 runs 3 steps with one SIMD group, seed).
-PF_LOOPS = {"gate_up": ("COLIBRI_MOE_PF", dict(D=2080, inter=24), 70),
-            "down": ("COLIBRI_MOE_DOWN_PF", dict(D=64, inter=768), 90)}
-
-
-@pytest.mark.parametrize("loop,defect", [("gate_up", d) for d in sorted(MOE_PF_DEFECTS)]
-                         + [("down", d) for d in sorted(MOE_DOWN_PF_DEFECTS)])
-def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, loop, defect):
-    good, bad = (MOE_PF_DEFECTS if loop == "gate_up" else MOE_DOWN_PF_DEFECTS)[defect]
-    env, shapes, seed = PF_LOOPS[loop]
+@pytest.mark.parametrize("defect", sorted(MOE_PF_DEFECTS))
+def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
+    good, bad = MOE_PF_DEFECTS[defect]
     real = simulate
 
     def planted(spec, sim):
@@ -384,11 +355,12 @@ def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, loop, defect)
     assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
         f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv(env, "1")
+    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
-    experts = make_experts([4] * 4, gs=32, seed=seed, **shapes)
+    # rows where lane 0 runs 3 steps with one SIMD group
+    experts = make_experts([4] * 4, D=2080, inter=24, gs=32, seed=70)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
-        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=seed)
+        run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=70)
     assert "failed to compile" not in str(caught.value)
 
 

@@ -416,11 +416,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 prefetch=None, res: int = 0, min_blocks=None, persistent=None, shape_in=None) -> _Static:
-    # PF 1: gate_up's two-buffer loop for the (expert, unit) items. Off by default: slower on
-    # the H200 (profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 47.5 us against 41.4);
-    # env COLIBRI_MOE_DOWN_PF (0 / 1) turns it on.
-    pf = int(dispatch.getenv("COLIBRI_MOE_DOWN_PF", "0")) if prefetch is None else int(prefetch)
+                 res: int = 0, min_blocks=None, persistent=None, shape_in=None) -> _Static:
     if persistent is None:
         persistent = _env_blocks("COLIBRI_MOE_DOWN_PERSISTENT")
     # CUDA: the projection's shape compiled in (template KO, KRB, KNG, KNU; qgemv's large-shape
@@ -430,7 +426,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     if shape_in is None:
         shape_in = dispatch.getenv("COLIBRI_MOE_DOWN_SHAPE", "1") == "1"
     shape_in = bool(shape_in) and backend == dispatch.CUDA
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, pf, res, min_blocks, persistent, shape_in)
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, res, min_blocks, persistent, shape_in)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
@@ -440,9 +436,9 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
     # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
-    unroll = 1 if (backend == dispatch.CUDA and S == 1) or pf else None
+    unroll = 1 if backend == dispatch.CUDA and S == 1 else None
     if min_blocks is None:
-        min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 and not pf else 0
+        min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 else 0
     # PERS 1: blocks loop over the row blocks, each building the slot table once, not once a row
     # block. CUDA's default where launch bounds say how many blocks an SM keeps: that many a
     # round, balanced (dispatch.balanced_blocks). H200, kernel alone, 8 experts of 2048 -> 7168
@@ -462,8 +458,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype], grid=(SIMD * nw * blocks, 1, 1),
         threadgroup=(SIMD * nw, 1, 1),
         template=_template(p, S, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("PF", pf), ("RES", res),
-           ("PERS", pers)]
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("RES", res), ("PERS", pers)]
         + (list(zip(("KO", "KRB", "KNG", "KNU"), (p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 4))
            if backend == dispatch.CUDA else [])
         + ([("MINB", min_blocks)] if min_blocks else []),
@@ -486,8 +481,7 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
 
 def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array, S: int, K: int,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
-              simdgroups: Optional[int] = None, out_dtype=mx.float32,
-              prefetch: Optional[int] = None, residual: Optional[mx.array] = None,
+              simdgroups: Optional[int] = None, out_dtype=mx.float32, residual: Optional[mx.array] = None,
               min_blocks: Optional[int] = None, persistent: Optional[int] = None,
               shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
@@ -497,8 +491,8 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     the row blocks (0: one a row block; None: env COLIBRI_MOE_DOWN_PERSISTENT, else on CUDA for
     one token under launch bounds: the resident blocks, balanced). ``shape_in``: CUDA, the
     projection's shape compiled in (None: env COLIBRI_MOE_DOWN_SHAPE)."""
-    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, prefetch, int(residual is not None),
-                      min_blocks, persistent, shape_in)
+    st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, int(residual is not None), min_blocks,
+                      persistent, shape_in)
     p = group.down
     hs = at_least_8(h)
     # With a residual of another rank ([..., D] holding the S rows), y takes its shape: the

@@ -231,11 +231,8 @@ __device__ __forceinline__ void down_compute(const float* h, const float* sd, co
   }
 }
 
-// acc[r][s] += work items tid, tid + 32 * NW, ... PF 0: load UNROLL items x ROWS rows, then
-// compute them; PF 1: gate_up_partial's two register buffers (the next step's loads in flight
-// during this step's arithmetic).
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP,
-          int PF>
+// acc[r][s] += work items tid, tid + 32 * NW, ...: load UNROLL items x ROWS rows, then compute them.
+template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
                                              const uint32_t* e8grid, const size_t* ewo, const size_t* eso,
                                              const int* eslot, const float* ewt,
@@ -243,36 +240,15 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
                                              int n_units, int n_items, int tid, float (*acc)[S]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
-  constexpr int STEP = 32 * NW * UNROLL;
   const size_t woff = size_t(row0) * size_t(rb);
   const size_t soff = size_t(row0) * size_t(ng);
-  uint32_t raw_a[UNROLL][ROWS][W];
-  float scl_a[UNROLL][ROWS][NSEG];             // fmt 4/5 scales, loaded with the weights
-  if (PF) {
-    uint32_t raw_b[UNROLL][ROWS][W];
-    float scl_b[UNROLL][ROWS][NSEG];
-    down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, tid,
-                                                   raw_a, scl_a);
-    for (int base = tid; base < n_items; base += 2 * STEP) {
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
-                                                     base + STEP, raw_b, scl_b);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
-                                                              hs, n_units, n_items, base, raw_a, scl_a, acc);
-      if (base + STEP >= n_items) {
-        break;
-      }
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items,
-                                                     base + 2 * STEP, raw_a, scl_a);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
-                                                              hs, n_units, n_items, base + STEP, raw_b, scl_b, acc);
-    }
-  } else {
-    for (int base = tid; base < n_items; base += STEP) {
-      down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
-                                                     raw_a, scl_a);
-      down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
-                                                              hs, n_units, n_items, base, raw_a, scl_a, acc);
-    }
+  uint32_t raw[UNROLL][ROWS][W];
+  float scl[UNROLL][ROWS][NSEG];               // fmt 4/5 scales, loaded with the weights
+  for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
+    down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
+                                                   raw, scl);
+    down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                            hs, n_units, n_items, base, raw, scl, acc);
   }
 }
 
@@ -483,10 +459,10 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       }
     }
     if (w16 && x16) {
-      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP, PF>(
+      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
           h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     } else {
-      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP, PF>(
+      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
           h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     }
     colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
