@@ -820,11 +820,9 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
   constexpr int NUL = (UPP + 31) / 32;         // a row's units per lane
   constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   constexpr int NPT = CK / 8;                  // 8-position tiles (scores) = k-steps (combine)
-  constexpr int SPH = NSG * 32 / HT;           // softmax threads per head (KP 4: 8, KP 8: 16)
-  constexpr int PPT = CK / SPH;                // and positions per thread
+  constexpr int PPT = HT * CK / (NSG * 32);    // softmax: positions per thread
   static_assert(sizeof(TC) == 2, "a 16-bit cache (bf16 / f16)");
-  static_assert(SPH * HT == NSG * 32 && (SPH == 8 || SPH == 16) && SPH * PPT == CK,
-                "8 or 16 softmax threads per head (one aligned lane group), whole positions");
+  static_assert(HT * 8 == NSG * 32, "8 softmax threads per head");
   static_assert(CK % 8 == 0 && CK % NSG == 0, "whole position tiles, whole rows a SIMD group");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "SIMD groups = head tiles x k-parts");
   static_assert(RW % 8 == 0, "8x8 matrix tiles");
@@ -859,13 +857,13 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
   const int p1 = min(P, p0 + TT);
   const int ht = sg % HTL;                     // scores: this SIMD group's head tile
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
-  const int hs = tid / SPH;                    // softmax thread: head hs of the block,
-  const int cj = tid % SPH;                    // its share, positions cs .. cs + PPT - 1
+  const int hs = tid / 8;                      // softmax thread: head hs of the block,
+  const int cj = tid % 8;                      // its 8th, positions cs .. cs + PPT - 1
   const int cs = cj * PPT;
   const device float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   const device TC* lat0 = latent + size_t(b) * T * cache.ls;
   const device TC* rope0 = krope + size_t(b) * T * cache.ks + cache.rope0;
-  float m = -INFINITY;                         // running max / sum of head hs (SPH lanes agree)
+  float m = -INFINITY;                         // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
   simdgroup_float8x8 acc[2 * HTL][NCT];        // O[rt * 8.., (sg * NCT + ct) * 8..]
   for (int rt = 0; rt < 2 * HTL; ++rt) {
@@ -952,9 +950,9 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
         sv[k] = keep ? dot * scale : (live[k] ? -1e30f : -INFINITY);
         cmax = max(cmax, sv[k]);
       }
-      for (ushort o = 1; o < SPH; o <<= 1) {
-        cmax = max(cmax, simd_shuffle_xor(cmax, o));
-      }
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(1)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(2)));
+      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));
       const float m_new = max(m, cmax);
       const float alpha = exp(m - m_new);
       float psum = 0.0f;
@@ -963,14 +961,12 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
         p_s[hs * CK + cs + k] = pw;
         psum += pw;
       }
-      for (ushort o = 1; o < SPH; o <<= 1) {
-        psum += simd_shuffle_xor(psum, o);
-      }
+      psum += simd_shuffle_xor(psum, ushort(1));
+      psum += simd_shuffle_xor(psum, ushort(2));
+      psum += simd_shuffle_xor(psum, ushort(4));
       m = m_new;
       l = l * alpha + psum;
-      if (cj < 8) {                            // diag(alpha)'s row hs of its 8-head tile
-        diag_s[hs * 8 + cj] = cj == hs % 8 ? alpha : 0.0f;
-      }
+      diag_s[hs * 8 + cj] = cj == hs % 8 ? alpha : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // O = diag(alpha) O + P . chunk on this SIMD group's column tiles, all heads: each 8x8 tile

@@ -147,31 +147,6 @@ def mla_specs(full: bool):
                                                   random_qtensor(4, H * (nope + v), R, gs=64, seed=4), 0.1, None,
                                                   nope, v, backend=dispatch.CUDA, variant="wide"))
     yield "mla_attn_wide_f16_joint", specs[1]
-    def wide_attention(r, rp, **env):
-        """mla_attn_wide's launch over a bf16 joint cache of rows r + rp, with the opt-in knobs
-        ``env`` set while it is built."""
-        os.environ.update(env)
-        try:
-            specs = mla.planned_launches(mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rp), z(1, T, r + rp), None,
-                                                          random_qtensor(4, H * (nope + v), r, gs=64, seed=4), 0.1,
-                                                          None, nope, v, backend=dispatch.CUDA, variant="wide"))
-        finally:
-            for name in env:
-                del os.environ[name]
-        return specs[1]
-
-    # mla_attn_wide in bf16 hi / lo pairs (opt-in, mla.WIDE_BF16_VAR): DeepSeek-V3's rows and a
-    # row that is not whole k-parts (80 values: 5 k16 steps over 4 k-parts)
-    for label, (r, rp) in (("576", (R, rope)), ("80", (64, 16))):
-        spec = wide_attention(r, rp, **{mla.WIDE_BF16_VAR: "1"})
-        assert ("BX2", 1) in spec.template, spec.template
-        yield f"mla_attn_wide_bx2_{label}", spec
-    # mla_attn_wide over 8 k-parts (mla.KPARTS_VAR; 256 threads, launch bounds for two blocks an
-    # SM): DeepSeek-V3's rows and the 80-value row, TF32 and (bf16 cache) hi / lo pairs
-    for label, (r, rp), bx2 in (("576", (R, rope), "0"), ("80", (64, 16), "0"), ("576_bx2", (R, rope), "1")):
-        spec = wide_attention(r, rp, **{mla.KPARTS_VAR: "8", mla.WIDE_BF16_VAR: bx2})
-        assert ("MINB", 2) in spec.template, spec.template
-        yield f"mla_attn_wide_kp8_{label}", spec
     # mla_qabs rotating q_rope itself (ROPEQ 1), one decode row
     q = mx.zeros((1, H, 1, nope), mx.bfloat16)
     qr = mx.zeros((1, H, 1, rope), mx.bfloat16)

@@ -298,7 +298,7 @@ def mla_scores_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, nope, v, q_rel=
 def mla_oracle_tf32(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None,
                     q_rel=None, heavy=4096):
     """(out64 [B, H, L, v], error budget) for mla_decode's CUDA tensor-core attention
-    (mla_attn_mma, mla_attn_wide without BX2) after mla_qabs, finishing in mla_out: a model of
+    (mla_attn_mma, mla_attn_wide) after mla_qabs, finishing in mla_out: a model of
     what those kernels round, not REL_TF32's worst case. Same arguments as mla_oracle.
 
     What is known exactly. The kernels multiply TF32 operands: q' | q_rope loaded with

@@ -6,10 +6,9 @@ R 512, nope 128, v 128, rope 64) and a 40000-long cache on a GPU backend only.
 The CUDA twin's matrix variants (mma, wide: the defaults over 16-bit caches) round q', P (and
 float32 caches) to TF32 for the tensor cores: they are checked against a model of what they
 round (moe_mla_oracle.mla_oracle_tf32, a budget ~1/600 of the worst-case REL_TF32 one at
-DeepSeek-V3's widths; tests/test_mla_oracle_tf32.py checks it against a numpy emulation);
-wide's bf16 hi / lo products (opt-in) keep the REL_TF32 budget. Metal's simdgroup matrices and
-the simt variant compute in float32 (REL). COLIBRI_MLA_VARIANT=simt runs these tests on the old
-kernel.
+DeepSeek-V3's widths; tests/test_mla_oracle_tf32.py checks it against a numpy emulation).
+Metal's simdgroup matrices and the simt variant compute in float32 (REL). COLIBRI_MLA_VARIANT=simt
+runs these tests on the old kernel.
 """
 
 from __future__ import annotations
@@ -53,11 +52,9 @@ def attention_budget(variant: str) -> float:
 
 def assert_attention_close(out, *args, variant: str, selected=None, label=""):
     """``out`` against the float64 oracle with the budget of the variant that ran: the TF32
-    model for the CUDA matrix variants on q' | q_rope as given (mla_qabs copies q_rope), REL_TF32
-    for wide's bf16 hi / lo products, REL elsewhere."""
-    latent, k_rope = args[2], args[3]
-    if kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS and not (
-            variant == "wide" and mla.wide_bf16_split("cuda", latent.dtype, latent.shape[-1] + k_rope.shape[-1])):
+    model for the CUDA matrix variants on q' | q_rope as given (mla_qabs copies q_rope), REL
+    elsewhere."""
+    if kernels.backend() == "cuda" and variant in mla.MATRIX_VARIANTS:
         return assert_mla_close_tf32(out, *args, selected=selected, label=label)
     return assert_mla_close(out, *args, selected=selected, label=label, rel_attn=attention_budget(variant))
 
@@ -128,17 +125,11 @@ def test_both_variants_at_every_edge(monkeypatch, variant):
         check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
 
 
-@pytest.mark.parametrize("cache, bf16_split, kparts", [(mx.bfloat16, False, 4), (mx.float16, False, 4),
-                                                       (mx.bfloat16, True, 4), (mx.bfloat16, False, 8),
-                                                       (mx.float16, False, 8), (mx.bfloat16, True, 8)])
-def test_wide_variant_at_every_edge(monkeypatch, cache, bf16_split, kparts):
+@pytest.mark.parametrize("cache", [mx.bfloat16, mx.float16])
+def test_wide_variant_at_every_edge(monkeypatch, cache):
     """mla_attn_wide (CUDA, 16-bit caches; elsewhere the reference): chunk edges (31 / 33
-    positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache; ``bf16_split``:
-    its bf16 hi / lo products (COLIBRI_MLA_WIDE_BF16=1, rows of 80 and 576 values); ``kparts``:
-    the warps a 16-head tile (mla.KPARTS_VAR; 8: 16 softmax threads a head)."""
+    positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache."""
     monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
-    monkeypatch.setenv(mla.WIDE_BF16_VAR, str(int(bf16_split)))
-    monkeypatch.setenv(mla.KPARTS_VAR, str(kparts))
     for T in (1, 31, 33, 4095, 4097):
         check(T=T, seed=T, masked=T > 1, cache=cache)
     check(B=2, L=3, T=300, cache=cache, masked=True, seed=1)
@@ -150,55 +141,6 @@ def test_wide_variant_at_every_edge(monkeypatch, cache, bf16_split, kparts):
             check(T=T, seed=T, **ds)
         check(T=40000, n_sel=2048, seed=7, **ds)
         check(joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
-
-
-def test_wide_bf16_split_is_asked_for_where_it_applies(monkeypatch):
-    """COLIBRI_MLA_WIDE_BF16=1 compiles CUDA's mla_attn_wide with BX2 1 over a bf16 cache whose
-    rows are whole k16 steps; an f16 cache and rows of 72 values keep TF32 (BX2 0); Metal's body
-    has no such template."""
-    monkeypatch.setenv(mla.WIDE_BF16_VAR, "1")
-    kv_b = random_qtensor(4, 2 * 32, 64, gs=32, seed=1)
-
-    def attn_template(backend, cache, rope=16):
-        q = mx.zeros((1, 2, 1, 16), mx.bfloat16)
-        run = mla.launch_specs(q, mx.zeros((1, 2, 1, rope), mx.bfloat16), mx.zeros((1, 40, 64 + rope), cache), None,
-                               kv_b, 0.1, None, 16, 16, backend=backend, variant="wide")
-        return dict(mla.planned_launches(run)[1].template)
-
-    assert attn_template("cuda", mx.bfloat16)["BX2"] == 1
-    assert attn_template("cuda", mx.float16)["BX2"] == 0
-    assert attn_template("cuda", mx.bfloat16, rope=8)["BX2"] == 0
-    assert "BX2" not in attn_template("metal", mx.bfloat16)
-    monkeypatch.setenv(mla.WIDE_BF16_VAR, "0")
-    assert attn_template("cuda", mx.bfloat16)["BX2"] == 0
-
-
-def test_wide_kparts_set_the_warps(monkeypatch):
-    """mla.KPARTS_VAR 8: mla_attn_wide with 8 warps a 16-head tile on both twins, CUDA's compiled
-    for two blocks an SM (MINB 2, launch bounds in its header); on CUDA 32 heads a block would
-    be 512 threads and is refused by name; other values are refused."""
-    kv_b = random_qtensor(4, 2 * 32, 64, gs=32, seed=1)
-
-    def attn_launch(backend, heads=None):
-        q = mx.zeros((1, 2, 1, 16), mx.bfloat16)
-        run = mla.launch_specs(q, mx.zeros((1, 2, 1, 16), mx.bfloat16), mx.zeros((1, 40, 80), mx.bfloat16), None,
-                               kv_b, 0.1, None, 16, 16, backend=backend, variant="wide", heads=heads)
-        return mla.planned_launches(run)[1]
-
-    default = attn_launch("cuda")
-    assert dict(default.template)["NSG"] == 4 and "MINB" not in dict(default.template)
-    monkeypatch.setenv(mla.KPARTS_VAR, "8")
-    spec = attn_launch("cuda")
-    assert dict(spec.template)["NSG"] == 8 and dict(spec.template)["MINB"] == 2
-    assert spec.threadgroup == (256, 1, 1) and "__launch_bounds__(256, 2)" in spec.header
-    assert dict(spec.template)["NCT"] == 64 // (8 * 8)
-    assert spec.shared_memory == mla.wide_shared_bytes(16, 8, 80) > default.shared_memory
-    assert dict(attn_launch("metal").template)["NSG"] == 8
-    with pytest.raises(ValueError, match="32 heads a block and 8 k-parts"):
-        attn_launch("cuda", heads=32)
-    monkeypatch.setenv(mla.KPARTS_VAR, "6")
-    with pytest.raises(ValueError, match="6 k-parts"):
-        attn_launch("metal")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

@@ -817,15 +817,6 @@ def test_mla_wide(metal, case, cache):
             joint=kw.pop("joint", False), **kw)       # (run_mla checks that wide ran)
 
 
-# 8 k-parts a 16-head tile (mla.KPARTS_VAR): 8 SIMD groups, 16 softmax threads a head (one
-# position each on Metal's chunks of 16); 32 heads a block would need 42 KB of threadgroup memory.
-@pytest.mark.parametrize("case", ["partial chunk, masked", "spikes", "batch, DSA list", "joint cache"])
-def test_mla_wide_eight_kparts(metal, monkeypatch, case):
-    monkeypatch.setenv(mla.KPARTS_VAR, "8")
-    kw = dict(WIDE_CASES[case])
-    run_mla(metal, variant="wide", tile=32, cache_dtype=mx.float16, joint=kw.pop("joint", False), **kw)
-
-
 def test_mla_wide_fixed_capacity_buffer_with_step_params(metal, monkeypatch):
     """The compiled decode step's launch over a 16-bit buffer: only ``length`` rows attended,
     the rows past it NaN (a chunk that staged and used one would show)."""

@@ -57,13 +57,6 @@ CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kern
 # (19 KB of its 32 KiB of threadgroup memory).
 WIDE_CHUNK = {dispatch.CUDA: 32, dispatch.METAL: 16}
 VARIANTS = ("mma", "simt", "wide")
-# "1": mla_attn_wide on CUDA multiplies by bf16 m16n8k16 with q' and P split into bf16 hi + lo
-# (template BX2; bf16 caches whose rows are whole k16 steps): the tensor work of TF32's, without
-# the two conversion instructions each TF32 B fragment takes (Nsight, nineteenth session: the
-# kernel is latency-bound at 44 % of its issue slots), and ~16 bits of q' and P against TF32's
-# 11. Opt-in: on the H200 (twentieth session) it ran the edge tests and timed even with TF32
-# (kernel alone 21.6 / 95.1 us at caches 4096 / 32768 against 21.8 / 93.8).
-WIDE_BF16_VAR = "COLIBRI_MLA_WIDE_BF16"
 MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma tiles
 # Heads per threadgroup of mla_attn_mma (HT; SIMD groups HT / 4: one softmax thread per (head,
 # position)). More heads: fewer re-reads and re-stagings of each chunk (once per head block) and
@@ -80,15 +73,10 @@ MMA_HEAD_CHOICES = (16, 32, 64)
 # HT 16 21.8 / 93.4 us, HT 32 24.6 / 106.8 (eighteenth session).
 WIDE_HEADS = 16
 # mla_attn_wide's k-parts a 16-head tile: the warps that split the scores' k values (and the
-# combine's latent columns). 4: 128 threads of ~212 registers, two blocks an SM, and Nsight
-# (nineteenth session) found the kernel latency-bound on those two warps a scheduler. 8: 256
-# threads compiled for two blocks an SM (launch bounds: 128 registers a thread), twice the warps
-# with half the q' fragments and accumulators each; on the H200 (twentieth session) slower:
-# kernel alone 24.1 / 112.6 us at caches 4096 / 32768 against 4's 22.0 / 93.7, so 4 stays.
-# Env KPARTS_VAR overrides (both twins).
+# combine's latent columns), 128 threads of ~212 registers, two blocks an SM. 8 k-parts (256
+# threads compiled for two blocks an SM) were slower on the H200: kernel alone 24.1 / 112.6 us at
+# caches 4096 / 32768 against 4's 22.0 / 93.7.
 WIDE_KPARTS = 4
-WIDE_KPARTS_CHOICES = (4, 8)
-KPARTS_VAR = "COLIBRI_MLA_KPARTS"
 # mla_attn_mma on CUDA holds ~210-230 registers a thread (q' fragments and the accumulators):
 # a block of more than 256 threads (HT 64: 512) is refused at launch (H200: "too many
 # resources requested for launch", or nothing written inside a CUDA graph).
@@ -269,25 +257,6 @@ def mma_heads(backend: str, heads: Optional[int] = None, variant: Optional[str] 
     return ht
 
 
-def wide_kparts(backend: str, HT: int) -> int:
-    """mla_attn_wide's k-parts a 16-head tile (env KPARTS_VAR, else WIDE_KPARTS); its warps are
-    HT / 16 x k-parts."""
-    kp = int(dispatch.getenv(KPARTS_VAR, "0")) or WIDE_KPARTS
-    if kp not in WIDE_KPARTS_CHOICES:
-        raise ValueError(f"mla_decode: {kp} k-parts ({KPARTS_VAR}) is not one of {WIDE_KPARTS_CHOICES}")
-    if backend == dispatch.CUDA and HT // 16 * kp * SIMD > CUDA_MAX_THREADS_AT_FULL_REGS:
-        raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads a block and {kp} k-parts ({KPARTS_VAR}) is "
-                         f"{HT // 16 * kp * SIMD} threads; CUDA launches at most {CUDA_MAX_THREADS_AT_FULL_REGS}")
-    return kp
-
-
-def wide_bf16_split(backend: str, cache_dtype, row: int) -> bool:
-    """Whether mla_attn_wide multiplies in bf16 hi + lo pairs (WIDE_BF16_VAR, CUDA, a bf16 cache
-    of ``row`` values a position, a multiple of 16)."""
-    return (backend == dispatch.CUDA and cache_dtype == mx.bfloat16 and row % 16 == 0
-            and dispatch.getenv(WIDE_BF16_VAR, "0") == "1")
-
-
 def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
     """Why ``mla_attn_wide`` cannot run here (None: it can)."""
     if backend not in WIDE_CHUNK:
@@ -348,7 +317,6 @@ class _Static:
     out_template: list
     out_threads: int      # threads of mla_out's threadgroup
     attn_shared: int = 0  # dynamic shared memory of the attention launch (CUDA, wide)
-    attn_header: str = ""  # the attention's header where it differs (launch bounds)
 
 
 def out_simdgroups(warps: Optional[int] = None) -> int:
@@ -365,10 +333,8 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     mma = variant in MATRIX_VARIANTS
     qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
     out_nsg = out_simdgroups(out_warps_asked)
-    bx2 = variant == "wide" and wide_bf16_split(backend, cache_dtype, R + rope)
-    kparts = wide_kparts(backend, HT) if variant == "wide" else 4   # mla_attn_mma: 4 (8 softmax threads a head)
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
-           out_nsg, bx2, kparts)
+           out_nsg)
     hit = _statics.get(key)
     if hit is not None and hit[0] is kv_b:
         return hit[1]
@@ -390,19 +356,14 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
                 grid=(SIMD * NSG * parts, Hp, BL), threadgroup=tg)
     qabs_templates = [_template(p, NSG=NSG, LW=LWq, NU=NUq, RU=RUq, UPP=UPP, TQ=q_dtype, ROPEQ=rot) for rot in (0, 1)]
     attn_shared = 0
-    attn_header = header
-    if mma:   # SIMD groups = HT/16 head tiles x k-parts; NCT column tiles of 8 per SIMD group
-        attn_name, attn_sg, attn_blocks = f"mla_attn_{variant}", HT // 16 * kparts, Hp // HT
+    if mma:   # SIMD groups = HT/16 head tiles x 4 k-parts (both variants); NCT column tiles of 8 per SIMD group
+        attn_name, attn_sg, attn_blocks = f"mla_attn_{variant}", HT // 16 * WIDE_KPARTS, Hp // HT
         attn_template = [("TC", cache_dtype), ("NSG", attn_sg), ("HT", HT),
                          ("NCT", _ceil_div(R, 8 * attn_sg)), ("RW", R + rope), ("RL", R)]
         if variant == "wide":
             attn_template.append(("CK", WIDE_CHUNK[backend]))
             if backend == dispatch.CUDA:
-                attn_template.append(("BX2", int(bx2)))
                 attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
-                if kparts != WIDE_KPARTS:     # two blocks an SM: 128 registers a thread at 256
-                    attn_header = dispatch.bounded_header(header, SIMD * attn_sg, 2)
-                    attn_template.append(("MINB", 2))
             elif wide_threadgroup_bytes(HT, attn_sg, R + rope) > METAL_THREADGROUP_BYTES:
                 raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads per threadgroup (COLIBRI_MLA_HEADS) "
                                  f"needs {wide_threadgroup_bytes(HT, attn_sg, R + rope)} bytes of threadgroup "
@@ -416,7 +377,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     out_template = _template(p, T=q_dtype, NSG=out_nsg, RMAX=_ceil_div(R, 64) * 64, LW=LW, NU=NU, RU=RU,
                              NTMAX=MAX_TILES, TU=2 * out_nsg)
     st = _Static(p, header, bodies, Hp, HT, qabs, qabs_templates, attn_name, SIMD * attn_sg, attn_blocks,
-                 attn_template, out_template, SIMD * out_nsg, attn_shared, attn_header)
+                 attn_template, out_template, SIMD * out_nsg, attn_shared)
     _statics[key] = (kv_b, st)
     return st
 
@@ -554,7 +515,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     def attn_spec(qabs):
         return dispatch.LaunchSpec(
             name=st.attn_name, input_names=("qabs", "latent", "krope", "mask", "sel", "params", "fparams"),
-            output_names=("pacc", "pml"), source=st.bodies[st.attn_name], header=st.attn_header,
+            output_names=("pacc", "pml"), source=st.bodies[st.attn_name], header=st.header,
             inputs=[qabs, latent, latent if joint else k_rope, mask_u8, sel, params, fparams],
             output_shapes=[(BL, H, NT, R), (BL, H, NT, 2)], output_dtypes=[mx.float32, mx.float32],
             grid=(st.attn_threads * st.attn_blocks, NT, BL), threadgroup=(st.attn_threads, 1, 1),

@@ -146,50 +146,6 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// d[4] += A[16 x 16] . B[16 x 8], bf16 operands, float accumulation (mla_attn_wide's BX2):
-// a[i] the pair (row g + 8 * (i & 1), columns 2t, 2t + 1 + 8 * (i >> 1)), b[i] the pair (rows
-// 2t, 2t + 1 + 8 * i, column g), the lower column / row in the low half (PTX ISA, m16n8k16).
-__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, const uint32_t* b) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// (x, y) as two bf16 pairs, hi = (x, y) rounded and lo = what that rounding dropped, rounded:
-// hi + lo holds ~16 significant bits (TF32: 11), and an mma of each against exact bf16 values
-// sums both in float.
-__device__ __forceinline__ void split_bf16x2(float x, float y, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-  const float2 back = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x - back.x, y - back.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
-
-// Q' of head tile ht over k-part kp (k16 steps kp, kp + KP, ...) as bf16 hi / lo A fragments of
-// mma.m16n8k16 (mma_bf16), held in registers for a whole tile as load_qprime's. qa0: the
-// block's first q' | q_rope row (RW floats a head).
-template <int NK2, int KP, int RW>
-__device__ __forceinline__ void load_qprime_bf16(uint32_t (*qh)[4], uint32_t (*ql)[4], const float* qa0, int ht,
-                                                 int kp, int lane) {
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  #pragma unroll
-  for (int j = 0; j < NK2; ++j) {
-    const int k0 = 16 * (kp + j * KP);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 v = make_float2(0.0f, 0.0f);
-      if (k0 < RW) {
-        v = *reinterpret_cast<const float2*>(qa0 + size_t(ht * 16 + g + 8 * (i & 1)) * RW + k0 + 2 * t + 8 * (i >> 1));
-      }
-      split_bf16x2(v.x, v.y, qh[j][i], ql[j][i]);
-    }
-  }
-}
-
 // Q' of head tile ht over k-part kp (k8 steps kp, kp + KP, ...) as TF32 A fragments, the k slots
 // paired as the chunk's B fragments (frag_k_paired); held in registers for a whole tile (read
 // once, not per chunk). qa0: the block's first q' | q_rope row (RW floats a head).
@@ -264,33 +220,6 @@ __device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __half*
   const float2 f = __half22float2(colibri_qd::as_half2(w));
   b[0] = __float_as_uint(f.x);
   b[1] = __float_as_uint(f.y);
-}
-
-// PPT consecutive floats of a 16-byte (PPT 4) or 8-byte (PPT 2) aligned shared row, one access.
-// (v[PPT - 2], v[PPT - 1]: in bounds in the branch PPT 2 compiles and never takes.)
-template <int PPT>
-__device__ __forceinline__ void load_row(float* v, const float* src) {
-  static_assert(PPT == 2 || PPT == 4, "2 or 4 positions a softmax thread");
-  if (PPT == 4) {
-    const float4 f = *reinterpret_cast<const float4*>(src);
-    v[0] = f.x;
-    v[1] = f.y;
-    v[PPT - 2] = f.z;
-    v[PPT - 1] = f.w;
-  } else {
-    const float2 f = *reinterpret_cast<const float2*>(src);
-    v[0] = f.x;
-    v[1] = f.y;
-  }
-}
-template <int PPT>
-__device__ __forceinline__ void store_row(float* dst, const float* v) {
-  static_assert(PPT == 2 || PPT == 4, "2 or 4 positions a softmax thread");
-  if (PPT == 4) {
-    *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[PPT - 2], v[PPT - 1]);
-  } else {
-    *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
-  }
 }
 
 // One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`
@@ -1019,9 +948,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   // raw: cp.async copies the next chunk into the other of two buffers (no registers, no
   // conversion) while this one is multiplied, and ldmatrix reads the fragments (bf16 / f16
   // values are TF32 values: two shifts or two conversions a pair). Chunks of 32 make a barrier
-  // and a softmax step a quarter as frequent as mla_attn_mma's 8 per position. BX2 (bf16 cache,
-  // opt-in: mla.WIDE_BF16_VAR): bf16 m16n8k16 with q' and P as hi + lo bf16 pairs, the cache's
-  // pairs going to the mma as ldmatrix gives them (the same tensor work, no conversions).
+  // and a softmax step a quarter as frequent as mla_attn_mma's 8 per position.
   constexpr int RWS = RW + 8;                  // staged row: R + rope 16-bit values, 16 bytes pad
   constexpr int PS = CK + 8;                   // score / weight row stride (floats): 8 mod 32 banks
   constexpr int HTL = HT / 16;                 // 16-head tiles: one m16 fragment each
@@ -1030,20 +957,15 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   constexpr int RPW = CK / NSG;                // staged rows per warp
   constexpr int NK = (UPP + KP - 1) / KP;      // scores: k-steps per k-part
   constexpr int NPT = CK / 8;                  // n8 position tiles (scores) = k8 steps (combine)
-  constexpr int SPH = NSG * 32 / HT;           // softmax threads per head (KP 4: 8, KP 8: 16)
-  constexpr int PPT = CK / SPH;                // and positions per thread
+  constexpr int PPT = HT * CK / (NSG * 32);    // softmax: positions per thread
   static_assert(sizeof(TC) == 2, "a 16-bit cache (bf16 / f16)");
   static_assert(CK == 32, "a chunk is 32 positions: one ldmatrix x4 of rows, 4 k8 steps");
   static_assert(CK % NSG == 0, "whole rows a warp");
-  static_assert(SPH * HT == NSG * 32 && (SPH == 8 || SPH == 16) && SPH * PPT == CK,
-                "8 or 16 softmax threads per head (one aligned lane group), whole position pairs");
+  static_assert(PPT == 4 && HT * 8 == NSG * 32, "8 softmax threads per head, 4 positions each");
   static_assert(HT % 16 == 0 && NSG % HTL == 0, "warps = head tiles x k-parts");
   static_assert(RW % 8 == 0 && (RWS * 2) % 16 == 0 && ((RWS * 2 / 16) & 1) == 1,
                 "16-byte rows at an odd 16-byte stride: ldmatrix conflict-free");
   constexpr bool K_WHOLE = NK * KP == UPP;
-  constexpr int NK2 = (RW / 16 + KP - 1) / KP;  // BX2 scores: k16 steps per k-part
-  constexpr bool K_WHOLE2 = NK2 * KP * 16 == RW;
-  static_assert(!BX2 || RW % 16 == 0, "BX2: whole k16 steps (mla.py asks for it only then)");
   constexpr bool COLS_WHOLE = NSG * NCT * 8 == RL;
   static_assert(NSG * NCT * 8 >= RL, "column tiles cover the latent width");
   // Dynamic shared memory (MLX sets the attribute above 48 KB): two chunk buffers, the k-parts'
@@ -1078,12 +1000,12 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
   const int nch = p1 > p0 ? (p1 - p0 + CK - 1) / CK : 0;
   const int ht = sg % HTL;                     // scores: this warp's head tile
   const int kp = sg / HTL;                     // and k-part (k-steps kp, kp + KP, ...)
-  const int hs = tid / SPH;                    // softmax thread: head hs of the block,
-  const int cs = (tid % SPH) * PPT;            // positions cs .. cs + PPT - 1 of the chunk
+  const int hs = tid / 8;                      // softmax thread: head hs of the block,
+  const int cs = (tid % 8) * PPT;              // positions cs .. cs + 3 of the chunk
   const float* qa0 = qabs + (size_t(q) * Hp + hb * HT) * RW;   // q' | q_rope rows
   const TC* lat0 = latent + size_t(b) * T * cache.ls;
   const TC* rope0 = krope + size_t(b) * T * cache.ks + cache.rope0;
-  float m = colibri_mla::neg_inf();            // running max / sum of head hs (SPH lanes agree)
+  float m = colibri_mla::neg_inf();            // running max / sum of head hs (8 lanes agree)
   float l = 0.0f;
   float acc[HTL][NCT][4];                      // O[ht * 16.., (sg * NCT + ct) * 8..], C fragments
   #pragma unroll
@@ -1119,15 +1041,8 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     }
     colibri_mla::cp_async_commit();
   };
-  // A = Q': (head, k), TF32 with the k slots paired; BX2: bf16 hi / lo pairs of k16 steps
-  uint32_t qf[BX2 ? 1 : NK][4];
-  uint32_t qh[BX2 ? NK2 : 1][4];
-  uint32_t ql[BX2 ? NK2 : 1][4];
-  if (BX2) {
-    colibri_mla::load_qprime_bf16<NK2, KP, RW>(qh, ql, qa0, ht, kp, lane);
-  } else {
-    colibri_mla::load_qprime<NK, KP, RW, K_WHOLE>(qf, qa0, ht, kp, lane);
-  }
+  uint32_t qf[NK][4];                          // A = Q': (head, k), TF32, k slots paired
+  colibri_mla::load_qprime<NK, KP, RW, K_WHOLE>(qf, qa0, ht, kp, lane);
   if (nch > 0) {
     stage(0);
   }
@@ -1150,39 +1065,17 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         s[nt][i] = 0.0f;
       }
     }
-    if (BX2) {
-      // k16 steps: two ldmatrix x4 (columns k0 .. k0 + 7, k0 + 8 .. k0 + 15) are each position
-      // tile's B fragment as it is, the bf16 pairs going to the mma unconverted.
-      const TC* const krow2 = chunk + lane * RWS;
-      #pragma unroll
-      for (int j = 0; j < NK2; ++j) {
-        const int k0 = 16 * (kp + j * KP);
-        if (K_WHOLE2 || k0 < RW) {
-          uint32_t kr0[4];
-          uint32_t kr1[4];
-          colibri_mla::ldmatrix_x4(kr0, krow2 + k0);
-          colibri_mla::ldmatrix_x4(kr1, krow2 + k0 + 8);
-          #pragma unroll
-          for (int nt = 0; nt < NPT; ++nt) {
-            const uint32_t kb[2] = {kr0[nt], kr1[nt]};
-            colibri_mla::mma_bf16(s[nt], qh[j], kb);
-            colibri_mla::mma_bf16(s[nt], ql[j], kb);
-          }
-        }
-      }
-    } else {
-      const TC* const krow = chunk + lane * RWS + kp * 8;
-      #pragma unroll
-      for (int i = 0; i < NK; ++i) {
-        if (K_WHOLE || (kp + i * KP) * 8 < RW) {
-          uint32_t kr[4];
-          colibri_mla::ldmatrix_x4(kr, krow + i * KP * 8);
-          #pragma unroll
-          for (int nt = 0; nt < NPT; ++nt) {
-            uint32_t kf[2];
-            colibri_mla::pair_tf32(kr[nt], kf, chunk);
-            colibri_mla::mma_tf32(s[nt], qf[i], kf);
-          }
+    const TC* const krow = chunk + lane * RWS + kp * 8;
+    #pragma unroll
+    for (int i = 0; i < NK; ++i) {
+      if (K_WHOLE || (kp + i * KP) * 8 < RW) {
+        uint32_t kr[4];
+        colibri_mla::ldmatrix_x4(kr, krow + i * KP * 8);
+        #pragma unroll
+        for (int nt = 0; nt < NPT; ++nt) {
+          uint32_t kf[2];
+          colibri_mla::pair_tf32(kr[nt], kf, chunk);
+          colibri_mla::mma_tf32(s[nt], qf[i], kf);
         }
       }
     }
@@ -1196,17 +1089,16 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     }
     __syncthreads();
     {
-      float dots[PPT];                         // the k-parts' partial scores, summed in k-part order
-      colibri_mla::load_row<PPT>(dots, sc_s + hs * PS + cs);
+      float4 dot = *reinterpret_cast<const float4*>(sc_s + hs * PS + cs);
       #pragma unroll
       for (int g = 1; g < KP; ++g) {
-        float d[PPT];
-        colibri_mla::load_row<PPT>(d, sc_s + (g * HT + hs) * PS + cs);
-        #pragma unroll
-        for (int k = 0; k < PPT; ++k) {
-          dots[k] += d[k];
-        }
+        const float4 d = *reinterpret_cast<const float4*>(sc_s + (g * HT + hs) * PS + cs);
+        dot.x += d.x;
+        dot.y += d.y;
+        dot.z += d.z;
+        dot.w += d.w;
       }
+      const float dots[PPT] = {dot.x, dot.y, dot.z, dot.w};
       float sv[PPT];
       bool live[PPT];                          // inside the tile (masked positions count)
       float cmax = colibri_mla::neg_inf();
@@ -1221,10 +1113,9 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         sv[k] = keep ? dots[k] * scale : (live[k] ? -1e30f : colibri_mla::neg_inf());
         cmax = max(cmax, sv[k]);
       }
-      #pragma unroll
-      for (int o = 1; o < SPH; o <<= 1) {
-        cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, o));
-      }
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+      cmax = max(cmax, __shfl_xor_sync(0xffffffffu, cmax, 4));
       const float m_new = max(m, cmax);
       const float alpha = expf(m - m_new);
       float pw[PPT];
@@ -1234,13 +1125,12 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         pw[k] = live[k] ? expf(sv[k] - m_new) : 0.0f;
         psum += pw[k];
       }
-      #pragma unroll
-      for (int o = 1; o < SPH; o <<= 1) {
-        psum += __shfl_xor_sync(0xffffffffu, psum, o);
-      }
+      psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 4);
       m = m_new;
       l = l * alpha + psum;
-      colibri_mla::store_row<PPT>(p_s + hs * PS + cs, pw);
+      *reinterpret_cast<float4*>(p_s + hs * PS + cs) = make_float4(pw[0], pw[1], pw[2], pw[3]);
       if (cs == 0) {
         alpha_s[hs] = alpha;
       }
@@ -1269,42 +1159,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
       }
     }
     #pragma unroll
-    for (int kk2 = 0; kk2 < (BX2 ? CK / 16 : 0); ++kk2) {
-      // BX2: k16 steps of 16 positions; A = P as bf16 hi / lo pairs, B from two ldmatrix x4
-      // trans (positions 16 kk2 .. + 7 and + 8 .. + 15 of column tiles c4 + m) as they are.
-      uint32_t ph[HTL][4];
-      uint32_t pl[HTL][4];
-      #pragma unroll
-      for (int t16 = 0; t16 < HTL; ++t16) {
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 pv = *reinterpret_cast<const float2*>(p_s + (t16 * 16 + (lane >> 2) + 8 * (i & 1)) * PS + kk2 * 16 + 2 * (lane & 3) + 8 * (i >> 1));
-          colibri_mla::split_bf16x2(pv.x, pv.y, ph[t16][i], pl[t16][i]);
-        }
-      }
-      const TC* const vrow = chunk + (kk2 * 16 + (lane & 7)) * RWS + (sg * NCT + (lane >> 3)) * 8;
-      #pragma unroll
-      for (int c4 = 0; c4 < NCT; c4 += 4) {
-        uint32_t v0[4];
-        uint32_t v1[4];
-        colibri_mla::ldmatrix_x4_trans(v0, vrow + c4 * 8);
-        colibri_mla::ldmatrix_x4_trans(v1, vrow + 8 * RWS + c4 * 8);
-        #pragma unroll
-        for (int m4 = 0; m4 < 4; ++m4) {
-          const int ct = c4 + m4;
-          if (ct < NCT && (COLS_WHOLE || (sg * NCT + ct) * 8 < R)) {
-            const uint32_t vb[2] = {v0[m4], v1[m4]};
-            #pragma unroll
-            for (int t16 = 0; t16 < HTL; ++t16) {
-              colibri_mla::mma_bf16(acc[t16][ct], ph[t16], vb);
-              colibri_mla::mma_bf16(acc[t16][ct], pl[t16], vb);
-            }
-          }
-        }
-      }
-    }
-    #pragma unroll
-    for (int kk = 0; kk < (BX2 ? 0 : NPT); ++kk) {
+    for (int kk = 0; kk < NPT; ++kk) {
       uint32_t pf[HTL][4];
       #pragma unroll
       for (int t16 = 0; t16 < HTL; ++t16) {
