@@ -112,36 +112,32 @@ inline size_t mla_part(int q, int H, int h, int NT, int tile) {
 // at the row's slot.
 // (Inputs of fewer than 8 values arrive in the constant address space, so the input pointers'
 // types are the caller's.)
-// The sums of squares run over the first RSG SIMD groups (mla_rows' NSG), so a larger
-// threadgroup (mla_rows_qb_qabs) gets mla_rows' bits; sums: 2 * RSG floats.
-template <typename T, int NSG, int RSG = NSG, typename RowP, typename QNormP, typename KNormP, typename InvFP>
+template <typename T, int NSG, typename RowP, typename QNormP, typename KNormP, typename InvFP>
 inline void mla_norm_rope_row(RowP row, QNormP qnorm, KNormP knorm, InvFP invf, float position, int QL, int R, int rope,
                               float eps_q, float eps_l, device T* qa_row, device T* kv_row,
                               bool write_kv, threadgroup float* sums, int tid, int sg, int lane) {
   float sq = 0.0f;                             // sums of squares: q_a part, latent part
   float sl = 0.0f;
-  if (sg < RSG) {
-    for (int c = tid; c < QL; c += RSG * 32) {
-      const float x = float(row[c]);
-      sq += x * x;
-    }
-    for (int c = tid; c < R; c += RSG * 32) {
-      const float x = float(row[QL + c]);
-      sl += x * x;
-    }
-    sq = simd_sum(sq);
-    sl = simd_sum(sl);
-    if (lane == 0) {
-      sums[sg] = sq;
-      sums[RSG + sg] = sl;
-    }
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = float(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = float(row[QL + c]);
+    sl += x * x;
+  }
+  sq = simd_sum(sq);
+  sl = simd_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   sq = 0.0f;
   sl = 0.0f;
-  for (int g = 0; g < RSG; ++g) {
+  for (int g = 0; g < NSG; ++g) {
     sq += sums[g];
-    sl += sums[RSG + g];
+    sl += sums[NSG + g];
   }
   const float iq = metal::precise::rsqrt(sq / float(QL) + eps_q);
   const float il = metal::precise::rsqrt(sl / float(R) + eps_l);
@@ -451,8 +447,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
     return;
   }
   const int Ib = qbp[0];
-  const device TQ* xq = qa + size_t(q) * Ib;   // mla_rows_qb_qabs: its own section instead
-  mla_qb_head_rows<FMTB, GSB, VECB, XVB, NIB, NSG, QR, NUB, TQ>(xq,
+  mla_qb_head_rows<FMTB, GSB, VECB, XVB, NIB, NSG, QR, NUB, TQ>(qa + size_t(q) * Ib,
                                                                reinterpret_cast<const device uint8_t*>(wqb), sqb,
                                                                e8grid, h, H, nope, rope, Ib, qbp[2], qbp[3], qbp[4],
                                                                qsh, sg, lane);
@@ -462,24 +457,6 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
                                                        red, qrow, tid, sg, lane);
   mla_qabs_rope<ROPEQ, TQ, NSG>(static_cast<threadgroup const float*>(qsh + nope), qrow + R, rope,
                                 ROPEQ ? float(qpos[q]) : 0.0f, invf, tid);
-// ==== kernel body: mla_rows_qb_qabs ====
-  // Not a kernel: the lines mla.py puts in place of mla_qb_qabs' q_a row (its xq line) for
-  // mla_rows_qb_qabs, the launch that also does mla_rows_into's work: one decode row of one
-  // sequence over the joint cache, a launch a layer fewer. q_a's norm needs the whole row,
-  // which one launch cannot share between threadgroups, so each threadgroup normalizes the
-  // stacked projection's q_a part itself (Ib values, read once from L2 a head) into its own row
-  // of the output qa [H, Ib], with mla_rows' float operations (its sums over RSG SIMD groups:
-  // the same bits), and reads that row back after the barrier; head 0 also writes the cache row
-  // (the normed latent, the roped key) at the slot, which the next launch (the attention)
-  // reads. A slot past the capacity (params[5]) writes nothing.
-  threadgroup float row_sums[2 * RSG];
-  const int slot = qpos[0];
-  const bool inside = h == 0 && slot >= 0 && slot < params[5];
-  mla_norm_rope_row<TQ, NSG, RSG>(y, qnorm, knorm, invf, float(slot), Ib, R, rope, rfp[0], rfp[1],
-                                  qa + size_t(h) * Ib, const_cast<device TQ*>(cache) + size_t(inside ? slot : 0) * QW,
-                                  inside, row_sums, tid, sg, lane);
-  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-  const device TQ* xq = qa + size_t(h) * Ib;
 // ==== kernel body: mla_attn ====
   constexpr int C = mla_chunk();
   constexpr int RW = (CJ + RJ) * 32;           // a staged position: latent columns, then rope

@@ -143,7 +143,7 @@ def earlier_step_ops():
     writes one joint row.)"""
     from colibri_mlx.models import deepseek_v3 as model_file
 
-    def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache=None, defer=False):   # the row comes back: the caller writes it
+    def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache=None):   # the row comes back: the caller writes it
         R, lead = kv_norm.shape[0], y.shape[:-1]
         y = y.reshape(-1, y.shape[-1])
         k = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]

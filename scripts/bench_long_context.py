@@ -46,7 +46,7 @@ def scatter_row_write():
     hands the row back instead of writing it into the cache buffer."""
     rows = kernels.mla_rows
 
-    def rows_without_cache(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache=None, defer=False):
+    def rows_without_cache(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache=None):
         return rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset)
 
     kernels.mla_rows = rows_without_cache

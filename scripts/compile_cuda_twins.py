@@ -168,17 +168,6 @@ def mla_specs(full: bool):
                                                                 mx.array([7], dtype=mx.int32)))
         label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
-    # mla_rows_qb_qabs: the decode row's norms and cache write folded in too, in each dtype
-    rope_q = mx.ones((rope // 2,), mx.float32)
-    for dtype in (mx.bfloat16, mx.float16, mx.float32):
-        cache = mx.zeros((1, T, R + rope), dtype)
-        pos = mx.array(7, dtype=mx.int32)
-        row = mla.DeferredRow(mx.zeros((1, 1, 1536 + R + rope), dtype), 1536, mx.ones((1536,), dtype),
-                              mx.ones((R,), dtype), 1e-6, None, pos, cache)
-        run = mla.launch_specs(None, None, cache, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
-                               q_proj=(row, random_qtensor(4, H * (nope + rope), 1536, gs=64, seed=4)),
-                               q_rotation=(rope_q, pos.reshape(1)))
-        yield f"mla_rows_qb_qabs_{dtype}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,

@@ -487,48 +487,6 @@ def check_rows_into(shape, dtype, slot: int, capacity: int, kernel_path: bool):
     return counters
 
 
-def check_rows_qb_qabs(H, nope, v, R, rope_w, QL, dtype, slot: int, capacity: int, seed: int = 0) -> dict:
-    """The attention's first launch taking the decode row too (mla_rows_qb_qabs: kernels.mla_rows'
-    ``defer``) against the two launches it replaces (mla_rows_into, then mla_qb_qabs), bit for
-    bit: the attention's output and the whole cache buffer (the row at the slot and nothing else;
-    a slot past the capacity writes nothing). The two-launch path has its own oracles (mla_rows'
-    and mla_qb_qabs' float64 tests). Returns the fused run's counters."""
-    from colibri_mlx import kernels
-    from colibri_mlx.kernels import dispatch, mla
-    from kernel_oracle import random_qtensor
-
-    y, qa_norm, kv_norm = rows_case(QL, R, rope_w, dtype, seed=seed)
-    y = y.reshape(1, 1, -1)                       # one decode row in the model's [B, L, W]
-    rope = rope_of(rope_w)
-    kv_b = random_qtensor(4, H * (nope + v), R, gs=32, seed=seed + 1)
-    q_b = random_qtensor(4, H * (nope + rope_w), QL, gs=32, seed=seed + 2)
-    start = np.random.default_rng(seed + 3).standard_normal((1, capacity, R + rope_w)).astype(np.float32)
-    pos = mx.array(slot, dtype=mx.int32)
-    params = mla.step_params(kv_b, mx.zeros((1, capacity, R + rope_w), dtype), H, nope, rope_w, v, dtype,
-                             min(slot + 1, capacity), joint=True)
-    bits = (lambda a: np.array(a.view(mx.uint16))) if dtype == mx.bfloat16 else np.array
-
-    def run(defer: bool):
-        cache = mx.array(start).astype(dtype)     # a buffer of its own each run
-        mx.eval(cache)
-        dispatch.reset_counters()
-        q_latent, kv = kernels.mla_rows(y, QL, qa_norm, kv_norm, 1e-6, rope, pos, cache, defer=defer)
-        assert kv is None
-        out = kernels.mla_decode(None, None, cache, None, kv_b, (nope + rope_w) ** -0.5, None, nope, v,
-                                 params=params, rope=rope, rope_offset=pos, q_proj=(q_latent, q_b))
-        mx.eval(out)
-        return bits(out), bits(cache), dispatch.counters()
-
-    want_out, want_cache, _ = run(False)
-    got_out, got_cache, counters = run(True)
-    before = bits(mx.array(start).astype(dtype))
-    others = np.arange(capacity) != slot
-    assert np.array_equal(got_cache[:, others], before[:, others]), "rows other than the slot changed"
-    assert np.array_equal(got_cache, want_cache), "the cache row differs from mla_rows_into's"
-    assert np.array_equal(got_out, want_out), "the attention's output differs from the two launches'"
-    return counters
-
-
 def rotated_f64(x: np.ndarray, inv_freq, position) -> tuple[np.ndarray, np.ndarray]:
     """``(x rotated half-split, the angles)``: float64 ``x [..., rope]`` at float32 angles
     (position * inv_freq rounded as the GPU ropes compute it), cos / sin in float64.

@@ -85,13 +85,6 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
     declined = {k: v for k, v in calls.items() if k.startswith("compiled/")}
     for k in declined:
         del calls[k]
-    # The compiled step writes the row into its fixed-capacity cache buffer from the attention's
-    # first launch (mla_rows_qb_qabs); the plain path's concatenated cache takes mla_rows' row and
-    # mla_qb_qabs, as two launches.
-    for key in [k for k in calls if k.startswith("mla_rows_qb_qabs/")]:
-        n, b = calls.pop(key), key.split("/")[1]
-        for part in ("mla_rows", "mla_qb_qabs"):
-            calls[f"{part}/{b}"] = calls.get(f"{part}/{b}", 0) + n
     assert calls == want_counts["calls"]
     assert got_counts["fallbacks"] == want_counts["fallbacks"]
     layers = model.layers
@@ -460,11 +453,10 @@ def _attention_step(model, start, whole_layer=False):
     return attn.step(x, slot, kv, params, residual=x)
 
 
-@pytest.mark.parametrize("kind, whole_layer, fold", [("dense", False, False), ("dense", False, True),
-                                                     ("dense", True, False), ("moe", True, False),
-                                                     ("moe_one_group", True, True)])
+@pytest.mark.parametrize("kind, whole_layer", [("dense", False), ("dense", True), ("moe", True),
+                                               ("moe_one_group", True)])
 @pytest.mark.msl
-def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer, fold):
+def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, kind, whole_layer):
     """The decode step's glue around the kernels (views, the row write, the residual adds; the
     MLP / MoE block), run with every launch in the MSL simulator as on a Mac, equals the
     reference path: what changes the graph between kernels is checked here, not first on a GPU."""
@@ -473,20 +465,14 @@ def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, ki
 
     simulator = simulator_or_skip()
 
-    monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
     model = load_model(containers[kind], dtype="float32")
     want, want_kv = _attention_step(model, 7, whole_layer)
     launched = route_launches_to_simulator(monkeypatch, simulator)
     got, got_kv = _attention_step(model, 7, whole_layer)
     # The row is written into the cache buffer by mla_rows_into (no scatter, kv in place), q_b's
-    # projection runs inside the attention's first launch (mla_qb_qabs): no q_b GEMV. With the
-    # fold, that launch writes the row too (mla_rows_qb_qabs): no launch of the row's own.
-    if fold:
-        assert launched[:4] == ["qgemv", "mla_rows_qb_qabs", "mla_attn_mma", "mla_out"], launched
-        assert not {"mla_rows", "mla_rows_into", "mla_qb_qabs", "mla_qabs"} & set(launched), launched
-    else:
-        assert launched[:4] == ["qgemv", "mla_rows_into", "mla_qb_qabs", "mla_attn_mma"], launched
-        assert not {"mla_rows", "mla_qabs", "mla_rows_qb_qabs"} & set(launched), launched
+    # projection runs inside the attention's first launch (mla_qb_qabs): no q_b GEMV.
+    assert launched[:4] == ["qgemv", "mla_rows_into", "mla_qb_qabs", "mla_attn_mma"], launched
+    assert "mla_rows" not in launched and "mla_qabs" not in launched, launched
     if kind.startswith("moe"):
         assert {"moe_gate_up", "moe_down"} <= set(launched), launched
     if kind == "moe_one_group":       # moe_down wrote the block's output with the residual added
@@ -497,19 +483,16 @@ def test_attention_step_kernel_path_equals_reference(containers, monkeypatch, ki
                                atol=1e-5 * np.abs(np.array(want_kv)).max())
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_attention_step_graph_nodes(containers, monkeypatch, fold):
+def test_attention_step_graph_nodes(containers, monkeypatch):
     """The GPU path's decode step of an attention block: each primitive is a node MLX recreates
     on every compiled call and schedules on every evaluation (~1-2 us of host time each on the
     H200's host), so the views between the kernels are counted and bounded. Launches stubbed
     (one ``mx.depends`` node each, no kernel runs): 6 launching primitives (the x projection,
     mla_rows_into with the row write, the three attention launches, the first with q_b's
-    projection folded in, o_proj with the residual); 5 with ``fold`` (COLIBRI_MLA_ROWS_FOLD=1:
-    the row's norms and cache write in the attention's first launch too)."""
+    projection folded in, o_proj with the residual)."""
     from colibri_mlx.kernels import dispatch
     from colibri_mlx.models.loading import load_model
 
-    monkeypatch.setenv("COLIBRI_MLA_ROWS_FOLD", str(int(fold)))
     model = load_model(containers["dense"], dtype="float32")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     from bench_build import stub_launch
@@ -520,5 +503,5 @@ def test_attention_step_graph_nodes(containers, monkeypatch, fold):
     names = _primitive_names(y, kv)
     launching = [n for n in names if n in ("Depends", "ScatterAxis")]
     others = [n for n in names if n not in ("Depends", "ScatterAxis")]
-    assert len(launching) == 6 - fold and "ScatterAxis" not in names, names
+    assert len(launching) == 6 and "ScatterAxis" not in names, names
     assert len(others) <= STEP_VIEW_NODES, f"{len(others)} others: {' '.join(others)}"

@@ -234,20 +234,6 @@ def test_mla_rows_into(dtype, slot, capacity):
     assert not counters["fallbacks"], counters
 
 
-@pytest.mark.skipif(not GPU, reason="kernel paths only (Metal's: tests/test_moe_mla_msl.py)")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("slot, capacity", [(0, 16), (4095, 4096), (40000, 40192), (50, 48)])
-def test_mla_rows_qb_qabs(dtype, slot, capacity):
-    """The decode row folded into the attention's first launch (mla_rows_qb_qabs, the CUDA twin
-    on the H200) at DeepSeek-V3's widths: the cache buffer and the attention's output equal
-    mla_rows_into + mla_qb_qabs' bit for bit (slot 50 of 48: nothing written)."""
-    from moe_mla_oracle import check_rows_qb_qabs
-
-    counters = check_rows_qb_qabs(128, 128, 128, 512, 64, 1536, dtype, slot, capacity, seed=slot % 7)
-    assert counters["calls"].get(f"mla_rows_qb_qabs/{kernels.backend()}") == 1, counters
-    assert not counters["fallbacks"], counters
-
-
 @pytest.mark.parametrize("position", [3, 40000])
 def test_q_rope_rotated_in_qabs_equals_the_separate_rope(position):
     """mla_decode(rope=, rope_offset=) rotates q_rope in mla_qabs (ROPEQ 1): on the GPU the same

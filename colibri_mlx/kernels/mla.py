@@ -530,7 +530,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             grid=(st.out_threads, H, BL), threadgroup=(st.out_threads, 1, 1), template=st.out_template)
 
     def run(launch):
-        qabs = launch(qabs_spec)[0]          # mla_rows_qb_qabs: also its rows of q_a, unread
+        (qabs,) = launch(qabs_spec)
         pacc, pml = launch(attn_spec(qabs))
         (out,) = launch(out_spec(pacc, pml))
         # [B * L, H, v] rows; with L == 1 that is [B, H, 1, v] already (written so: no views)
@@ -563,30 +563,13 @@ def qb_setting(setting: Optional[str] = None, backend: str = dispatch.METAL) -> 
     return nsg, qr
 
 
-# mla_qb_qabs' q_a row read, which mla_rows_qb_qabs replaces by its section (the row computed)
-QA_ROW_LINE = {dispatch.METAL: "  const device TQ* xq = qa + size_t(q) * Ib;   // mla_rows_qb_qabs: its own section instead\n",
-               dispatch.CUDA: "  const TQ* xq = qa + size_t(q) * Ib;          // mla_rows_qb_qabs: its own section instead\n"}
-
-
-@functools.lru_cache(maxsize=None)
-def _rows_qb_qabs_body(backend: str) -> str:
-    """mla_rows_qb_qabs' body: mla_qb_qabs' with its q_a row computed (the section of that name)."""
-    bodies = read_kernel_sections("mla_decode", backend)[1]
-    body = bodies["mla_qb_qabs"]
-    if body.count(QA_ROW_LINE[backend]) != 1:
-        raise RuntimeError(f"mla_decode ({backend}): mla_qb_qabs' q_a row read is not the line mla.py replaces")
-    return body.replace(QA_ROW_LINE[backend], bodies["mla_rows_qb_qabs"])
-
-
 def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str, params, qpos, invf,
                   rotate: bool, setting: Optional[str] = None) -> dispatch.LaunchSpec:
     """mla_qb_qabs: mla_qabs (one threadgroup a head, all kv_b units) with this head's q_b rows
-    computed first from the q_latent row. ``q_latent`` a :class:`DeferredRow`:
-    mla_rows_qb_qabs, which computes the row (and writes the cache row) itself."""
+    computed first from the q_latent row."""
     pb = kv_b_projection(q_b)
     nsg, qr = qb_setting(setting, backend)
-    rows_in = isinstance(q_latent, DeferredRow)
-    key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr, rows_in)
+    key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr)
     hit = _qb_statics.get(key)
     if hit is None or hit[0] is not q_b:
         n_units = _ceil_div(st.p.I, UNIT_WEIGHTS[st.p.fmt])
@@ -608,22 +591,11 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
                       output_shapes=st.qabs["output_shapes"], output_dtypes=[mx.float32],
                       grid=(SIMD * nsg, st.Hp, st.qabs["grid"][2]), threadgroup=(SIMD * nsg, 1, 1),
                       template=template)
-        if rows_in:   # the row's inputs in qa's place; qa an output (a row a head), the cache written
-            template.append(("RSG", ROWS_NSG))
-            fields.update(name="mla_rows_qb_qabs", source=_rows_qb_qabs_body(backend),
-                          input_names=("y", "qnorm", "knorm", "rfp", "cache") + fields["input_names"][1:],
-                          output_names=("qabs", "qa"),
-                          output_shapes=fields["output_shapes"] + [(pb.O // (nope + rope), q_latent.shape[-1])],
-                          output_dtypes=[mx.float32, q_latent.dtype], written_inputs=("cache",))
         qbp = _int32s(pb.I, pb.O, pb.rb, pb.ng, pb.n_units, 0, 0, 0)
         hit = _qb_statics[key] = (q_b, fields, qbp)
     _, fields, qbp = hit
-    weights = [pb.packed, pb.scales, st.p.packed, st.p.scales, e8grid(), params, qbp, qpos, invf]
-    if rows_in:
-        row = q_latent
-        return dispatch.LaunchSpec(inputs=[row.y, row.qa_norm, row.kv_norm, dispatch.float_params(row.eps, row.eps),
-                                           row.cache] + weights, **fields)
-    return dispatch.LaunchSpec(inputs=[at_least_8(q_latent)] + weights, **fields)
+    return dispatch.LaunchSpec(inputs=[at_least_8(q_latent), pb.packed, pb.scales, st.p.packed, st.p.scales, e8grid(),
+                                       params, qbp, qpos, invf], **fields)
 
 
 _qb_statics: dict = {}
@@ -648,12 +620,6 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     which the first launch (mla_qb_qabs) computes itself; where it declines (counted) or on the
     reference path, q_b's GEMV runs first."""
     impl = dispatch.backend()
-    if q_proj is not None and isinstance(q_proj[0], DeferredRow):
-        why = q_proj[0].fold_decline_reason(q_proj[1], latent, k_rope, kv_b, qk_nope_head_dim, v_head_dim, mask,
-                                            selected, rope, rope_offset)
-        if why is not None:
-            dispatch.record_fallback("mla_rows_qb_qabs", why, instead="mla_rows_into")
-            q_proj = (q_proj[0].launch(), q_proj[1])
     if q_proj is not None:
         q_latent, q_b = q_proj
         H = heads_of(kv_b, qk_nope_head_dim, v_head_dim)
@@ -702,7 +668,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                                     qk_nope_head_dim, v_head_dim, selected)
     dispatch.record_call("mla_decode", impl)
     if q_proj is not None:
-        dispatch.record_call("mla_rows_qb_qabs" if isinstance(q_proj[0], DeferredRow) else "mla_qb_qabs", impl)
+        dispatch.record_call("mla_qb_qabs", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
                        selected, backend=impl, variant=variant, params=params, q_rotation=q_rotation,
                        q_proj=q_proj)
@@ -753,17 +719,6 @@ def reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope
 # mla_rows: a decode row's norms and rope key, before the cache write
 
 ROWS_NSG = 4              # SIMD groups of mla_rows' threadgroup (one per row)
-# "1": the model's decode step folds the row into the attention's first launch (mla_rows'
-# defer: mla_rows_qb_qabs). Opt-in: on the H200 (nineteenth session, bench_moe_mla.py, each
-# setting a process of its own; mlx-lm / ours, the fold on against off) the MLA chain was even
-# at a 4096 cache (2.08 against 2.07) and slower at 32768 (2.03 against 2.25), a launch a layer
-# fewer notwithstanding; the processes' hosts differed (mlx-lm 10-18 % apart), so not settled.
-ROWS_FOLD_VAR = "COLIBRI_MLA_ROWS_FOLD"
-
-
-def rows_fold_enabled() -> bool:
-    """Whether the model defers its decode row to the attention's first launch (env ROWS_FOLD_VAR)."""
-    return dispatch.getenv(ROWS_FOLD_VAR, "0") == "1"
 
 
 def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float) -> Optional[str]:
@@ -820,58 +775,8 @@ def into_decline_reason(y: mx.array, q_rows: int, cache: mx.array) -> Optional[s
     return None
 
 
-@dataclass(eq=False)
-class DeferredRow:
-    """:func:`mla_rows`' in-place launch for one decode row, left to the attention's first launch:
-    ``mla_decode(q_proj=(row, q_b))`` runs mla_rows_qb_qabs, which normalizes q_a and writes the
-    cache row itself (a launch a layer fewer), or, where that launch declines (counted),
-    :meth:`launch` first. Stands for q_latent ``[..., q_rows]`` (``shape``, ``size``, ``dtype``)
-    in the checks made of it."""
-
-    y: mx.array
-    q_rows: int
-    qa_norm: mx.array
-    kv_norm: mx.array
-    eps: float
-    rope: object
-    offset: mx.array
-    cache: mx.array
-
-    @property
-    def shape(self) -> tuple:
-        return (*self.y.shape[:-1], self.q_rows)
-
-    @property
-    def size(self) -> int:
-        return self.y.size // self.y.shape[-1] * self.q_rows
-
-    @property
-    def dtype(self):
-        return self.y.dtype
-
-    def launch(self) -> mx.array:
-        """mla_rows_into's own launch (the cache row written in place): q_latent."""
-        if dispatch.backend() == dispatch.REFERENCE:   # its rows would come back unwritten
-            raise RuntimeError("mla_rows: a deferred row is launched on the kernel path it was made on")
-        return mla_rows(self.y, self.q_rows, self.qa_norm, self.kv_norm, self.eps, self.rope, self.offset,
-                        self.cache)[0]
-
-    def fold_decline_reason(self, q_b, latent, k_rope, kv_b, nope: int, v: int, mask, selected, rope,
-                            rope_offset) -> Optional[str]:
-        """Why mla_decode's first launch cannot take this row (mla_rows_qb_qabs), or None."""
-        if latent is not self.cache or k_rope is not None:
-            return "the attended cache is not the buffer the row is written to"
-        if mask is not None or selected is not None:
-            return "a mask or a position list"
-        if rope is not self.rope or rope_offset is not self.offset:
-            return "q_rope rotated by another rope or at another position"
-        H = heads_of(kv_b, nope, v)
-        return (qb_decline_reason(self, q_b, H, nope) or decline_reason_shapes(1, latent, kv_b)
-                or rotation_decline_reason(1, q_b.O // H - nope, rope))
-
-
 def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
-             offset: mx.array, cache: Optional[mx.array] = None, defer: bool = False) -> tuple:
+             offset: mx.array, cache: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
     """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]`` (any
     leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at
     position ``offset`` (int32 array, mx.fast.rope's offset): q_a and the latent RMS-normalized
@@ -886,10 +791,7 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
     cache when MLX could not donate it); otherwise the caller writes ``kv``. The buffer must own
     row-contiguous memory (LayerCache's buffers do: made by ``mx.zeros`` and slice updates, then
     passed from step to step), or MLX would hand the kernel a contiguous copy to write into; and
-    every reader of the row must depend on q_a (the attention does, through q_b).
-
-    ``defer`` (with ``cache``, where the in-place launch would run): ``(DeferredRow, None)``, the
-    launch left to mla_decode's first launch (``q_proj=(row, q_b)``), which must then follow."""
+    every reader of the row must depend on q_a (the attention does, through q_b)."""
     impl = dispatch.backend()
     factor = rope.attention_factor
     reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
@@ -907,8 +809,6 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
         if reason is not None:
             dispatch.record_fallback("mla_rows_into", reason)
             cache = None
-    if cache is not None and defer:
-        return DeferredRow(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache), None
     dispatch.record_call("mla_rows", impl)
     out = dispatch.launch(impl, rows_spec(y, q_rows, qa_norm, kv_norm, eps, rope.inv_freq, offset, impl, cache))
     return (out[0], None) if cache is not None else (out[0], out[1])

@@ -483,9 +483,7 @@ class Attention:
         path writes the row into it in place (kernels.mla_rows) and ``kv`` is None.
         ``fold_q`` (one decode row of one sequence): q_b's projection is left to the attention
         core (kernels.mla_decode's ``q_proj``, folded into its first launch): q_nope and q_rope
-        are None and q_latent is returned (with ``cache`` on the kernel path and
-        ``COLIBRI_MLA_ROWS_FOLD=1`` a kernels.mla.DeferredRow: the row's launch is folded into
-        that one too)."""
+        are None and q_latent is returned."""
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None and L == 1
@@ -494,11 +492,8 @@ class Attention:
             # Rows stay [1, 1, width] throughout (the kernels take any leading shape): every
             # reshape would be a graph node of the compiled step.
             y = linear(x, self.x_proj, self.x_proj_bias)
-            # With the queries left to the core, the in-place row write may be too (opt-in,
-            # kernels.mla.rows_fold_enabled: its first launch normalizes q_a and writes the row).
             q_latent, kv = kernels.mla_rows(y, self.q_x_rows, self.q_a_norm, self.kv_a_norm, LATENT_NORM_EPS,
-                                            self.rope, rope_offset, cache,
-                                            defer=fold_q and kernels.mla.rows_fold_enabled())
+                                            self.rope, rope_offset, cache)
             if fold_q:
                 return None, None, kv, q_latent
             q = linear(q_latent, self.q_b_proj)

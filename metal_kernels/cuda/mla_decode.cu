@@ -225,10 +225,8 @@ __device__ __forceinline__ void pair_tf32(uint32_t w, uint32_t* b, const __half*
 // One decode row of mla_rows: q_a and the latent normalized, the rope key rotated at `position`
 // (as MLX's rms_norm / rope compute them; CUDA's rope uses cos / sin). The q_a part goes to
 // qa_row, the cache row (latent, then rope key) to kv_row (if write_kv): mla_rows' output, or
-// (mla_rows_into) the cache's own buffer at the row's slot. The sums of squares run over the
-// first RSG warps (mla_rows' NSG), so a larger block (mla_rows_qb_qabs) gets mla_rows' bits; sums:
-// 2 * RSG floats.
-template <typename T, int NSG, int RSG = NSG>
+// (mla_rows_into) the cache's own buffer at the row's slot.
+template <typename T, int NSG>
 __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, const T* knorm, const float* invf,
                                               float position, int QL, int R, int rope, float eps_q,
                                               float eps_l, T* qa_row, T* kv_row, bool write_kv, float* sums) {
@@ -237,28 +235,26 @@ __device__ __forceinline__ void norm_rope_row(const T* row, const T* qnorm, cons
   const int lane = int(threadIdx.x & 31);
   float sq = 0.0f;                             // sums of squares: q_a part, latent part
   float sl = 0.0f;
-  if (sg < RSG) {
-    for (int c = tid; c < QL; c += RSG * 32) {
-      const float x = static_cast<float>(row[c]);
-      sq += x * x;
-    }
-    for (int c = tid; c < R; c += RSG * 32) {
-      const float x = static_cast<float>(row[QL + c]);
-      sl += x * x;
-    }
-    sq = warp_sum(sq);
-    sl = warp_sum(sl);
-    if (lane == 0) {
-      sums[sg] = sq;
-      sums[RSG + sg] = sl;
-    }
+  for (int c = tid; c < QL; c += NSG * 32) {
+    const float x = static_cast<float>(row[c]);
+    sq += x * x;
+  }
+  for (int c = tid; c < R; c += NSG * 32) {
+    const float x = static_cast<float>(row[QL + c]);
+    sl += x * x;
+  }
+  sq = warp_sum(sq);
+  sl = warp_sum(sl);
+  if (lane == 0) {
+    sums[sg] = sq;
+    sums[NSG + sg] = sl;
   }
   __syncthreads();
   sq = 0.0f;
   sl = 0.0f;
-  for (int g = 0; g < RSG; ++g) {
+  for (int g = 0; g < NSG; ++g) {
     sq += sums[g];
-    sl += sums[RSG + g];
+    sl += sums[NSG + g];
   }
   const float iq = rsqrtf(sq / float(QL) + eps_q);
   const float il = rsqrtf(sl / float(R) + eps_l);
@@ -537,7 +533,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
     return;
   }
   const int Ib = qbp[0];
-  const TQ* xq = qa + size_t(q) * Ib;          // mla_rows_qb_qabs: its own section instead
+  const TQ* xq = qa + size_t(q) * Ib;
   const uint8_t* wqb8 = reinterpret_cast<const uint8_t*>(wqb);
   if ((reinterpret_cast<uintptr_t>(wqb8) & 15) == 0 && (reinterpret_cast<uintptr_t>(xq) & 15) == 0) {
     colibri_mla::qb_head_rows<FMTB, GSB, VECB, true, XVB, NIB, NSG, QR, NUB, TQ>(
@@ -552,20 +548,6 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
                                                                params[12], 0, red, qrow);
   colibri_mla::qabs_rope<ROPEQ, TQ, NSG>(static_cast<const float*>(qsh + nope), qrow + R, rope,
                                          ROPEQ ? static_cast<float>(qpos[q]) : 0.0f, invf);
-// ==== kernel body: mla_rows_qb_qabs ====
-  // Not a kernel: the lines mla.py puts in place of mla_qb_qabs' q_a row (its xq line) for
-  // mla_rows_qb_qabs, the launch that also does mla_rows_into's work (one decode row of one
-  // sequence over the joint cache; the .metal section says why). qa is an output here: each
-  // block's own row [H, Ib], read back after the barrier.
-  __shared__ float row_sums[2 * RSG];
-  const int slot = qpos[0];
-  const bool inside = h == 0 && slot >= 0 && slot < params[5];
-  colibri_mla::norm_rope_row<TQ, NSG, RSG>(y, qnorm, knorm, invf, static_cast<float>(slot), Ib, R, rope, rfp[0],
-                                           rfp[1], qa + size_t(h) * Ib,
-                                           const_cast<TQ*>(cache) + size_t(inside ? slot : 0) * QW, inside,
-                                           row_sums);
-  __syncthreads();
-  const TQ* xq = qa + size_t(h) * Ib;
 // ==== kernel body: mla_attn ====
   constexpr int C = colibri_mla::mla_chunk();
   constexpr int RW = (CJ + RJ) * 32;           // a staged position: latent columns, then rope
