@@ -28,7 +28,7 @@ SUBSET=(
   "tests/test_moe_mla_msl.py::test_mla_qb_qabs_matches_float64"
   "tests/test_moe_mla_msl.py::test_mla_wide"
   "tests/test_router.py::test_kernel_matches_oracle"
-  "tests/test_moe_routed.py::test_routed_selection_is_router_topk"
+  "tests/test_moe_shared_slot.py::test_shared_slot_in_simulator"
 )
 if [ "${1:-}" = "--all" ]; then
   shift

@@ -33,10 +33,10 @@ KERNEL_ENV = "COLIBRI_MSL_KERNEL_DIR"
 # The simulator tests that run each source's kernels, the most direct first.
 QGEMV = ["tests/test_qgemv_msl.py"]
 MOE = ["tests/test_moe_mla_msl.py::test_moe_every_fmt", "tests/test_moe_mla_msl.py",
-       "tests/test_moe_routed.py", "tests/test_moe_shared_slot.py"]
+       "tests/test_moe_shared_slot.py"]
 MLA = ["tests/test_moe_mla_msl.py::test_mla_one_layer_across_decode_steps", "tests/test_moe_mla_msl.py",
        "tests/test_compiled.py"]
-ROUTER = ["tests/test_router.py", "tests/test_moe_routed.py", "tests/test_moe_mla_msl.py"]
+ROUTER = ["tests/test_router.py", "tests/test_moe_shared_slot.py", "tests/test_moe_mla_msl.py"]
 TESTS = {
     "qgemv.metal": QGEMV,
     "qdecode.h": QGEMV + MOE + MLA,
@@ -146,9 +146,13 @@ def _plants() -> list:
 
 
 def test_every_source_and_kind_is_planted_somewhere():
-    """The table covers every Metal source, and each defect kind has sources to go in."""
+    """The table covers every Metal source, names test files that exist, and each defect kind
+    has sources to go in."""
     sources = {p.name for p in dispatch.KERNEL_DIR.glob("*.metal")} | {"qdecode.h"}
     assert sources == set(TESTS)
+    for targets in TESTS.values():
+        for target in targets:
+            assert (ROOT / target.split("::")[0]).is_file(), target
     kinds = {p.values[1] for p in _plants()}
     assert kinds == set(PLANTERS)
 
