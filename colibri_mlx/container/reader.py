@@ -16,6 +16,7 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from ..formats import FMT_BY_NAME, FMT_NAMES, FormatError, QTensor, resolve_format, scale_nbytes, weight_nbytes
+from .files import check_file, read_json_object
 from .safetensors_reader import DTYPES, UNSHAPED_DTYPES, ContainerError, ShardHeader, TensorInfo, read_shard_header
 from .shapes import expected_shapes
 from .writer import STAMP_KEY
@@ -53,6 +54,8 @@ class Container:
             raise ContainerError(f"{self.path}: no *.safetensors shards in the directory")
         if len(self.shards) > MAX_SHARDS:
             raise ContainerError(f"{self.path}: {len(self.shards)} shards; upstream reads at most {MAX_SHARDS}")
+        for shard in self.shards:  # regular files, symlinks only within the directory or a hub blob store
+            check_file(shard, self.path, "a safetensors shard")
         self.config: dict = config if config is not None else _read_config(self.path)
         self._headers: dict[str, ShardHeader] = {p: read_shard_header(p) for p in self.shards}
         self._index: dict[str, TensorInfo] = _build_index(self._headers.values())
@@ -233,16 +236,9 @@ class Container:
 
 def _read_config(path: str) -> dict:
     cfg = os.path.join(path, "config.json")
-    if not os.path.exists(cfg):
+    if not os.path.lexists(cfg):
         return {}
-    try:
-        with open(cfg, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ContainerError(f"{cfg}: cannot read config: {e}") from None
-    if not isinstance(config, dict):
-        raise ContainerError(f"{cfg}: config must be a JSON object")
-    return config
+    return read_json_object(cfg, path, "config.json")
 
 
 def _build_index(headers) -> dict[str, TensorInfo]:

@@ -87,13 +87,15 @@ class ShardHeader:
 
 def read_shard_header(path: str | os.PathLike) -> ShardHeader:
     """Open ``path`` and parse and validate its header (reads only the header bytes)."""
+    from .files import open_regular  # a FIFO or device must not block or stream endless bytes
+
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "a safetensors shard") as f:
             size = os.fstat(f.fileno()).st_size
             return parse_shard(f, size, path)
     except OSError as e:
-        raise ContainerError(f"{path}: cannot read shard: {e}") from e
+        raise ContainerError(f"{path}: cannot read shard: {e.strerror or e}") from e
 
 
 def parse_shard(f: BinaryIO, file_size: int, path: str) -> ShardHeader:
