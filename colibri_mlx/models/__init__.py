@@ -29,15 +29,18 @@ def load(path=None, dtype=None, **options):
     """
     if path is None:
         path = DEMO_MODEL_DIR
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: model directory does not exist")
     unknown = set(options) - STREAMING_OPTIONS
     if unknown:
         raise TypeError(f"load() got unknown option(s): {sorted(unknown)}")
     from ..tokenizer import load_tokenizer
+    from .loading import build_model
+    from .modeldir import open_model_dir
 
+    resolve_dtype(dtype)  # a bad value fails first
+    # config.json, shard headers, then the tokenizer: every check before any weight is read.
+    opened = open_model_dir(path)
     tokenizer = load_tokenizer(path)
-    return load_model(path, dtype=dtype, **options), tokenizer
+    return build_model(opened, dtype=dtype, **options), tokenizer
 
 
 STREAMING_OPTIONS = frozenset(("ram_gb", "pin", "pin_gb", "expert_top_p", "prefetch", "workers", "max_inflight",

@@ -127,6 +127,9 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
+        from .config_schema import validate_config
+
+        validate_config(config)  # every key's type, range and cross-field rule, named (ConfigError)
         model_type = config.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json: unknown model_type {model_type!r}; supported: {sorted(MODEL_TYPES)}")
@@ -247,9 +250,11 @@ def _dense_attention_fallback(args: ModelArgs, weights: WeightTable) -> str | No
         return None
     args.without_indexer()
     reason = (f"{weights.source}: no DSA indexer weights, attention is dense: identical to the sparse "
-              f"model up to index_topk={args.index_topk} tokens of context, different beyond "
-              "(convert with --indexer to add them)")
-    warnings.warn(reason, stacklevel=3)
+              f"model up to index_topk={args.index_topk} tokens of context, different beyond; to add them, "
+              f"run `colibri convert --indir <the original checkpoint> --outdir {weights.source} --indexer`")
+    from ..errors import ColibriNote
+
+    warnings.warn(reason, ColibriNote, stacklevel=3)  # one "colibri: note:" line, no source location
     return reason
 
 

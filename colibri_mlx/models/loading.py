@@ -10,7 +10,6 @@ the model's activation dtype (``dtype``, :func:`deepseek_v3.resolve_dtype`) as t
 
 from __future__ import annotations
 
-import json
 import os
 import weakref
 
@@ -24,19 +23,27 @@ from .deepseek_v3 import Model, ModelArgs, WeightTable, resolve_dtype, sanitize
 FP8_DTYPES = ("F8_E4M3",)
 SCALE_INV_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
+# Float tensors up to this many values (norms, biases, routers: not whole matrices of an
+# unconverted checkpoint, where a pass over every value would cost more than it finds) are
+# checked for NaN / inf at load.
+FINITE_CHECK_MAX = 1 << 22
 
 
 def read_config(path: str) -> dict:
-    cfg = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg):
-        raise FileNotFoundError(f"{path}: no config.json (not a model directory)")
-    with open(cfg, encoding="utf-8") as f:
-        return json.load(f)
+    """config.json of a model directory, checked against the model's schema (ConfigError naming
+    the file and the key); a directory without one is not a model directory."""
+    from .modeldir import read_config as _read_config
+
+    return _read_config(path)
 
 
 def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,
                expert_top_p: float | None = None, dtype=None, **store_options) -> Model:
     """The model of a container / checkpoint directory.
+
+    Everything that can be checked without reading weights is checked first
+    (:func:`modeldir.open_model_dir`: config.json against the schema, every shard's header,
+    config.json against the shards), so a bad directory fails in a second, naming the file.
 
     ``ram_gb`` streams the routed experts from disk through an ``experts.ExpertStore`` with that
     many GB (1e9 bytes) of expert cache; ``pin`` ("auto" or a .coli_usage path) and ``pin_gb``
@@ -45,13 +52,17 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
     activation dtype, "auto"/None (float32 on the CPU backend, bfloat16 on GPUs), "float32",
     "bfloat16" or "float16".
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: model directory does not exist")
+    from .modeldir import open_model_dir
+
     dtype = resolve_dtype(dtype)  # a bad value fails before any tensor is read
-    config = read_config(path)
-    args = ModelArgs.from_config(config)
-    container = Container(path, config=config)
+    return build_model(open_model_dir(path), ram_gb, pin, pin_gb, expert_top_p, dtype, **store_options)
+
+
+def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,
+                expert_top_p: float | None = None, dtype=None, **store_options) -> Model:
+    """:func:`load_model` of an already opened and checked directory (``modeldir.ModelDir``)."""
+    dtype = resolve_dtype(dtype)
+    args, container = ModelArgs.from_config(opened.config), opened.container
     if ram_gb is None:
         if pin is not None or pin_gb is not None or store_options:
             raise ValueError("pin / pin_gb / expert store options need ram_gb (expert streaming)")
@@ -101,6 +112,10 @@ def _fetch(container: Container, name: str, shape: tuple):
     values = container.array(name, shape=shape)
     if container.info(name).dtype in FP8_DTYPES:
         values = _apply_fp8_scales(container, name, values)
+    if values.size <= FINITE_CHECK_MAX and not np.isfinite(values).all():
+        # Norms, biases, routers: a NaN here turns every output into garbage, silently.
+        raise ValueError(f"{container.info(name).path}: tensor {name!r} holds NaN or infinite values "
+                         "(a damaged shard?)")
     return mx.array(np.ascontiguousarray(values, dtype=np.float32))
 
 

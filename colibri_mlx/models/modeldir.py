@@ -1,0 +1,83 @@
+"""A model directory, opened and checked before any weight is read.
+
+:func:`open_model_dir` is everything that can fail without touching tensor bytes, in the order a
+user would fix it: the path is a directory, it has a config.json (else it is not a model
+directory at all), config.json is UTF-8 JSON holding an object that fits the model's schema
+(``config_schema``), every ``*.safetensors`` is a regular file inside the directory (or a Hugging
+Face cache blob) with a valid header, and config.json's layer and expert counts match the shards.
+Each failure is one message naming the file and the key or tensor. It costs a header read per
+shard: seconds for the largest models, against minutes to load their weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..container import Container
+from ..container.files import read_json_object
+from ..errors import ConfigError
+from .config_schema import check_against_shards, validate_config
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class ModelDir:
+    """A checked model directory: its validated config.json and its opened shards."""
+
+    path: str
+    config: dict
+    container: Container
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(self.path, CONFIG_FILE)
+
+
+def check_model_path(path) -> str:
+    """``path`` as a string if it is a directory holding a config.json; else a clear error."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: model directory does not exist")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"{path}: is a file, not a model directory (give the directory that holds "
+                                 "config.json and the *.safetensors shards)")
+    if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
+        raise FileNotFoundError(f"{path}: not a model directory: it has no config.json{_hint(path)}")
+    return path
+
+
+def _hint(path: str) -> str:
+    """Where the model directory probably is, when ``path`` is one level above it."""
+    snapshots = os.path.join(path, "snapshots")
+    if os.path.isdir(snapshots):
+        revs = sorted(os.listdir(snapshots))[:1]
+        where = os.path.join(snapshots, revs[0]) if revs else snapshots + "/<revision>"
+        return f" (a Hugging Face cache repository: give one of its snapshots, e.g. {where})"
+    try:
+        entries = sorted(os.listdir(path))[:64]
+    except OSError:
+        return ""
+    inner = [e for e in entries if os.path.isfile(os.path.join(path, e, CONFIG_FILE))]
+    if inner:
+        return f" (did you mean {os.path.join(path, inner[0])}?)"
+    return ""
+
+
+def read_config(path) -> dict:
+    """config.json of the model directory ``path``, validated against the schema."""
+    path = check_model_path(path)
+    cfg = os.path.join(path, CONFIG_FILE)
+    config = read_json_object(cfg, path, CONFIG_FILE, error=ConfigError)
+    validate_config(config, cfg)
+    return config
+
+
+def open_model_dir(path) -> ModelDir:
+    """Check everything short of the weights (module docstring); the opened directory."""
+    config = read_config(path)
+    path = os.fspath(path)
+    container = Container(path, config=config)
+    check_against_shards(config, container.names(), os.path.join(path, CONFIG_FILE), path)
+    return ModelDir(path, config, container)
