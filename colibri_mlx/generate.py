@@ -4,15 +4,25 @@
 Sampling order (the usual one, as in transformers' logits processors): repetition penalty on the
 raw logits, then temperature, top-k, top-p (nucleus), min-p, then a categorical draw from an
 explicit ``mx.random`` key (``seed``) so that a run is reproducible. ``temperature == 0`` is greedy.
+
+The prompt is used as given, as in mlx-lm: a string is encoded as is (the tokenizer's own special
+tokens, such as a leading BOS, are added; the chat template is not applied), a list of ints is
+fed as token ids. For a chat model, pass ``tokenizer.encode_chat(messages)`` (or the text of
+``tokenizer.apply_chat_template(messages)``); the ``colibri generate`` command applies the
+template by default.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+SEED_MODULUS = 1 << 64  # mx.random.key takes 64 bits; larger and negative seeds are reduced mod 2**64
+Prompt = Union[str, Sequence[int]]
 
 import mlx.core as mx
 
@@ -27,7 +37,21 @@ def peak_rss_bytes() -> int:
 
 @dataclass
 class GenerationResponse:
-    """One generated token: its text delta and id, plus running statistics."""
+    """One generated token: its text delta and id, plus running statistics.
+
+    Attributes:
+        text: the text this token adds (may be "" while a multi-byte character is incomplete;
+            the held-back text comes with a later token).
+        token: the token id.
+        prompt_tokens, prompt_tps: prompt length and prompt processing speed (tokens/s).
+        generation_tokens, generation_tps: tokens generated so far and their speed (tokens/s).
+        peak_memory_gb: MLX's peak memory so far (GB, 1e9 bytes).
+        finish_reason: None while generating; on the last token "stop" (an end-of-sequence
+            token: its text is not included) or "length" (``max_tokens`` reached, or the
+            model's context limit, ``max_position_embeddings``: then ``generation_tokens <
+            max_tokens``).
+        expert_stats: with streamed experts only, ``ExpertStore.report()`` (docs/streaming.md).
+    """
 
     text: str
     token: int
@@ -40,8 +64,23 @@ class GenerationResponse:
     expert_stats: Optional[dict] = None  # streamed experts only: ExpertStore.report() (docs/streaming.md)
 
 
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """How the next token is drawn; every value is checked when the object is made.
+
+    ``temperature`` >= 0 (0 = greedy), ``top_p`` in (0, 1] (1 = off), ``top_k`` >= 0 (0 = off),
+    ``min_p`` in [0, 1] (0 = off), ``repetition_penalty`` > 0 (1 = off). Errors are ValueErrors
+    whose message starts with the parameter's name.
+    """
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -49,16 +88,35 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if _number("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 0 < _number("top_p", self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
+        if not 0 <= _number("min_p", self.min_p) <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        if _number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def reduce_seed(seed: Optional[int]) -> Optional[int]:
+    """``seed`` as the 64-bit key ``mx.random.key`` takes: any Python integer is accepted,
+    reduced modulo 2**64 (so 0 .. 2**64 - 1 are used as they are, -1 is 2**64 - 1)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        try:
+            import numpy as np
+
+            if isinstance(seed, np.integer):
+                return int(seed) % SEED_MODULUS
+        except ImportError:  # pragma: no cover
+            pass
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return seed % SEED_MODULUS
 
 
 def apply_repetition_penalty(logits: mx.array, seen: Sequence[int], penalty: float) -> mx.array:
@@ -96,6 +154,7 @@ def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable
     """``logits -> token`` as a lazy scalar ``mx.array`` (so the next step can be built before it is read)."""
     if params.temperature == 0:
         return lambda logits: mx.argmax(logits)
+    seed = reduce_seed(seed)
     key = mx.random.key(seed if seed is not None else time.time_ns() % (1 << 63))
 
     def sample(logits):
@@ -123,6 +182,11 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("empty prompt")
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+        raise ValueError(f"prompt token id {bad} is outside the model's vocabulary (vocab_size={vocab} in "
+                         "config.json): the tokenizer does not belong to this model?")
     cache = model.make_cache() if cache is None else cache
     limit = model.max_length
     if cache.offset + len(prompt_ids) > limit:
@@ -173,22 +237,67 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
             token_arr = next_token(model(mx.array([[token]]), cache)[0, -1])
 
 
-def _prompt_ids(tokenizer, prompt) -> list[int]:
+def _prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
+    if isinstance(prompt, (bytes, bytearray)):
+        raise ValueError("prompt must be a str or a sequence of token ids, got bytes (decode it first)")
+    try:
+        return [_token_id(t) for t in prompt]
+    except TypeError:
+        raise ValueError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}") from None
+
+
+def _token_id(t) -> int:
+    if isinstance(t, bool) or not hasattr(t, "__index__"):
+        raise ValueError(f"prompt token ids must be integers, got {t!r}")
+    return int(t)
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
     return set(getattr(tokenizer, "eos_token_ids", ())) | set(model.args.eos_token_id)
 
 
-def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                    top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
-                    cache=None) -> Iterator[GenerationResponse]:
-    """Yield one :class:`GenerationResponse` per token. ``prompt``: text (encoded as is, no chat
-    template) or token ids. Pass ``cache`` to continue a conversation."""
+STREAM_GENERATE_DOC = """
+    Args:
+        model: the model of ``colibri_mlx.load(path)``.
+        tokenizer: its tokenizer (the second value ``load`` returns).
+        prompt: a ``str``, encoded as is: the tokenizer adds its own special tokens (a leading
+            BOS), the chat template is NOT applied (as mlx-lm's ``generate``; the ``colibri
+            generate`` command applies it by default). For a chat model, pass
+            ``tokenizer.encode_chat([{"role": "user", "content": text}])``. Or a list of token
+            ids, fed as they are.
+        max_tokens: most tokens to generate (>= 1). Generation also ends at an end-of-sequence
+            token (``finish_reason == "stop"``) and at the model's context limit,
+            ``model.max_length`` (``max_position_embeddings``; ``finish_reason == "length"`` with
+            fewer than ``max_tokens`` tokens).
+        temperature: 0 (default) is greedy; > 0 samples from the temperature-scaled softmax.
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability reaches it; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        min_p: drop tokens less likely than this fraction of the most likely one; 0 = off.
+        repetition_penalty: > 1 makes tokens already in the prompt or the reply less likely; 1 = off.
+        seed: makes sampling reproducible; any integer (reduced modulo 2**64). None: a fresh
+            seed per call. Greedy decoding ignores it.
+        cache: ``model.make_cache()`` to continue a conversation over several calls: ``prompt``
+            is then only the new tokens (the cache holds the earlier ones).
+
+    Raises:
+        ValueError: a bad sampling value (the message names it), an empty prompt, a prompt
+            longer than the context limit, or a token id outside the model's vocabulary.
+"""
+
+
+def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    seed: Optional[int] = None, cache=None) -> Iterator[GenerationResponse]:
+    """Generate text for ``prompt``, one :class:`GenerationResponse` per token as it is made.
+
+    Join the ``text`` of the responses for the reply; the last response has ``finish_reason``
+    set and the final statistics.
+    """
     params = SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     detok = tokenizer.detokenizer()
     store = getattr(model, "expert_store", None)
     for token, s in generate_tokens(model, _prompt_ids(tokenizer, prompt), max_tokens, params, seed, cache,
@@ -211,12 +320,22 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, temperature
             store.save_usage()  # upstream rewrites .coli_usage after every turn
 
 
-def generate(model, tokenizer, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: Optional[int] = None,
-             cache=None) -> str:
-    """The generated text (end-of-sequence token not included)."""
+def generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             seed: Optional[int] = None, cache=None) -> str:
+    """Generate text for ``prompt`` and return it (the end-of-sequence token not included).
+
+    ``colibri_mlx.generate(model, tokenizer, "Hello")`` continues the text "Hello"; it does not
+    apply the chat template (use :func:`stream_generate` for the tokens as they come and the
+    statistics).
+    """
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k,
                                                    min_p, repetition_penalty, seed, cache))
+
+
+if stream_generate.__doc__ and generate.__doc__:  # python -OO drops docstrings
+    stream_generate.__doc__ += STREAM_GENERATE_DOC
+    generate.__doc__ += STREAM_GENERATE_DOC
 
 
 class _CallableModule(types.ModuleType):
