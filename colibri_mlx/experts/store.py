@@ -45,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..container import Container, ContainerError, to_float32
+from ..errors import ColibriNote
 from ..container.safetensors_reader import DTYPES
 from ..formats.qtensor import QTensor
 from .prefetch import BACKGROUND, DEMAND, PREFETCH, ReadPool
@@ -298,18 +299,20 @@ class ExpertStore:
         try:
             history = read_usage(self.usage_path)
         except (UsageError, OSError) as e:
-            warnings.warn(f"ignoring expert usage history: {e}", stacklevel=3)
+            warnings.warn(f"ignoring expert usage history: {e}", ColibriNote, stacklevel=3)
             return fresh
         if history.engine is not None and history.engine != engine_id(self.engine_name):
             warnings.warn(f"{self.usage_path}: usage history of another engine (id {history.engine}, this is "
-                          f"{self.engine_name!r} = {engine_id(self.engine_name)}); starting a new one", stacklevel=3)
+                          f"{self.engine_name!r} = {engine_id(self.engine_name)}); starting a new one", ColibriNote,
+                          stacklevel=3)
             return fresh
         if history.counts.shape != fresh.counts.shape:
             if history.engine is None and history.n_layers <= self.n_layers and history.n_experts <= self.n_experts:
                 fresh.counts[: history.counts.shape[0], : history.n_experts] = history.counts  # legacy file
                 return fresh
             warnings.warn(f"{self.usage_path}: usage history is {history.n_layers} layers x {history.n_experts} "
-                          f"experts, the model {self.n_layers} x {self.n_experts}; starting a new one", stacklevel=3)
+                          f"experts, the model {self.n_layers} x {self.n_experts}; starting a new one", ColibriNote,
+                          stacklevel=3)
             return fresh
         history.engine = fresh.engine
         return history
@@ -539,7 +542,7 @@ class ExpertStore:
             try:
                 write_usage(self.usage_path, self.usage, self.engine_name)
             except OSError as e:  # a read-only model directory must not end the session
-                warnings.warn(f"cannot write the expert usage history: {e}", stacklevel=2)
+                warnings.warn(f"cannot write the expert usage history: {e}", ColibriNote, stacklevel=2)
 
     def close(self) -> None:
         self._pool.close()

@@ -78,11 +78,20 @@ class UsageHistory:
         return [(int(layers[i]), int(experts[i])) for i in order]
 
 
+MAX_USAGE_BYTES = 256 << 20
+MAX_USAGE_LAYERS = 4096      # config_schema's bounds: a file past them is not a usage history
+MAX_USAGE_EXPERTS = 16384
+
+
 def read_usage(path: str | os.PathLike) -> UsageHistory:
     """Parse a .coli_usage file (headered or legacy); raises UsageError naming file and line."""
+    from ..container.files import read_bytes
+
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        data = read_bytes(path, None, "a .coli_usage file", limit=MAX_USAGE_BYTES)  # a FIFO must not block
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if data.startswith(BINARY_MAGIC):
         raise UsageError(f"{path}: binary IKU1 usage layout (upstream's inkling engine) is not supported")
     try:
@@ -94,7 +103,7 @@ def read_usage(path: str | os.PathLike) -> UsageHistory:
     entries = []
     for lineno, (a, b, c) in records:
         if a == DIMS_RECORD:
-            if b < 0 or c <= 0:
+            if b < 0 or c <= 0 or b > MAX_USAGE_LAYERS or c > MAX_USAGE_EXPERTS:
                 raise UsageError(f"{path}:{lineno}: bad dimensions record '-1 {b} {c}'")
             dims = (b, c)
         elif a == VERSION_RECORD:
@@ -107,6 +116,8 @@ def read_usage(path: str | os.PathLike) -> UsageHistory:
             raise UsageError(f"{path}:{lineno}: unknown header record {a}")
         elif b < 0 or c < 0:
             raise UsageError(f"{path}:{lineno}: negative expert or count in '{a} {b} {c}'")
+        elif a > MAX_USAGE_LAYERS or b >= MAX_USAGE_EXPERTS:
+            raise UsageError(f"{path}:{lineno}: layer {a}, expert {b}: more layers or experts than any model has")
         else:
             entries.append((lineno, a, b, c))
     if dims is None:  # legacy headerless file
