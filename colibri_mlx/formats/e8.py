@@ -496,7 +496,7 @@ def _cache_dir() -> str:
     root = os.environ.get("COLIBRI_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "colibri_mlx")
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, mode=0o700, exist_ok=True)
     return root
 
 
@@ -510,19 +510,64 @@ def _cpu_tag() -> str:
     return platform.machine() + platform.processor() + flags
 
 
+def _private(st: os.stat_result) -> bool:
+    """Owned by this user and writable by nobody else (so nobody else can swap what we load)."""
+    getuid = getattr(os, "getuid", None)
+    return (getuid is None or st.st_uid == getuid()) and not st.st_mode & 0o022
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _trusted(so: str, record: str, key: str) -> bool:
+    """Whether the cached library ``so`` is the one we built for ``key``: a regular file we own
+    that nobody else can write, whose sha256 is the one ``record`` (written with it) holds."""
+    import json
+    import stat
+
+    try:
+        st = os.lstat(so)
+        rst = os.lstat(record)
+        if not (stat.S_ISREG(st.st_mode) and stat.S_ISREG(rst.st_mode) and _private(st) and _private(rst)):
+            return False
+        with open(record) as f:
+            want = json.load(f)
+        return want.get("key") == key and want.get("sha256") == _file_sha256(so)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _build_and_load() -> ctypes.CDLL:
-    """Compile ``_e8_encode.c`` once per source/compiler/CPU into the cache dir and load it."""
+    """Compile ``_e8_encode.c`` once per source/compiler/CPU into the cache dir and load it.
+
+    The cache is keyed by the sha256 of the source, the compiler and its flags, and the CPU; a
+    library found there is loaded only if a record written when we built it has its sha256 and
+    both are ours and writable by nobody else (else it is built again). A cache directory that
+    others can write is not used: the library is built into a private temporary directory."""
+    import json
+
     cc = os.environ.get("CC") or shutil.which("cc")
     if not cc:
         raise OSError("no C compiler: `cc` is not on PATH (set CC)")
     with open(_C_SOURCE, "rb") as f:
         source = f.read()
     cache, errors = _cache_dir(), []
+    if not _private(os.stat(cache)):
+        import atexit
+
+        cache = tempfile.mkdtemp(prefix="colibri-e8-")
+        atexit.register(shutil.rmtree, cache, True)
     for tuning in _C_TUNINGS:
         flags = tuning + _C_COMMON
-        key = hashlib.sha256(source + repr((cc, flags, _cpu_tag())).encode()).hexdigest()[:16]
-        so = os.path.join(cache, f"e8_encode-{key}.so")
-        if not os.path.exists(so):
+        key = hashlib.sha256(source + repr((cc, flags, _cpu_tag())).encode()).hexdigest()
+        so = os.path.join(cache, f"e8_encode-{key[:16]}.so")
+        record = so + ".sha256"
+        if not _trusted(so, record, key):
             fd, tmp = tempfile.mkstemp(prefix="e8_encode-", suffix=".so.tmp", dir=cache)
             os.close(fd)
             run = subprocess.run([cc, *flags, "-o", tmp, _C_SOURCE, "-lm"],
@@ -531,7 +576,12 @@ def _build_and_load() -> ctypes.CDLL:
                 os.unlink(tmp)
                 errors.append(f"`{cc} {' '.join(flags)}` failed: {run.stderr.strip()[-400:]}")
                 continue
+            os.chmod(tmp, 0o700)
+            fd, rtmp = tempfile.mkstemp(prefix="e8_encode-", suffix=".sha256.tmp", dir=cache)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": key, "sha256": _file_sha256(tmp)}, f)
             os.replace(tmp, so)
+            os.replace(rtmp, record)
         lib = _bind(ctypes.CDLL(so))
         _fill_cells(lib, so[:-len(".so")] + ".cells")
         return lib
@@ -545,7 +595,9 @@ def _fill_cells(lib: ctypes.CDLL, path: str) -> None:
     table = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(lib.e8_cell_table()))
     slot = 16                                   # CELL_MAX + 1 bytes per cell in _e8_encode.c
     try:
-        saved = np.fromfile(path, dtype=np.uint8)
+        # Only a table we wrote, that nobody else can write (the core indexes with its bytes).
+        saved = np.fromfile(path, dtype=np.uint8) if _private(os.lstat(path)) and os.path.isfile(path) \
+            else np.empty(0, np.uint8)
     except OSError:
         saved = np.empty(0, np.uint8)
     if len(saved) == n + 32 and hashlib.sha256(saved[:n]).digest() == saved[n:].tobytes():
