@@ -12,8 +12,7 @@ selected and every custom-kernel launch stubbed (a preallocated output of the ri
 prints the median build time per step and per block kind. MLX's own op construction is included;
 the custom-kernel calls themselves (MLX builds and hashes the kernel source) are not, and
 ``mx.fast`` ops on the CPU build their fallback graphs, so figures are for comparing versions
-of our code on one machine, not absolute GPU-host costs. COLIBRI_STEP_GRAPH=layer times the
-per-layer graphs instead of the whole-step one.
+of our code on one machine, not absolute GPU-host costs.
 """
 
 from __future__ import annotations
@@ -56,8 +55,10 @@ def stub_launch(keep_inputs: bool = False):
 
 
 def stub_launches():
-    """Route every custom-kernel launch to a cached output of its shape, and report a GPU backend."""
-    dispatch.launch = stub_launch()
+    """Route every custom-kernel launch to a cached output of its shape, and report a GPU backend.
+    The outputs depend on the launch's inputs (keep_inputs): a compiled layer step returns them,
+    and mx.compile refuses outputs that are not computed from its inputs."""
+    dispatch.launch = stub_launch(keep_inputs=True)
     dispatch.backend = lambda: dispatch.CUDA
     dispatch.gpu_backend = lambda: dispatch.CUDA
 
@@ -108,16 +109,11 @@ def main():
         layer.self_attn.attend = Timed(layer.self_attn.attend, "attention core (mla_decode)", totals)
         layer._compiled_out = Timed(layer._compiled_out, "layer out (o_proj, MLP / MoE)", totals)
         layer._compiled_step = Timed(layer._compiled_step, "whole layer (one compiled graph)", totals)
-    for which, block in model._compiled_model_steps.items():
-        model._compiled_model_steps[which] = Timed(block, "whole step (one compiled graph)", totals)
     for _ in range(args.steps):
         step()
     layers = cfg["num_hidden_layers"]
     for name, total in totals.items():
-        if name.startswith("whole step"):
-            print(f"  {name:36s} {total / args.steps * 1e6:7.1f} us per step (mean)")
-        else:
-            print(f"  {name:36s} {total / args.steps / layers * 1e6:7.1f} us per layer (mean)")
+        print(f"  {name:36s} {total / args.steps / layers * 1e6:7.1f} us per layer (mean)")
 
 
 if __name__ == "__main__":

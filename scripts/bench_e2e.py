@@ -226,17 +226,6 @@ def main():
     print(f"ours (kernels on): {res['ours_ms']:.2f} ms/token", flush=True)
     cache = ours.make_cache()
     res["ours_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    from colibri_mlx.models.deepseek_v3 import STEP_GRAPH_VAR
-
-    with env_set(STEP_GRAPH_VAR, "layer"):            # one compiled graph a layer, not a step
-        cache = ours.make_cache()
-        res["ours_layer_graphs_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    with env_set(kernels.compiled.COMMIT_VAR, "1"):   # each layer submitted as it is built
-        cache = ours.make_cache()
-        res["ours_layer_commits_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-        cache = ours.make_cache()
-        res["ours_layer_commits_pipelined_ms"] = decode_times_pipelined(lambda t: ours(t, cache), prompt,
-                                                                        args.steps) * 1e3
     with earlier_step_ops():                          # 37 launches a step more (4 layers)
         cache = ours.make_cache()
         res["ours_earlier_ops_ms"] = decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
@@ -279,10 +268,6 @@ def main():
     L = args.layers
     print(f"{'model':36s} {'ms/token':>9s} {'per layer':>9s} {'pipelined':>9s}")
     print(f"{'ours (kernels on)':36s} {res['ours_ms']:9.2f} {res['ours_ms'] / L:9.3f} {res['ours_pipelined_ms']:9.2f}")
-    print(f"{'ours (COLIBRI_STEP_GRAPH=layer)':36s} {res['ours_layer_graphs_ms']:9.2f} "
-          f"{res['ours_layer_graphs_ms'] / L:9.3f}")
-    print(f"{'ours (COLIBRI_LAYER_COMMIT=1)':36s} {res['ours_layer_commits_ms']:9.2f} "
-          f"{res['ours_layer_commits_ms'] / L:9.3f} {res['ours_layer_commits_pipelined_ms']:9.2f}")
     print(f"{'ours (earlier step ops: slice_update)':36s} {res['ours_earlier_ops_ms']:9.2f} "
           f"{res['ours_earlier_ops_ms'] / L:9.3f} {res['ours_earlier_ops_pipelined_ms']:9.2f}")
     if not args.quick:

@@ -152,9 +152,8 @@ def _routed(x, ids, weights, bank):
     return kernels.moe_block(x, bank, ids, weights)
 
 
-# The chain as one compiled graph: how the model's decode step runs its layers on a GPU
-# (Model._decode_model_step, COLIBRI_STEP_GRAPH=model: every layer and the head one graph, one
-# compiled call a step), against one compiled call a layer in the "_compiled" rows.
+# The chain as one compiled graph (one compiled call for every layer), against one compiled call a
+# layer in the "_compiled" rows.
 def _routed_chain(banks, *arrays):
     n = len(banks)
     return tuple(_routed(x, i, w, b) for b, x, i, w in zip(banks, arrays[:n], arrays[n:2 * n], arrays[2 * n:]))
@@ -275,8 +274,8 @@ def bench_mla(args, results):
         # over the cache's fixed-capacity buffers (Attention.decode_step; plain on the CPU).
         t_ours_c = timeit(lambda: [ours[i].decode_step(xs[i], caches[i], T, pos) for i in range(CHAIN)],
                           args.iters, f"ours mla T{T}_compiled") / CHAIN
-        # The 8 layers as one compiled graph, as the model's whole-step graph runs them (the step
-        # params made once for all layers alike, Attention.step_inputs).
+        # The 8 layers as one compiled graph (the step params made once for all layers alike,
+        # Attention.step_inputs).
         chain = compiled.CompiledBlock(functools.partial(_mla_chain, ours), f"bench_mla_chain_T{T}")
 
         def ours_chain():

@@ -17,7 +17,6 @@ import pytest
 
 from colibri_mlx import kernels
 from colibri_mlx.kernels import compiled
-from colibri_mlx.models.deepseek_v3 import STEP_GRAPH_VAR
 
 GPU = kernels.dispatch.gpu_backend() is not None
 
@@ -67,12 +66,10 @@ def _run(model, monkeypatch, mode, steps=12):
     return logits, tokens, kernels.counters()
 
 
-@pytest.mark.parametrize("scope", ["model", "layer"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
+def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
     from colibri_mlx.models.loading import load_model
 
-    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
     model = load_model(containers[kind], dtype="float32")
     want, want_tokens, want_counts = _run(model, monkeypatch, "0")
     got, got_tokens, got_counts = _run(model, monkeypatch, "1")
@@ -89,15 +86,9 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
     assert got_counts["fallbacks"] == want_counts["fallbacks"]
     layers = model.layers
     moe_layers = [layer for layer in layers if hasattr(layer.mlp, "router")]
-    if (kind == "dense" or GPU) and scope == "model":
-        # The whole step (every layer and the head) is one graph, traced and replayed.
-        assert [bool(b._deltas) for b in model._compiled_model_steps.values()] == [True]
-        assert not any(layer._compiled_step._deltas for layer in layers)
-        assert not declined
-    elif kind == "dense" or GPU:
+    if kind == "dense" or GPU:
         # Every layer is one compiled graph over the fixed-capacity cache, traced and replayed.
         assert all(layer._compiled_step._deltas for layer in layers)
-        assert not any(b._deltas for b in model._compiled_model_steps.values())
         assert not declined
     else:
         # CPU MoE layers: the reference groups tokens on the host, so the MoE layers compile what
@@ -112,57 +103,19 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind, scope):
                             f"compiled/moe/{reason}": len(moe_layers)}, declined   # the 4-row prompt
 
 
-@pytest.mark.parametrize("scope", ["model", "layer"])
-def test_compiled_decode_across_cache_growth(containers, monkeypatch, scope):
+def test_compiled_decode_across_cache_growth(containers, monkeypatch):
     """Past a GROW_STEP boundary the cache buffers grow and the step graphs are retraced for
     the new capacity; the rows written before stay, the numbers equal the plain path's."""
     from colibri_mlx.models import cache as cache_mod
     from colibri_mlx.models.loading import load_model
 
     monkeypatch.setattr(cache_mod, "GROW_STEP", 8)
-    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
     model = load_model(containers["dense"], dtype="float32")
     want, want_tokens, _ = _run(model, monkeypatch, "0", steps=20)
     got, got_tokens, _ = _run(model, monkeypatch, "1", steps=20)
     assert got_tokens == want_tokens
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
-    block = (next(iter(model._compiled_model_steps.values())) if scope == "model"
-             else model.layers[0]._compiled_step)
-    assert len(block._deltas) == 3       # capacities 8, 16, 24
-
-
-def test_step_graph_policy(containers, monkeypatch):
-    from colibri_mlx.models.loading import load_model
-
-    model = load_model(containers["dense"], dtype="float32")
-    monkeypatch.setenv(compiled.ENV_VAR, "1")
-    monkeypatch.setenv(STEP_GRAPH_VAR, "layers")
-    with pytest.raises(ValueError, match=STEP_GRAPH_VAR):
-        model(mx.array([[5, 9]]), model.make_cache())
-
-
-def test_step_graph_reads_each_layers_own_params(containers, monkeypatch):
-    """Layers alike pass one params array to the step graph; a layer with its own (here: an
-    equal copy for layer 1) gets a graph of its own mapping, and the numbers stay the plain
-    path's."""
-    from colibri_mlx.models.deepseek_v3 import Attention
-    from colibri_mlx.models.loading import load_model
-
-    model = load_model(containers["dense"], dtype="float32")
-    want, want_tokens, _ = _run(model, monkeypatch, "0", steps=6)
-    own = model.layers[1].self_attn
-    step_inputs = Attention.step_inputs
-
-    def copied_for_layer_1(self, x, layer_cache, start, made=None):
-        kv, params = step_inputs(self, x, layer_cache, start, made)
-        return kv, (params + 0 if self is own else params)
-
-    monkeypatch.setattr(Attention, "step_inputs", copied_for_layer_1)
-    got, got_tokens, _ = _run(model, monkeypatch, "1", steps=6)
-    n = len(model.layers)
-    assert list(model._compiled_model_steps) == [(0, 1) + (0,) * (n - 2)]
-    assert got_tokens == want_tokens
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert len(model.layers[0]._compiled_step._deltas) == 3       # capacities 8, 16, 24
 
 
 def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
@@ -175,7 +128,7 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     monkeypatch.setenv(compiled.ENV_VAR, "1")
     compiled.clear()
     _decode(model, [5, 9, 17, 3], 4)                      # warm-up, trace, replays
-    (block,) = model._compiled_model_steps.values()       # layers alike: one params array
+    block = model.layers[0]._compiled_step
     assert len(block._modes) == 1
     with kernels.force_reference():
         kernels.reset_counters()
@@ -188,7 +141,7 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     assert len(block._modes) == 2
     assert all(compiled_fn is not None for compiled_fn in block._modes.values())
     if GPU:
-        assert calls.get("compiled/model_step/declined: reference path on a GPU device"), calls
+        assert calls.get("compiled/layer_step/declined: reference path on a GPU device"), calls
     monkeypatch.setenv(compiled.ENV_VAR, "0")
     with kernels.force_reference():
         want, _ = _decode(model, [5, 9, 17, 3], 4)
@@ -323,17 +276,16 @@ def test_cache_capacity_steps():
     assert len(set(caps[ends <= 32768])) == 40
 
 
-@pytest.mark.parametrize("every", ["1", "2"])
-def test_layer_commits_give_the_same_decode(containers, monkeypatch, every):
-    """COLIBRI_LAYER_COMMIT hands each group of decode layers (output and cache buffers) to the
-    device as soon as it is built: the same logits and tokens, and the submissions happen (one
-    per full group but the last, per decode step; none while the prompt runs)."""
+@pytest.mark.parametrize("kind, mode", [("moe", "0"), ("dense", "1")])
+def test_layer_commits_give_the_same_decode(containers, monkeypatch, kind, mode):
+    """A decode row on a GPU hands each layer (its output and cache buffers) to the device as soon
+    as it is built (deepseek_v3.commits_layers, here forced on the CPU): the same logits and tokens
+    as the step built whole, plain or compiled, and the submissions happen (one per layer but the
+    last, per decode step; none while the prompt runs)."""
     from colibri_mlx.models import deepseek_v3
     from colibri_mlx.models.loading import load_model
 
-    model = load_model(containers["moe"], dtype="float32")
-    monkeypatch.setenv(compiled.COMMIT_VAR, "0")
-    want, want_tokens, _ = _run(model, monkeypatch, "0", steps=6)
+    model = load_model(containers[kind], dtype="float32")
     submitted = []
     real = deepseek_v3.mx.async_eval
 
@@ -342,25 +294,26 @@ def test_layer_commits_give_the_same_decode(containers, monkeypatch, every):
         return real(*arrays)
 
     monkeypatch.setattr(deepseek_v3.mx, "async_eval", counting)
-    monkeypatch.setenv(compiled.COMMIT_VAR, every)
-    got, got_tokens, _ = _run(model, monkeypatch, "0", steps=6)
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: False)
+    want, want_tokens, _ = _run(model, monkeypatch, mode, steps=6)
+    assert not submitted
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: L == 1)
+    got, got_tokens, _ = _run(model, monkeypatch, mode, steps=6)
     assert got_tokens == want_tokens
     np.testing.assert_array_equal(got, want)
-    n = len(model.layers)
-    per_step = (n - 1) // int(every)
-    assert len(submitted) == 6 * per_step, (submitted, n)
-    # Each submission carries the group's hidden state and its layers' cache buffers.
-    assert all(k >= 1 + int(every) for k in submitted), submitted
+    assert len(submitted) == 6 * (len(model.layers) - 1), submitted
+    # Each submission carries the layer's hidden state and its cache buffer.
+    assert all(k >= 2 for k in submitted), submitted
 
 
-def test_layer_commit_policy(monkeypatch):
-    monkeypatch.setenv(compiled.COMMIT_VAR, "auto")        # off: slower on the H200 (docs/performance.md)
-    assert compiled.layers_per_commit() == 0
-    monkeypatch.setenv(compiled.COMMIT_VAR, "3")
-    assert compiled.layers_per_commit() == 3
-    monkeypatch.setenv(compiled.COMMIT_VAR, "-1")
-    with pytest.raises(ValueError, match="COLIBRI_LAYER_COMMIT"):
-        compiled.layers_per_commit()
+def test_layer_commits_on_gpu_backends_only(monkeypatch):
+    """One decode row on a GPU backend commits layer by layer; prefill rows and the CPU do not."""
+    from colibri_mlx.models import deepseek_v3
+
+    monkeypatch.setattr(kernels.dispatch, "gpu_backend", lambda: None)
+    assert not deepseek_v3.commits_layers(1)
+    monkeypatch.setattr(kernels.dispatch, "gpu_backend", lambda: kernels.CUDA)
+    assert deepseek_v3.commits_layers(1) and not deepseek_v3.commits_layers(4)
 
 
 # Non-launching primitives (views, reshapes) of one attention decode step on the GPU path.
@@ -376,8 +329,7 @@ def _primitive_names(*arrays) -> list[str]:
         return re.findall(r'label ="([A-Za-z]+)', f.read())
 
 
-@pytest.mark.parametrize("scope", ["model", "layer"])
-def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
+def test_decode_step_writes_the_cache_in_place(containers, monkeypatch):
     """A compiled decode step never copies its cache. The kernel path (GPUs) writes the row
     (the latent, then the rope key) into the buffer from mla_rows_into itself, so the buffer
     stays put even when the next step is built and submitted before this one has run (the
@@ -388,7 +340,6 @@ def test_decode_step_writes_the_cache_in_place(containers, monkeypatch, scope):
     from colibri_mlx.models.loading import load_model
 
     monkeypatch.setenv(compiled.ENV_VAR, "1")
-    monkeypatch.setenv(STEP_GRAPH_VAR, scope)
     compiled.clear()
     model = load_model(containers["dense"], dtype="float32")
     kernel_path = kernels.backend() != kernels.REFERENCE

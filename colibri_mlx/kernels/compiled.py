@@ -71,25 +71,6 @@ def _reference_on_gpu(backend: str) -> Optional[str]:
     return None
 
 
-COMMIT_VAR = "COLIBRI_LAYER_COMMIT"
-
-
-def layers_per_commit() -> int:
-    """Decode layers per early submission: the model hands each group of layers to the device
-    (``mx.async_eval`` of its output and cache) as soon as it is built, so the GPU can run layer
-    i while Python builds and encodes layer i + 1 instead of waiting for the whole step's graph.
-    ``COLIBRI_LAYER_COMMIT``: ``auto`` / ``0`` (default: off) or a number of layers. Off by
-    default: on the H200 one submission per layer made a decode step slower (bench_e2e: 3.29
-    against 2.91 ms/token; MLX's CUDA backend launches each submission as its own CUDA graph).
-    Not measured on Metal, whose command buffers are cheaper to commit."""
-    value = (dispatch.getenv(COMMIT_VAR) or "auto").strip().lower() or "auto"
-    if value == "auto":
-        return 0
-    if not value.isdigit():
-        raise ValueError(f"{COMMIT_VAR}={value!r}: expected auto, 0 or a number of layers")
-    return int(value)
-
-
 def clear() -> None:
     """Drop every block's traces (the next call in each mode runs plainly, then retraces)."""
     for block in list(_blocks):

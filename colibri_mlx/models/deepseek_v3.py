@@ -18,7 +18,6 @@ and absorbed decode attention through :func:`latent_attention` — the three hot
 
 from __future__ import annotations
 
-import functools
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -591,7 +590,7 @@ class Attention:
         """``(kv, params)`` of :meth:`step` for the row at ``start``: the cache's buffer, grown
         to hold it, and the attended length as kernels.mla.step_params.
         ``made``: the params arrays other layers made this step, by what they depend on (layers
-        alike share one; a whole-model step makes one, not one a layer)."""
+        alike share one)."""
         B, end = x.shape[0], start + 1
         kv = layer_cache.reserve(CACHE_STREAM, B, self.kv_lora_rank + self.rope_dim, x.dtype, end)
         if self._params_signature is None:
@@ -877,7 +876,14 @@ class MTPLayer:
         self.embed_tokens = w.maybe(p + "embed_tokens.weight", (V, D))
 
 
-STEP_GRAPH_VAR = "COLIBRI_STEP_GRAPH"
+def commits_layers(L: int) -> bool:
+    """Whether a forward pass of ``L`` rows hands each decode layer to the device as soon as it is
+    built (``mx.async_eval`` of its output and cache buffers), so the GPU runs layer i while
+    Python builds layer i + 1: one decode row on a GPU backend. On the H200 that was faster than
+    one compiled graph for the whole step (every layer and the head) in two independent runs:
+    1.36 against 1.64 ms/token, and 1.65 against 1.85. On the CPU the step is built whole and
+    evaluated by the caller."""
+    return L == 1 and kernels.dispatch.gpu_backend() is not None
 
 
 class Model:
@@ -904,7 +910,6 @@ class Model:
         self.rope = make_rope(args.rope, args.qk_rope_head_dim, args.max_position_embeddings, args.rope_interleave)
         self.max_length = args.max_position_embeddings
         self._compiled_head = kernels.compiled.CompiledBlock(self.head, "head")
-        self._compiled_model_steps: dict = {}   # which params array each layer reads -> its graph
 
     def _mtp_indices(self, weights):
         n = self.args.num_hidden_layers
@@ -933,71 +938,19 @@ class Model:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
-        every = kernels.compiled.layers_per_commit() if L == 1 else 0
-        if not every and self._steps_as_one_graph(x, mask, rope_offset):
-            logits = self._decode_model_step(x, cache, start, rope_offset)
-            cache.advance(L)
-            return logits
+        commit = commits_layers(L)
         selection = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
-            if every and (i + 1) % every == 0 and i + 1 < len(self.layers):
-                # The GPU starts on these layers while the next ones are built.
-                mx.async_eval(x, *[b for c in cache.layers[i + 1 - every: i + 1] for b in c.buffers.values()])
+            if commit and i + 1 < len(self.layers):
+                # The GPU starts on this layer while the next one is built (commits_layers).
+                mx.async_eval(x, *layer_cache.buffers.values())
         cache.advance(L)
         return self._compiled_head(x) if L == 1 else self.head(x)
 
     def head(self, x):
         """float32 logits: the GEMV writes them as float32 (no rounding to bf16, no cast launch)."""
         return kernels.qmatmul(rms_norm(x, self.norm, self.args.rms_norm_eps), self.lm_head, out_dtype=mx.float32)
-
-    def _steps_as_one_graph(self, x, mask, rope_offset) -> bool:
-        """Whether this decode row runs as one compiled graph for every layer and the head:
-        each layer would run as a whole-layer graph (DecoderLayer.decode) and
-        ``COLIBRI_STEP_GRAPH`` is ``model`` (default; ``layer``: one graph per layer)."""
-        scope = (kernels.dispatch.getenv(STEP_GRAPH_VAR) or "model").strip().lower()
-        if scope not in ("model", "layer"):
-            raise ValueError(f"{STEP_GRAPH_VAR}={scope!r}: expected 'model' or 'layer'")
-        if scope != "model" or not Attention.rows_compiled(x, mask, None, rope_offset):
-            return False
-        return all(layer.self_attn.indexer is None and layer.mlp.host_reason(x) is None for layer in self.layers)
-
-    def _decode_model_step(self, x, cache, start, slot):
-        """Logits of one decode row, every layer and the head one compiled graph over the
-        caches' fixed-capacity buffers (per-layer Python cost paid once per step, one trace
-        per capacity for the whole model)."""
-        buffers, params, made = [], [], {}
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            kv, p = layer.self_attn.step_inputs(x, layer_cache, start, made)
-            buffers.append(kv)
-            params.append(p)
-        # Layers alike share one params array (made): it is passed once, not once a layer, so 61
-        # layers make a call of 64 inputs instead of 124 (MLX's compiled call grows with its
-        # inputs: 12.5 against 20.9-24.8 us on a CPU host, scripts/probe_build.py --inputs).
-        # Which array each layer reads is part of the graph: one compiled block per mapping.
-        index: dict = {}                       # id of a distinct array -> its place in shared
-        which = tuple(index.setdefault(id(p), len(index)) for p in params)
-        shared = list({id(p): p for p in params}.values())
-        step = self._compiled_model_steps.get(which)
-        if step is None:
-            step = self._compiled_model_steps[which] = kernels.compiled.CompiledBlock(
-                functools.partial(self._model_step, which), "model_step")
-        logits, *buffers = step(x, slot, *buffers, *shared)
-        for layer_cache, kv in zip(cache.layers, buffers):
-            layer_cache.buffers[CACHE_STREAM] = kv
-        return logits
-
-    def _model_step(self, which, x, slot, *arrays):
-        """Logits and every layer's written cache buffer; ``arrays``: the layers' buffers, then
-        the distinct params arrays, layer i reading ``which[i]`` of them."""
-        n = len(self.layers)
-        buffers, params = arrays[:n], arrays[n:]
-        slot = kernels.dispatch.reshaped(slot, 1)   # once for every layer (Attention.step reads it so)
-        written = []
-        for i, layer in enumerate(self.layers):
-            x, kv = layer._step(x, slot, buffers[i], params[which[i]])
-            written.append(kv)
-        return (self.head(x), *written)
 
     def _positions_and_mask(self, left_padding: mx.array, start: int, L: int, padded: bool = True):
         if L == 1 and not padded and left_padding.shape[0] == 1 and not self.args.dsa:
