@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the real imports are lazy: `import colibri_mlx` does not lo
 __version__ = "0.1.0"
 
 
-def load(path=None, **options) -> "tuple[Model, Tokenizer]":
+def load(path=None, **options) -> tuple[Model, Tokenizer]:
     """Load a container or Hugging Face checkpoint directory -> ``(model, tokenizer)``.
 
     ``path=None`` loads the bundled demo model. Options: ``dtype`` ("auto", "float32",
@@ -47,7 +47,38 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: in
              seed: Optional[int] = None, cache=None) -> str:
     """Generate text for ``prompt`` and return it (the end-of-sequence token not included).
 
-    Args:
+    Returns:
+        The generated text. :func:`stream_generate` gives it token by token, with statistics
+        and the reason generation stopped.
+
+    """
+    from .generate import generate as _generate
+
+    return _generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
+                     seed, cache)
+
+
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    repetition_penalty: float = 1.0, seed: Optional[int] = None,
+                    cache=None) -> Iterator[GenerationResponse]:
+    """Generate text for ``prompt``, yielding one ``GenerationResponse`` per token as it is made.
+
+    Each response has ``text`` (the text this token adds; join them for the reply), ``token``
+    (its id), ``prompt_tokens``, ``prompt_tps``, ``generation_tokens``, ``generation_tps``,
+    ``peak_memory_gb``, and ``finish_reason``: None until the last response, then "stop" (an
+    end-of-sequence token, whose text is not included) or "length" (``max_tokens`` reached, or
+    the context limit: then ``generation_tokens < max_tokens``). With streamed experts,
+    ``expert_stats`` (docs/streaming.md).
+
+    """
+    from .generate import stream_generate as _stream_generate
+
+    return _stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p,
+                            repetition_penalty, seed, cache)
+
+
+_ARGS_DOC = """    Args:
         model, tokenizer: what ``colibri_mlx.load(path)`` returns.
         prompt: a ``str``, encoded as is: the tokenizer adds its own special tokens (a leading
             BOS), the chat template is NOT applied (as mlx-lm's ``generate``; the ``colibri
@@ -67,38 +98,11 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: in
         cache: ``model.make_cache()`` to continue a conversation over several calls: ``prompt``
             is then only the new tokens (the cache holds the earlier ones).
 
-    Returns:
-        The generated text. :func:`stream_generate` gives it token by token, with statistics
-        and the reason generation stopped.
-
     Raises:
         ValueError: a bad sampling value (the message names it), an empty prompt, a prompt
-            longer than the context limit, or a token id outside the model's vocabulary.
-    """
-    from .generate import generate as _generate
-
-    return _generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-                     seed, cache)
-
-
-def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
-                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    repetition_penalty: float = 1.0, seed: Optional[int] = None,
-                    cache=None) -> "Iterator[GenerationResponse]":
-    """Generate text for ``prompt``, yielding one ``GenerationResponse`` per token as it is made.
-
-    Arguments are those of :func:`generate` (the prompt is used as given: a string is encoded
-    without the chat template). Each response has ``text`` (the text this token adds; join them
-    for the reply), ``token`` (its id), ``prompt_tokens``, ``prompt_tps``,
-    ``generation_tokens``, ``generation_tps``, ``peak_memory_gb``, and ``finish_reason``: None
-    until the last response, then "stop" (an end-of-sequence token, whose text is not included)
-    or "length" (``max_tokens`` reached, or the context limit: then ``generation_tokens <
-    max_tokens``). With streamed experts, ``expert_stats`` (docs/streaming.md).
-
-    Raises:
-        ValueError: as :func:`generate`, when iteration starts.
-    """
-    from .generate import stream_generate as _stream_generate
-
-    return _stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p,
-                            repetition_penalty, seed, cache)
+            longer than the context limit, or a token id outside the model's vocabulary
+            (stream_generate: when iteration starts).
+"""
+if generate.__doc__ and stream_generate.__doc__:  # python -OO drops docstrings
+    generate.__doc__ = generate.__doc__.rstrip() + "\n\n" + _ARGS_DOC
+    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n\n" + _ARGS_DOC

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 SEED_MODULUS = 1 << 64  # mx.random.key takes 64 bits; larger and negative seeds are reduced mod 2**64
-Prompt = Union[str, Sequence[int]]
 
 import mlx.core as mx
 
@@ -237,7 +236,7 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
             token_arr = next_token(model(mx.array([[token]]), cache)[0, -1])
 
 
-def _prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+def _prompt_ids(tokenizer, prompt: Union[str, Sequence[int]]) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray)):
@@ -287,9 +286,10 @@ STREAM_GENERATE_DOC = """
 """
 
 
-def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                    seed: Optional[int] = None, cache=None) -> Iterator[GenerationResponse]:
+def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    repetition_penalty: float = 1.0, seed: Optional[int] = None,
+                    cache=None) -> Iterator[GenerationResponse]:
     """Generate text for ``prompt``, one :class:`GenerationResponse` per token as it is made.
 
     Join the ``text`` of the responses for the reply; the last response has ``finish_reason``
@@ -320,7 +320,7 @@ def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, tem
             store.save_usage()  # upstream rewrites .coli_usage after every turn
 
 
-def generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.0,
+def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
              seed: Optional[int] = None, cache=None) -> str:
     """Generate text for ``prompt`` and return it (the end-of-sequence token not included).
@@ -334,8 +334,8 @@ def generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, temperatur
 
 
 if stream_generate.__doc__ and generate.__doc__:  # python -OO drops docstrings
-    stream_generate.__doc__ += STREAM_GENERATE_DOC
-    generate.__doc__ += STREAM_GENERATE_DOC
+    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n" + STREAM_GENERATE_DOC
+    generate.__doc__ = generate.__doc__.rstrip() + "\n" + STREAM_GENERATE_DOC
 
 
 class _CallableModule(types.ModuleType):

@@ -10,7 +10,6 @@ the model's activation dtype (``dtype``, :func:`deepseek_v3.resolve_dtype`) as t
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import mlx.core as mx
