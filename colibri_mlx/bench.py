@@ -56,7 +56,7 @@ class BenchReport:
 
 
 def random_prompt(vocab_size: int, batch: int, prompt_tokens: int, seed: int = 0) -> mx.array:
-    ids = np.random.default_rng(seed).integers(0, vocab_size, size=(batch, prompt_tokens), dtype=np.int64)
+    ids = np.random.default_rng(int(seed) % (1 << 64)).integers(0, vocab_size, size=(batch, prompt_tokens), dtype=np.int64)
     return mx.array(ids.astype(np.int32))
 
 

@@ -2,19 +2,56 @@
 
 Each subcommand parses options here and imports its implementation lazily, so that
 `colibri --help` stays instant and a missing optional dependency only affects its command.
+
+Errors: every command ends a failure with one line, ``Error: ...``, naming the file and the key,
+tensor or flag at fault, and exits non-zero (1; 2 for a bad flag). The project's errors (all
+``ValueError``s) and ``OSError`` are reported as they are; any other exception is a bug, reported
+the same way with its type (``COLIBRI_DEBUG=1`` re-raises it for the traceback). Whatever can
+be checked before weights load is checked first: flags, the model directory (config.json against
+the schema, shard headers), the tokenizer and chat template, the prompt.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import math
 import sys
 
 import click
 
 from . import __version__
+from .errors import debug, describe, is_user_error, one_line
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The command group: turns any exception into one ``Error:`` line (module docstring)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            e.message = one_line(e.message)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:
+            if debug() or (isinstance(e, OSError) and e.errno == errno.EPIPE):
+                raise  # a closed pipe (`| head`): click exits quietly
+            raise click.ClickException(describe(e)) from None
+
+
+class _Finite(click.FloatRange):
+    """A float flag that refuses nan and inf (``--temp nan`` would sample garbage)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number", param, ctx)
+        return rv
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="colibri")
 def main():
     """colibri_mlx: run DeepSeek-V3/R1, Kimi-K2 and GLM-5.x mixture-of-experts models
@@ -48,16 +85,19 @@ def _sampling_options(f):
                      help="Container or Hugging Face checkpoint directory. Default: the bundled "
                           "demo model (a tiny KJV-trained model, docs/demo-model.md)."),
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
-                     help="Most tokens to generate per reply."),
-        click.option("--temp", "temperature", default=0.0, show_default=True, type=float,
+                     help="Most tokens to generate per reply (generation also stops at the model's context "
+                          "limit, and says so)."),
+        click.option("--temp", "temperature", default=0.0, show_default=True, type=_Finite(min=0),
                      help="Sampling temperature; 0 is greedy."),
-        click.option("--top-p", default=1.0, show_default=True, type=float,
+        click.option("--top-p", default=1.0, show_default=True, type=_Finite(0, 1, min_open=True),
                      help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this."),
-        click.option("--top-k", default=0, show_default=True, type=int, help="0 disables top-k."),
-        click.option("--min-p", default=0.0, show_default=True, type=float,
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="0 disables top-k."),
+        click.option("--min-p", default=0.0, show_default=True, type=_Finite(0, 1),
                      help="Drop tokens less likely than this fraction of the most likely one."),
-        click.option("--seed", default=None, type=int, help="Seed for sampling (reproducible output)."),
-        click.option("--system", default=None, help="System message (chat template only)."),
+        click.option("--seed", default=None, type=int,
+                     help="Seed for sampling (reproducible output); any integer (taken modulo 2**64)."),
+        click.option("--system", default=None, help="System message (needs the model's chat template)."),
     ]
     for option in reversed(options + _STREAMING_OPTIONS):
         f = option(f)
@@ -72,14 +112,14 @@ def _remember(ctx, param, value):
 
 # Expert streaming (docs/streaming.md): collected into ctx.meta, passed to load().
 _STREAMING_OPTIONS = [
-    click.option("--ram-gb", "ram_gb", type=click.FloatRange(min=0), default=None, expose_value=False,
+    click.option("--ram-gb", "ram_gb", type=_Finite(min=0), default=None, expose_value=False,
                  callback=_remember, help="Stream routed experts from disk with this many GB of expert cache "
                                           "(resident weights come on top). Default: all experts resident."),
     click.option("--pin", "pin", default=None, expose_value=False, callback=_remember,
                  help="Pin the hottest experts: 'auto' (the model's .coli_usage) or a .coli_usage file."),
-    click.option("--pin-gb", "pin_gb", type=click.FloatRange(min=0), default=None, expose_value=False,
+    click.option("--pin-gb", "pin_gb", type=_Finite(min=0), default=None, expose_value=False,
                  callback=_remember, help="Pin budget inside --ram-gb (default: half of it)."),
-    click.option("--expert-top-p", "expert_top_p", type=click.FloatRange(0, 1, min_open=True), default=None,
+    click.option("--expert-top-p", "expert_top_p", type=_Finite(0, 1, min_open=True), default=None,
                  expose_value=False, callback=_remember,
                  help="Router top-p over the selected experts (upstream TOPP); fewer reads, CHANGES RESULTS."),
     # Not streaming, but a load() option too: rides along on every command that loads a model.
@@ -89,21 +129,88 @@ _STREAMING_OPTIONS = [
 ]
 
 
-def _load_for_cli(model_path):
-    from . import load
+def _load_options() -> dict:
+    return click.get_current_context().meta.get("colibri.load", {})
 
-    options = click.get_current_context().meta.get("colibri.load", {})
+
+def _check_load_options() -> None:
+    """Flag combinations of the load options, and the --pin file, before anything is read."""
+    options = _load_options()
+    if "ram_gb" not in options:
+        given = [f for f, k in (("--pin", "pin"), ("--pin-gb", "pin_gb")) if k in options]
+        if given:
+            raise click.UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ram-gb (--pin "
+                                   "and --pin-gb choose which streamed experts stay in memory; without --ram-gb "
+                                   "every expert is resident)")
+        return
+    if options.get("pin_gb") is not None and options["pin_gb"] > options["ram_gb"]:
+        raise click.UsageError(f"--pin-gb {options['pin_gb']:g} is more than --ram-gb {options['ram_gb']:g} "
+                               "(the pinned experts are part of the --ram-gb budget)")
+    pin = options.get("pin")
+    if pin is not None and pin != "auto":
+        import os
+
+        from .container.files import check_file
+        from .experts.usage import read_usage
+
+        if not os.path.lexists(pin):
+            raise click.UsageError(f"--pin {pin}: no such file (give a .coli_usage file, or 'auto' for the "
+                                   "model's own)")
+        try:
+            check_file(pin, None, "--pin's usage history")
+            read_usage(pin)
+        except ValueError as e:
+            raise click.UsageError(f"--pin {e}") from None
+
+
+def _open_for_cli(model_path):
+    """``(opened model directory, tokenizer)``: every check that needs no weights (modeldir)."""
+    from .models.modeldir import open_model_dir
+    from .tokenizer import load_tokenizer
+
     if model_path is None:
         from .models import DEMO_MODEL_DIR
 
         click.echo(f"colibri: no -m given, using the bundled demo model ({DEMO_MODEL_DIR})", err=True)
+        model_path = DEMO_MODEL_DIR
+    opened = open_model_dir(model_path)
+    return opened, load_tokenizer(model_path)
+
+
+def _build_for_cli(opened):
+    """The model's weights, loaded; a failure that is not a known error names the directory."""
+    from .models.loading import build_model
+
     try:
-        return load(model_path, **options)
-    except (ValueError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
+        model = build_model(opened, **_load_options())
+    except Exception as e:
+        if is_user_error(e) or debug():
+            raise
+        raise click.ClickException(f"{opened.path}: cannot build the model from config.json and the shards: "
+                                   f"{type(e).__name__}: {e} (COLIBRI_DEBUG=1 shows the traceback)") from None
+    _note_small_budget(model)
+    return model
 
 
-def _stats_line(last) -> str:
+def _note_small_budget(model) -> None:
+    store = getattr(model, "expert_store", None)
+    if store is None or not store.layouts:
+        return
+    k = model.args.num_experts_per_tok
+    one = max(layout.nbytes for layout in store.layouts.values())
+    if store.budget_bytes < k * one:
+        click.echo(f"colibri: note: --ram-gb {store.budget_bytes / 1e9:g} holds fewer experts than one layer "
+                   f"uses per token ({k} x {one / 1e6:.1f} MB = {k * one / 1e9:.3g} GB): most experts are read "
+                   "from disk on every token", err=True)
+
+
+def _load_for_cli(model_path):
+    _check_load_options()
+    opened, tokenizer = _open_for_cli(model_path)
+    return _build_for_cli(opened), tokenizer
+
+
+def _stats_line(last, max_tokens=None, context=None) -> str:
     from . import kernels
     from .generate import peak_rss_bytes
 
@@ -113,11 +220,17 @@ def _stats_line(last) -> str:
             f"peak memory: {last.peak_memory_gb:.2f} GB (MLX), {rss_gb:.2f} GB (process)")
     format_counters = getattr(kernels, "format_counters", None)
     line += f" | {format_counters()}" if format_counters else ""
+    if last.finish_reason == "length" and max_tokens is not None and last.generation_tokens < max_tokens:
+        line += (f" | stopped: context limit of {context} tokens reached (max_position_embeddings in "
+                 "config.json)" if context else " | stopped: context limit reached")
     if getattr(last, "expert_stats", None) is not None:
         from .experts import format_stats
 
         line += "\n" + format_stats(last.expert_stats)
     return line
+
+
+_SAMPLING_FLAGS = {"temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p"}
 
 
 def _check_sampling(temperature, top_p, top_k, min_p) -> None:
@@ -127,7 +240,29 @@ def _check_sampling(temperature, top_p, top_k, min_p) -> None:
     try:
         SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        message = str(e)
+        for name, flag in _SAMPLING_FLAGS.items():
+            if message.startswith(name + " "):
+                message = flag + message[len(name):]
+        raise click.UsageError(message) from None
+
+
+def _check_prompt_ids(ids, opened) -> None:
+    """The encoded prompt against config.json, before the weights load."""
+    import os
+
+    if not ids:
+        raise click.ClickException("the prompt encodes to no tokens (give some text)")
+    vocab, context = opened.config["vocab_size"], opened.config.get("max_position_embeddings") or 4096
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise click.ClickException(
+            f"{os.path.join(opened.path, 'tokenizer.json')}: the prompt encodes to token id {bad[0]}, outside "
+            f"the model's vocabulary (vocab_size={vocab} in {opened.config_path}): the tokenizer does not belong "
+            "to this model")
+    if len(ids) > context:
+        raise click.ClickException(f"the prompt is {len(ids)} tokens, more than the model's context limit of "
+                                   f"{context} (max_position_embeddings in {opened.config_path})")
 
 
 def _utf8_text(text: str, what: str) -> str:
@@ -168,40 +303,63 @@ def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
 @click.option("-p", "--prompt", required=True, help="The prompt ('-' reads it from stdin).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is, without the chat template.")
 def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template):
-    """Generate text for one prompt; the stats line goes to stderr."""
+    """Generate text for one prompt; the stats line goes to stderr.
+
+    The prompt goes through the model's chat template (as a user message, after --system)
+    unless --no-chat-template is given; a model without a template gets the plain prompt."""
     _check_sampling(temperature, top_p, top_k, min_p)
+    if no_chat_template and system is not None:
+        raise click.UsageError("--system needs the chat template (drop --no-chat-template)")
+    _check_load_options()
     prompt = _read_stdin_text() if prompt == "-" else _utf8_text(prompt, "the prompt")
     if system is not None:
         system = _utf8_text(system, "the system message")
-    model, tokenizer = _load_for_cli(model_path)
-    try:
-        if no_chat_template:
-            if system is not None:
-                raise click.UsageError("--system needs the chat template (drop --no-chat-template)")
-            ids = tokenizer.encode(prompt)
-        else:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}]
-            ids = tokenizer.encode_chat(messages)
-        opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                    seed=seed)
-        _, _, last = _stream_reply(model, tokenizer, ids, opts)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(_stats_line(last), err=True)
+    opened, tokenizer = _open_for_cli(model_path)
+    if no_chat_template:
+        ids = tokenizer.encode(prompt)
+    elif not tokenizer.chat_template:
+        if system is not None:
+            raise click.UsageError(f"--system needs a chat template, and the model has none "
+                                   f"({tokenizer.chat_template_source} has no chat_template)")
+        click.echo(f"colibri: note: {opened.path} has no chat template: generating from the plain prompt "
+                   "(as --no-chat-template)", err=True)
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.encode_chat(messages)
+    _check_prompt_ids(ids, opened)
+    model = _build_for_cli(opened)
+    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    _, _, last = _stream_reply(model, tokenizer, ids, opts)
+    click.echo(_stats_line(last, max_tokens, model.max_length), err=True)
+
+
+# Without a chat template, chat feeds the conversation as plain text: each message on its own line.
+PLAIN_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
 @main.command()
 @_sampling_options
 def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system):
-    """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits."""
+    """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits.
+
+    A model without a chat template gets the conversation as plain text, one message a line."""
     _check_sampling(temperature, top_p, top_k, min_p)
+    _check_load_options()
     if system is not None:
         system = _utf8_text(system, "the system message")
-    model, tokenizer = _load_for_cli(model_path)
+    opened, tokenizer = _open_for_cli(model_path)
     if not tokenizer.chat_template:
-        raise click.ClickException("the model's tokenizer has no chat template; use `colibri generate "
-                                   "--no-chat-template` instead")
+        if system is not None:
+            raise click.UsageError(f"--system needs a chat template, and the model has none "
+                                   f"({tokenizer.chat_template_source} has no chat_template)")
+        click.echo(f"colibri: note: {opened.path} has no chat template: the conversation is fed as plain text, "
+                   "one message a line", err=True)
+        tokenizer.chat_template, tokenizer.chat_template_source = PLAIN_CHAT_TEMPLATE, "colibri's plain-text chat"
+    # The template renders now, not at the first message after minutes of loading.
+    probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello"}]
+    _check_prompt_ids(tokenizer.encode_chat(probe), opened)
+    model = _build_for_cli(opened)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     session = _ChatSession(model, tokenizer, system)
     # A strict decoder would fail on a bad byte and drop the rest of its buffer (the next lines):
@@ -234,7 +392,7 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         except KeyboardInterrupt:  # Ctrl-C stops this reply, not the chat; the turn is undone
             click.echo("\n(reply interrupted; that message was dropped)", err=True)
             continue
-        click.echo(_stats_line(last), err=True)
+        click.echo(_stats_line(last, max_tokens, model.max_length), err=True)
 
 
 class _ChatSession:
@@ -303,12 +461,16 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 
     from .bench import format_table, report_json, run_bench
 
-    model, _ = _load_for_cli(model_path)
+    _check_load_options()
+    opened, _ = _open_for_cli(model_path)
+    context = opened.config.get("max_position_embeddings") or 4096
+    if prompt_tokens + gen_tokens > context:
+        raise click.ClickException(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} = "
+                                   f"{prompt_tokens + gen_tokens} exceeds the model's context limit of {context} "
+                                   f"tokens (max_position_embeddings in {opened.config_path})")
+    model = _build_for_cli(opened)
     name = model_path if model_path is not None else "demo"
-    try:
-        report = run_bench(model, prompt_tokens, gen_tokens, repeat, batch, seed, model_name=name)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    report = run_bench(model, prompt_tokens, gen_tokens, repeat, batch, seed, model_name=name)
     click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
 
 
@@ -318,11 +480,11 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
               help="Default when a request gives none.")
-@click.option("--temp", "temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--temp", "temperature", default=0.0, show_default=True, type=_Finite(min=0),
               help="Default sampling temperature; 0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-p", default=1.0, show_default=True, type=_Finite(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
-@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--min-p", default=0.0, show_default=True, type=_Finite(0, 1))
 @_with_streaming_options
 def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""

@@ -59,9 +59,11 @@ def test_generate_sampling_options_are_reproducible(checkpoint):
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])
-@pytest.mark.parametrize("option, message", [(("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
-                                             (("--temp", "-1"), "temperature must be >= 0, got -1.0"),
-                                             (("--min-p", "1.5"), "min_p must be in [0, 1], got 1.5")])
+@pytest.mark.parametrize("option, message", [(("--top-p", "0"), "'--top-p': 0.0 is not in the range 0<x<=1"),
+                                             (("--temp", "-1"), "'--temp': -1.0 is not in the range x>=0"),
+                                             (("--min-p", "1.5"), "'--min-p': 1.5 is not in the range 0<=x<=1"),
+                                             (("--temp", "nan"), "'--temp': nan is not a finite number"),
+                                             (("--top-k", "-1"), "'--top-k': -1 is not in the range x>=0")])
 def test_bad_sampling_values_are_refused_before_loading(command, option, message):
     args = [command, "-m", "/nonexistent/dir", *option] + (["-p", "x"] if command == "generate" else [])
     result = CliRunner().invoke(main, args)
