@@ -1,0 +1,507 @@
+"""Every mistake in a model directory is one `Error:` line naming the file and the key.
+
+Corrupted copies of a tiny container (tests/helpers_tiny.py), one per case and several per
+class: config.json content, tokenizer files and chat template, shards and tensors, the
+directory itself. Each runs `colibri generate` in-process and must exit non-zero, end with a
+line `Error: ...` that names the offending file or key, show no traceback, and finish within
+TIME_BOUND seconds. Cases that would hang a broken loader (a FIFO, a device) run in a
+subprocess with a timeout. The inverse: unusual but valid directories still load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from helpers_tiny import CONFIG, GLM, write_tiny_container
+
+from colibri_mlx.cli import main
+
+TIME_BOUND = 10.0  # seconds; a case takes ~0.1 s
+REPO = Path(__file__).resolve().parents[1]
+DELETE = object()
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return Path(write_tiny_container(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def pristine_glm(tmp_path_factory):
+    return Path(write_tiny_container(tmp_path_factory.mktemp("glm") / "model", GLM))
+
+
+@pytest.fixture
+def model(pristine, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(pristine, d)
+    return d
+
+
+def run(*args, input=None):
+    t0 = time.monotonic()
+    result = CliRunner().invoke(main, [str(a) for a in args], input=input)
+    result.elapsed = time.monotonic() - t0
+    return result
+
+
+def assert_one_line_error(result, *needles):
+    """Non-zero exit, no traceback, the last line `Error: ...` naming every needle, in time."""
+    out = result.output
+    assert result.exit_code != 0, out
+    assert isinstance(result.exception, SystemExit), f"{result.exception!r}\n{out}"
+    assert "Traceback" not in out
+    last = out.rstrip("\n").splitlines()[-1]
+    assert last.startswith("Error: "), out
+    for needle in needles:
+        assert needle in last, f"{needle!r} not in {last!r}"
+    assert result.elapsed < TIME_BOUND
+    return last
+
+
+# ------------------------------------------------------------------------------ mutations
+
+
+def edit_config(**changes):
+    def mutate(d: Path):
+        cfg = json.loads((d / "config.json").read_text())
+        for k, v in changes.items():
+            if v is DELETE:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (d / "config.json").write_text(json.dumps(cfg))
+    return mutate
+
+
+def write(name: str, data):
+    def mutate(d: Path):
+        p = d / name
+        if p.is_symlink() or p.exists():
+            p.unlink()
+        p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return mutate
+
+
+def remove(*names):
+    def mutate(d: Path):
+        for n in names:
+            (d / n).unlink()
+    return mutate
+
+
+def symlink(name: str, target):
+    """``name`` -> ``target`` (a callable of the model dir, for targets made per case)."""
+    def mutate(d: Path):
+        p = d / name
+        if p.exists() or p.is_symlink():
+            p.unlink()
+        os.symlink(target(d) if callable(target) else target, p)
+    return mutate
+
+
+def outside_file(content: bytes):
+    def make(d: Path):
+        other = d.parent / "elsewhere.bin"
+        other.write_bytes(content)
+        return other
+    return make
+
+
+def edit_tokenizer_config(**changes):
+    def mutate(d: Path):
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        for k, v in changes.items():
+            if v is DELETE:
+                cfg.pop(k, None)
+            else:
+                cfg[k] = v
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return mutate
+
+
+def read_shard(path: Path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_shard_raw(path: Path, header: dict, data: bytes):
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def edit_header(shard: str, edit):
+    """Rewrite a shard's header with ``edit(header)`` (tensor bytes kept as they are)."""
+    def mutate(d: Path):
+        header, data = read_shard(d / shard)
+        edit(header)
+        write_shard_raw(d / shard, header, data)
+    return mutate
+
+
+def drop_tensor(shard: str, name: str):
+    def edit(header):
+        header.pop(name)
+        stamps = header.get("__metadata__", {}).get("colibri_mlx.formats")
+        if stamps:
+            table = json.loads(stamps)
+            table.pop(name, None)
+            header["__metadata__"]["colibri_mlx.formats"] = json.dumps(table)
+    return edit_header(shard, edit)
+
+
+def reshape_tensor(shard: str, name: str, shape: list):
+    def edit(header):
+        header[name]["shape"] = shape
+    return edit_header(shard, edit)
+
+
+def truncate(shard: str, keep):
+    def mutate(d: Path):
+        p = d / shard
+        raw = p.read_bytes()
+        p.write_bytes(raw[:keep(len(raw))])
+    return mutate
+
+
+def copy_tensor_to_other_shard(mutate_name: str):
+    """The same tensor in both shards."""
+    def mutate(d: Path):
+        h0, data0 = read_shard(d / "out-00000.safetensors")
+        h1, data1 = read_shard(d / "out-00001.safetensors")
+        entry = dict(h0[mutate_name])
+        begin, end = entry["data_offsets"]
+        entry["data_offsets"] = [len(data1), len(data1) + end - begin]
+        h1[mutate_name] = entry
+        write_shard_raw(d / "out-00001.safetensors", h1, data1 + data0[begin:end])
+    return mutate
+
+
+def both(*mutations):
+    def mutate(d: Path):
+        for m in mutations:
+            m(d)
+    return mutate
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+S0, S1 = "out-00000.safetensors", "out-00001.safetensors"
+
+# id -> (mutation, what the error line must name)
+CASES = {
+    # --- config.json: the file
+    "config-empty": (write("config.json", ""), ["config.json", "empty"]),
+    "config-truncated": (lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:40]),
+                         ["config.json", "not valid JSON"]),
+    "config-not-utf8": (write("config.json", b'{"model_type": "deepseek_v3\xff"}'), ["config.json", "UTF-8"]),
+    "config-list": (write("config.json", "[1, 2]"), ["config.json", "JSON object", "list"]),
+    "config-null": (write("config.json", "null"), ["config.json", "JSON object"]),
+    "config-string": (write("config.json", '"deepseek_v3"'), ["config.json", "JSON object"]),
+    "config-directory": (lambda d: ((d / "config.json").unlink(), (d / "config.json").mkdir()),
+                         ["config.json", "directory"]),
+    "config-symlink-outside": (symlink("config.json", outside_file(json.dumps(CONFIG).encode())),
+                               ["config.json", "outside the model directory"]),
+    "config-dangling-symlink": (symlink("config.json", "nowhere.json"), ["config.json", "broken symlink"]),
+    # --- config.json: model_type and required keys
+    "model-type-missing": (edit_config(model_type=DELETE), ["config.json", "model_type"]),
+    "model-type-llama": (edit_config(model_type="llama"), ["config.json", "model_type", "llama", "deepseek_v3"]),
+    "model-type-int": (edit_config(model_type=3), ["config.json", "model_type"]),
+    "hidden-size-missing": (edit_config(hidden_size=DELETE), ["config.json", "hidden_size"]),
+    "hidden-size-null": (edit_config(hidden_size=None), ["config.json", "hidden_size"]),
+    # --- config.json: wrong types
+    "hidden-size-string": (edit_config(hidden_size="64"), ["config.json", "hidden_size", "string"]),
+    "hidden-size-float": (edit_config(hidden_size=64.5), ["config.json", "hidden_size", "integer"]),
+    "vocab-size-bool": (edit_config(vocab_size=True), ["config.json", "vocab_size"]),
+    "rms-norm-eps-string": (edit_config(rms_norm_eps="1e-6"), ["config.json", "rms_norm_eps"]),
+    "rms-norm-eps-nan": (lambda d: (d / "config.json").write_text(
+        (d / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN')),
+        ["config.json", "rms_norm_eps"]),
+    "q-lora-rank-string": (edit_config(q_lora_rank="48"), ["config.json", "q_lora_rank"]),
+    "norm-topk-prob-string": (edit_config(norm_topk_prob="yes"), ["config.json", "norm_topk_prob"]),
+    "eos-string": (edit_config(eos_token_id="</s>"), ["config.json", "eos_token_id"]),
+    "mlp-layer-types-string": (edit_config(mlp_layer_types="dense"), ["config.json", "mlp_layer_types"]),
+    # --- config.json: zero, negative, out of range
+    "n-group-zero": (edit_config(n_group=0), ["config.json", "n_group"]),
+    "topk-group-zero": (edit_config(topk_group=0), ["config.json", "topk_group"]),
+    "hidden-size-negative": (edit_config(hidden_size=-64), ["config.json", "hidden_size"]),
+    "layers-zero": (edit_config(num_hidden_layers=0), ["config.json", "num_hidden_layers"]),
+    "layers-huge": (edit_config(num_hidden_layers=10**9), ["config.json", "num_hidden_layers"]),
+    "experts-per-tok-zero": (edit_config(num_experts_per_tok=0), ["config.json", "num_experts_per_tok"]),
+    "experts-zero": (edit_config(n_routed_experts=0), ["config.json", "n_routed_experts"]),
+    "heads-zero": (edit_config(num_attention_heads=0), ["config.json", "num_attention_heads"]),
+    "kv-lora-zero": (edit_config(kv_lora_rank=0), ["config.json", "kv_lora_rank"]),
+    "rms-norm-eps-negative": (edit_config(rms_norm_eps=-1), ["config.json", "rms_norm_eps"]),
+    "rms-norm-eps-zero": (edit_config(rms_norm_eps=0), ["config.json", "rms_norm_eps"]),
+    "max-positions-zero": (edit_config(max_position_embeddings=0), ["config.json", "max_position_embeddings"]),
+    "rope-theta-negative": (edit_config(rope_theta=-1.0), ["config.json", "rope_theta"]),
+    "scaling-factor-zero": (edit_config(routed_scaling_factor=0), ["config.json", "routed_scaling_factor"]),
+    "shared-experts-negative": (edit_config(n_shared_experts=-1), ["config.json", "n_shared_experts"]),
+    "mtp-layers-negative": (edit_config(num_nextn_predict_layers=-1), ["config.json", "num_nextn_predict_layers"]),
+    "scoring-softmax": (edit_config(scoring_func="softmax"), ["config.json", "scoring_func"]),
+    "hidden-act-gelu": (edit_config(hidden_act="gelu"), ["config.json", "hidden_act"]),
+    # --- config.json: cross-field rules
+    "topk-more-than-experts": (edit_config(num_experts_per_tok=5), ["config.json", "num_experts_per_tok",
+                                                                   "n_routed_experts"]),
+    "group-does-not-divide": (edit_config(n_group=3), ["config.json", "n_group", "n_routed_experts"]),
+    "topk-group-over-groups": (edit_config(topk_group=3), ["config.json", "topk_group", "n_group"]),
+    "topk-beyond-kept-groups": (edit_config(num_experts_per_tok=3), ["config.json", "num_experts_per_tok",
+                                                                    "topk_group"]),
+    "dense-layers-over-count": (edit_config(first_k_dense_replace=3), ["config.json", "first_k_dense_replace"]),
+    "mlp-layer-types-short": (edit_config(mlp_layer_types=["dense"]), ["config.json", "mlp_layer_types"]),
+    "mlp-layer-types-bad": (edit_config(mlp_layer_types=["dense", "moe"]), ["config.json", "mlp_layer_types"]),
+    "rope-dim-odd": (edit_config(qk_rope_head_dim=15), ["config.json", "qk_rope_head_dim"]),
+    "rope-scaling-list": (edit_config(rope_scaling=[1, 2]), ["config.json", "rope_scaling"]),
+    "rope-scaling-linear": (edit_config(rope_scaling={"type": "linear", "factor": 2.0}),
+                            ["config.json", "rope_scaling.type", "linear"]),
+    "yarn-no-original": (edit_config(rope_scaling={k: v for k, v in YARN.items()
+                                                   if k != "original_max_position_embeddings"}),
+                         ["config.json", "rope_scaling.original_max_position_embeddings"]),
+    "yarn-factor-zero": (edit_config(rope_scaling=dict(YARN, factor=0)), ["config.json", "rope_scaling.factor"]),
+    "yarn-mscale-string": (edit_config(rope_scaling=dict(YARN, mscale="1")), ["config.json", "rope_scaling.mscale"]),
+    "rope-parameters-theta": (edit_config(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+                              ["config.json", "rope_parameters.rope_theta"]),
+    # --- config.json against the shards
+    "layers-more-than-shards": (edit_config(num_hidden_layers=3), ["config.json", "num_hidden_layers"]),
+    "layers-fewer-than-shards": (edit_config(num_hidden_layers=1, first_k_dense_replace=1),
+                                 ["config.json", "num_hidden_layers"]),
+    "experts-more-than-shards": (edit_config(n_routed_experts=8), ["config.json", "n_routed_experts"]),
+    "hidden-size-other": (edit_config(hidden_size=128), ["embed_tokens", "[264, 64]", "[264, 128]"]),
+    "moe-inter-other": (edit_config(moe_intermediate_size=64), ["experts.0", "out-00001.safetensors"]),
+    "vocab-smaller-than-tokenizer": (edit_config(vocab_size=200), ["tokenizer.json", "vocab_size"]),
+    # --- tokenizer files
+    "tokenizer-missing": (remove("tokenizer.json"), ["tokenizer.json"]),
+    "tokenizer-empty": (write("tokenizer.json", ""), ["tokenizer.json", "empty"]),
+    "tokenizer-garbage": (write("tokenizer.json", bytes(range(256)) * 4), ["tokenizer.json"]),
+    "tokenizer-truncated": (lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text()[:500]),
+                            ["tokenizer.json", "not a valid tokenizer.json"]),
+    "tokenizer-empty-object": (write("tokenizer.json", "{}"), ["tokenizer.json", "not a valid tokenizer.json"]),
+    "tokenizer-list": (write("tokenizer.json", "[]"), ["tokenizer.json"]),
+    "tokenizer-symlink-to-config": (symlink("tokenizer.json", "config.json"), ["tokenizer.json"]),
+    "tokenizer-symlink-outside": (symlink("tokenizer.json", outside_file(b'{"version": "1.0"}')),
+                                  ["tokenizer.json", "outside the model directory"]),
+    "tokenizer-symlink-etc": (symlink("tokenizer.json", "/etc/hostname"), ["tokenizer.json", "outside"]),
+    "tokenizer-dangling": (symlink("tokenizer.json", "gone.json"), ["tokenizer.json", "broken symlink"]),
+    "tokenizer-directory": (lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir()),
+                            ["tokenizer.json", "directory"]),
+    "tokenizer-config-invalid": (write("tokenizer_config.json", '{"chat_template": '),
+                                 ["tokenizer_config.json", "not valid JSON"]),
+    "tokenizer-config-list": (write("tokenizer_config.json", "[]"), ["tokenizer_config.json", "JSON object"]),
+    "tokenizer-config-not-utf8": (write("tokenizer_config.json", b'{"eos_token": "\xfe"}'),
+                                  ["tokenizer_config.json", "UTF-8"]),
+    "template-syntax-error": (edit_tokenizer_config(chat_template="{% for m in messages %}{{ m['content'] }}"),
+                              ["tokenizer_config.json", "syntax error"]),
+    "template-undefined": (edit_tokenizer_config(chat_template="{{ messages[0].content.nope.deeper }}"),
+                           ["tokenizer_config.json", "undefined"]),
+    "template-sandbox": (edit_tokenizer_config(chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"),
+                         ["tokenizer_config.json", "sandbox"]),
+    "template-raises": (edit_tokenizer_config(chat_template="{{ raise_exception('System role not supported') }}"),
+                        ["tokenizer_config.json", "System role not supported"]),
+    "template-type-error": (edit_tokenizer_config(chat_template="{{ messages + 1 }}"),
+                            ["tokenizer_config.json", "chat template"]),
+    "template-not-a-string": (edit_tokenizer_config(chat_template=5), ["tokenizer_config.json", "chat_template"]),
+    "template-list-of-junk": (edit_tokenizer_config(chat_template=[1, 2]), ["tokenizer_config.json",
+                                                                          "chat_template"]),
+    "template-file-syntax": (both(edit_tokenizer_config(chat_template=DELETE),
+                                  write("chat_template.jinja", "{% if %}")), ["chat_template.jinja", "syntax"]),
+    "eos-token-number": (edit_tokenizer_config(eos_token=5), ["tokenizer_config.json", "eos_token"]),
+    "generation-config-invalid": (write("generation_config.json", "{"), ["generation_config.json"]),
+    "generation-config-eos-string": (write("generation_config.json", '{"eos_token_id": "x"}'),
+                                     ["generation_config.json", "eos_token_id"]),
+    # --- shards
+    "no-shards": (remove(S0, S1), ["no *.safetensors"]),
+    "shard-empty": (write(S1, b""), [S1, "0 bytes"]),
+    "shard-garbage": (write(S1, os.urandom(4096)), [S1]),
+    "shard-header-past-end": (lambda d: (d / S0).write_bytes(struct.pack("<Q", 1 << 40) + (d / S0).read_bytes()[8:]),
+                              [S0, "header length"]),
+    "shard-header-not-json": (write(S1, struct.pack("<Q", 16) + b"{not json at all" + b"\0" * 64),
+                              [S1, "JSON"]),
+    "shard-truncated": (truncate(S1, lambda n: n - 1000), [S1]),
+    "shard-only-header": (truncate(S0, lambda n: 300), [S0]),
+    "shard-directory": (lambda d: (d / "out-00002.safetensors").mkdir(), ["out-00002.safetensors", "directory"]),
+    "shard-symlink-outside": (symlink("out-00002.safetensors", outside_file(b"\0" * 64)),
+                              ["out-00002.safetensors", "outside the model directory"]),
+    "shard-symlink-dev-zero": (symlink("out-00002.safetensors", "/dev/zero"), ["out-00002.safetensors"]),
+    "shard-dangling": (symlink(S1, "missing-blob"), [S1, "broken symlink"]),
+    "tensor-missing": (drop_tensor(S0, "model.norm.weight"), ["model.norm.weight"]),
+    "expert-missing": (drop_tensor(S1, "model.layers.1.mlp.experts.3.down_proj.weight"),
+                       ["model.layers.1.mlp.experts.3.down_proj.weight"]),
+    "router-missing": (drop_tensor(S0, "model.layers.1.mlp.gate.weight"), ["model.layers.1.mlp.gate.weight"]),
+    "float-shape-wrong": (reshape_tensor(S0, "model.norm.weight", [8, 8]), ["model.norm.weight", "[8, 8]", "64"]),
+    "embed-shape-wrong": (reshape_tensor(S0, "model.embed_tokens.weight", [64, 264]),
+                          ["model.embed_tokens.weight", "[64, 264]", "[264, 64]"]),
+    "scales-without-weight": (drop_tensor(S0, "lm_head.weight"), ["lm_head.weight"]),
+    "tensor-in-two-shards": (copy_tensor_to_other_shard("model.norm.weight"), ["model.norm.weight", S0, S1]),
+    "bad-format-stamp": (edit_header(S0, lambda h: h["__metadata__"].__setitem__("colibri_mlx.formats", "{bad")),
+                         [S0, "colibri_mlx.formats"]),
+    "unknown-dtype": (edit_header(S0, lambda h: h["model.norm.weight"].__setitem__("dtype", "F64")),
+                      [S0, "model.norm.weight", "dtype"]),
+    "offsets-out-of-range": (edit_header(S0, lambda h: h["model.norm.weight"].__setitem__(
+        "data_offsets", [0, 10**9])), [S0, "model.norm.weight"]),
+    # --- the directory
+    "not-a-model-directory": (remove("config.json"), ["not a model directory", "config.json"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_corrupted_model_is_one_error_line(model, case):
+    mutate, needles = CASES[case]
+    mutate(model)
+    result = run("generate", "-m", model, "-p", "hello", "--max-tokens", "2")
+    assert_one_line_error(result, *needles)
+
+
+GLM_CASES = {
+    "indexer-types-short": (edit_config(indexer_types=["full"]), ["config.json", "indexer_types"]),
+    "indexer-types-start-shared": (edit_config(indexer_types=["shared", "full"]), ["config.json", "indexer_types"]),
+    "indexer-pattern-bad": (edit_config(index_topk_pattern="FX"), ["config.json", "index_topk_pattern"]),
+    "index-head-dim-small": (edit_config(index_head_dim=8), ["config.json", "index_head_dim"]),
+    "index-topk-zero": (edit_config(index_topk=0), ["config.json", "index_topk"]),
+    "index-freq-zero": (edit_config(index_topk_freq=0), ["config.json", "index_topk_freq"]),
+    "dsa-without-q-lora": (edit_config(q_lora_rank=None), ["config.json", "q_lora_rank"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GLM_CASES))
+def test_corrupted_glm_config_is_one_error_line(pristine_glm, tmp_path, case):
+    d = tmp_path / "glm"
+    shutil.copytree(pristine_glm, d)
+    mutate, needles = GLM_CASES[case]
+    mutate(d)
+    assert_one_line_error(run("generate", "-m", d, "-p", "hello", "--max-tokens", "2"), *needles)
+
+
+@pytest.mark.parametrize("target, needles", [
+    ("a-file", ["a-file", "is a file"]),
+    ("missing", ["missing", "does not exist"]),
+    ("empty", ["empty", "not a model directory"]),
+    ("hub-repo", ["hub-repo", "snapshots"]),
+    ("parent", ["did you mean", "model"]),
+])
+def test_wrong_model_path(pristine, tmp_path, target, needles):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "hub-repo" / "snapshots" / "abc123").mkdir(parents=True)
+    shutil.copytree(pristine, tmp_path / "parent" / "model")
+    (tmp_path / "parent" / "tokenizer.json").write_text("{}")  # not a model, though it has a tokenizer
+    assert_one_line_error(run("generate", "-m", tmp_path / target, "-p", "x"), *needles)
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["chat"], ["bench", "--repeat", "1"], ["serve"]])
+def test_every_command_reports_a_bad_model_in_one_line(model, command):
+    edit_config(n_group=0)(model)
+    assert_one_line_error(run(command[0], "-m", model, *command[1:]), "config.json", "n_group")
+
+
+def test_inspect_reports_a_bad_shard_in_one_line(model):
+    truncate(S1, lambda n: n - 1000)(model)
+    assert_one_line_error(run("inspect", model), S1)
+
+
+# ------------------------------------------------------ cases that would hang a broken loader
+
+_SUBPROCESS_CASES = {
+    "shard-fifo": ("out-00002.safetensors", "FIFO"),
+    "config-fifo": ("config.json", "FIFO"),
+    "tokenizer-fifo": ("tokenizer.json", "FIFO"),
+    "template-file-fifo": ("chat_template.jinja", "FIFO"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SUBPROCESS_CASES))
+def test_fifo_in_the_model_directory_does_not_hang(model, case):
+    name, needle = _SUBPROCESS_CASES[case]
+    if name == "chat_template.jinja":
+        edit_tokenizer_config(chat_template=DELETE)(model)
+    p = model / name
+    if p.exists():
+        p.unlink()
+    os.mkfifo(p)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "colibri_mlx", "generate", "-m", str(model), "-p", "hi",
+                           "--max-tokens", "2"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith("Error: ") and name in last and needle in last, proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+# ------------------------------------------------------------------- valid, if unusual
+
+def _hub_snapshot(pristine: Path, root: Path) -> Path:
+    """The model as the Hugging Face cache stores it: snapshot files are symlinks into blobs/."""
+    import hashlib
+
+    repo = root / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in sorted(pristine.iterdir()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    return snapshot
+
+
+def test_hugging_face_cache_snapshot_loads(pristine, tmp_path):
+    snapshot = _hub_snapshot(pristine, tmp_path / "hub")
+    assert all((snapshot / f.name).is_symlink() for f in pristine.iterdir())
+    result = run("generate", "-m", snapshot, "-p", "hello", "--max-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    # the repository's root is not the model: the error says where the snapshots are
+    assert_one_line_error(run("generate", "-m", tmp_path / "hub" / "models--org--tiny", "-p", "x"),
+                          "snapshots/0123abcd")
+
+
+def test_unusual_but_valid_directory_loads(pristine, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(pristine, d)
+    # unrelated files and directories, hidden AppleDouble files, a FIFO nobody reads
+    (d / "README.md").write_text("# tiny\n")
+    (d / "notes").mkdir()
+    (d / "notes" / "config.json").write_text("[]")
+    (d / "._out-00000.safetensors").write_bytes(b"\0\5\x16\7 AppleDouble")
+    (d / ".cache").mkdir()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    os.mkfifo(d / "a-fifo")
+    # a shard moved into a subdirectory and linked back (a link inside the directory)
+    (d / "shards").mkdir()
+    shutil.move(d / S1, d / "shards" / S1)
+    os.symlink(os.path.join("shards", S1), d / S1)
+    # config.json with a BOM, unknown keys, nulls for optional keys and 0/1 flags
+    cfg = dict(CONFIG, torch_dtype="bfloat16", quantization_config={"quant_method": "fp8"}, n_shared_experts=1,
+               q_lora_rank=48, rope_scaling=None, mlp_layer_types=None, norm_topk_prob=1, attention_bias=0,
+               initializer_range=0.02, some_future_key=[1, 2, 3])
+    (d / "config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(cfg).encode())
+    result = run("generate", "-m", d, "-p", "hello", "--max-tokens", "3")
+    assert result.exit_code == 0, result.output
+    # reached through a symlink to the whole directory
+    os.symlink(d, tmp_path / "linked")
+    assert run("generate", "-m", tmp_path / "linked", "-p", "hello", "--max-tokens", "3").exit_code == 0
+
+
+def test_yarn_and_dsa_configs_still_load(pristine, pristine_glm, tmp_path):
+    d = tmp_path / "yarn"
+    shutil.copytree(pristine, d)
+    edit_config(rope_scaling=YARN, mlp_layer_types=["dense", "sparse"])(d)
+    assert run("generate", "-m", d, "-p", "hi", "--max-tokens", "2").exit_code == 0
+    g = tmp_path / "glm"
+    shutil.copytree(pristine_glm, g)
+    edit_config(indexer_types=["full", "full"], index_topk_freq=None)(g)
+    result = run("generate", "-m", g, "-p", "hi", "--max-tokens", "2")
+    assert result.exit_code == 0, result.output
