@@ -36,15 +36,15 @@ def _bits_option(flag: str, help_text: str):
 @_bits_option("--down-bits", "bits for routed experts' down_proj (default = xbits)")
 @click.option("--group-size", type=int, default=None,
               help="int4 group size (default 64; 0 = per-row); one of 16 32 48 64 96 128 192 256")
-@click.option("--n-layers", type=int, default=None,
+@click.option("--n-layers", type=click.IntRange(min=1), default=None,
               help="main layers; layer N is the MTP head (default: config.json num_hidden_layers)")
 @click.option("--mtp", is_flag=True, help="convert only the MTP head (layer n_layers) -> out-mtp-*")
 @click.option("--indexer", is_flag=True, help="convert only the DSA indexer weights -> out-idx-*")
-@click.option("--jobs", type=int, default=1, show_default=True,
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="worker processes encoding tensors in parallel (output identical to --jobs 1)")
-@click.option("--workers", type=int, default=1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="upstream's shard-parallel option; here the same pool as --jobs (max of the two)")
-@click.option("--min-free-gb", type=float, default=20.0, show_default=True,
+@click.option("--min-free-gb", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="--repo: refuse to start / stop when less disk is free")
 @click.option("--revision", default=None, help="--repo: branch, tag or commit")
 @click.option("--stats/--no-stats", default=True, show_default=True,
@@ -54,13 +54,21 @@ def convert_command(indir, repo, outdir, recipe, n_layers, mtp, indexer, jobs, w
                     revision, stats, progress, **bit_options):
     """Convert a Hugging Face checkpoint (BF16/F16/F32, FP8 block-scaled, NVFP4) into a colibri
     container. Resumable: rerun the same command after an interruption."""
+    import math
+
     from ..container import ContainerError
     from .classify import ConvertError
     from .converter import convert
 
+    if not math.isfinite(min_free_gb):
+        raise click.BadParameter(f"{min_free_gb} is not a finite number", param_hint="'--min-free-gb'")
     try:
         convert(outdir, indir=indir, repo=repo, recipe=recipe, n_layers=n_layers, mtp=mtp, indexer=indexer,
                 jobs=jobs, workers=workers, min_free_gb=min_free_gb, revision=revision, stats=stats,
                 progress=progress, **bit_options)
     except (ConvertError, ContainerError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # a full disk, a read-only --outdir: one line naming the file (cli's describe)
+        from ..errors import describe_os_error
+
+        raise click.ClickException(describe_os_error(e)) from None

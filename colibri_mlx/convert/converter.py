@@ -43,15 +43,55 @@ def convert(outdir: str, indir: Optional[str] = None, repo: Optional[str] = None
     if indir is not None:
         if not os.path.isdir(indir):
             raise ConvertError(f"--indir {indir}: not a directory")
+        if os.path.exists(outdir) and os.path.samefile(indir, outdir):
+            raise ConvertError(f"--outdir {outdir} is the --indir directory; write the container to a new directory")
         return _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers), stats,
                               progress, log)
     return _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, max(jobs, workers), min_free_gb,
                          revision, stats, progress, log)
 
 
+def _check_config(config: Optional[dict], source: str) -> None:
+    """A config.json of a model type the engine runs must load once converted: check it now,
+    not after hours of conversion. Other model types convert as upstream converts them."""
+    if not config:
+        return
+    from ..models.config_schema import MODEL_TYPES, validate_config
+
+    if config.get("model_type") in MODEL_TYPES:
+        try:
+            validate_config(config, source)
+        except ValueError as e:
+            raise ConvertError(f"{e} (the container would not load; fix config.json first)") from None
+    layers = config.get("num_hidden_layers")
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ConvertError(f"{source}: num_hidden_layers: got {layers!r}; expected an integer >= 1")
+
+
+def _refuse_container(indir: str, shards: list[str]) -> None:
+    """`--indir` pointing at one of our containers would be re-quantized (or refused tensor by
+    tensor as 'U8 is not a supported weight encoding'): say what it is instead."""
+    from ..container import STAMP_KEY
+    from ..container.reader import UPSTREAM_STAMP_KEY
+    from .sources import SafetensorsShard
+
+    marks = [n for n in (".out-progress.json", ".out-mtp-progress.json", ".out-idx-progress.json")
+             if os.path.exists(os.path.join(indir, n))]
+    for path in shards:
+        with SafetensorsShard(path) as shard:
+            meta = shard.header.metadata
+            if STAMP_KEY in meta or UPSTREAM_STAMP_KEY in meta or "colibri_mlx.convert" in meta or \
+                    any(n.endswith(".qs") for n in shard.tensors):
+                marks.append(os.path.basename(path))
+                break
+    if marks:
+        raise ConvertError(f"--indir {indir} is already a colibri container ({marks[0]}); it needs no conversion: "
+                           f"run it with `colibri generate -m {indir}` (--indir takes a Hugging Face checkpoint)")
+
+
 def _plan(config: Optional[dict], n_layers, recipe, mode, bit_options, log):
     if n_layers is None:
-        if config and "num_hidden_layers" in config:
+        if config and config.get("num_hidden_layers") is not None:
             n_layers = int(config["num_hidden_layers"])
         else:
             n_layers = DEFAULT_N_LAYERS
@@ -87,13 +127,17 @@ def _finish(summary: Summary, outdir: str, log):
 
 def _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, jobs, stats, progress, log):
     config = read_json(os.path.join(indir, "config.json"))
+    all_shards = list_shards(indir)
+    _refuse_container(indir, all_shards)
+    _check_config(config, os.path.join(indir, "config.json"))
     plan = _plan(config, n_layers, recipe, mode, bit_options, log)
     weight_map = read_weight_map(os.path.join(indir, "model.safetensors.index.json"))
-    shards = shards_for_mode(list_shards(indir), weight_map, mode, plan.n_layers)
+    shards = shards_for_mode(all_shards, weight_map, mode, plan.n_layers)
     conversion = Conversion(outdir, plan, mode, jobs, stats, progress, name_by_index=False, log=log,
                             expected_shapes=_expected_shapes(config, log))
     conversion.check_outdir()
-    conversion.check_sources(shards)
+    if conversion.check_sources(shards) == 0:
+        raise ConvertError(_nothing_to_convert(indir, mode, plan.n_layers))
     with OutdirLock(outdir):
         summary = conversion.run(shards)
         if mode == "main":  # the --mtp/--indexer passes add to a container that has its metadata
@@ -119,6 +163,7 @@ def _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, jobs, min_f
         with tempfile.TemporaryDirectory(prefix="colibri-convert-meta-") as meta_dir:
             hub.fetch_metadata(meta_names, meta_dir)
             config = read_json(os.path.join(meta_dir, "config.json"))
+            _check_config(config, f"{repo}/config.json")
             plan = _plan(config, n_layers, recipe, mode, bit_options, log)
             weight_map = hub.weight_map(meta_dir) if mode != "main" else None
             shards = shards_for_mode(hub.shards, weight_map, mode, plan.n_layers)
@@ -134,4 +179,13 @@ def _convert_repo(repo, outdir, mode, recipe, n_layers, bit_options, jobs, min_f
         summary = conversion.run(shards, sizes=sizes, fetch=hub.fetch_shard, release=hub.release,
                                  before_shard=lambda: require_free(outdir, min_free_gb, starting=False))
     hub.cleanup()
+    if not summary.rows:
+        raise ConvertError(_nothing_to_convert(f"--repo {repo}", mode, plan.n_layers))
     return _finish(summary, outdir, log)
+
+
+def _nothing_to_convert(source: str, mode: str, n_layers: int) -> str:
+    what = {"main": "no tensors of the main pass",
+            "mtp": f"no multi-token-prediction layer (model.layers.{n_layers}.*)",
+            "indexer": f"no DSA indexer tensors (model.layers.<i>.self_attn.indexer.*, i < {n_layers})"}[mode]
+    return f"{source}: {what}; nothing to convert (is --n-layers right, or is this the wrong checkpoint?)"

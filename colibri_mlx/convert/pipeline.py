@@ -241,34 +241,68 @@ class ProgressManifest:
         except (OSError, ValueError) as e:
             raise ConvertError(f"{self.path}: unreadable progress manifest ({e}); delete it and the "
                                "out-*.safetensors shards to start over") from None
+        if not isinstance(prev, dict):
+            raise ConvertError(f"{self.path}: damaged progress manifest (not a JSON object); delete it and the "
+                               "out-*.safetensors shards to start over")
         if prev.get("params") != self.params:
             raise ConvertError(
                 f"{self.path} records a conversion with {prev.get('params')};\n"
                 f"this run uses {self.params}.\nRefusing to mix conversions in one output directory: "
                 "rerun with the recorded options, use a fresh --outdir, or delete the manifest and "
                 "the shards to redo.")
-        self.data["shards"] = dict(prev.get("shards", {}))
-        self.data["colibri_mlx"]["stats"] = dict(prev.get("colibri_mlx", {}).get("stats", {}))
+        shards, ours = prev.get("shards", {}), prev.get("colibri_mlx", {})
+        if not isinstance(shards, dict) or not isinstance(ours, dict):
+            raise ConvertError(f"{self.path}: damaged progress manifest ('shards' is not an object); delete it and "
+                               "the out-*.safetensors shards to start over")
+        self.data["shards"] = dict(shards)
+        self.data["colibri_mlx"]["stats"] = dict(ours.get("stats", {}))
+        self.data["colibri_mlx"]["sizes"] = dict(ours.get("sizes", {}))
 
-    def done(self, source: str, outdir: str) -> Optional[str]:
-        """The emitted name ("" = nothing to emit) if `source` is finished and its file exists."""
+    def done(self, source: str, outdir: str, log: Callable[[str], None] = lambda m: None) -> Optional[str]:
+        """The emitted name ("" = nothing to emit) if `source` is finished and its output is
+        intact: the file exists, has the size recorded when it was written, and a valid header
+        (a shard truncated or overwritten since is converted again)."""
         emitted = self.data["shards"].get(source)
-        if emitted is None or (emitted and not os.path.exists(os.path.join(outdir, emitted))):
+        if emitted is None or not emitted:
+            return emitted
+        path = os.path.join(outdir, emitted)
+        if not os.path.exists(path):
+            return None
+        size, want = os.path.getsize(path), self.data["colibri_mlx"].get("sizes", {}).get(source)
+        problem = None
+        if want is not None and size != want:
+            problem = f"is {size} bytes, {want} when it was written"
+        else:
+            from ..container import ContainerError, read_shard_header
+
+            try:
+                read_shard_header(path)
+            except ContainerError as e:
+                problem = f"is damaged ({e})"
+        if problem:
+            log(f"[resume] {emitted} {problem}: converting {source} again")
             return None
         return emitted
 
-    def record(self, source: str, emitted: str, stats_rows: list):
+    def record(self, source: str, emitted: str, stats_rows: list, size: Optional[int] = None):
         self.data["shards"][source] = emitted
         self.data["colibri_mlx"]["stats"][source] = stats_rows
+        if size is not None:
+            self.data["colibri_mlx"].setdefault("sizes", {})[source] = size
         self.save()
 
     def save(self):
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.data, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise ConvertError(f"{self.path}: cannot write the progress manifest: {_os_reason(e)}") from None
 
     def all_stats(self) -> list:
         return [row for rows in self.data["colibri_mlx"]["stats"].values() for row in rows]
@@ -348,12 +382,15 @@ class Conversion:
         self._refuse_foreign_shards()
         ProgressManifest(self.outdir, self.prefix, self.plan.params())  # refuses another conversion's record
 
-    def check_sources(self, paths: list[str]):
+    def check_sources(self, paths: list[str]) -> int:
         """Every local shard's headers against the plan and config.json, before the first is
-        encoded: a mismatch in the last shard is refused in seconds, not after hours."""
+        encoded: a mismatch in the last shard is refused in seconds, not after hours. Returns
+        how many tensors this pass converts."""
+        n = 0
         for path in paths:
             with SafetensorsShard(path) as shard:
-                shard_tasks(shard, self.plan, self.mode, self.expected_shapes)
+                n += len(shard_tasks(shard, self.plan, self.mode, self.expected_shapes))
+        return n
 
     def run(self, sources: list[str], sizes: Optional[dict] = None,
             fetch: Callable[[str], str] = lambda s: s, release: Callable[[str], None] = lambda p: None,
@@ -365,7 +402,8 @@ class Conversion:
         self._refuse_foreign_shards()
         self._remove_stale_temporaries()
         manifest = ProgressManifest(self.outdir, self.prefix, self.plan.params())
-        todo = [(i, s) for i, s in enumerate(sources) if manifest.done(os.path.basename(s), self.outdir) is None]
+        todo = [(i, s) for i, s in enumerate(sources)
+                if manifest.done(os.path.basename(s), self.outdir, self.log) is None]
         if len(todo) < len(sources):
             self.log(f"[resume] {len(sources) - len(todo)} of {len(sources)} shard(s) already done in {self.outdir}")
         sizes = sizes or {s: os.path.getsize(s) for _, s in todo}
@@ -378,7 +416,8 @@ class Conversion:
                 path = fetch(source)
                 rows, done_bytes = self._convert_shard(path, key, name, runner, bar)
                 bar.update(max(0, sizes[source] - done_bytes))  # headers, scales, skipped tensors
-                manifest.record(key, name if rows is not None else "", rows or [])
+                size = os.path.getsize(os.path.join(self.outdir, name)) if rows is not None else None
+                manifest.record(key, name if rows is not None else "", rows or [], size)
                 release(path)
         self._refuse_unrecorded_shards(manifest)
         summary = Summary()
@@ -406,7 +445,12 @@ class Conversion:
         if not out:  # no tensor of this pass in the shard: no file (upstream's --indir rule)
             return None, done_bytes
         meta = {"colibri_mlx.convert": json.dumps({"source": key, **self.plan.params()}, sort_keys=True)}
-        write_shard(os.path.join(self.outdir, out_name), out, meta)
+        out_path = os.path.join(self.outdir, out_name)
+        try:
+            write_shard(out_path, out, meta)  # atomic: a temporary name, renamed once complete
+        except OSError as e:
+            raise ConvertError(f"{out_path}: cannot write the shard: {_os_reason(e)}; nothing was left half-"
+                               "written, rerun the same command to resume once there is room") from None
         return shard_summary.rows_for_manifest(), done_bytes
 
     def _bar(self, total: int):
@@ -443,16 +487,39 @@ class Conversion:
 
 
 def list_shards(indir: str) -> list[str]:
-    shards = sorted(glob.glob(os.path.join(indir, "*.safetensors")))
+    """The checkpoint's shards: regular files (a FIFO would block), symlinks only into the
+    directory or a Hugging Face cache blob store (a hub snapshot)."""
+    from ..container import ContainerError
+    from ..container.files import check_file
+
+    shards = sorted(p for p in glob.glob(os.path.join(indir, "*.safetensors"))
+                    if not os.path.basename(p).startswith("."))
     if not shards:
-        raise ConvertError(f"{indir}: no *.safetensors shards found")
+        raise ConvertError(f"--indir {indir}: no *.safetensors shards found")
+    for path in shards:
+        try:
+            check_file(path, indir, "a checkpoint shard")
+        except ContainerError as e:
+            raise ConvertError(str(e)) from None
     return shards
+
+
+def _os_reason(e: OSError) -> str:
+    from ..errors import os_reason
+
+    return os_reason(e)
 
 
 def shards_for_mode(shard_names: list[str], weight_map: Optional[dict], mode: str, n_layers: int) -> list[str]:
     """--mtp / --indexer only need the shards holding their tensors (upstream #383)."""
     if mode == "main" or weight_map is None:
         return shard_names
+    present = {os.path.basename(s) for s in shard_names}
+    absent = sorted({v for v in weight_map.values() if v not in present})
+    if absent:
+        raise ConvertError(f"model.safetensors.index.json: its weight_map names {', '.join(absent[:3])}"
+                           f"{' ...' if len(absent) > 3 else ''}, which {'is' if len(absent) == 1 else 'are'} not "
+                           "among the checkpoint's shards (an index of another download, or an incomplete one?)")
     if mode == "mtp":
         want = {v for k, v in weight_map.items() if layer_index(k) == n_layers}
     else:
@@ -467,20 +534,28 @@ def copy_metadata(indir: str, outdir: str) -> tuple[list[str], list[str]]:
         names += sorted(os.path.basename(p) for p in glob.glob(os.path.join(indir, pattern)))
     for n in names:
         tmp = os.path.join(outdir, f".{n}.tmp")
-        shutil.copyfile(os.path.join(indir, n), tmp)
-        os.replace(tmp, os.path.join(outdir, n))
+        try:
+            shutil.copyfile(os.path.join(indir, n), tmp)
+            os.replace(tmp, os.path.join(outdir, n))
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise ConvertError(f"{os.path.join(outdir, n)}: cannot copy {n}: {_os_reason(e)}") from None
     missing = [n for n in ("config.json", "tokenizer.json") if n not in names]
     return names, missing
 
 
 def read_json(path: str) -> Optional[dict]:
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
+    from ..container.files import read_text
+
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except ValueError as e:
-        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+        text = read_text(path, None, os.path.basename(path))
+        data = json.loads(text)
+    except ValueError as e:  # ContainerError (not a regular file, not UTF-8) or JSONDecodeError
+        raise ConvertError(f"{path}: not valid JSON ({e})" if isinstance(e, json.JSONDecodeError) else str(e)) \
+            from None
     if not isinstance(data, dict):
         raise ConvertError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -491,6 +566,12 @@ def read_weight_map(path: str) -> Optional[dict]:
     weight_map = (read_json(path) or {}).get("weight_map")
     if weight_map is not None and not isinstance(weight_map, dict):
         raise ConvertError(f"{path}: 'weight_map' must be a JSON object, got {type(weight_map).__name__}")
+    for name, shard in (weight_map or {}).items():
+        # A shard is a file beside the index: a path would read (or convert nothing from) elsewhere.
+        if (not isinstance(shard, str) or not shard.endswith(".safetensors") or os.path.basename(shard) != shard
+                or shard.startswith(".") or "\\" in shard):
+            raise ConvertError(f"{path}: weight_map[{name!r}] is {json.dumps(shard)}; expected the file name of a "
+                               "shard in the same directory (no path)")
     return weight_map
 
 
@@ -506,15 +587,34 @@ class OutdirLock:
     def __enter__(self):
         import fcntl
 
-        os.makedirs(self.outdir, exist_ok=True)
-        self._fh = open(self.path, "w")
         try:
-            fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            os.makedirs(self.outdir, exist_ok=True)
+        except OSError as e:
+            raise ConvertError(f"--outdir {self.outdir}: cannot create it: {_os_reason(e)}") from None
+        while True:
+            try:
+                self._fh = open(self.path, "w")
+            except OSError as e:
+                raise ConvertError(f"{self.path}: cannot create the lock file: {_os_reason(e)}") from None
+            try:
+                fcntl.flock(self._fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                self._fh.close()
+                raise ConvertError(f"{self.path}: another converter is using this output directory") from None
+            # The file is removed on exit: a lock taken on a file that was removed (or replaced)
+            # between our open and our flock guards nothing; take the one now at the path.
+            try:
+                same = os.path.samestat(os.fstat(self._fh.fileno()), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                return self
             self._fh.close()
-            raise ConvertError(f"{self.path}: another converter is using this output directory") from None
-        return self
 
     def __exit__(self, *exc):
+        try:
+            os.unlink(self.path)  # still holding the lock: nobody can hold this inode's lock now
+        except OSError:
+            pass
         self._fh.close()
 
