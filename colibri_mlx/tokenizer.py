@@ -40,8 +40,9 @@ class Tokenizer:
     """
 
     def __init__(self, backend, config: dict, chat_template: str | None, extra_eos: Iterable[int] = (),
-                 chat_template_source: str = "the chat template"):
+                 chat_template_source: str = "the chat template", source: str = "tokenizer.json"):
         self.backend = backend
+        self.source = source
         self.config = config
         self.chat_template = chat_template
         self.chat_template_source = chat_template_source
@@ -57,10 +58,18 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # the Rust side's errors (a WordLevel model without its unknown token, ...)
+            raise TokenizerError(f"{self.source}: cannot encode the text: {' '.join(str(e).split())[:200]}") \
+                from None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        except Exception as e:
+            raise TokenizerError(f"{self.source}: cannot decode token ids: {' '.join(str(e).split())[:200]}") \
+                from None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the chat template, as transformers renders it."""
@@ -289,4 +298,4 @@ def load_tokenizer(path) -> Tokenizer:
     template, template_source = _chat_template(path, config)
     if template:
         _compile_template(template, template_source)
-    return Tokenizer(backend, config, template, extra_eos, template_source)
+    return Tokenizer(backend, config, template, extra_eos, template_source, tokenizer_file)

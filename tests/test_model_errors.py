@@ -189,6 +189,27 @@ def copy_tensor_to_other_shard(mutate_name: str):
     return mutate
 
 
+def poison(shard: str, name: str):
+    """Overwrite a float32 tensor's first values with NaN, in place."""
+    def mutate(d: Path):
+        header, _ = read_shard(d / shard)
+        raw = bytearray((d / shard).read_bytes())
+        start = 8 + struct.unpack("<Q", raw[:8])[0] + header[name]["data_offsets"][0]
+        raw[start:start + 8] = struct.pack("<2f", float("nan"), float("inf"))
+        (d / shard).write_bytes(bytes(raw))
+    return mutate
+
+
+def word_level_tokenizer(d: Path):
+    """A valid tokenizer.json that cannot encode most text (no unknown token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0}))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (d / "tokenizer.json").unlink()
+    tok.save(str(d / "tokenizer.json"))
+
+
 def both(*mutations):
     def mutate(d: Path):
         for m in mutations:
@@ -346,6 +367,13 @@ CASES = {
     "tensor-in-two-shards": (copy_tensor_to_other_shard("model.norm.weight"), ["model.norm.weight", S0, S1]),
     "bad-format-stamp": (edit_header(S0, lambda h: h["__metadata__"].__setitem__("colibri_mlx.formats", "{bad")),
                          [S0, "colibri_mlx.formats"]),
+    "nan-in-a-norm": (poison(S0, "model.layers.0.input_layernorm.weight"),
+                      [S0, "model.layers.0.input_layernorm.weight", "NaN"]),
+    "nan-in-router-bias": (poison(S0, "model.layers.1.mlp.gate.e_score_correction_bias"),
+                           ["e_score_correction_bias", "NaN"]),
+    "nan-in-scales": (poison(S1, "model.layers.1.mlp.experts.2.up_proj.weight.qs"),
+                      [S1, "model.layers.1.mlp.experts.2.up_proj.weight.qs", "NaN"]),
+    "tokenizer-cannot-encode": (word_level_tokenizer, ["tokenizer.json", "cannot encode"]),
     "unknown-dtype": (edit_header(S0, lambda h: h["model.norm.weight"].__setitem__("dtype", "F64")),
                       [S0, "model.norm.weight", "dtype"]),
     "offsets-out-of-range": (edit_header(S0, lambda h: h["model.norm.weight"].__setitem__(

@@ -20,6 +20,7 @@ DSA_MODEL_TYPES = frozenset(("deepseek_v32", "glm_moe_dsa"))
 DSA_DEFAULT_HEADS = {"deepseek_v32": 64, "glm_moe_dsa": 32}
 DSA_DEFAULT_HEAD_DIM = 128
 
+MAX_LAYERS, MAX_EXPERTS = 4096, 16384  # as models.config_schema
 TENSOR_CLASSES = ("attention", "dense_mlp", "shared_experts", "routed_experts", "embeddings_head",
                   "norms_router", "indexer", "mtp", "other")
 
@@ -74,6 +75,12 @@ class _Dims:
         self.moe_freq = int(config.get("moe_layer_freq") or 1)
         self.mtp_layers = int(config.get("num_nextn_predict_layers") or 0)
         self.dsa = self.model_type in DSA_MODEL_TYPES
+        # The table has layers x experts entries: an absurd count would loop for hours.
+        for key, value, most in (("num_hidden_layers", self.layers, MAX_LAYERS),
+                                 ("n_routed_experts", self.experts, MAX_EXPERTS),
+                                 ("num_nextn_predict_layers", self.mtp_layers, 64)):
+            if not 0 <= value <= most:
+                raise ValueError(f"config.json: {key}={value} is out of range (0..{most})")
         self.index_heads = int(config.get("index_n_heads") or DSA_DEFAULT_HEADS.get(self.model_type, 0))
         self.index_dim = int(config.get("index_head_dim") or DSA_DEFAULT_HEAD_DIM)
 

@@ -106,7 +106,11 @@ def _fetch(container: Container, name: str, shape: tuple):
         if len(shape) != 2:
             raise ValueError(f"{container.path}: tensor {name!r} is quantized but config.json implies a "
                              f"{len(shape)}-D tensor of shape {shape}")
-        return container.tensor(name, shape).to_mlx()
+        qt = container.tensor(name, shape)
+        if qt.fmt != 6 and not np.isfinite(np.asarray(qt.scales)).all():  # fmt 6's .qs is a tag
+            raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
+                             "scales (a damaged shard?)")
+        return qt.to_mlx()
     container.tensor(name, shape)  # header shape check, names the shard on mismatch
     values = container.array(name, shape=shape)
     if container.info(name).dtype in FP8_DTYPES:
