@@ -212,15 +212,15 @@ def moe_specs(full: bool):
                                                           out_dtype=dtype)
             yield f"down_fmt{fmt}_S{S}_out{dtype}_res", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA,
                                                                      out_dtype=dtype, residual=random_x(S, D, dtype=dtype))
-            # gate_up's PF 1 loop (the default is PF 0; env COLIBRI_MOE_PF=1 selects it)
+            # gate_up's PF 1 loop (prefetch=1: CUDA's default for one token)
             if opt_in:
                 yield (f"gate_up_fmt{fmt}_S{S}_{dtype}_pf1",
                        moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, prefetch=1))
-            if S == 1 and fmt in (2, 4, 6):   # persistent grids (CUDA default for one token; COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT)
+            if S == 1 and fmt in (2, 4, 6):   # persistent grids (CUDA default for one token)
                 yield f"down_fmt{fmt}_S1_pers", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                              out_dtype=dtype, persistent=3)
                 yield f"gate_up_fmt{fmt}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
-                # the shape compiled in (env COLIBRI_MOE_DOWN_SHAPE=1)
+                # the shape compiled in (shape_in=True, the default)
                 yield f"down_fmt{fmt}_S1_shape", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
                                                               out_dtype=dtype, persistent=3, shape_in=True)
         if fmt == 4:   # a bank of uint32 words (layers past 2^31 bytes): the same bodies, a byte pointer

@@ -119,9 +119,9 @@ def test_compiled_decode_across_cache_growth(containers, monkeypatch):
 
 
 def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
-    """A trace made in one dispatch mode is not replayed in another: forcing the reference
-    (on a GPU: other kernels) or changing COLIBRI_MOE_PF (the MoE loop a trace bakes in) makes a
-    new mode with its own warm-up and trace, and the numbers are the plain path's."""
+    """A trace made in one dispatch mode is not replayed in another: forcing the reference (on a
+    GPU: other kernels) runs plainly there (kernels.compiled._reference_on_gpu, counted; on the
+    CPU the backend is the reference anyway), and the numbers are the plain path's."""
     from colibri_mlx.models.loading import load_model
 
     model = load_model(containers["dense"], dtype="float32")
@@ -132,38 +132,31 @@ def test_trace_not_kept_across_dispatch_modes(containers, monkeypatch):
     assert len(block._modes) == 1
     with kernels.force_reference():
         kernels.reset_counters()
-        got_ref, _ = _decode(model, [5, 9, 17, 3], 4)
+        got, _ = _decode(model, [5, 9, 17, 3], 4)
         calls = kernels.counters()["calls"]
-    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
-    got_pf, _ = _decode(model, [5, 9, 17, 3], 4)
-    # On the CPU the backend is the reference anyway; on a GPU the forced reference runs plainly
-    # (kernels.compiled._reference_on_gpu), counted.
-    assert len(block._modes) == 2
+    assert len(block._modes) == 1
     assert all(compiled_fn is not None for compiled_fn in block._modes.values())
     if GPU:
         assert calls.get("compiled/layer_step/declined: reference path on a GPU device"), calls
     monkeypatch.setenv(compiled.ENV_VAR, "0")
     with kernels.force_reference():
         want, _ = _decode(model, [5, 9, 17, 3], 4)
-    for label, got in (("forced reference", got_ref), ("COLIBRI_MOE_PF=1", got_pf)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if not GPU else 1e-3) * np.abs(want).max(),
-                                   err_msg=label)
+    np.testing.assert_allclose(got, want, rtol=0, atol=(1e-5 if not GPU else 1e-3) * np.abs(want).max())
     assert set(k.split("/")[1] for k in calls if k.startswith(("qgemv", "mla_decode"))) == {"reference"}
 
 
-def test_moe_loop_knobs_make_modes(monkeypatch):
-    """Each MoE loop knob (moe.py reads them when it builds a launch) is part of the mode: a
-    trace made under one setting is not replayed under another."""
+def test_traces_are_kept_per_backend(monkeypatch):
+    """The backend is the mode: a trace made for one backend is not replayed for another."""
     monkeypatch.setenv(compiled.ENV_VAR, "1")
-    for var in compiled.MOE_LOOP_VARS:
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(kernels.dispatch, "gpu_backend", lambda: None)     # no reference-on-GPU decline
     block = compiled.CompiledBlock(lambda x: x * 2, "toy_modes")
     x = mx.ones((4,))
-    block(x)
-    for n, var in enumerate(compiled.MOE_LOOP_VARS, start=2):
-        monkeypatch.setenv(var, "3")
+    for n, backend in enumerate((kernels.REFERENCE, kernels.METAL), start=1):
+        monkeypatch.setattr(kernels.dispatch, "backend", lambda backend=backend: backend)
         block(x)
-        assert len(block._modes) == n, var
+        block(x)                                            # warm-up, trace
+        assert list(block._modes) == [kernels.REFERENCE, kernels.METAL][:n]
+        assert all(fn is not None for fn in block._modes.values())
 
 
 def test_block_declines_with_reason_and_counts(monkeypatch):

@@ -7,8 +7,7 @@ The CUDA twin's matrix variants (mma, wide: the defaults over 16-bit caches) rou
 float32 caches) to TF32 for the tensor cores: they are checked against a model of what they
 round (moe_mla_oracle.mla_oracle_tf32, a budget ~1/600 of the worst-case REL_TF32 one at
 DeepSeek-V3's widths; tests/test_mla_oracle_tf32.py checks it against a numpy emulation).
-Metal's simdgroup matrices and the simt variant compute in float32 (REL). COLIBRI_MLA_VARIANT=simt
-runs these tests on the old kernel.
+Metal's simdgroup matrices and the simt variant compute in float32 (REL).
 """
 
 from __future__ import annotations
@@ -59,19 +58,21 @@ def assert_attention_close(out, *args, variant: str, selected=None, label=""):
     return assert_mla_close(out, *args, selected=selected, label=label, rel_attn=attention_budget(variant))
 
 
-def check(joint=False, **kw):
-    """``joint``: the cache as one buffer ``[B, T, R + rope]`` (the model's layout), k_rope None."""
+def check(joint=False, variant=None, **kw):
+    """``joint``: the cache as one buffer ``[B, T, R + rope]`` (the model's layout), k_rope None;
+    ``variant``: the attention kernel asked for (default: mla.choose_variant's)."""
     args, sel = inputs(**kw)
     kernels.reset_counters()
     q_nope, q_rope, latent, k_rope, *rest = args
     run_args = (q_nope, q_rope, mx.concatenate([latent, k_rope], axis=-1), None, *rest) if joint else args
-    out = kernels.mla_decode(*run_args, selected=sel)
+    out = kernels.mla_decode(*run_args, selected=sel, variant=variant)
     mx.eval(out)
     c = kernels.counters()
     assert not c["fallbacks"], c
     assert out.dtype == args[0].dtype
     R, rope = args[2].shape[-1], args[3].shape[-1]
-    variant = mla.choose_variant(R, rope, backend=kernels.backend(), dtype=args[0].dtype, cache_dtype=args[2].dtype)
+    variant = mla.choose_variant(R, rope, variant, backend=kernels.backend(), dtype=args[0].dtype,
+                                 cache_dtype=args[2].dtype)
     assert c["calls"].get(f"mla_attn/{variant}/{kernels.backend()}", 0) == int(GPU), c
     return assert_attention_close(out, *args, variant=variant, selected=sel, label=str(kw))
 
@@ -112,35 +113,34 @@ def test_deepseek_heads_dsa_2048_of_40000():
 
 
 @pytest.mark.parametrize("variant", ["mma", "simt"])
-def test_both_variants_at_every_edge(monkeypatch, variant):
+def test_both_variants_at_every_edge(variant):
     """Float32 queries pick simt on CUDA by default (TF32 is not float32-exact): both variants are
     forced here so each is checked on the GPU, at the edge cache lengths, DSA lists and batches."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
     for T in (1, 4095, 4097):
-        check(T=T, seed=T, masked=T > 1)
-    check(B=2, L=3, T=300, cache=mx.bfloat16, masked=True, seed=1)
-    check(B=1, L=2, T=500, n_sel=64, seed=2)
+        check(T=T, seed=T, masked=T > 1, variant=variant)
+    check(B=2, L=3, T=300, cache=mx.bfloat16, masked=True, seed=1, variant=variant)
+    check(B=1, L=2, T=500, n_sel=64, seed=2, variant=variant)
     if GPU:
-        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, cache=mx.bfloat16, seed=3)
-        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7)
+        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, cache=mx.bfloat16, seed=3, variant=variant)
+        check(H=128, nope=128, v=128, R=512, rope=64, gs=64, T=40000, n_sel=2048, cache=mx.bfloat16, seed=7,
+              variant=variant)
 
 
 @pytest.mark.parametrize("cache", [mx.bfloat16, mx.float16])
-def test_wide_variant_at_every_edge(monkeypatch, cache):
+def test_wide_variant_at_every_edge(cache):
     """mla_attn_wide (CUDA, 16-bit caches; elsewhere the reference): chunk edges (31 / 33
     positions), tile and 4096 edges, masks, DSA lists, batches, the joint cache."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
     for T in (1, 31, 33, 4095, 4097):
-        check(T=T, seed=T, masked=T > 1, cache=cache)
-    check(B=2, L=3, T=300, cache=cache, masked=True, seed=1)
-    check(B=1, L=2, T=500, n_sel=64, seed=2, cache=cache)
-    check(joint=True, T=500, n_sel=64, seed=22, cache=cache)
+        check(variant="wide", T=T, seed=T, masked=T > 1, cache=cache)
+    check(variant="wide", B=2, L=3, T=300, cache=cache, masked=True, seed=1)
+    check(variant="wide", B=1, L=2, T=500, n_sel=64, seed=2, cache=cache)
+    check(variant="wide", joint=True, T=500, n_sel=64, seed=22, cache=cache)
     if GPU:
         ds = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64, cache=cache)
         for T in (4096, 40000):
-            check(T=T, seed=T, **ds)
-        check(T=40000, n_sel=2048, seed=7, **ds)
-        check(joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
+            check(variant="wide", T=T, seed=T, **ds)
+        check(variant="wide", T=40000, n_sel=2048, seed=7, **ds)
+        check(variant="wide", joint=True, B=2, L=1, T=4097, masked=True, seed=21, **ds)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
@@ -179,11 +179,10 @@ def test_wide_declines_are_counted(backend):
 
 @pytest.mark.parametrize("shape", ["small", pytest.param("deepseek", marks=gpu_only)])
 @pytest.mark.parametrize("variant", ["mma", "simt", "wide"])
-def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
+def test_fixed_capacity_buffer_with_step_params(shape, variant):
     """The compiled decode step's launch (mla.step_params): the whole buffer in, tiles following
     its rows, only ``length`` rows attended; the rows past it are NaN, so any read of them that
     reaches the arithmetic shows. On the CPU: the reference's length mask."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
     dims = dict(H=128, nope=128, v=128, R=512, rope=64, gs=64) if shape == "deepseek" else {}
     capacity = 4352 if shape == "deepseek" else 300
     args, _ = inputs(T=capacity, cache=mx.bfloat16, seed=11, **dims)
@@ -192,13 +191,16 @@ def test_fixed_capacity_buffer_with_step_params(monkeypatch, shape, variant):
         poison = (mx.arange(capacity) >= length)[None, :, None]
         latent_buf = mx.where(poison, mx.nan, latent).astype(latent.dtype)
         k_rope_buf = mx.where(poison, mx.nan, k_rope).astype(k_rope.dtype)
-        params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length)
-        out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params)
+        params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
+                                 variant=variant)
+        out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params,
+                                 variant=variant)
         # and over one joint buffer, as the model's decode step runs it
         joint = mx.concatenate([latent_buf, k_rope_buf], axis=-1)
         params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
-                                 joint=True)
-        out_joint = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
+                                 joint=True, variant=variant)
+        out_joint = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params,
+                                       variant=variant)
         for o, how in ((out, "two buffers"), (out_joint, "joint buffer")):
             assert_attention_close(o, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope,
                                    v, variant=variant, label=f"{shape} {how} length {length} of {capacity}")
@@ -331,18 +333,17 @@ def test_wide_planted_defect_is_caught(monkeypatch, defect):
             planted.append(spec.name)
         return real(backend, spec)
 
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
     args, sel = inputs(H=32, nope=128, v=128, R=512, rope=64, gs=64, T=300, cache=mx.bfloat16, masked=True, seed=5)
     want, bound = mla_oracle_tf32(*args, selected=sel)
 
     def error(out):  # of the oracle's budget
         return float((np.abs(_f64(out) - want) / bound).max())
 
-    clean = kernels.mla_decode(*args, selected=sel)
+    clean = kernels.mla_decode(*args, selected=sel, variant="wide")
     mx.eval(clean)
     assert error(clean) <= 1.0
     monkeypatch.setattr(dispatch, "launch", launch)
-    got = kernels.mla_decode(*args, selected=sel)
+    got = kernels.mla_decode(*args, selected=sel, variant="wide")
     mx.eval(got)
     assert planted == ["mla_attn_wide"], planted
     assert not np.array_equal(np.array(got), np.array(clean)), "the clean kernel's output bit for bit: the planted source never ran"

@@ -84,10 +84,11 @@ def test_deepseek_shape_fmt4(S):
 @gpu_only
 @pytest.mark.parametrize("fmts", [[4] * 10, [2, 4, 5, 1, 3, 4, 2, 4, 4, 2]])
 def test_deepseek_shape_down_with_the_shape_from_params(monkeypatch, fmts):
-    """moe_down reading its projection's shape from params (CUDA, env COLIBRI_MOE_DOWN_SHAPE=0;
-    the default compiles it in): a layer of one format (one group) and of several (a launch
-    per group, each its own shape)."""
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "0")
+    """moe_down reading its projection's shape from params (CUDA, shape_in=False; the default
+    compiles it in): a layer of one format (one group) and of several (a launch per group, each
+    its own shape)."""
+    down_spec = moe.down_spec
+    monkeypatch.setattr(moe, "down_spec", lambda *args, **kw: down_spec(*args, **{**kw, "shape_in": False}))
     experts = make_experts(fmts, D=7168, inter=2048, gs=64, seed=5)
     run(experts, [[0, 3, 5, 7, 1, 9, 2, 8]], dtype=mx.bfloat16, seed=5)
 

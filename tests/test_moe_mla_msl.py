@@ -55,6 +55,12 @@ def x_of(N, D, dtype=mx.float32, seed=1):
     return mx.array(np.random.default_rng(seed).standard_normal((N, D)).astype(np.float32)).astype(dtype)
 
 
+def launch_args(monkeypatch, name, **kw):
+    """moe_block's launches of ``name`` (moe.gate_up_spec / moe.down_spec) built with ``kw``."""
+    real = getattr(moe, name)
+    monkeypatch.setattr(moe, name, lambda *args, **given: real(*args, **{**given, **kw}))
+
+
 def run_moe(experts, N, K, dtype=mx.float32, seed=0, repeat=None, ids=None):
     D = moe._shape(experts[0][0])[1]
     x = x_of(N, D, dtype, seed + 1)
@@ -147,10 +153,10 @@ def test_moe_nib_decode(metal, monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt", [1, 4, 5, 6])
 def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
-    # gate_up's PF 1 loop (env COLIBRI_MOE_PF=1), here on Metal: rows of 65 or more units give
-    # lane 0 three steps and the others two (odd and even step counts, a step past the row's
-    # end), with and without split-K.
-    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
+    # gate_up's PF 1 loop (prefetch=1; CUDA's default for one token), here on Metal: rows of 65
+    # or more units give lane 0 three steps and the others two (odd and even step counts, a step
+    # past the row's end), with and without split-K.
+    launch_args(monkeypatch, "gate_up_spec", prefetch=1)
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
     experts = make_experts([fmt] * 4, D=2080 if fmt != 6 else 2304, inter=24, gs=32, seed=60 + fmt)
     run_moe(experts, N=2, K=2, ids=[[0, 3], [3, 1]], seed=60 + fmt)
@@ -160,9 +166,9 @@ def test_moe_gate_up_prefetch(metal, monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt", [2, 4, 6])
 def test_moe_down_persistent_grid(metal, monkeypatch, fmt):
-    # PERS 1 (env COLIBRI_MOE_DOWN_PERSISTENT=3): 3 threadgroups loop over the 16 row blocks of
-    # D = 64 on one slot table each (NW 2: the barrier between row blocks reusing the partials).
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "3")
+    # PERS 1 (persistent=3): 3 threadgroups loop over the 16 row blocks of D = 64 on one slot
+    # table each (NW 2: the barrier between row blocks reusing the partials).
+    launch_args(monkeypatch, "down_spec", persistent=3)
     experts = make_experts([fmt] * 4, D=64, inter=768 if fmt != 6 else 1024, gs=32, seed=90 + fmt)
     for nw, ids in ((1, [[0, 3], [3, 1]]), (2, [[2, 3], [1, 1]])):
         monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units, nw=nw: nw)
@@ -175,9 +181,9 @@ def test_moe_down_persistent_grid(metal, monkeypatch, fmt):
 
 @pytest.mark.parametrize("fmt", [2, 4, 6])
 def test_moe_gate_up_persistent_grid(metal, monkeypatch, fmt):
-    # PERS 1 (env COLIBRI_MOE_GATE_UP_PERSISTENT=3): 3 threadgroups a slot loop over the 12 / 16
-    # row blocks of inter = 24 / 32 (ROWS 2), unused slots' zero rows included (ids -1).
-    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "3")
+    # PERS 1 (persistent=3): 3 threadgroups a slot loop over the 12 / 16 row blocks of inter =
+    # 24 / 32 (ROWS 2), unused slots' zero rows included (ids -1).
+    launch_args(monkeypatch, "gate_up_spec", persistent=3)
     experts = make_experts([fmt] * 4, D=2080 if fmt != 6 else 2304, inter=24 if fmt != 6 else 32, gs=32,
                            seed=100 + fmt)
     for nw, ids in ((1, [[0, 3], [3, 1]]), (2, [[2, -1], [1, 1]])):
@@ -188,25 +194,23 @@ def test_moe_gate_up_persistent_grid(metal, monkeypatch, fmt):
     assert dict(spec.template)["PERS"] == 1 and spec.grid[0] == 3 * spec.threadgroup[0]
 
 
-def test_cuda_persistent_grid_defaults(monkeypatch):
+def test_cuda_persistent_grid_defaults():
     """CUDA, one token, fmt 4: moe_gate_up shares the resident one-warp blocks among the slots,
     moe_down runs as many blocks as its launch bounds keep resident, both balanced (every block
-    as many row blocks); Metal and more tokens keep one threadgroup a row block; the env vars
-    override (0: off)."""
-    monkeypatch.delenv("COLIBRI_MOE_DOWN_PERSISTENT", raising=False)
-    monkeypatch.delenv("COLIBRI_MOE_GATE_UP_PERSISTENT", raising=False)
+    as many row blocks); Metal and more tokens keep one threadgroup a row block; persistent=0
+    turns them off."""
     experts = make_experts([4] * 8, D=4096, inter=1024, gs=64, seed=5)
     group = moe.resident_bank(experts).groups[0]
     ids = mx.array([list(range(8))], dtype=mx.int32)
 
-    def gate_up(backend, N=1):
+    def gate_up(backend, N=1, **kw):
         spec = moe.gate_up_spec(x_of(N, 4096, mx.bfloat16), group, mx.zeros((N, 8), mx.int32) + ids[:, :1], 8,
-                                backend)
+                                backend, **kw)
         return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0]
 
-    def down(backend, N=1):
+    def down(backend, N=1, **kw):
         spec = moe.down_spec(mx.zeros((N * 8, moe.h_width(group))), group, mx.zeros((N, 8), mx.int32) + ids[:, :1],
-                             mx.ones((N, 8)), N, 8, backend)
+                             mx.ones((N, 8)), N, 8, backend, **kw)
         return dict(spec.template)["PERS"], spec.grid[0] // spec.threadgroup[0], dict(spec.template).get("MINB")
 
     # gate_up: 512 row blocks a slot, 2112 // 8 = 264 resident a slot -> two rounds of 256.
@@ -216,16 +220,13 @@ def test_cuda_persistent_grid_defaults(monkeypatch):
     # down: 1024 row blocks, launch bounds of 7 blocks an SM (924 resident) -> two rounds of 512.
     assert down(dispatch.CUDA) == (1, 512, 7)
     assert down(dispatch.METAL)[:2] == (0, 1024)
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_PERSISTENT", "0")
-    monkeypatch.setenv("COLIBRI_MOE_GATE_UP_PERSISTENT", "0")
-    assert down(dispatch.CUDA)[:2] == (0, 1024) and gate_up(dispatch.CUDA) == (0, 512)
+    assert down(dispatch.CUDA, persistent=0)[:2] == (0, 1024) and gate_up(dispatch.CUDA, persistent=0) == (0, 512)
 
 
-def test_cuda_down_shape_compiled_in(monkeypatch):
+def test_cuda_down_shape_compiled_in():
     """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) by default,
-    zeros (read from params) under COLIBRI_MOE_DOWN_SHAPE=0 or shape_in=False; Metal has no
-    such template. tests/test_moe_block.py runs both on a GPU."""
-    monkeypatch.delenv("COLIBRI_MOE_DOWN_SHAPE", raising=False)
+    zeros (read from params) with shape_in=False; Metal has no such template.
+    tests/test_moe_block.py runs both on a GPU."""
     experts = make_experts([4] * 4, D=512, inter=128, gs=64, seed=8)
     group = moe.resident_bank(experts).groups[0]
     ids = mx.array([[0, 2]], dtype=mx.int32)
@@ -239,8 +240,6 @@ def test_cuda_down_shape_compiled_in(monkeypatch):
     assert (p.O, p.rb, p.ng, p.n_units) == (512, 64, 2, 4)
     assert shape(dispatch.CUDA) == (512, 64, 2, 4)
     assert shape(dispatch.CUDA, shape_in=False) == (0, 0, 0, 0)
-    monkeypatch.setenv("COLIBRI_MOE_DOWN_SHAPE", "0")
-    assert shape(dispatch.CUDA) == (0, 0, 0, 0)
     assert shape(dispatch.CUDA, shape_in=True) == (512, 64, 2, 4)
     assert shape(dispatch.METAL) == (None,) * 4
 
@@ -253,7 +252,7 @@ PERSISTENT_DEFECTS = [
     # (moe_gate_up's barrier between row blocks is not planted: as for qgemv's, neither of the
     # simulator's schedules lets a SIMD group write the partials before the first one read them.)
 ]
-PERSISTENT_ENV = {"moe_down": "COLIBRI_MOE_DOWN_PERSISTENT", "moe_gate_up": "COLIBRI_MOE_GATE_UP_PERSISTENT"}
+PERSISTENT_SPEC = {"moe_down": "down_spec", "moe_gate_up": "gate_up_spec"}
 
 
 @pytest.mark.parametrize("kernel,good,bad,count", PERSISTENT_DEFECTS)
@@ -268,7 +267,7 @@ def test_moe_persistent_planted_defect_is_caught(metal, monkeypatch, kernel, goo
     assert moe.read_kernel_sections("moe_block", dispatch.METAL)[1][kernel].count(good) == count, \
         f"defect {bad!r} no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv(PERSISTENT_ENV[kernel], "3")
+    launch_args(monkeypatch, PERSISTENT_SPEC[kernel], persistent=3)
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 2)
     experts = make_experts([4] * 4, D=64, inter=768, gs=32, seed=95)
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
@@ -332,7 +331,7 @@ MOE_DEFECTS = {
 }
 
 
-# gate_up's PF 1 loop (run with COLIBRI_MOE_PF=1): each defect must fail the oracle.
+# gate_up's PF 1 loop (prefetch=1): each defect must fail the oracle.
 MOE_PF_DEFECTS = {
     "prefetch: second buffer's step skipped": ("I, n_units, base + STEP, raw_b, scl_b, acc);",
                                                "I, n_units, base + 2 * STEP, raw_b, scl_b, acc);"),
@@ -355,7 +354,7 @@ def test_moe_prefetch_planted_defect_is_caught(metal, monkeypatch, defect):
     assert "".join(moe.read_kernel_sections("moe_block", dispatch.METAL)[1].values()).count(good) == 1, \
         f"defect '{defect}' no longer plants"
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec, simulator))
-    monkeypatch.setenv("COLIBRI_MOE_PF", "1")
+    launch_args(monkeypatch, "gate_up_spec", prefetch=1)
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: 1)
     # rows where lane 0 runs 3 steps with one SIMD group
     experts = make_experts([4] * 4, D=2080, inter=24, gs=32, seed=70)
@@ -433,6 +432,11 @@ def run_mla(metal, tile=None, variant="mma", heads=None, joint=False, qabs_parts
     return assert_mla_close(out, *args, selected=sel, label=str(kw))
 
 
+def launched(run):
+    """A launch_specs ``run`` through dispatch.launch (the ``metal`` fixture's simulator)."""
+    return run(lambda spec: dispatch.launch(dispatch.METAL, spec))
+
+
 # The variants these float32-cache tests run (wide stages 16-bit caches: its own tests below).
 F32_VARIANTS = ("mma", "simt")
 VARIANTS = pytest.mark.parametrize("variant", F32_VARIANTS)
@@ -466,28 +470,29 @@ def test_mla_joint_cache(metal, variant, kw):
 
 @VARIANTS
 @pytest.mark.parametrize("length", [1, 40, 150])
-def test_mla_fixed_capacity_buffer_with_step_params(metal, monkeypatch, variant, length):
+def test_mla_fixed_capacity_buffer_with_step_params(metal, variant, length):
     """A compiled decode step's launch (kernels.mla.step_params): the whole 150-row buffer goes
     in, tiles follow its rows (tile 16: up to 9 tiles with no position), only the first
     ``length`` rows are attended. Rows past it hold NaN: any read of them that reached the
     arithmetic would show (attending one row more fails this test)."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", variant)
-    monkeypatch.setenv("COLIBRI_MLA_TILE", "16")
     args, _ = mla_inputs(T=150, seed=40 + length)
     q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
     poison = (mx.arange(150) >= length)[None, :, None]
     latent_buf, k_rope_buf = mx.where(poison, mx.nan, latent), mx.where(poison, mx.nan, k_rope)
-    params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length)
+    params = mla.step_params(kv_b, latent_buf, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
+                             variant=variant, tile=16)
     assert np.asarray(params).tolist()[5:9] == [150, length, 16, 10]    # T, P, TT, NT
-    out = kernels.mla_decode(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v, params=params)
+    out = launched(mla.launch_specs(q_nope, q_rope, latent_buf, k_rope_buf, kv_b, scale, None, nope, v,
+                                    params=params, variant=variant, tile=16))
     assert metal[-3:] == ["mla_qabs", {"mma": "mla_attn_mma", "simt": "mla_attn"}[variant], "mla_out"]
     assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                      label=f"length {length} of 150")
     # the same over one joint buffer, as the model's decode step runs it
     joint = mx.concatenate([latent_buf, k_rope_buf], axis=-1)
     params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
-                             joint=True)
-    out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
+                             joint=True, variant=variant, tile=16)
+    out = launched(mla.launch_specs(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params,
+                                    variant=variant, tile=16))
     assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                      label=f"joint, length {length} of 150")
 
@@ -594,16 +599,13 @@ def test_mla_tiles_capped_for_the_merge(metal, variant):
     assert_mla_close(out, *args)
 
 
-def test_mla_mma_heads_choice(monkeypatch):
-    monkeypatch.delenv("COLIBRI_MLA_HEADS", raising=False)
+def test_mla_mma_heads_choice():
     assert mla.mma_heads(dispatch.METAL) == 32 and mla.mma_heads(dispatch.CUDA) == 32
-    monkeypatch.setenv("COLIBRI_MLA_HEADS", "16")
-    assert mla.mma_heads(dispatch.CUDA) == 16 and mla.mma_heads(dispatch.METAL, 64) == 64
+    assert mla.mma_heads(dispatch.CUDA, 16) == 16 and mla.mma_heads(dispatch.METAL, 64) == 64
     with pytest.raises(ValueError, match="do not launch on CUDA"):    # 512 threads of ~230 registers
         mla.mma_heads(dispatch.CUDA, 64)
-    monkeypatch.setenv("COLIBRI_MLA_HEADS", "48")
     with pytest.raises(ValueError, match="not one of"):
-        mla.mma_heads(dispatch.METAL)
+        mla.mma_heads(dispatch.METAL, 48)
 
 
 def test_mla_mma_templates():
@@ -660,18 +662,14 @@ def test_mla_mma_needs_multiples_of_8():
         mla.choose_variant(64, 8, "tensor")
 
 
-@pytest.mark.parametrize("env,want", [(None, ["mla_qabs", "mla_attn_mma", "mla_out"]),
-                                      ("simt", ["mla_qabs", "mla_attn", "mla_out"])])
-def test_mla_dispatch_counts(metal, monkeypatch, env, want):
-    if env:
-        monkeypatch.setenv("COLIBRI_MLA_VARIANT", env)
-    else:
-        monkeypatch.delenv("COLIBRI_MLA_VARIANT", raising=False)
+@pytest.mark.parametrize("variant,want", [(None, ["mla_qabs", "mla_attn_mma", "mla_out"]),
+                                          ("simt", ["mla_qabs", "mla_attn", "mla_out"])])
+def test_mla_dispatch_counts(metal, variant, want):
     args, _ = mla_inputs(T=20)
-    out = kernels.mla_decode(*args)
+    out = kernels.mla_decode(*args, variant=variant)
     assert metal == want
     calls = kernels.counters()["calls"]
-    assert calls.get("mla_decode/metal") == 1 and calls.get(f"mla_attn/{env or 'mma'}/metal") == 1, calls
+    assert calls.get("mla_decode/metal") == 1 and calls.get(f"mla_attn/{variant or 'mma'}/metal") == 1, calls
     assert_mla_close(out, *args)
 
 
@@ -817,18 +815,18 @@ def test_mla_wide(metal, case, cache):
             joint=kw.pop("joint", False), **kw)       # (run_mla checks that wide ran)
 
 
-def test_mla_wide_fixed_capacity_buffer_with_step_params(metal, monkeypatch):
+def test_mla_wide_fixed_capacity_buffer_with_step_params(metal):
     """The compiled decode step's launch over a 16-bit buffer: only ``length`` rows attended,
     the rows past it NaN (a chunk that staged and used one would show)."""
-    monkeypatch.setenv("COLIBRI_MLA_VARIANT", "wide")
     args, _ = mla_inputs(T=96, seed=67, cache_dtype=mx.float16)
     q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
     for length in (5, 40):
         poison = (mx.arange(96) >= length)[None, :, None]
         joint = mx.where(poison, mx.nan, mx.concatenate([latent, k_rope], axis=-1)).astype(mx.float16)
         params = mla.step_params(kv_b, joint, q_nope.shape[1], nope, q_rope.shape[-1], v, q_nope.dtype, length,
-                                 backend=dispatch.METAL, joint=True)
-        out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params)
+                                 backend=dispatch.METAL, joint=True, variant="wide")
+        out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, params=params,
+                                 variant="wide")
         assert metal[-2:] == ["mla_attn_wide", "mla_out"]
         assert_mla_close(out, q_nope, q_rope, latent[:, :length], k_rope[:, :length], kv_b, scale, None, nope, v,
                          label=f"length {length} of 96")

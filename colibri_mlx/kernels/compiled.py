@@ -12,12 +12,9 @@ Python runs.
 What a trace fixes, and how it stays right:
 
 * Shapes and dtypes: each distinct set of input shapes/dtypes gets its own trace (mx.compile).
-* The dispatch mode: traces are kept per backend and MoE loop knob (``COLIBRI_MOE_PF``,
-  ``COLIBRI_MOE_DOWN_PF``, ``COLIBRI_MOE_{DOWN,GATE_UP}_PERSISTENT``,
-  ``COLIBRI_MOE_{DOWN,GATE_UP}_SHAPE``): forcing the reference or
-  changing a MoE loop is a different graph. Other kernel knobs
-  (``COLIBRI_MLA_*``) are read by launches outside the compiled blocks; :func:`clear` drops every
-  trace (after changing a knob).
+* The dispatch mode: traces are kept per backend: forcing the reference is a different graph.
+  :func:`clear` drops every trace (after changing what the launches read, e.g. a function the
+  traces call).
 * Counters (:mod:`.dispatch`): the calls and fallbacks a trace recorded are added again on every
   replay, so the stats line counts what ran.
 * Host work: a block may only be compiled when its graph needs no values from the GPU (no
@@ -44,9 +41,6 @@ ENV_VAR = "COLIBRI_COMPILE"
 MODES = ("auto", "0", "1")
 
 _blocks: "weakref.WeakSet[CompiledBlock]" = weakref.WeakSet()
-# The MoE kernels' loop knobs (kernels/moe.py): each setting is a different graph.
-MOE_LOOP_VARS = ("COLIBRI_MOE_PF", "COLIBRI_MOE_DOWN_PF", "COLIBRI_MOE_DOWN_PERSISTENT",
-                 "COLIBRI_MOE_GATE_UP_PERSISTENT", "COLIBRI_MOE_DOWN_SHAPE", "COLIBRI_MOE_GATE_UP_SHAPE")
 
 
 def policy() -> str:
@@ -126,7 +120,7 @@ class CompiledBlock:
         if static is not None:
             dispatch.record_call(f"compiled/{self.name}", f"declined: {static}")
             return self.fn(*args)
-        mode = (backend, *(dispatch.getenv(v) for v in MOE_LOOP_VARS))
+        mode = backend
         if mode not in self._modes:
             self._modes[mode] = None
             return self.fn(*args)                      # warm-up: caches filled outside a trace

@@ -6,8 +6,7 @@ directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, the att
 (split-K online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the
 tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
 
-The attention has three variants with the same partials (``variant=`` or env
-``COLIBRI_MLA_VARIANT``):
+The attention has three variants with the same partials (``variant=``):
 
 * ``mma`` (``mla_attn_mma``, Metal's default): scores and the latent combine by matrix
   instructions (Metal simdgroup_matrix 8x8, CUDA mma.sync m16n8k8 TF32), the next chunk's loads
@@ -21,9 +20,9 @@ The attention has three variants with the same partials (``variant=`` or env
   :func:`choose_variant`), and where R or rope is not a multiple of 8 (counted as
   ``mla_attn/simt``).
 
-``COLIBRI_MLA_TILE`` overrides the positions per tile (raised where it would make more than
-``MAX_TILES`` tiles), ``COLIBRI_MLA_HEADS`` (16 / 32 / 64; CUDA 16 / 32) the heads per
-threadgroup of ``mma`` and ``wide``.
+:func:`launch_specs`' ``tile`` sets the positions per tile (raised where it would make more
+than ``MAX_TILES`` tiles), its ``heads`` (16 / 32 / 64; CUDA 16 / 32) the heads per threadgroup
+of ``mma`` and ``wide``.
 
 The ``*_spec`` functions build the exact launches; the MSL simulator tests run them.
 """
@@ -65,7 +64,6 @@ MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma t
 # blocks of 4 warps an SM, HT 32 = 1 block of 8 warps; HT 64 would not launch). Measured on the
 # H200 (scripts/bench_mla_parts.py, bf16, 128 heads): HT 32 with 128-512-position tiles is the
 # fastest at caches 4096 and 32768 (attention 98 / 408 us vs HT 16 117 / 542 us).
-# env COLIBRI_MLA_HEADS overrides.
 MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)
 # mla_attn_wide's heads a block: 16 (4 warps, 86 KB of shared memory) lets two blocks share an
@@ -93,13 +91,12 @@ MAX_TILES = 512
 # mla_qabs' column parts: threadgroups a head, each computing q' over an equal share of kv_b's
 # units (latent columns) from every nope row; part 0 also writes q_rope. One threadgroup a head
 # was 128 on DeepSeek-V3, 0.19 waves of the H200, two dependent load steps each (kernel alone
-# 8.3 us for 4.7 MB); 4 parts make 512 threadgroups of one load step. Env
-# COLIBRI_MLA_QABS_PARTS overrides (1: one a head). Both twins, as every knob.
+# 8.3 us for 4.7 MB); 4 parts make 512 threadgroups of one load step. Both twins.
 QABS_PARTS = 4
 # mla_out's SIMD groups a threadgroup (one threadgroup a head). Its context sum loads TU = 2 x
 # warps tiles of partials a batch (CPT x TU = 32 loads in flight a thread at any width), so
 # more warps take the merge in fewer dependent batches. H200, kernel alone at a 4096 cache:
-# 4 warps 16.6 us, 8 15.1, 16 15.5 (sixteenth session). Env COLIBRI_MLA_OUT_WARPS overrides.
+# 4 warps 16.6 us, 8 15.1, 16 15.5.
 OUT_WARPS = 8
 # mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
 # its (SIMD groups, q_b rows a SIMD group pass), every unit of a pass loaded before any math;
@@ -109,7 +106,6 @@ OUT_WARPS = 8
 # would fill its threadgroup memory. q_b in fmt 1-5 (fmt 6 rotates its input first, a float
 # q_b has no units).
 QB_SETTINGS = {dispatch.METAL: (8, 8), dispatch.CUDA: (16, 4)}
-QB_SETTING_VAR = "COLIBRI_MLA_QB"       # "SIMD groups:rows", e.g. 16:4 (tuning; default above)
 QB_FMTS = (1, 2, 3, 4, 5)
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
@@ -246,13 +242,12 @@ def mma_tile(P: int, head_blocks: int) -> int:
 
 
 def mma_heads(backend: str, heads: Optional[int] = None, variant: Optional[str] = None) -> int:
-    """HT of mla_attn_mma / mla_attn_wide: ``heads``, env COLIBRI_MLA_HEADS, or the default."""
-    default = WIDE_HEADS if variant == "wide" else MMA_HEADS.get(backend, 32)
-    ht = heads or int(dispatch.getenv("COLIBRI_MLA_HEADS", "0")) or default
+    """HT of mla_attn_mma / mla_attn_wide: ``heads``, or the default."""
+    ht = heads or (WIDE_HEADS if variant == "wide" else MMA_HEADS.get(backend, 32))
     if ht not in MMA_HEAD_CHOICES:
-        raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) is not one of {MMA_HEAD_CHOICES}")
+        raise ValueError(f"mla_decode: {ht} heads per threadgroup is not one of {MMA_HEAD_CHOICES}")
     if backend == dispatch.CUDA and ht * 8 > CUDA_MAX_THREADS_AT_FULL_REGS:
-        raise ValueError(f"mla_decode: {ht} heads per threadgroup (COLIBRI_MLA_HEADS) do not launch on CUDA: "
+        raise ValueError(f"mla_decode: {ht} heads per threadgroup do not launch on CUDA: "
                          f"{ht * 8} threads of ~230 registers exceed an SM's 65536 (16 or 32 do)")
     return ht
 
@@ -268,7 +263,7 @@ def wide_decline_reason(backend: str, cache_dtype) -> Optional[str]:
 
 def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: str = dispatch.METAL,
                    dtype=None, cache_dtype=None) -> str:
-    """``variant`` or env COLIBRI_MLA_VARIANT, else ``mma`` on Metal; on CUDA ``wide`` over a
+    """``variant``, else ``mma`` on Metal; on CUDA ``wide`` over a
     16-bit cache (H200, kernel alone: 21.8 / 93.4 us against mma's 30.7 / 158.2 at 4096 /
     32768 positions) and ``simt`` for float32 queries: the matrix variants round q' and P to TF32
     (2^-11), below the bfloat16 rounding of a bf16 model's own activations but not within
@@ -278,9 +273,9 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     default = "mma"
     if backend == dispatch.CUDA:
         default = "simt" if dtype == mx.float32 else ("mma" if wide_decline_reason(backend, cache_dtype) else "wide")
-    want = variant or dispatch.getenv("COLIBRI_MLA_VARIANT", default)
+    want = variant or default
     if want not in VARIANTS:
-        raise ValueError(f"mla_decode: variant {want!r} (COLIBRI_MLA_VARIANT) is not one of {VARIANTS}")
+        raise ValueError(f"mla_decode: variant {want!r} is not one of {VARIANTS}")
     if want == "wide" and wide_decline_reason(backend, cache_dtype) is not None:
         want = "mma"
     if want in MATRIX_VARIANTS and (R % 8 or rope % 8):
@@ -320,9 +315,9 @@ class _Static:
 
 
 def out_simdgroups(warps: Optional[int] = None) -> int:
-    """mla_out's SIMD groups: ``warps``, env COLIBRI_MLA_OUT_WARPS or OUT_WARPS (4, 8 or 16:
-    its tile weights take whole passes of MAX_TILES)."""
-    w = warps or int(dispatch.getenv("COLIBRI_MLA_OUT_WARPS", "0")) or OUT_WARPS
+    """mla_out's SIMD groups: ``warps`` or OUT_WARPS (4, 8 or 16: its tile weights take whole
+    passes of MAX_TILES)."""
+    w = warps or OUT_WARPS
     if w not in (4, 8, 16):
         raise ValueError(f"mla_out: {w} SIMD groups (4, 8 or 16)")
     return w
@@ -331,7 +326,7 @@ def out_simdgroups(warps: Optional[int] = None) -> int:
 def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT,
             qabs_parts_asked: Optional[int] = None, out_warps_asked: Optional[int] = None) -> _Static:
     mma = variant in MATRIX_VARIANTS
-    qabs_parts_asked = qabs_parts_asked or int(dispatch.getenv("COLIBRI_MLA_QABS_PARTS", "0")) or QABS_PARTS
+    qabs_parts_asked = qabs_parts_asked or QABS_PARTS
     out_nsg = out_simdgroups(out_warps_asked)
     key = (id(kv_b), B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, variant, HT, qabs_parts_asked,
            out_nsg)
@@ -365,7 +360,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
             if backend == dispatch.CUDA:
                 attn_shared = wide_shared_bytes(HT, attn_sg, R + rope)
             elif wide_threadgroup_bytes(HT, attn_sg, R + rope) > METAL_THREADGROUP_BYTES:
-                raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads per threadgroup (COLIBRI_MLA_HEADS) "
+                raise ValueError(f"mla_decode: mla_attn_wide with {HT} heads per threadgroup "
                                  f"needs {wide_threadgroup_bytes(HT, attn_sg, R + rope)} bytes of threadgroup "
                                  f"memory at {R + rope} values a row, Metal has {METAL_THREADGROUP_BYTES}")
     else:
@@ -406,8 +401,7 @@ def wide_threadgroup_bytes(HT: int, nsg: int, RW: int) -> int:
 
 
 def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int], backend: str) -> tuple[int, int]:
-    """(TT positions a tile, NT tiles) for P positions."""
-    tile = tile or int(dispatch.getenv("COLIBRI_MLA_TILE", "0"))
+    """(TT positions a tile, NT tiles) for P positions (``tile``: asked for, else the default)."""
     TT = tile or (mma_tile(P, head_blocks) if variant in MATRIX_VARIANTS else default_tile(P))
     if variant == "wide" and not tile:
         TT = _ceil_div(TT, WIDE_CHUNK[backend]) * WIDE_CHUNK[backend]   # whole chunks
@@ -416,23 +410,25 @@ def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int], backend:
 
 
 def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, length: int,
-                backend: Optional[str] = None, joint: bool = False) -> mx.array:
+                backend: Optional[str] = None, joint: bool = False, variant: Optional[str] = None,
+                tile: Optional[int] = None) -> mx.array:
     """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
     (``latent`` its whole buffer, ``[B, capacity, R]``, or with ``joint`` the whole joint buffer
     ``[B, capacity, R + rope]``; positions ``0..length-1`` attended, no mask, no list): the
     launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them while
     ``length`` grows and only this array changes per step. Made on the host, once per distinct
-    value (layers of one format share it)."""
+    value (layers of one format share it). ``variant`` / ``tile``: for launches made with them
+    (:func:`launch_specs`; default: its defaults)."""
     backend = backend or dispatch.backend()
     if backend == dispatch.REFERENCE:
         backend = dispatch.METAL                  # the reference reads only P (index 6)
     B, T, R = latent.shape
     R -= rope if joint else 0
     L = 1
-    variant = choose_variant(R, rope, None, backend, q_dtype, latent.dtype)
+    variant = choose_variant(R, rope, variant, backend, q_dtype, latent.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, None, variant))
-    TT, NT = _tiles(T, variant, st.Hp // st.HT, None, backend)
+    TT, NT = _tiles(T, variant, st.Hp // st.HT, tile, backend)
     return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
 
 
@@ -455,7 +451,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     in the array; made with the same ``joint``).
     ``q_rotation``: ``(inv_freq float32 [rope / 2], positions int32 [B * L])``: q_rope arrives
     unrotated and mla_qabs rotates it (half-split, as mx.fast.rope). ``qabs_parts``: mla_qabs'
-    threadgroups a head (default env COLIBRI_MLA_QABS_PARTS, else QABS_PARTS); ``out_warps``:
+    threadgroups a head (default QABS_PARTS); ``out_warps``:
     mla_out's SIMD groups (:func:`out_simdgroups`). ``q_proj``: ``(q_latent, q_b)`` of one decode
     row instead of q_nope / q_rope (None): mla_qb_qabs projects them itself (first launch);
     ``qb``: its setting (:func:`qb_setting`)."""
@@ -470,7 +466,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     joint = k_rope is None
     T, R = latent.shape[1], latent.shape[2] - (rope if joint else 0)
     BL = B * L
-    asked = variant or dispatch.getenv("COLIBRI_MLA_VARIANT")
+    asked = variant
     variant = choose_variant(R, rope, variant, backend, q_dtype, latent.dtype)
     if asked == "wide" and variant != "wide":
         dispatch.record_fallback("mla_attn_wide", wide_decline_reason(backend, latent.dtype) or f"R {R}, rope {rope}",
@@ -549,17 +545,16 @@ def planned_launches(run) -> list:
 
 
 def qb_setting(setting: Optional[str] = None, backend: str = dispatch.METAL) -> tuple[int, int]:
-    """mla_qb_qabs' (SIMD groups, q_b rows a SIMD group pass): ``setting`` or env
-    COLIBRI_MLA_QB as "NSG:QR", else the backend's QB_SETTINGS."""
-    text = setting or dispatch.getenv(QB_SETTING_VAR, "")
-    if not text:
+    """mla_qb_qabs' (SIMD groups, q_b rows a SIMD group pass): ``setting`` as "NSG:QR", else the
+    backend's QB_SETTINGS."""
+    if not setting:
         return QB_SETTINGS.get(backend, QB_SETTINGS[dispatch.METAL])
     try:
-        nsg, qr = (int(f) for f in text.split(":"))
+        nsg, qr = (int(f) for f in setting.split(":"))
     except ValueError:
-        raise ValueError(f"{QB_SETTING_VAR}={text!r}: expected SIMD groups:rows, e.g. 16:4") from None
+        raise ValueError(f"mla_qb_qabs setting {setting!r}: expected SIMD groups:rows, e.g. 16:4") from None
     if nsg not in (4, 8, 16, 32) or not 1 <= qr <= 32:
-        raise ValueError(f"{QB_SETTING_VAR}={text!r}: SIMD groups 4, 8, 16 or 32; rows 1-32")
+        raise ValueError(f"mla_qb_qabs setting {setting!r}: SIMD groups 4, 8, 16 or 32; rows 1-32")
     return nsg, qr
 
 
@@ -607,8 +602,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                q_proj: Optional[tuple] = None) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
-    the attention kernel (``mma`` / ``simt`` / ``wide``, default env COLIBRI_MLA_VARIANT or
-    :func:`choose_variant`'s);
+    the attention kernel (``mma`` / ``simt`` / ``wide``, default :func:`choose_variant`'s);
     ``k_rope`` None: ``latent`` is the joint cache ``[B, T, R + rope]`` (each row the latent,
     then the rope key: one buffer, one row written a decode step). ``params``
     (:func:`step_params`, made with the same layout): the cache is a fixed-capacity buffer of

@@ -330,12 +330,6 @@ def h_width(group: "ExpertGroup") -> int:
     return group.down.n_units * hp if hp else group.gate_up.O
 
 
-def _env_blocks(name: str) -> Optional[int]:
-    """A persistent grid's blocks from env ``name`` (0: one a row block), None when unset."""
-    value = dispatch.getenv(name, "")
-    return int(value) if value else None
-
-
 def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, prefetch: int,
                                n_blocks: int, backend: str) -> int:
     """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4, one-warp
@@ -381,14 +375,9 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
     # independent launches in one graph, which the GPU overlaps, had ranked PF 0 first.)
-    # env COLIBRI_MOE_PF (0 / 1) overrides; read before the cache key so a change is seen.
-    default = "1" if backend == dispatch.CUDA and S == 1 else "0"
-    pf = int(dispatch.getenv("COLIBRI_MOE_PF", default)) if prefetch is None else int(prefetch)
-    # PERS 1: each slot's blocks (grid.y = slot) loop over its row blocks on one slot table.
-    # env COLIBRI_MOE_GATE_UP_PERSISTENT = blocks a slot (0: one a row block) overrides the
-    # default, :func:`default_gate_up_persistent`.
-    if persistent is None:
-        persistent = _env_blocks("COLIBRI_MOE_GATE_UP_PERSISTENT")
+    pf = int(backend == dispatch.CUDA and S == 1) if prefetch is None else int(prefetch)
+    # PERS 1: each slot's blocks (grid.y = slot) loop over its row blocks on one slot table
+    # (default: :func:`default_gate_up_persistent`).
     key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
@@ -417,15 +406,10 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
                  res: int = 0, min_blocks=None, persistent=None, shape_in=None) -> _Static:
-    if persistent is None:
-        persistent = _env_blocks("COLIBRI_MOE_DOWN_PERSISTENT")
     # CUDA: the projection's shape compiled in (template KO, KRB, KNG, KNU; qgemv's large-shape
     # default does so): a work item's expert and unit without a runtime division, constant
-    # row offsets. H200, kernel alone, 8 experts of 2048 -> 7168 fmt 4: 28.8 us against 31.1
-    # (sixteenth session). Env COLIBRI_MOE_DOWN_SHAPE=0 turns it off.
-    if shape_in is None:
-        shape_in = dispatch.getenv("COLIBRI_MOE_DOWN_SHAPE", "1") == "1"
-    shape_in = bool(shape_in) and backend == dispatch.CUDA
+    # row offsets. H200, kernel alone, 8 experts of 2048 -> 7168 fmt 4: 28.8 us against 31.1.
+    shape_in = (True if shape_in is None else bool(shape_in)) and backend == dispatch.CUDA
     key = ("down", S, K, backend, rows, simdgroups, out_dtype, res, min_blocks, persistent, shape_in)
     hit = group.statics.get(key)
     if hit is not None:
@@ -442,8 +426,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # PERS 1: blocks loop over the row blocks, each building the slot table once, not once a row
     # block. CUDA's default where launch bounds say how many blocks an SM keeps: that many a
     # round, balanced (dispatch.balanced_blocks). H200, kernel alone, 8 experts of 2048 -> 7168
-    # fmt 4: 896 blocks 35.3 us, 924 35.5, 448 42.8, one a row block (1792) 38.0. env
-    # COLIBRI_MOE_DOWN_PERSISTENT = blocks (0: one a row block) overrides.
+    # fmt 4: 896 blocks 35.3 us, 924 35.5, 448 42.8, one a row block (1792) 38.0.
     n_blocks = -(-p.O // rows)
     if persistent is None:
         persistent = (dispatch.balanced_blocks(n_blocks, dispatch.CUDA_SMS * min_blocks)
@@ -472,8 +455,8 @@ def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
     in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
-    (0: one a row block; None: env COLIBRI_MOE_GATE_UP_PERSISTENT, else
-    :func:`default_gate_up_persistent`)."""
+    (0: one a row block; None: :func:`default_gate_up_persistent`). ``prefetch``: the PF 1 loop
+    (None: on CUDA for one token)."""
     st = _gate_up_static(group, x.shape[0], K, x.dtype, backend, rows, simdgroups, prefetch, persistent)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
@@ -488,9 +471,9 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
-    the row blocks (0: one a row block; None: env COLIBRI_MOE_DOWN_PERSISTENT, else on CUDA for
-    one token under launch bounds: the resident blocks, balanced). ``shape_in``: CUDA, the
-    projection's shape compiled in (None: env COLIBRI_MOE_DOWN_SHAPE)."""
+    the row blocks (0: one a row block; None: on CUDA for one token under launch bounds, the
+    resident blocks, balanced). ``shape_in``: CUDA, the projection's shape compiled in (None:
+    yes)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, int(residual is not None), min_blocks,
                       persistent, shape_in)
     p = group.down
