@@ -490,7 +490,11 @@ def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
     from .serve import SamplingDefaults, model_id_for, serve as run_server
 
-    model, tokenizer = _load_for_cli(model_path)
+    _check_load_options()
+    opened, tokenizer = _open_for_cli(model_path)
+    if tokenizer.chat_template:  # /v1/chat/completions would fail on every request: say so now
+        tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+    model = _build_for_cli(opened)
     defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p)
     try:

@@ -301,3 +301,35 @@ def test_cached_encoder_library_is_checked_before_loading(tmp_path, monkeypatch)
     assert not e8._trusted(str(so), str(record), key)
     e8._build_and_load()
     assert so.stat().st_mode & 0o777 == 0o700 and e8._trusted(str(so), str(record), key)
+
+
+# ------------------------------------------------------------------------ the error path
+
+
+def test_a_bug_is_one_line_unless_debugging(tiny, monkeypatch):
+    import colibri_mlx.tokenizer as tok
+
+    def broken(path):
+        raise TypeError("something internal broke")
+
+    monkeypatch.setattr(tok, "load_tokenizer", broken)
+    result = run("generate", "-m", tiny, "-p", "hi")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert last_line(result) == ("Error: internal error: TypeError: something internal broke (this is a bug in "
+                                 "colibri_mlx; COLIBRI_DEBUG=1 shows the traceback)")
+    monkeypatch.setenv("COLIBRI_DEBUG", "1")
+    result = run("generate", "-m", tiny, "-p", "hi")
+    assert isinstance(result.exception, TypeError)
+
+
+def test_a_small_expert_budget_is_noted_not_refused(tiny):
+    result = run("generate", "-m", tiny, "-p", "hi", "--max-tokens", "2", "--ram-gb", "0.000001")
+    assert result.exit_code == 0, result.output
+    assert "colibri: note: --ram-gb 1e-06 holds fewer experts than one layer uses per token" in result.stderr
+
+
+def test_bench_takes_any_seed(tiny):
+    result = run("bench", "-m", tiny, "--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1", "--seed", "-5")
+    assert result.exit_code == 0, result.output
+    result = run("bench", "-m", tiny, "--prompt-tokens", "60", "--gen-tokens", "8", "--repeat", "1")
+    assert result.exit_code == 1 and "68 exceeds the model's context limit of 64" in last_line(result)
