@@ -315,8 +315,7 @@ def test_wide_defects_still_plant(defect):
 def test_wide_planted_defect_is_caught(monkeypatch, defect):
     """The planted kernel's output differs from the clean kernel's and is outside the TF32
     model's budget (mla_oracle_tf32), which the clean kernel's is inside. (REL_TF32's worst-case
-    budget, a median 45x the output at these shapes, let all four through on the H200 in the
-    nineteenth session's runs 4, 7 and 12: docs/performance.md.)"""
+    budget, a median 45x the output at these shapes, let all four through on the H200.)"""
     from moe_mla_oracle import _f64, mla_oracle_tf32
 
     good, bad = WIDE_DEFECTS[defect]

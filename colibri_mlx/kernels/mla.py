@@ -68,7 +68,7 @@ MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)
 # mla_attn_wide's heads a block: 16 (4 warps, 86 KB of shared memory) lets two blocks share an
 # SM, whose barriers and softmax steps then overlap; H200, kernel alone at caches 4096 / 32768:
-# HT 16 21.8 / 93.4 us, HT 32 24.6 / 106.8 (eighteenth session).
+# HT 16 21.8 / 93.4 us, HT 32 24.6 / 106.8.
 WIDE_HEADS = 16
 # mla_attn_wide's k-parts a 16-head tile: the warps that split the scores' k values (and the
 # combine's latent columns), 128 threads of ~212 registers, two blocks an SM. 8 k-parts (256
@@ -100,8 +100,8 @@ QABS_PARTS = 4
 OUT_WARPS = 8
 # mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
 # its (SIMD groups, q_b rows a SIMD group pass), every unit of a pass loaded before any math;
-# DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone
-# (sixteenth session): 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
+# DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone:
+# 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
 # q_b's GEMV 12.4 + mla_qabs 6.8. Metal keeps 8 x 8: 16 SIMD groups' partial sums (32 KB)
 # would fill its threadgroup memory. q_b in fmt 1-5 (fmt 6 rotates its input first, a float
 # q_b has no units).

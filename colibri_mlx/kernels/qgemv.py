@@ -49,7 +49,7 @@ def default_prefetch(fmt: int, S: int, backend: str) -> int:
 # <= 128 registers) and balanced (dispatch.balanced_blocks: every block as many row blocks); a
 # GPU of another size still computes every row. Only up to a few waves of row blocks: at
 # 73728x7168 (8.7 waves) the looping grid was slower than one block a row block (88.9 against
-# 84.7 us). H200, kernel alone: docs/performance.md (ninth and tenth sessions).
+# 84.7 us). H200, kernel alone: docs/performance.md.
 CUDA_PERSISTENT_BLOCKS = dispatch.CUDA_SMS * 16
 CUDA_PERSISTENT_MAX_WAVES = 3
 # Rows a block of the persistent grid (6 instead of 4: more bytes in flight a warp). H200,
