@@ -186,7 +186,7 @@ SCHEMA: dict[str, Key] = {
     "v_head_dim": Key(Int(1, 1 << 16), True),
     "q_lora_rank": Key(Int(1, MAX_DIM)),
     "n_shared_experts": Key(Int(0, 1024)),
-    "routed_scaling_factor": Key(Num(0, lo_open=True)),
+    "routed_scaling_factor": Key(Num(0, 100, lo_open=True)),
     "n_group": Key(Int(1, MAX_EXPERTS)),
     "topk_group": Key(Int(1, MAX_EXPERTS)),
     "norm_topk_prob": Key(Bool()),
@@ -276,7 +276,7 @@ def _dense_layers(c: _Config) -> Optional[str]:
 
 def _per_layer(key: str, first: Optional[tuple] = None) -> Callable[[_Config], Optional[str]]:
     def rule(c: _Config) -> Optional[str]:
-        if not c.given(key):
+        if not c.given(key) or c["model_type"] not in SCHEMA[key].families:
             return None
         value, n = c[key], c["num_hidden_layers"]
         if len(value) != n:
@@ -403,6 +403,7 @@ def check_against_shards(config: Mapping, names, source: str, shards_dir: str) -
         raise ConfigError(f"{shards_dir}: tensors not used by this config.json: layer {_ranges(extra)} "
                           f"(model.layers.{extra[0]}.*) is past num_hidden_layers={n} in {source}; is "
                           f"num_hidden_layers {extra[-1] + 1}?")
+    _check_layer_kinds(config, set(names), n, source, shards_dir)
     E = config["n_routed_experts"]
     for i in sorted(experts):
         found = sorted(experts[i])
@@ -412,6 +413,55 @@ def check_against_shards(config: Mapping, names, source: str, shards_dir: str) -
         span = f"{len(found)}..{E - 1}" if len(found) < E else f"{E}..{len(found) - 1}"
         raise ConfigError(f"{shards_dir}: {what} {span} of layer {i}: the shards hold {len(found)} experts a layer, "
                           f"{source} has n_routed_experts={E}")
+
+
+def _check_layer_kinds(config: Mapping, names: set, n: int, source: str, shards_dir: str) -> None:
+    """Keys that choose which tensors a layer has, against what layer 0.. hold: the query
+    projection (q_lora_rank), biases (attention_bias), dense or MoE MLP (first_k_dense_replace /
+    mlp_layer_types), shared experts (n_shared_experts)."""
+    p0 = "model.layers.0.self_attn."
+    low_rank, full = p0 + "q_a_proj.weight" in names, p0 + "q_proj.weight" in names
+    if config.get("q_lora_rank") is None and low_rank and not full:
+        raise ConfigError(f"{source}: q_lora_rank is null (a full-rank q_proj), but the shards in {shards_dir} hold "
+                          "q_a_proj / q_b_proj (low-rank queries): set q_lora_rank to q_a_proj's rank")
+    if config.get("q_lora_rank") is not None and full and not low_rank:
+        raise ConfigError(f"{source}: q_lora_rank={config['q_lora_rank']} (low-rank queries), but the shards in "
+                          f"{shards_dir} hold a full-rank q_proj: set q_lora_rank to null")
+    bias = p0 + "kv_a_proj_with_mqa.bias"
+    if config.get("attention_bias") and low_rank | full and bias not in names:
+        raise ConfigError(f"{source}: attention_bias is true, but the shards in {shards_dir} hold no attention "
+                          f"biases ({bias}): set attention_bias to false")
+    if config.get("mlp_layer_types") is not None:
+        key, sparse = "mlp_layer_types", [t == "sparse" for t in config["mlp_layer_types"]]
+    else:
+        k = min(config.get("first_k_dense_replace") or 0, n)
+        key, sparse = "first_k_dense_replace", [i >= k for i in range(n)]
+    for i in range(n):
+        p = f"model.layers.{i}.mlp."
+        dense_held, moe_held = p + "gate_proj.weight" in names, p + "gate.weight" in names
+        if dense_held == moe_held or sparse[i] == moe_held:
+            continue
+        held, want = ("a dense MLP", "MoE") if dense_held else ("MoE experts", "dense")
+        raise ConfigError(f"{source}: {key}={_short(config.get(key))} makes layer {i} {want}, but the shards in "
+                          f"{shards_dir} hold {held} there")
+    shared = config.get("n_shared_experts")
+    shared = 1 if shared is None else shared  # ModelArgs' default
+    for i in range(n):
+        p = f"model.layers.{i}.mlp."
+        if p + "gate.weight" not in names:
+            continue
+        held = p + "shared_experts.gate_proj.weight" in names
+        if held != bool(shared):
+            raise ConfigError(f"{source}: n_shared_experts={shared}, but the shards in {shards_dir} hold "
+                              f"{'a' if held else 'no'} shared expert in layer {i}")
+        break
+
+
+def _short(value) -> str:
+    import json
+
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _ranges(ids: list[int]) -> str:
