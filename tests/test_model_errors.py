@@ -474,6 +474,21 @@ def test_fifo_in_the_model_directory_does_not_hang(model, case):
     assert time.monotonic() - t0 < 30
 
 
+def test_device_or_socket_named_as_a_shard(model):
+    import socket
+    import stat
+
+    try:
+        os.mknod(model / "out-00002.safetensors", 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero
+    except (PermissionError, OSError):
+        pytest.skip("mknod needs root")
+    assert_one_line_error(run("generate", "-m", model, "-p", "hi"), "out-00002.safetensors", "character device")
+    (model / "out-00002.safetensors").unlink()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(model / "x.safetensors"))
+        assert_one_line_error(run("generate", "-m", model, "-p", "hi"), "x.safetensors", "socket")
+
+
 # ------------------------------------------------------------------- valid, if unusual
 
 def _hub_snapshot(pristine: Path, root: Path) -> Path:
