@@ -204,12 +204,6 @@ def _note_small_budget(model) -> None:
                    "from disk on every token", err=True)
 
 
-def _load_for_cli(model_path):
-    _check_load_options()
-    opened, tokenizer = _open_for_cli(model_path)
-    return _build_for_cli(opened), tokenizer
-
-
 def _stats_line(last, max_tokens=None, context=None) -> str:
     from . import kernels
     from .generate import peak_rss_bytes
