@@ -71,19 +71,21 @@ def _check_config(config: Optional[dict], source: str) -> None:
 def _refuse_container(indir: str, shards: list[str]) -> None:
     """`--indir` pointing at one of our containers would be re-quantized (or refused tensor by
     tensor as 'U8 is not a supported weight encoding'): say what it is instead."""
-    from ..container import STAMP_KEY
+    from ..container import STAMP_KEY, ContainerError, read_shard_header
     from ..container.reader import UPSTREAM_STAMP_KEY
-    from .sources import SafetensorsShard
 
     marks = [n for n in (".out-progress.json", ".out-mtp-progress.json", ".out-idx-progress.json")
              if os.path.exists(os.path.join(indir, n))]
     for path in shards:
-        with SafetensorsShard(path) as shard:
-            meta = shard.header.metadata
-            if STAMP_KEY in meta or UPSTREAM_STAMP_KEY in meta or "colibri_mlx.convert" in meta or \
-                    any(n.endswith(".qs") for n in shard.tensors):
-                marks.append(os.path.basename(path))
-                break
+        try:
+            header = read_shard_header(path)  # the container's parser: U8 shapes are free there
+        except ContainerError:
+            continue  # a damaged shard: check_sources names it
+        meta = header.metadata
+        if STAMP_KEY in meta or UPSTREAM_STAMP_KEY in meta or "colibri_mlx.convert" in meta or \
+                any(n.endswith(".qs") for n in header.tensors):
+            marks.append(os.path.basename(path))
+            break
     if marks:
         raise ConvertError(f"--indir {indir} is already a colibri container ({marks[0]}); it needs no conversion: "
                            f"run it with `colibri generate -m {indir}` (--indir takes a Hugging Face checkpoint)")
