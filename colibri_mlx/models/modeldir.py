@@ -38,6 +38,8 @@ class ModelDir:
 def check_model_path(path) -> str:
     """``path`` as a string if it is a directory holding a config.json; else a clear error."""
     path = os.fspath(path)
+    if not path:
+        raise FileNotFoundError("the model directory path is empty (give the directory that holds config.json)")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: model directory does not exist")
     if not os.path.isdir(path):
