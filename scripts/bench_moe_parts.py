@@ -108,7 +108,9 @@ def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
     """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] ("-":
     moe.py's; MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks; PB: blocks a slot
     of a persistent grid)."""
-    rows, nw, unroll, nib, pf, minb, pb = parse(cfg, 7)
+    rows, nw, unroll, nib, pf, minb, pb, shape = parse(cfg, 8)
+    if shape:
+        raise ValueError("SHAPE: moe_gate_up reads its shape from params (moe_down alone compiles it in)")
     cuda_only(minb, impl)
     return [dispatch.with_min_blocks(with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw,
                                                                     prefetch=pf, persistent=pb),

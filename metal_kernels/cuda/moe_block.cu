@@ -369,8 +369,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   }
 // ==== kernel body: moe_down ====
   const uint8_t* wd8 = reinterpret_cast<const uint8_t*>(wd);   // uint8 or uint32 words
-  // KO, KRB, KNG, KNU > 0: the projection's shape compiled in (moe.py, env COLIBRI_MOE_DOWN_SHAPE):
-  // the work item's expert and unit by shifts and constant products instead of a division.
+  // KO, KRB, KNG, KNU > 0: the projection's shape compiled in (moe.py, down_spec's shape_in): the
+  // work item's expert and unit by shifts and constant products instead of a division.
   const int I = params[0];
   const int O = KO > 0 ? KO : params[1];
   const int rb = KRB > 0 ? KRB : params[2];
