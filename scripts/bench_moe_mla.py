@@ -5,7 +5,7 @@ group 64 weights (ours: container fmt 4 g64; mlx-lm: affine 4-bit g64, bf16).
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_moe_mla.py [--experts 64] [--iters 20]
 
-Method (PERF.md): a chain of 8 independent layers in one evaluation, median of --iters after a
+Method: a chain of 8 independent layers in one evaluation, median of --iters after a
 warm-up; time / 8 is the marginal cost of one layer. Weights are random bytes on the GPU. Each
 layer holds --experts routed experts (the routed bytes read per token do not depend on E; E=256
 does not fit 8 layers x 2 implementations in memory with the bank copy). Prints a table last

@@ -6,7 +6,7 @@ top 8, sigmoid + bias; routed experts fmt 4 g64, 8 of --experts per token, bf16 
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_moe_parts.py [--tokens 1 4]
 
-Method (PERF.md): a chain of 8 independent instances (each its own bank and router weight, so
+Method: a chain of 8 independent instances (each its own bank and router weight, so
 nothing is an L2 hit across instances) in one evaluation, median of --iters after a warm-up,
 time / 8. Launch inputs (h for moe_down, scores for router_topk) are evaluated beforehand, so a
 launch timed alone is that kernel plus its launch cost. "read" is what the launch must read

@@ -512,7 +512,7 @@ def _rotation_inputs(n: int) -> tuple:
 
 
 def hadamard_spec(x: mx.array, backend: str = dispatch.METAL) -> dispatch.LaunchSpec:
-    """fmt 6 rotation of the rows of ``x [N, n]`` (float32 out), FORMAT.md §3.6."""
+    """fmt 6 rotation of the rows of ``x [N, n]`` (float32 out), docs/format.md#rotation."""
     N, n = x.shape
     blocks, signs, maxb = _rotation_tables(n)
     header, bodies = read_kernel_sections("hadamard", backend)
@@ -659,7 +659,7 @@ def silu(x: mx.array) -> mx.array:
 
 
 def _rotated_for(x: mx.array, w) -> mx.array:
-    # fmt 6 stores W @ Q, so its input must be rotated by Q first (FORMAT.md §3.6).
+    # fmt 6 stores W @ Q, so its input must be rotated by Q first (docs/format.md#rotation).
     if isinstance(w, QTensor) and w.fmt == E8_FMT:
         from ..formats.e8 import rotate as rotate_mlx
 
