@@ -227,7 +227,7 @@ def test_policy_values(monkeypatch):
 
 
 def test_attention_block_step_equals_plain(containers, monkeypatch):
-    """Attention called alone (as scripts/bench_moe_mla.py times it): decode rows without a mask
+    """Attention called alone (as scripts/bench/bench_moe_mla.py times it): decode rows without a mask
     run as one compiled graph over the cache buffers, equal to the plain block."""
     from colibri_mlx.models.cache import LayerCache
     from colibri_mlx.models.loading import load_model
@@ -438,7 +438,7 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     from colibri_mlx.models.loading import load_model
 
     model = load_model(containers["dense"], dtype="float32")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
     from bench_build import stub_launch
 
     monkeypatch.setattr(dispatch, "launch", stub_launch(keep_inputs=True))

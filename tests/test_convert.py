@@ -692,7 +692,7 @@ def test_repo_index_that_is_not_an_object(checkpoints, tmp_path, monkeypatch):
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
 def test_repo_unreachable_gives_clear_message(tmp_path, env):
     full_env = {**os.environ, **env, "HF_HUB_ETAG_TIMEOUT": "2", "HF_HUB_DOWNLOAD_TIMEOUT": "2"}
-    proc = subprocess.run([sys.executable, "scripts/convert_hf.py", "--repo", "org/model", "--outdir",
+    proc = subprocess.run([sys.executable, "scripts/convert/convert_hf.py", "--repo", "org/model", "--outdir",
                            str(tmp_path / "out"), "--min-free-gb", "0"], cwd=REPO, env=full_env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1

@@ -1,7 +1,7 @@
 """Every CUDA twin compiles with NVRTC, MLX's own CUDA compiler, as MLX would compile it.
 
 The text is what dispatch hands ``mx.fast.cuda_kernel`` (pruned header, template constants) in
-the wrapper MLX writes around it (scripts/compile_cuda_twins.py), compiled for sm_90a with MLX's
+the wrapper MLX writes around it (scripts/kernels/compile_cuda_twins.py), compiled for sm_90a with MLX's
 NVRTC options, for the launches of every kernel family at its default settings (each fmt, S = 1
 and 8, bf16 / f16 / float32, the MLA variants and the router): here the fewest launches that
 compile every template setting once (:func:`covering`), every combination on the device (the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "kernels"))
 
 import compile_cuda_twins as cct  # noqa: E402
 
@@ -53,7 +53,7 @@ def covering(specs) -> list:
     """The fewest launches (greedy) that together hold every (kernel, template setting) pair of
     ``specs``: each branch a template value selects is compiled at least once, in ~60 compiles
     instead of the default matrix's ~170 (CPU minutes in CI). Every combination is compiled by
-    ``scripts/compile_cuda_twins.py`` (the device step ``cuda_twins``)."""
+    ``scripts/kernels/compile_cuda_twins.py`` (the device step ``cuda_twins``)."""
     def settings(spec):
         return {(spec.name, key, str(value)) for key, value in spec.template}
 
@@ -131,34 +131,3 @@ def test_launch_bounds_reach_ptxas(tmp_path):
     regs = {label: cct.ptxas_report(log)["regs"] for label, (ok, log) in results.items() if ok}
     assert set(regs) == {"unbounded", "bounded"}, results
     assert regs["bounded"] <= 65536 // (10 * 128) < regs["unbounded"], regs
-
-
-def test_probe_kernels_compile(tmp_path):
-    """The probes' kernels (scripts/probe_qgemv_mma.py, probe_moe_down_hsmem.py: device-only
-    experiments) still compile against today's kernel text: the ring reuses qgemv's header and the
-    shared-memory probe edits moe_down's body, so a change there shows here, not on the GPU."""
-    import dataclasses
-
-    import mlx.core as mx
-    import numpy as np
-
-    import bench_moe_parts
-    import probe_moe_down_hsmem as pm
-    import probe_qgemv_mma as pq
-    from colibri_mlx.formats import QTensor, weight_nbytes
-    from colibri_mlx.kernels import dispatch, moe
-
-    O, I = 256, 1024
-    qt = QTensor(mx.zeros((weight_nbytes(2, O, I, None),), mx.uint8), mx.ones((O,)), 2, O, I, None, "probe")
-    x = mx.zeros((1, I), mx.bfloat16)
-    experts = [tuple(bench_moe_parts.rand_q4(o, i, f"e{e}.{p}") for p, (o, i) in
-                     (("gate", (128, 512)), ("up", (128, 512)), ("down", (512, 128)))) for e in range(2)]
-    group = moe.resident_bank(experts).groups[0]
-    h = mx.zeros((2, moe.h_width(group)))
-    down = moe.down_spec(h, group, mx.array(np.arange(2)[None].astype(np.int32)), mx.ones((1, 2)), 1, 2,
-                         dispatch.CUDA, rows=4, simdgroups=8, out_dtype=mx.bfloat16, min_blocks=0, persistent=64)
-    specs = [("probe_mma", pq.mma_spec(x, qt, 1, 2, 1)), ("probe_ring", pq.ring_spec(x, qt, 6, 4, 64, 1)),
-             ("probe_hsmem", dataclasses.replace(down, source=pm.staged_body(down.source)))]
-    results = _compile_all(specs, tmp_path)
-    failed = {label: log[-2000:] for label, (ok, log) in results.items() if not ok}
-    assert not failed, failed

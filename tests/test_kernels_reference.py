@@ -369,7 +369,7 @@ def test_kernel_objects_found_by_identity_then_by_content(monkeypatch):
 
 @pytest.mark.parametrize("setting, empty", [("1", True), ("0", False), (None, False)])
 def test_empty_kernels_knob_returns_at_the_first_line(monkeypatch, setting, empty):
-    # COLIBRI_EMPTY_KERNELS=1 (gpu_session.sh host_floor): the body MLX gets starts with a
+    # COLIBRI_EMPTY_KERNELS=1 (scripts/device/steps.sh host_floor): the body MLX gets starts with a
     # return and is otherwise the launch's own text; unset or 0, the text is untouched.
     made = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or object())

@@ -25,26 +25,26 @@ def run_script(*args, timeout=300):
 
 
 def test_bench_e2e_rows():
-    out = run_script("scripts/bench_e2e.py", "--tiny", "--steps", "2", "--quick", "--experts", "16", "--vocab", "4096")
+    out = run_script("scripts/bench/bench_e2e.py", "--tiny", "--steps", "2", "--quick", "--experts", "16", "--vocab", "4096")
     for row in ("ours (kernels on)", "ours (earlier step ops: slice_update)", "ours (kernels on, again: drift)",
                 "mlx-lm 0.32.2", "mlx-lm/ours ="):
         assert row in out, out
 
 
 def test_bench_moe_rows():
-    out = run_script("scripts/bench_moe_mla.py", "--tiny", "--only", "moe", "--iters", "1")
+    out = run_script("scripts/bench/bench_moe_mla.py", "--tiny", "--only", "moe", "--iters", "1")
     for row in ("moe_routed ", "moe_routed_compiled", "moe_block"):
         assert row in out, out
 
 
 def test_bench_mla_rows():
-    out = run_script("scripts/bench_moe_mla.py", "--tiny", "--only", "mla", "--iters", "1", "--cache", "16")
+    out = run_script("scripts/bench/bench_moe_mla.py", "--tiny", "--only", "mla", "--iters", "1", "--cache", "16")
     for row in ("mla_T16 ", "mla_T16_compiled"):
         assert row in out, out
 
 
 def test_bench_long_context_rows():
-    out = run_script("scripts/bench_long_context.py", "--tiny", "--context", "40", "--steps", "2", "--experts", "16",
+    out = run_script("scripts/bench/bench_long_context.py", "--tiny", "--context", "40", "--steps", "2", "--experts", "16",
                      "--vocab", "4096")
     for row in ("      40       ours, in place", "      40        ours, scatter", "      40               mlx-lm",
                 "buffer moved"):
@@ -52,32 +52,24 @@ def test_bench_long_context_rows():
 
 
 def test_bench_build_reports_the_step_graph():
-    out = run_script("scripts/bench_build.py", "--tiny", "--steps", "5")
+    out = run_script("scripts/bench/bench_build.py", "--tiny", "--steps", "5")
     assert "decode step build (launches stubbed)" in out and "whole layer (one compiled graph)" in out, out
 
 
 @pytest.mark.skipif(dispatch.gpu_backend() is not None,
-                    reason="on a GPU the script profiles for real (gpu_session.sh kernel_times)")
+                    reason="on a GPU the script profiles for real (scripts/device/steps.sh kernel_times)")
 def test_profile_kernels_without_gpu():
-    out = run_script("scripts/profile_kernels.py", "--cupti", "--down=8:-:-:-")
+    out = run_script("scripts/bench/profile_kernels.py", "--cupti", "--down=8:-:-:-")
     assert "no GPU backend" in out, out
 
 
-@pytest.mark.skipif(dispatch.gpu_backend() is not None, reason="on a GPU the probes measure for real")
-@pytest.mark.parametrize("probe", ["probe_qgemv_mma.py", "probe_moe_down_hsmem.py"])
-def test_probes_without_cuda(probe):
-    out = run_script(f"scripts/{probe}", "--help")
-    assert "usage" in out, out
-    assert "CUDA only" in run_script(f"scripts/{probe}"), probe
-
-
 def test_profile_step_without_gpu():
-    out = run_script("scripts/profile_step.py", "--tiny", "--steps", "2")
+    out = run_script("scripts/bench/profile_step.py", "--tiny", "--steps", "2")
     assert "needs the CUDA backend" in out, out
 
 
 def test_profile_step_accounts_a_step(capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import profile_step
 
     # two steps of 100 us; in the second, kernels at 20-50 and 40-60 overlap, then 80-90

@@ -2,7 +2,7 @@
 
 Runs upstream's `c/tools/convert_fp8_to_int4.py` (from a checkout named by the environment
 variable COLIBRI_UPSTREAM_DIR; never part of this repository) and ours on the same tiny BF16
-and FP8 checkpoints (scripts/crosscheck_upstream_converter.py) and requires the same shard
+and FP8 checkpoints (scripts/convert/crosscheck_upstream_converter.py) and requires the same shard
 names, tensor names, dtypes, shapes and bytes. Skipped when COLIBRI_UPSTREAM_DIR is unset.
 
 The comparison itself is tested without upstream: a one-byte change, a renamed tensor and a
@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "crosscheck_upstream_converter.py")
+_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "convert", "crosscheck_upstream_converter.py")
 _spec = importlib.util.spec_from_file_location("crosscheck_upstream_converter", _SCRIPT)
 cc = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = cc  # dataclasses look their module up while the class is built

@@ -1,4 +1,4 @@
-"""`convert()`: the one entry point behind `colibri convert` and scripts/convert_hf.py."""
+"""`convert()`: the one entry point behind `colibri convert` and scripts/convert/convert_hf.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Named option mixes (`--recipe`) and the resolution of options into a BitPlan.
 
 Precedence: an option given on the command line > the recipe > upstream's default.
-Measured size and error of each recipe: docs/convert.md (scripts/measure_recipes.py).
+Measured size and error of each recipe: docs/convert.md (scripts/convert/measure_recipes.py).
 """
 
 from __future__ import annotations

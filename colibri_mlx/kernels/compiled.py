@@ -87,7 +87,7 @@ class CompiledBlock:
     counters itself (:meth:`_trace`); a replay adds them again. Which trace MLX replays depends
     on the inputs' shapes and dtypes, but reading them (two nanobind properties an input) was
     most of the 50 µs this wrapper added to a 24-input call on the H200's host, against 39 µs
-    for MLX's whole compiled call (scripts/probe_build.py), so they are read only while a mode's
+    for MLX's whole compiled call (cProfile of a compiled chain), so they are read only while a mode's
     traces counted different things. Not thread-safe (a call's trace is
     reported through the block): callers serialize decoding, as `colibri serve` does."""
 

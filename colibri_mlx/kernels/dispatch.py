@@ -299,7 +299,7 @@ EMPTY_BODY_LINE = "return;  // COLIBRI_EMPTY_KERNELS=1\n"
 def empty_kernels() -> bool:
     """COLIBRI_EMPTY_KERNELS=1, read once a process: every kernel returns at its first line.
 
-    For measuring host cost only (`bash scripts/gpu_session.sh host_floor`): the launches,
+    For measuring host cost only (`bash scripts/device/steps.sh host_floor`): the launches,
     their text (hashed by MLX on every evaluation), arguments and graph stay as they are, so a
     timed call costs everything but the GPU's work. Outputs are garbage, hence the warning."""
     on = getenv(EMPTY_KERNELS_VAR, "0") == "1"

@@ -13,7 +13,7 @@ alias) is kept when any identifier it defines appears in the body or in a kept i
 unused overload of a used name stays (harmless) and nothing used can go. Preprocessor lines,
 namespace braces and items whose name cannot be read are always kept. A dropped item that was
 needed would be a compile error, never a wrong answer; the MSL simulator and
-``scripts/compile_cuda_twins.py`` compile this same text.
+``scripts/kernels/compile_cuda_twins.py`` compile this same text.
 """
 
 from __future__ import annotations

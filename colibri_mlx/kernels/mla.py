@@ -62,7 +62,7 @@ MATRIX_VARIANTS = ("mma", "wide")   # q' rows padded to whole head blocks, mma t
 # more SIMD groups; bounded by threadgroup memory on Metal (32 KiB: HT 32 takes 27 KiB) and on
 # CUDA by registers (ptxas, sm_90a: ~225-250 a thread with q' held in registers, so HT 16 = 2
 # blocks of 4 warps an SM, HT 32 = 1 block of 8 warps; HT 64 would not launch). Measured on the
-# H200 (scripts/bench_mla_parts.py, bf16, 128 heads): HT 32 with 128-512-position tiles is the
+# H200 (scripts/bench/bench_mla_parts.py, bf16, 128 heads): HT 32 with 128-512-position tiles is the
 # fastest at caches 4096 and 32768 (attention 98 / 408 us vs HT 16 117 / 542 us).
 MMA_HEADS = {dispatch.METAL: 32, dispatch.CUDA: 32}
 MMA_HEAD_CHOICES = (16, 32, 64)

@@ -372,7 +372,7 @@ class _Static:
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
                     prefetch=None, persistent=None) -> _Static:
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
-    # On by default on CUDA for one token: on the H200 (scripts/profile_kernels.py, kernel time
+    # On by default on CUDA for one token: on the H200 (scripts/bench/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
     # independent launches in one graph, which the GPU overlaps, had ranked PF 0 first.)
     pf = int(backend == dispatch.CUDA and S == 1) if prefetch is None else int(prefetch)

@@ -3,7 +3,7 @@
 // dot products shared by qgemv, moe_block and mla_decode. The Python side prepends this file
 // to each kernel's own header (dispatch.decode_header). MLX compiles with NVRTC and
 // --device-as-default-execution-space; helpers still say __device__ so nvcc accepts them
-// (scripts/compile_cuda_twins.py).
+// (scripts/kernels/compile_cuda_twins.py).
 
 namespace colibri_qd {
 

@@ -3,7 +3,7 @@
 heads per threadgroup and tile, at DeepSeek-V3 shapes (128 heads, latent 512, rope 64, kv_b fmt 4
 g64, bf16 queries and cache on GPUs).
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_mla_parts.py [--cache 4096 32768]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_mla_parts.py [--cache 4096 32768]
 
 Method: a chain of 8 independent instances (each its own cache, so nothing is an L2
 hit across instances) in one evaluation, median of --iters after a warm-up, time / 8. Launch
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402

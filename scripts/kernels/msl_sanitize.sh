@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The Metal kernels' simulator tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
-#   scripts/msl_sanitize.sh            # a subset: every kernel source, its main test (~3 min)
-#   scripts/msl_sanitize.sh --all      # every simulator test (pytest -m msl; ~45 min on 2 cores)
-#   scripts/msl_sanitize.sh -k moe     # other arguments go to pytest
+#   scripts/kernels/msl_sanitize.sh            # a subset: every kernel source, its main test (~3 min)
+#   scripts/kernels/msl_sanitize.sh --all      # every simulator test (pytest -m msl; ~12 min on 2 cores, warm)
+#   scripts/kernels/msl_sanitize.sh -k moe     # other arguments go to pytest
 #
 # The compiler is $COLIBRI_MSL_CLANG, else clang++-19 when installed (its UBSan checks more,
 # calls through a pointer of the wrong function type among them), else the simulator's default.

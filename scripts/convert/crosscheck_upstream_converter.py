@@ -14,7 +14,7 @@ The checkpoints are built to hit the edges: input dims that are odd, not a multi
 rows whose quantized values are exact .5 ties (np.rint rounds to even), an indexer, an MTP
 layer and a source shard holding nothing but MTP tensors (it must produce no output shard).
 
-    python scripts/crosscheck_upstream_converter.py --upstream /path/to/convert_fp8_to_int4.py
+    python scripts/convert/crosscheck_upstream_converter.py --upstream /path/to/convert_fp8_to_int4.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Python graph-building cost of one decode step on the GPU path, measured on any machine.
 
-    python3 scripts/bench_build.py [--steps 300] [--tiny] [--layers 4 --experts 16 --vocab 4096]
+    python3 scripts/bench/bench_build.py [--steps 300] [--tiny] [--layers 4 --experts 16 --vocab 4096]
 
 End-to-end decode on the H200 is host-bound (bench_e2e.py: the pipelined loop, which overlaps
 building step n+1 with the GPU running step n, is barely faster than the synchronized one), so
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 from colibri_mlx.kernels import dispatch  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Evaluate the demo checkpoint with transformers on CPU: held-out perplexity and samples.
 
-    python scripts/eval_demo.py --model .demo-data/hf --data .demo-data
+    python scripts/demo/eval_demo.py --model .demo-data/hf --data .demo-data
 
 Perplexity is the token-mean cross entropy over non-overlapping ``--seq``-token
 windows of heldout.npy (the last 2% of the KJV, 2 Peter 3 to Revelation 22),
@@ -10,7 +10,7 @@ exactly as train_demo.py measures it, computed with the weights in ``--dtype``.
 ``--colibri DIR`` instead measures a colibri container (or checkpoint) through
 colibri_mlx on MLX, e.g. the quantized demo container::
 
-    python scripts/eval_demo.py --colibri /tmp/demo_e8 --data .demo-data
+    python scripts/demo/eval_demo.py --colibri /tmp/demo_e8 --data .demo-data
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ each timed alone, per launch setting, and the whole router_topk / moe_block call
 DeepSeek-V3 shapes (hidden 7168, moe_inter 2048, 256 router experts, n_group 8, topk_group 4,
 top 8, sigmoid + bias; routed experts fmt 4 g64, 8 of --experts per token, bf16 x).
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_moe_parts.py [--tokens 1 4]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_moe_parts.py [--tokens 1 4]
 
 Method: a chain of 8 independent instances (each its own bank and router weight, so
 nothing is an L2 hit across instances) in one evaluation, median of --iters after a warm-up,
@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time the qgemv CUDA twin against mx.quantized_matmul (affine 4-bit, g64) on the same shapes.
 
-    PYTHONPATH=/root/site:$PWD python3 scripts/bench_qgemv.py [--json out.json]
+    PYTHONPATH=/root/site:$PWD python3 scripts/bench/bench_qgemv.py [--json out.json]
 
 Method: S = 1, bf16 x; each timed evaluation runs N independent GEMVs that
 cycle through enough weight copies to exceed the 60 MB L2 several times, so weights come from
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colibri_mlx.formats import QTensor, scale_nbytes, weight_nbytes  # noqa: E402

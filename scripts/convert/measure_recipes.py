@@ -8,7 +8,7 @@ random matrix of that class's real shape (Student-t, 5 degrees of freedom: heavi
 Gaussian, like trained weights), measured on a row sample (every format is per row, so the
 error of a row sample estimates the whole matrix; fmt 6 is slow in numpy).
 
-    python scripts/measure_recipes.py [--config config.json] [--rows 256] [--e8-rows 32]
+    python scripts/convert/measure_recipes.py [--config config.json] [--rows 256] [--e8-rows 32]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from colibri_mlx.container import expected_shapes  # noqa: E402
 from colibri_mlx.convert.classify import classify  # noqa: E402

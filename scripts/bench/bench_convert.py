@@ -6,7 +6,7 @@ Each case writes a one-shard checkpoint of routed-expert matrices of DeepSeek-V3
 `convert()` of it (dequantize, encode, error statistics, write). fmt 6 uses fewer rows: the
 numpy E8 encoder is ~1000x slower than the integer formats.
 
-    python scripts/bench_convert.py [--jobs 2] [--experts 4]
+    python scripts/bench/bench_convert.py [--jobs 2] [--experts 4]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from colibri_mlx.convert import convert  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a synchronized decode step's time goes on the GPU: the bench_e2e model, ours and mlx-lm.
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/profile_step.py [--steps 8]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/profile_step.py [--steps 8]
 
 Each step (built, evaluated, synchronized, as bench_e2e.py times it) runs inside a
 ``torch.profiler.record_function`` range; CUPTI records every kernel MLX launches (ours and
@@ -30,9 +30,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 from bench_timing import analyze  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Train the bundled demo model: a small DeepSeek-V3 (MLA + group-routed MoE) on the KJV.
 
-Input is what scripts/prepare_demo_corpus.py wrote (uint16 token ids in
+Input is what scripts/demo/prepare_demo_corpus.py wrote (uint16 token ids in
 ``--data``). The model is ``transformers.DeepseekV3ForCausalLM`` with the
 config in ``demo_config()``; the result is saved with ``save_pretrained`` in
 bf16 (the router's ``e_score_correction_bias`` stays float32).
@@ -16,7 +16,7 @@ held-out test slice (heldout.npy) is only reported.
 
 Runs on CUDA (the H200, through the device tool) or, for a smoke test, on CPU::
 
-    python scripts/train_demo.py --data .demo-data --out /tmp/run --max-steps 20 --tiny
+    python scripts/demo/train_demo.py --data .demo-data --out /tmp/run --max-steps 20 --tiny
 """
 
 from __future__ import annotations

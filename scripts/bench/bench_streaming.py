@@ -18,7 +18,7 @@ root; otherwise the file must be larger than RAM) and the store runs with ``drop
 (``posix_fadvise(DONTNEED)`` after each read) so that a re-read comes from the disk, not from
 the kernel's cache. The container is deleted at the end unless ``--keep``.
 
-    python scripts/bench_streaming.py --dir /work/bench_stream --tokens 24
+    python scripts/bench/bench_streaming.py --dir /work/bench_stream --tokens 24
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from colibri_mlx.container import Container, write_shard  # noqa: E402
 from colibri_mlx.experts import ExpertStore, UsageHistory, write_usage  # noqa: E402

@@ -3,7 +3,7 @@
 experts top-8, group-limited routing), ours (container fmt 4 g64 weights, kernels on) against
 mlx-lm 0.32.2 (affine 4-bit g64, bf16), same process.
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_e2e.py [--layers 4] [--steps 32]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_e2e.py [--layers 4] [--steps 32]
 
 ms/token = median over --steps greedy decode steps after a 16-token prompt (each step evaluated
 and synchronized), after one unrecorded pass of as many steps for each model (warm-up). Floor = bytes a token must read (every resident weight used + 8 experts per
@@ -24,9 +24,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe_mla as B  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402

@@ -3,7 +3,7 @@
 that wrote it before, on bench_e2e's model (4 layers, DeepSeek-V3-shaped), and mlx-lm 0.32.2
 on the same model in the same process.
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_long_context.py [--context 4096 32768]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_long_context.py [--context 4096 32768]
 
 Why: MLX keeps a submitted step's inputs alive until it has run and donates a buffer to an op only
 when nothing else holds it, so with the scatter the next step's write can take the cache's buffer
@@ -31,9 +31,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402

@@ -2,7 +2,7 @@
 """Compile the CUDA twins here, inside the wrapper MLX's cuda_kernel generates, with MLX's own
 compiler (NVRTC, from the pip wheels nvidia-cuda-nvrtc / -runtime / -cccl) or nvcc.
 
-    .venv/bin/python scripts/compile_cuda_twins.py [--all] [--ptxas] [--keep DIR] [--compiler nvcc]
+    .venv/bin/python scripts/kernels/compile_cuda_twins.py [--all] [--ptxas] [--keep DIR] [--compiler nvcc]
 
 No GPU needed: this catches syntax and type errors (and, with --ptxas, register use and
 spills per specialization) before a GPU run; tests/test_cuda_twins_compile.py runs it in CI.
@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

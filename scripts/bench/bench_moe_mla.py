@@ -3,7 +3,7 @@
 shapes (DeepSeek-V3: hidden 7168, moe_inter 2048, 128 heads, q_lora 1536, kv_lora 512), 4-bit
 group 64 weights (ours: container fmt 4 g64; mlx-lm: affine 4-bit g64, bf16).
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench_moe_mla.py [--experts 64] [--iters 20]
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_moe_mla.py [--experts 64] [--iters 20]
 
 Method: a chain of 8 independent layers in one evaluation, median of --iters after a
 warm-up; time / 8 is the marginal cost of one layer. Weights are random bytes on the GPU. Each
@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402

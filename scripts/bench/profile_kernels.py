@@ -4,9 +4,9 @@ DeepSeek-V3 shapes: moe_gate_up / moe_down (8 of --experts routed experts, fmt 4
 the three mla_decode launches (128 heads, kv_b fmt 4 g64, bf16 cache of --cache rows) and qgemv
 (fmt 4 g64, 7168x2048 and 2048x7168) for comparison.
 
-    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/profile_kernels.py --cupti
+    PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/profile_kernels.py --cupti
     ncu --clock-control none --nvtx --nvtx-include "profiled/" --set full \\
-        python3 scripts/profile_kernels.py --once
+        python3 scripts/bench/profile_kernels.py --once
 
 Method: --cupti records every GPU kernel of --iters rounds with PyTorch's profiler (CUPTI
 activity records: the kernel's start and end on the GPU, whatever library launched it) and
@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402
@@ -286,9 +286,10 @@ def main():
     ap.add_argument("--cache", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=[""], help="substrings: keep the launches whose label has one")
-    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB[:PB[:SHAPE]]] (MINB: CUDA launch bounds, blocks an SM; "
-                    "PB: blocks a slot of a persistent grid; SHAPE 1: the shape compiled in), comma-separated")
-    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB[:SHAPE]]]] (PB: blocks of a persistent grid; SHAPE 1: the shape compiled in), comma-separated")
+    ap.add_argument("--gate-up", default="", help="more moe_gate_up settings ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] (MINB: CUDA launch bounds, blocks an SM; "
+                    "PB: blocks a slot of a persistent grid), comma-separated")
+    ap.add_argument("--down", default="", help="more moe_down settings ROWS:NW:UNROLL:NIB[:-[:MINB[:PB[:SHAPE]]]] (PF is '-': moe_down has "
+                    "no prefetch loop; PB: blocks of a persistent grid; SHAPE 1: the shape compiled in), comma-separated")
     ap.add_argument("--qgemv", default="", help="more qgemv 18432x7168 settings ROWS:NW:UNROLL:NIB:PF[:PB[:MINB[:SHAPE]]] (PB: blocks of a "
                     "persistent grid, 0: one a row block; MINB: CUDA launch bounds, blocks an SM; SHAPE 1: the shape "
                     "compiled in), comma-separated")

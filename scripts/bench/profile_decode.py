@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the host time of one decode step goes (the bench_e2e model, ours only).
 
-    python3 scripts/profile_decode.py [--layers 4] [--experts 256] [--steps 16] [--tiny]
+    python3 scripts/bench/profile_decode.py [--layers 4] [--experts 256] [--steps 16] [--tiny]
 
 Per step, median over ``--steps`` synchronized steps: the Python graph building (``model(...)``
 returning), the evaluation (``mx.eval`` + synchronize: MLX's per-primitive host work and the GPU
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 import bench_moe_mla as B  # noqa: E402

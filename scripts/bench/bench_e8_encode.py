@@ -1,6 +1,6 @@
 """Time fmt 6 encoding (rotation + lattice search) of one 2048 x 6144 expert matrix.
 
-    .venv/bin/python scripts/bench_e8_encode.py [--rows 2048] [--cols 6144] [--repeats 5]
+    .venv/bin/python scripts/bench/bench_e8_encode.py [--rows 2048] [--cols 6144] [--repeats 5]
                                                 [--numpy-repeats 1]
 
 Reports the compiled core ("c", first call in the process and the median of the rest) and the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run every CUDA twin on the GPU against the pure-MLX reference and a float64 numpy oracle.
 
-    PYTHONPATH=/root/site:$PWD python3 scripts/check_kernels_gpu.py [--quick] [--jobs 8]
+    PYTHONPATH=/root/site:$PWD python3 scripts/device/check_kernels_gpu.py [--quick] [--jobs 8]
 
 Prints PASS/FAIL per kernel, fmt, shape, S and dtype, then a summary; exits 1 on any failure.
 Outputs are NaN-poisoned (init_value) before every launch, so an unwritten element fails.
@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
