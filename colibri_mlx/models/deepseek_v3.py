@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -30,7 +30,9 @@ from .. import kernels
 from ..formats.qtensor import QTensor
 from . import mla_reference, moe_reference
 from .cache import LatentCache
+from .projections import kv_a_rows, query_rows
 from .rope import apply_rope, make_rope, rope_parameters, softmax_scale
+from .weights import ACTIVATION_DTYPES, FLOAT_DTYPES, WeightTable, resolve_dtype  # noqa: F401 (loading's names)
 
 # model_type -> family handled here; aliases map onto it (Kimi-K2 is DeepSeek-V3 with other sizes).
 MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "deepseek_v32": "deepseek_v32",
@@ -47,24 +49,6 @@ INDEXER_NORM_EPS = 1e-6
 # The cache stream of MLA layers: each row the normalized latent, then the roped key (one
 # buffer: a decode step writes one row, and mla_decode reads both from it).
 CACHE_STREAM = "kv"
-
-ACTIVATION_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-FLOAT_DTYPES = tuple(ACTIVATION_DTYPES.values())
-
-
-def resolve_dtype(dtype=None) -> mx.Dtype:
-    """The activation dtype: ``None``/"auto" is float32 on the CPU backend (MLX's CPU half
-    precision ops are several times slower than float32) and bfloat16 on a GPU (Metal or CUDA:
-    half the bytes for activations and the latent cache, as mlx-lm)."""
-    if dtype is None or dtype == "auto":
-        return mx.float32 if mx.default_device().type == mx.cpu else mx.bfloat16
-    if isinstance(dtype, mx.Dtype) and dtype in FLOAT_DTYPES:
-        return dtype
-    if isinstance(dtype, str) and dtype in ACTIVATION_DTYPES:
-        return ACTIVATION_DTYPES[dtype]
-    raise ValueError(f"unsupported activation dtype {dtype!r}; expected 'auto' or one of "
-                     f"{sorted(ACTIVATION_DTYPES)}")
-
 
 # ----------------------------------------------------------------------------------- config
 
@@ -182,62 +166,6 @@ def _indexer_types(config: Mapping[str, Any], family: str) -> list:
         raise ValueError(f"config.json: indexer_types must be {n} entries of 'full'/'shared' starting with "
                          f"'full', got {types}")
     return list(types)
-
-
-# ------------------------------------------------------------------------- weights by name
-
-
-class WeightTable:
-    """Tensors by checkpoint name, fetched on demand with the shape config.json implies.
-
-    ``fetch(name, shape)`` returns a float ``mx.array`` or a QTensor. Every take is checked
-    against the expected shape, and :meth:`check_all_used` refuses tensors nothing asked for.
-    Float arrays are handed out in ``dtype`` (the model's activation dtype, set by
-    :class:`Model`) unless the caller asks for another; QTensors as stored.
-    """
-
-    IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-    def __init__(self, names: Iterable[str], fetch: Callable[[str, tuple], Any], source: str):
-        self.names = set(names)
-        self.fetch = fetch
-        self.source = source
-        self.used: set[str] = set()
-        self.dtype = mx.float32
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def take(self, name: str, shape: tuple, dtype: mx.Dtype | None = None) -> Any:
-        if name not in self.names:
-            raise ValueError(f"{self.source}: missing tensor {name!r} (expected shape {tuple(shape)})")
-        value = self.fetch(name, tuple(shape))
-        got = tuple(value.shape)
-        if got != tuple(shape):
-            raise ValueError(f"{self.source}: tensor {name!r} has shape {got}, config.json implies {tuple(shape)}")
-        self.used.add(name)
-        return _cast_float(value, dtype or self.dtype)
-
-    def maybe(self, name: str, shape: tuple, dtype: mx.Dtype | None = None) -> Any:
-        return self.take(name, shape, dtype) if name in self.names else None
-
-    def has_prefix(self, prefix: str) -> bool:
-        return any(n.startswith(prefix) for n in self.names)
-
-    def check_all_used(self) -> None:
-        extra = sorted(n for n in self.names - self.used if not self.IGNORED.search(n))
-        if extra:
-            more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
-            raise ValueError(f"{self.source}: tensors not used by this config.json: {extra[:8]}{more}; "
-                             "was the checkpoint built for another config?")
-
-
-def _cast_float(value, dtype: mx.Dtype):
-    if not isinstance(value, mx.array) or value.dtype not in FLOAT_DTYPES or value.dtype == dtype:
-        return value
-    value = value.astype(dtype)
-    mx.eval(value)  # now, so the wider source array is freed tensor by tensor during load
-    return value
 
 
 def _dense_attention_fallback(args: ModelArgs, weights: WeightTable) -> str | None:
@@ -374,13 +302,14 @@ class Attention:
         kv_a_out = args.kv_lora_rank + args.qk_rope_head_dim
         kv_a = w.take(prefix + "kv_a_proj_with_mqa.weight", (kv_a_out, D))
         kv_a_bias = w.take(prefix + "kv_a_proj_with_mqa.bias", (kv_a_out,)) if bias else None
-        # Rows reordered once (_query_rows, _kv_a_rows): q comes out as every head's nope part
-        # then every head's rope part, the rope dims de-interleaved (half-split rotation).
+        # Rows reordered once for the kernels (models/projections.py): q comes out as every
+        # head's nope part then every head's rope part, the rope dims de-interleaved.
+        q_order = query_rows(H, args.qk_head_dim, self.nope, self.rope_dim, args.rope_interleave)
         if args.q_lora_rank is None:
-            q_x = kernels.take_rows(q_x, self._query_rows())
+            q_x = kernels.take_rows(q_x, q_order)
         else:
-            self.q_b_proj = kernels.take_rows(self.q_b_proj, self._query_rows())
-        kv_order = self._kv_a_rows()
+            self.q_b_proj = kernels.take_rows(self.q_b_proj, q_order)
+        kv_order = kv_a_rows(self.kv_lora_rank, self.rope_dim, args.rope_interleave)
         kv_a = kernels.take_rows(kv_a, kv_order)
         kv_a_bias = None if kv_a_bias is None else kv_a_bias[mx.array(kv_order)]
         self.rope = make_rope(args.rope, self.rope_dim, args.max_position_embeddings, interleaved=False)
@@ -429,26 +358,6 @@ class Attention:
             return (self.q_x, self.kv_a)[i]
         rows = (0, self.q_x_rows, self.x_proj.shape[0])
         return kernels.rows_of(self.x_proj, rows[i], rows[i + 1])
-
-    def _rope_order(self) -> np.ndarray:
-        """The rope dims as the half-split rotation wants them: DeepSeek's interleaved pairs
-        ``(2j, 2j+1)`` become ``(j, j + dim/2)``, which is the layout transformers writes out
-        (``apply_rotary_pos_emb_interleave``), so caches and dot products are unchanged."""
-        r = np.arange(self.rope_dim)
-        return np.concatenate([r[0::2], r[1::2]]) if self.args.rope_interleave else r
-
-    def _query_rows(self) -> np.ndarray:
-        """q rows: head-major ``[h][nope | rope]`` -> ``[every head's nope][every head's rope]``,
-        so each part is one contiguous slice of q."""
-        H, hd = self.n_heads, self.args.qk_head_dim
-        heads = np.arange(H)[:, None] * hd
-        nope = (heads + np.arange(self.nope)).reshape(-1)
-        rope = (heads + self.nope + self._rope_order()).reshape(-1)
-        return np.concatenate([nope, rope])
-
-    def _kv_a_rows(self) -> np.ndarray:
-        R = self.kv_lora_rank
-        return np.concatenate([np.arange(R), R + self._rope_order()])
 
     def project_x(self, x, B, L):
         """x ``[B*L, D]`` -> q or q_a output ``[B*L, *]``, latent (before its norm) and rope key
