@@ -391,6 +391,7 @@ def test_moe_planted_defect_is_caught(metal, monkeypatch, defect):
 # mla_decode
 
 from colibri_mlx.kernels import mla  # noqa: E402
+from colibri_mlx.kernels.rows import rows_spec  # noqa: E402
 from moe_mla_oracle import REL, assert_mla_close, assert_rows_close, rope_of, rotated_f64, rows_case, weight_f64  # noqa: E402
 
 
@@ -1006,7 +1007,7 @@ def test_mla_rows_planted_defect_is_caught(defect):
     y, qa_norm, kv_norm = rows_case(1536, 512, 64, mx.float32, BL=2, seed=9)
     rope = rope_of(64)
     positions = mx.array([3, 901], dtype=mx.int32)
-    spec = mla.rows_spec(y, 1536, qa_norm, kv_norm, 0.5, rope.inv_freq, positions, dispatch.METAL)
+    spec = rows_spec(y, 1536, qa_norm, kv_norm, 0.5, rope.inv_freq, positions, dispatch.METAL)
     helper = spec.header[spec.header.index("inline void mla_norm_rope_row("):]
     helper = helper[:helper.index("\n}\n")]
     assert spec.source.count(good) + helper.count(good) == 1, f"defect '{defect}' no longer plants"

@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from ..formats.qtensor import QTensor
 from . import compiled, dispatch, qgemv as _qgemv, reference, router
-from .mla import mla_decode, mla_rows
+from .mla import mla_decode
+from .rows import mla_rows
 from .moe import moe_block
 from .dispatch import (
     CUDA,

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import dispatch, mla, moe, qgemv  # noqa: E402
+from colibri_mlx.kernels.rows import rows_spec  # noqa: E402
 import bench_mla_parts  # noqa: E402
 import bench_moe_parts  # noqa: E402
 
@@ -131,7 +132,7 @@ def rows_launches(impl, act):
     mx.eval(ys, qn, kn, inv, host_pos, gpu_pos)
     nbytes = (QL + R + ROPE) * act.size * 2
     return [(f"mla_rows ({where} position)", nbytes,
-             [mla.rows_spec(y, QL, qn, kn, 1e-6, inv, pos, impl) for y in ys])
+             [rows_spec(y, QL, qn, kn, 1e-6, inv, pos, impl) for y in ys])
             for where, pos in (("host", host_pos), ("gpu", gpu_pos))], [ys, qn, kn, inv]
 
 

@@ -117,6 +117,7 @@ def mla_specs(full: bool):
     without a DSA index list (the launches mla.launch_specs builds), the simt variant's
     mla_attn, and mla_rows in each activation dtype."""
     from colibri_mlx.kernels import mla
+    from colibri_mlx.kernels.rows import rows_spec
 
     rng = np.random.default_rng(0)
     H, nope, v, R, rope, T = 8, 128, 128, 512, 64, 300
@@ -170,10 +171,10 @@ def mla_specs(full: bool):
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
-        yield (f"mla_rows_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
+        yield (f"mla_rows_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
                                                   mx.ones((rope // 2,), mx.float32), mx.array(5, dtype=mx.int32),
                                                   dispatch.CUDA))
-        yield (f"mla_rows_into_{dtype}", mla.rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
+        yield (f"mla_rows_into_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
                                                        mx.ones((rope // 2,), mx.float32), mx.array(5, dtype=mx.int32),
                                                        dispatch.CUDA, cache=mx.zeros((1, 16, R + rope), dtype)))
 
