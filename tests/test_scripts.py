@@ -1,5 +1,5 @@
 """The GPU benchmark and profiling scripts still run: each one's CPU smoke mode (tiny shapes or
-no GPU) end to end in a subprocess, as a device session would start it. The numbers are not
+no GPU) end to end in a subprocess, as a device call would start it. The numbers are not
 checked (CPU timings of tiny shapes mean nothing); the rows each script promises are."""
 
 from __future__ import annotations

@@ -133,14 +133,13 @@ def plain_graphs():
 
 @contextlib.contextmanager
 def earlier_step_ops():
-    """The decode step's small ops as they were before the seventh session, for an A/B in one
-    run: the cache row written by ``mx.slice_update`` at the slot (two launches, not one
-    scatter); q_a's and the latent's norms and the rope key as three ops and a concat (not
-    mla_rows), the norms on their strided slices (which MLX's rms_norm copies first); the
-    residual adds as ops of their own (not in o_proj's / the MLP's last kernel); q's rope as an
-    op of its own (not in mla_qabs); q_b's GEMV a launch of its own (not in mla_qb_qabs); bf16 logits cast to float32 (not written as float32). (Then
-    the latent and the rope key were two buffers, written by two slice_updates: this emulation
-    writes one joint row.)"""
+    """The decode step's small ops unfused, for an A/B in one run (what the fused ops save):
+    the cache row written by ``mx.slice_update`` at the slot (two launches, not one scatter);
+    q_a's and the latent's norms and the rope key as three ops and a concat (not mla_rows), the
+    norms on their strided slices (which MLX's rms_norm copies first); the residual adds as ops
+    of their own (not in o_proj's / the MLP's last kernel); q's rope as an op of its own (not in
+    mla_qabs); q_b's GEMV a launch of its own (not in mla_qb_qabs); bf16 logits cast to float32
+    (not written as float32)."""
     from colibri_mlx.models import deepseek_v3 as model_file
 
     def rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset, cache=None):   # the row comes back: the caller writes it
