@@ -78,16 +78,19 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
                             repetition_penalty, seed, cache)
 
 
-_ARGS_DOC = """    Args:
-        model, tokenizer: what ``colibri_mlx.load(path)`` returns.
+# The arguments of generate / stream_generate, here and in colibri_mlx.generate alike.
+ARGS_DOC = """    Args:
+        model: the model of ``colibri_mlx.load(path)``.
+        tokenizer: its tokenizer (the second value ``load`` returns).
         prompt: a ``str``, encoded as is: the tokenizer adds its own special tokens (a leading
             BOS), the chat template is NOT applied (as mlx-lm's ``generate``; the ``colibri
             generate`` command applies it by default). For a chat model, pass
             ``tokenizer.encode_chat([{"role": "user", "content": text}])``. Or a list of token
             ids, fed as they are.
         max_tokens: most tokens to generate (>= 1). Generation also ends at an end-of-sequence
-            token and at the model's context limit (``model.max_length``, config.json's
-            ``max_position_embeddings``).
+            token (``finish_reason == "stop"``) and at the model's context limit,
+            ``model.max_length`` (``max_position_embeddings``; ``finish_reason == "length"`` with
+            fewer than ``max_tokens`` tokens).
         temperature: 0 (default) is greedy; > 0 samples from the temperature-scaled softmax.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability reaches it; 1 = off.
         top_k: keep the k most likely tokens; 0 = off.
@@ -100,9 +103,8 @@ _ARGS_DOC = """    Args:
 
     Raises:
         ValueError: a bad sampling value (the message names it), an empty prompt, a prompt
-            longer than the context limit, or a token id outside the model's vocabulary
-            (stream_generate: when iteration starts).
+            longer than the context limit, or a token id outside the model's vocabulary.
 """
 if generate.__doc__ and stream_generate.__doc__:  # python -OO drops docstrings
-    generate.__doc__ = generate.__doc__.rstrip() + "\n\n" + _ARGS_DOC
-    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n\n" + _ARGS_DOC
+    generate.__doc__ = generate.__doc__.rstrip() + "\n\n" + ARGS_DOC
+    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n\n" + ARGS_DOC

@@ -25,6 +25,8 @@ SEED_MODULUS = 1 << 64  # mx.random.key takes 64 bits; larger and negative seeds
 
 import mlx.core as mx
 
+from . import ARGS_DOC
+
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
@@ -257,33 +259,6 @@ def _stop_ids(model, tokenizer) -> set[int]:
     return set(getattr(tokenizer, "eos_token_ids", ())) | set(model.args.eos_token_id)
 
 
-STREAM_GENERATE_DOC = """
-    Args:
-        model: the model of ``colibri_mlx.load(path)``.
-        tokenizer: its tokenizer (the second value ``load`` returns).
-        prompt: a ``str``, encoded as is: the tokenizer adds its own special tokens (a leading
-            BOS), the chat template is NOT applied (as mlx-lm's ``generate``; the ``colibri
-            generate`` command applies it by default). For a chat model, pass
-            ``tokenizer.encode_chat([{"role": "user", "content": text}])``. Or a list of token
-            ids, fed as they are.
-        max_tokens: most tokens to generate (>= 1). Generation also ends at an end-of-sequence
-            token (``finish_reason == "stop"``) and at the model's context limit,
-            ``model.max_length`` (``max_position_embeddings``; ``finish_reason == "length"`` with
-            fewer than ``max_tokens`` tokens).
-        temperature: 0 (default) is greedy; > 0 samples from the temperature-scaled softmax.
-        top_p: nucleus sampling, keep the smallest set of tokens whose probability reaches it; 1 = off.
-        top_k: keep the k most likely tokens; 0 = off.
-        min_p: drop tokens less likely than this fraction of the most likely one; 0 = off.
-        repetition_penalty: > 1 makes tokens already in the prompt or the reply less likely; 1 = off.
-        seed: makes sampling reproducible; any integer (reduced modulo 2**64). None: a fresh
-            seed per call. Greedy decoding ignores it.
-        cache: ``model.make_cache()`` to continue a conversation over several calls: ``prompt``
-            is then only the new tokens (the cache holds the earlier ones).
-
-    Raises:
-        ValueError: a bad sampling value (the message names it), an empty prompt, a prompt
-            longer than the context limit, or a token id outside the model's vocabulary.
-"""
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
@@ -334,8 +309,8 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: in
 
 
 if stream_generate.__doc__ and generate.__doc__:  # python -OO drops docstrings
-    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n" + STREAM_GENERATE_DOC
-    generate.__doc__ = generate.__doc__.rstrip() + "\n" + STREAM_GENERATE_DOC
+    stream_generate.__doc__ = stream_generate.__doc__.rstrip() + "\n\n" + ARGS_DOC
+    generate.__doc__ = generate.__doc__.rstrip() + "\n\n" + ARGS_DOC
 
 
 class _CallableModule(types.ModuleType):
