@@ -260,18 +260,18 @@ def test_demo_model_with_e8_experts_in_bfloat16():
 def test_cli_dtype_option(checkpoints, monkeypatch):
     from click.testing import CliRunner
 
-    import colibri_mlx.models as models
+    import colibri_mlx.models.loading as loading
     from colibri_mlx.cli import main
 
     seen = []
-    real_load_model = models.load_model
+    real_build_model = loading.build_model
 
-    def spy(path, **options):
-        model = real_load_model(path, **options)
+    def spy(opened, **options):
+        model = real_build_model(opened, **options)
         seen.append(model.dtype)
         return model
 
-    monkeypatch.setattr(models, "load_model", spy)
+    monkeypatch.setattr(loading, "build_model", spy)
     _, path, _ = checkpoints["v3_lora_g1"]
     for flag, dtype in ((["--dtype", "float16"], mx.float16), ([], mx.float32)):
         result = CliRunner().invoke(main, ["generate", "-m", path, "-p", "hi", "--max-tokens", "2", *flag])
