@@ -134,7 +134,11 @@ def read_json_object(path: str, root: str | None = None, what: str = "this file"
     except ContainerError as e:
         raise error(str(e)) from None
     try:
-        value = json.loads(text)  # NaN / Infinity parse: the schema names the key that holds one
+        # NaN / Infinity parse: the schema names the key that holds one
+        value = json.loads(text, object_pairs_hook=_refuse_conflicting_duplicates)
+    except _DuplicateKey as e:
+        raise error(f"{path}: key {e.key!r} is given twice, as {_short_json(e.first)} and then "
+                    f"{_short_json(e.second)}; keep the one that is meant") from None
     except json.JSONDecodeError as e:
         empty = " (the file is empty)" if not text.strip() else ""
         raise error(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}{empty}") from None
@@ -143,6 +147,34 @@ def read_json_object(path: str, root: str | None = None, what: str = "this file"
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object {{...}} at the top, got {_json_type(value)}")
     return value
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key, first, second):
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _refuse_conflicting_duplicates(pairs) -> dict:
+    """A JSON object; a key given twice with different values is refused (json keeps the last one
+    silently: a hand edit that appended ``"hidden_size": 128`` would win without a word). The
+    same key with the same value twice is harmless and passes."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj and obj[key] != value:
+            raise _DuplicateKey(key, obj[key], value)
+        obj[key] = value
+    return obj
+
+
+def _short_json(value) -> str:
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _json_type(value) -> str:

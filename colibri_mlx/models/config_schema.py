@@ -203,6 +203,7 @@ SCHEMA: dict[str, Key] = {
     "tie_word_embeddings": Key(Bool()),
     "num_nextn_predict_layers": Key(Int(0, 64)),
     "eos_token_id": Key(TokenIds()),
+    "bos_token_id": Key(TokenIds()),
     "scoring_func": Key(Choice(("sigmoid",))),
     "topk_method": Key(Choice(("noaux_tc",))),
     "hidden_act": Key(Choice(("silu",))),
@@ -289,6 +290,25 @@ def _per_layer(key: str, first: Optional[tuple] = None) -> Callable[[_Config], O
     return rule
 
 
+def _token_ids_in_vocab(c: _Config) -> Optional[str]:
+    V = c["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id"):
+        value = c[key]
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            if i >= V:
+                return (f"{key}={_short(value)} is outside the vocabulary: vocab_size={V} (token ids run 0.."
+                        f"{V - 1})")
+    return None
+
+
+def _moe_layer_freq(c: _Config) -> Optional[str]:
+    # ModelArgs makes every layer from first_k_dense_replace on MoE; shapes.py would skip layers.
+    if c.given("moe_layer_freq") and c["moe_layer_freq"] != 1 and not c.given("mlp_layer_types"):
+        return (f"moe_layer_freq={c['moe_layer_freq']}: this engine makes every layer from first_k_dense_replace on "
+                "MoE (moe_layer_freq 1); give mlp_layer_types (\"dense\" / \"sparse\", one per layer) to mix them")
+    return None
+
+
 def _rope_dims(c: _Config) -> Optional[str]:
     if c["qk_rope_head_dim"] % 2:
         return f"qk_rope_head_dim={c['qk_rope_head_dim']} must be even (RoPE rotates pairs of dimensions)"
@@ -311,7 +331,37 @@ def _dsa(c: _Config) -> Optional[str]:
 RULES: list[Callable[[_Config], Optional[str]]] = [
     _experts_per_token, _groups, _dense_layers, _per_layer("mlp_layer_types"),
     _per_layer("indexer_types", ("full",)), _per_layer("index_topk_pattern", ("F", "full")), _rope_dims, _dsa,
+    _token_ids_in_vocab, _moe_layer_freq,
 ]
+
+# model_type -> the architectures (lower case, no "_") its checkpoints name; an entry must start
+# with one of them. Kimi-K2 ships as DeepseekV3ForCausalLM.
+ARCHITECTURES = {
+    "deepseek_v3": ("deepseekv3for", "kimi"),
+    "kimi_k2": ("deepseekv3for", "kimi"),
+    "deepseek_v32": ("deepseekv32",),
+    "glm_moe_dsa": ("glmmoedsa",),
+}
+
+
+def _check_architectures(config: Mapping, source: str) -> None:
+    """``architectures`` (optional) is a list of class names, one of them of ``model_type``'s family:
+    a config.json whose two fields disagree was edited by hand, or belongs to another model."""
+    value = config.get("architectures")
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        bad = next((a for a in value if not isinstance(a, str)), None) if isinstance(value, list) else None
+        what = f"entry {_show(bad)}" if isinstance(value, list) else _show(value)
+        raise ConfigError(f"{source}: architectures: got {what}; expected a list of class names, e.g. "
+                          '["DeepseekV3ForCausalLM"]')
+    model_type = config["model_type"]
+    wanted = ARCHITECTURES[model_type]
+    if value and not any(a.replace("_", "").lower().startswith(wanted) for a in value):
+        example = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                   "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[model_type]
+        raise ConfigError(f"{source}: architectures {_short(value)} does not match model_type {model_type!r} "
+                          f"(expected {example}): one of the two is wrong, or config.json is another model's")
 
 
 def _rope_source(config: Mapping) -> tuple[str, dict]:
@@ -329,6 +379,10 @@ def _check_rope(config: Mapping) -> Optional[tuple[str, str]]:
             problem = rule.problem(params[key])
             if problem:
                 return f"{where}.{key}", problem
+    if params.get("rope_type") is not None and params.get("type") is not None and \
+            params["rope_type"] != params["type"]:
+        return f"{where}.rope_type", (f"{params['rope_type']!r} disagrees with {where}.type {params['type']!r} "
+                                      "(the same setting twice; keep one)")
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type in YARN_TYPES:
         for key in ("factor", "original_max_position_embeddings"):
@@ -355,6 +409,7 @@ def validate_config(config: Any, source: str = "config.json") -> None:
             problem = spec.rule.problem(config[key])
             if problem:
                 raise ConfigError(f"{source}: {key}: {problem}")
+    _check_architectures(config, source)
     rope = _check_rope(config)
     if rope is not None:
         raise ConfigError(f"{source}: {rope[0]}: {rope[1]}")
