@@ -42,12 +42,19 @@ class _Main(click.Group):
 
 
 class _Finite(click.FloatRange):
-    """A float flag that refuses nan and inf (``--temp nan`` would sample garbage)."""
+    """A float flag that refuses nan and inf (``--temp nan`` would sample garbage), and values
+    over ``most`` (a typo's size: ``--ram-gb 1e300``)."""
+
+    def __init__(self, *args, most: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.most = most
 
     def convert(self, value, param, ctx):
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
             self.fail(f"{rv} is not a finite number", param, ctx)
+        if self.most is not None and rv > self.most:
+            self.fail(f"{rv:g} is more than {self.most:g} (a typo?)", param, ctx)
         return rv
 
 
@@ -62,19 +69,41 @@ def main():
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
-    """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read."""
+    """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
+
+    config.json is checked against the model's schema first, and the tokenizer files when the
+    directory has any: a model directory that `generate` would refuse is refused here too."""
     import json
 
     from .container import ContainerError
-    from .container.inspect import format_table, inspect_container, report_json
+    from .container.inspect import format_table, inspect_container, report_json, verdict_error
 
+    _check_model_files(directory)
     try:
         report = inspect_container(directory)
     except ContainerError as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
     if not report.ok:
-        raise SystemExit(1)
+        raise click.ClickException(verdict_error(report))
+
+
+def _check_model_files(directory) -> None:
+    """For inspect: config.json (when there is one) against the schema, and the tokenizer files
+    (when there are any; a bare container has none) as generate loads them."""
+    import os
+
+    from .models.modeldir import CONFIG_FILE, read_config
+    from .tokenizer import load_tokenizer
+
+    config = read_config(directory) if os.path.lexists(os.path.join(directory, CONFIG_FILE)) else None
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+    if any(os.path.lexists(os.path.join(directory, n)) for n in names):
+        tokenizer = load_tokenizer(directory)
+        if config is not None:
+            tokenizer.check_vocab(config["vocab_size"], os.path.join(directory, CONFIG_FILE))
+        if tokenizer.chat_template:  # compiled by load_tokenizer; a render error shows only when it runs
+            tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
 
 
 # --- generate / chat -----------------------------------------------------------------------
@@ -110,14 +139,17 @@ def _remember(ctx, param, value):
     return value
 
 
+# A memory budget past this (a petabyte) is a typo (1e300 would overflow the byte count).
+MAX_GB = 1e6
+
 # Expert streaming (docs/streaming.md): collected into ctx.meta, passed to load().
 _STREAMING_OPTIONS = [
-    click.option("--ram-gb", "ram_gb", type=_Finite(min=0), default=None, expose_value=False,
+    click.option("--ram-gb", "ram_gb", type=_Finite(min=0, most=MAX_GB), default=None, expose_value=False,
                  callback=_remember, help="Stream routed experts from disk with this many GB of expert cache "
                                           "(resident weights come on top). Default: all experts resident."),
     click.option("--pin", "pin", default=None, expose_value=False, callback=_remember,
                  help="Pin the hottest experts: 'auto' (the model's .coli_usage) or a .coli_usage file."),
-    click.option("--pin-gb", "pin_gb", type=_Finite(min=0), default=None, expose_value=False,
+    click.option("--pin-gb", "pin_gb", type=_Finite(min=0, most=MAX_GB), default=None, expose_value=False,
                  callback=_remember, help="Pin budget inside --ram-gb (default: half of it)."),
     click.option("--expert-top-p", "expert_top_p", type=_Finite(0, 1, min_open=True), default=None,
                  expose_value=False, callback=_remember,
@@ -174,7 +206,9 @@ def _open_for_cli(model_path):
         click.echo(f"colibri: no -m given, using the bundled demo model ({DEMO_MODEL_DIR})", err=True)
         model_path = DEMO_MODEL_DIR
     opened = open_model_dir(model_path)
-    return opened, load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path)
+    tokenizer.check_vocab(opened.config["vocab_size"], opened.config_path)
+    return opened, tokenizer
 
 
 def _build_for_cli(opened):
@@ -241,13 +275,31 @@ def _check_sampling(temperature, top_p, top_k, min_p) -> None:
         raise click.UsageError(message) from None
 
 
-def _check_prompt_ids(ids, opened) -> None:
+def _context(opened) -> int:
+    return opened.config.get("max_position_embeddings") or 4096
+
+
+def _encode_prompt(tokenizer, opened, text: str, add_special_tokens: bool = True, template=None) -> list:
+    """``text``'s token ids, checked against config.json (a text far past the context is refused
+    from a prefix, without encoding all of it)."""
+    ids, complete = tokenizer.encode_bounded(text, _context(opened), add_special_tokens)
+    _check_prompt_ids(ids, opened, complete, template)
+    return ids
+
+
+def _encode_chat(tokenizer, opened, messages) -> list:
+    # The template writes the special tokens itself (as Tokenizer.encode_chat).
+    return _encode_prompt(tokenizer, opened, tokenizer.apply_chat_template(messages), add_special_tokens=False,
+                          template=tokenizer.chat_template_source)
+
+
+def _check_prompt_ids(ids, opened, complete: bool = True, template=None) -> None:
     """The encoded prompt against config.json, before the weights load."""
     import os
 
     if not ids:
         raise click.ClickException("the prompt encodes to no tokens (give some text)")
-    vocab, context = opened.config["vocab_size"], opened.config.get("max_position_embeddings") or 4096
+    vocab, context = opened.config["vocab_size"], _context(opened)
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise click.ClickException(
@@ -255,8 +307,11 @@ def _check_prompt_ids(ids, opened) -> None:
             f"the model's vocabulary (vocab_size={vocab} in {opened.config_path}): the tokenizer does not belong "
             "to this model")
     if len(ids) > context:
-        raise click.ClickException(f"the prompt is {len(ids)} tokens, more than the model's context limit of "
-                                   f"{context} (max_position_embeddings in {opened.config_path})")
+        # A template that inflates a short prompt is named: the fix may be there.
+        rendered = f" as the chat template of {template} renders it" if template else ""
+        raise click.ClickException(f"the prompt is {'' if complete else 'over '}{len(ids)} tokens{rendered}, more "
+                                   f"than the model's context limit of {context} (max_position_embeddings in "
+                                   f"{opened.config_path})")
 
 
 def _utf8_text(text: str, what: str) -> str:
@@ -310,18 +365,17 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
         system = _utf8_text(system, "the system message")
     opened, tokenizer = _open_for_cli(model_path)
     if no_chat_template:
-        ids = tokenizer.encode(prompt)
+        ids = _encode_prompt(tokenizer, opened, prompt)
     elif not tokenizer.chat_template:
         if system is not None:
             raise click.UsageError(f"--system needs a chat template, and the model has none "
                                    f"({tokenizer.chat_template_source} has no chat_template)")
         click.echo(f"colibri: note: {opened.path} has no chat template: generating from the plain prompt "
                    "(as --no-chat-template)", err=True)
-        ids = tokenizer.encode(prompt)
+        ids = _encode_prompt(tokenizer, opened, prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        ids = tokenizer.encode_chat(messages)
-    _check_prompt_ids(ids, opened)
+        ids = _encode_chat(tokenizer, opened, messages)
     model = _build_for_cli(opened)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _, _, last = _stream_reply(model, tokenizer, ids, opts)
@@ -352,10 +406,11 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         tokenizer.chat_template, tokenizer.chat_template_source = PLAIN_CHAT_TEMPLATE, "colibri's plain-text chat"
     # The template renders now, not at the first message after minutes of loading.
     probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello"}]
-    _check_prompt_ids(tokenizer.encode_chat(probe), opened)
+    _encode_chat(tokenizer, opened, probe)
     model = _build_for_cli(opened)
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     session = _ChatSession(model, tokenizer, system)
+    from .container import ContainerError
     # A strict decoder would fail on a bad byte and drop the rest of its buffer (the next lines):
     # keep the bytes as surrogates instead, and refuse that one line (_utf8_text).
     if isinstance(sys.stdin, io.TextIOWrapper):
@@ -380,6 +435,8 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         except click.ClickException as e:  # a bad line: say so and read the next one
             click.echo(f"Error: {e.format_message()}", err=True)
             continue
+        except ContainerError:  # a damaged shard (a streamed expert): no next line can fix it
+            raise
         except ValueError as e:  # e.g. past the context limit: the conversation so far stays
             click.echo(f"Error: {e} (/reset starts over)", err=True)
             continue
@@ -456,8 +513,10 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
     from .bench import format_table, report_json, run_bench
 
     _check_load_options()
-    opened, _ = _open_for_cli(model_path)
-    context = opened.config.get("max_position_embeddings") or 4096
+    opened, tokenizer = _open_for_cli(model_path)
+    if tokenizer.chat_template:  # bench feeds random ids, but a template that cannot render is a broken model
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+    context = _context(opened)
     if prompt_tokens + gen_tokens > context:
         raise click.ClickException(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} = "
                                    f"{prompt_tokens + gen_tokens} exceeds the model's context limit of {context} "

@@ -40,8 +40,10 @@ class Tokenizer:
     """
 
     def __init__(self, backend, config: dict, chat_template: str | None, extra_eos: Iterable[int] = (),
-                 chat_template_source: str = "the chat template", source: str = "tokenizer.json"):
+                 chat_template_source: str = "the chat template", source: str = "tokenizer.json",
+                 eos_sources: dict | None = None):
         self.backend = backend
+        self.eos_sources = dict(eos_sources or {})  # end-of-sequence id -> the file that names it
         self.source = source
         self.config = config
         self.chat_template = chat_template
@@ -57,12 +59,35 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def check_vocab(self, vocab_size: int, config_file: str = "config.json") -> None:
+        """TokenizerError unless every token id of tokenizer.json and every end-of-sequence id is
+        below the model's ``vocab_size`` (an id past it has no embedding and no logit)."""
+        top = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise TokenizerError(f"{self.source}: has token id {top}, outside the model's vocabulary (vocab_size="
+                                 f"{vocab_size} in {config_file}): the tokenizer does not belong to this model")
+        for i in sorted(self.eos_token_ids):
+            if i >= vocab_size:
+                raise TokenizerError(f"{self.eos_sources.get(i, self.source)}: eos_token_id {i} is outside the model's "
+                                     f"vocabulary (vocab_size={vocab_size} in {config_file})")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:  # the Rust side's errors (a WordLevel model without its unknown token, ...)
             raise TokenizerError(f"{self.source}: cannot encode the text: {' '.join(str(e).split())[:200]}") \
                 from None
+
+    def encode_bounded(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        """``(ids, complete)``: ``encode(text)``, or, for a text far longer than ``limit`` tokens can
+        hold, the ids of a prefix that already encodes to more than ``limit`` (``complete`` False):
+        a 10 MB prompt for a 4096-token context is refused in milliseconds, not encoded for a minute."""
+        prefix_chars = 64 * (limit + 64)
+        if len(text) > 2 * prefix_chars:
+            ids = self.encode(text[:prefix_chars], add_special_tokens)
+            if len(ids) > limit + 16:  # the margin: the cut may split the prefix's last word differently
+                return ids, False
+        return self.encode(text, add_special_tokens), True
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         try:
@@ -78,10 +103,17 @@ class Tokenizer:
         template = _compile_template(self.chat_template, self.chat_template_source)
         extra = {k: v for k, v in self.config.items() if k.endswith("_token") and k not in ("bos_token", "eos_token")
                  and isinstance(v, str)}
-        _render_state.left = RENDER_BUDGET
+        _render_state.left, _render_state.iterations = RENDER_BUDGET, RENDER_ITERATIONS
+        _render_state.max_chars = RENDER_BUDGET + 2 * _content_chars(messages)
         try:
-            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            parts, size = [], 0
+            for part in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra):
+                parts.append(part)
+                size += len(part)
+                _check_size(size, "text")
+                _iterate(1)  # an output chunk costs as much as a loop iteration
+            text = "".join(parts)
         except TokenizerError:
             raise
         except RecursionError:
@@ -89,8 +121,9 @@ class Tokenizer:
         except Exception as e:  # jinja2's UndefinedError, SecurityError, TypeError from a filter, ...
             raise TokenizerError(f"{self.chat_template_source}: the chat template failed to render: "
                                  f"{_template_error(e)}") from None
-        if not isinstance(text, str):
-            raise TokenizerError(f"{self.chat_template_source}: the chat template rendered no text")
+        if not isinstance(text, str) or (not text and any(_content_chars([m]) for m in messages)):
+            raise TokenizerError(f"{self.chat_template_source}: the chat template rendered no text for a "
+                                 "conversation with text (it drops the messages)")
         return text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -134,8 +167,23 @@ class StreamingDetokenizer:
         return delta
 
 
-RENDER_BUDGET = 10_000_000  # range elements and repeated characters one render may make
+# What one render may cost: range elements and repeated characters (a runaway range or 'x' * n);
+# loop iterations and output chunks (a runaway loop: about a second of jinja2 at this count); and
+# the longest string it may build: RENDER_BUDGET characters plus twice the conversation's text
+# (padding to a width of 10**9, a string doubled in a loop, the output).
+RENDER_BUDGET = 10_000_000
+RENDER_ITERATIONS = 1_000_000
 _render_state = threading.local()
+
+
+def _iterate(n: int) -> None:
+    from jinja2.exceptions import SecurityError
+
+    left = getattr(_render_state, "iterations", RENDER_ITERATIONS) - n
+    _render_state.iterations = left
+    if left < 0:
+        raise SecurityError(f"the template runs more than {RENDER_ITERATIONS} loop iterations in one render "
+                            "(a runaway loop?)")
 
 
 def _spend(n: int) -> None:
@@ -146,6 +194,112 @@ def _spend(n: int) -> None:
     if left < 0:
         raise SecurityError(f"the template builds more than {RENDER_BUDGET} range elements or characters "
                             "in one render (a runaway loop?)")
+
+
+def _max_chars() -> int:
+    return getattr(_render_state, "max_chars", RENDER_BUDGET)
+
+
+def _check_size(n: int, what: str = "string") -> None:
+    """Refuse a string (or list) of ``n`` items over :func:`_max_chars`, before or after it is built."""
+    from jinja2.exceptions import SecurityError
+
+    if n > _max_chars():
+        raise SecurityError(f"the template builds a {what} of more than {_max_chars()} characters in one "
+                            "render (a runaway loop or width?)")
+
+
+def _check_value(value):
+    if isinstance(value, (str, list, tuple)):
+        _check_size(len(value))
+    return value
+
+
+def _check_widths(args, kwargs) -> None:
+    """Widths and counts given to a padding filter or str method: refuse one past the cap before
+    Python allocates it (``'x'|center(10**9)``, ``'x'.ljust(10**9)``, ``batch(10**9, 'x')``)."""
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool):
+            _check_size(abs(v), "width")
+
+
+def _check_format(fmt) -> None:
+    """The widths and precisions of a %- or {}-format string (``'%0999999999d' % 1``)."""
+    import re
+
+    if not isinstance(fmt, str):
+        return
+    specs = [m.group(1) for m in re.finditer(r"%[-#0 +]*(\d*(?:\.\d+)?)[a-zA-Z%]", fmt)]
+    specs += [m.group(1) for m in re.finditer(r"\{[^{}:]*:([^{}]*)\}", fmt)]
+    for spec in specs:
+        for digits in re.findall(r"\d+", spec):
+            _check_size(int(digits), "width")
+
+
+# Filters whose integer arguments are widths or counts of what they build.
+_WIDTH_FILTERS = frozenset(("center", "indent", "batch", "slice", "wordwrap", "truncate"))
+# str methods whose integer arguments are widths (str.format's are values: not these).
+_WIDTH_METHODS = frozenset(("center", "ljust", "rjust", "zfill", "expandtabs"))
+
+
+def _content_chars(messages) -> int:
+    total = 0
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))
+    return total
+
+
+def _budgeted_iter(iterable):
+    """What a ``{% for %}`` loops over, with its iterations charged to the render budget."""
+    try:
+        n = len(iterable)
+    except TypeError:
+        return _charged(iterable)
+    _iterate(n)
+    return iterable
+
+
+def _charged(iterable):
+    for item in iterable:
+        _iterate(1)
+        yield item
+
+
+def _budgeted_concat(*parts) -> str:
+    """``a ~ b``: its result checked against the size cap (a string doubled in a loop)."""
+    _check_size(sum(len(p) if isinstance(p, str) else 0 for p in parts))
+    text = "".join(map(str, parts))
+    _check_size(len(text))
+    return text
+
+
+def _budgeted_filter(name: str, f):
+    """A jinja2 filter with its widths checked first and its result's size after."""
+    import functools
+
+    def check(value, args, kwargs):
+        if name in _WIDTH_FILTERS:
+            _check_widths(args, kwargs)
+        elif name == "format":
+            _check_format(value)
+
+    if getattr(f, "jinja_pass_arg", None) is not None:  # context/eval-context filters: the value comes second
+        @functools.wraps(f)
+        def passing(first, value, *args, **kwargs):
+            check(value, args, kwargs)
+            return _check_value(f(first, value, *args, **kwargs))
+        return passing
+
+    @functools.wraps(f)
+    def plain(value, *args, **kwargs):
+        check(value, args, kwargs)
+        return _check_value(f(value, *args, **kwargs))
+    return plain
 
 
 def _template_error(e: BaseException) -> str:
@@ -182,30 +336,85 @@ def _compile_cached(source: str, origin: str):
     def raise_exception(message):
         raise TokenizerError(f"{origin}: the chat template raised an error: {message}")
 
-    class Environment(ImmutableSandboxedEnvironment):
-        """The sandbox, with a budget on what one render can build: nested ``range`` loops and
-        ``'x' * n`` would otherwise run for hours or fill the memory (no hang on a bad template)."""
+    from jinja2 import nodes
+    from jinja2.visitor import NodeTransformer
 
-        intercepted_binops = frozenset(("*", "**"))
+    class Budget(NodeTransformer):
+        """Every ``{% for %}`` loops through ``_budgeted_iter`` and every ``~`` is ``_budgeted_concat``."""
+
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            node.iter = nodes.Call(nodes.Name("_colibri_iter", "load"), [node.iter], [], None, None,
+                                   lineno=node.lineno)
+            return node
+
+        def visit_Concat(self, node):
+            node = self.generic_visit(node)
+            return nodes.Call(nodes.Name("_colibri_concat", "load"), node.nodes, [], None, None, lineno=node.lineno)
+
+    class Environment(ImmutableSandboxedEnvironment):
+        """The sandbox, with a budget on what one render can do: loops (nested ``range`` loops,
+        loops over ``[1] * 100`` four deep), ``'x' * n``, ``'%09999999d' % 1``, padding filters and
+        str methods (``center``, ``indent``, ``format``, ``ljust``...), a string doubled in a loop,
+        the output itself: each would otherwise run for hours or fill the memory (no hang on a bad
+        template)."""
+
+        intercepted_binops = frozenset(("*", "**", "%", "+"))
+
+        def _parse(self, source, name, filename):
+            tree = Budget().visit(super()._parse(source, name, filename))
+            tree.set_environment(self)
+            return tree
 
         def call_binop(self, context, operator, left, right):
             if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
                 raise SecurityError(f"exponent {right} is too large")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                    left.bit_length() * abs(right) > 1 << 20:
+                raise SecurityError(f"{left} ** {right} is too large a number")
             if operator == "*":
                 size = (len(left) * right if isinstance(left, (str, list, tuple)) and isinstance(right, int) else
                         len(right) * left if isinstance(right, (str, list, tuple)) and isinstance(left, int) else 0)
                 _spend(size)
-            return super().call_binop(context, operator, left, right)
+                _check_size(size)
+            if operator == "%" and isinstance(left, str):
+                _check_format(left)
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                _check_size(len(left) + len(right))
+            return _check_value(super().call_binop(context, operator, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
+            if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _WIDTH_METHODS:
+                _check_widths(args, kwargs)
+            return _check_value(super().call(__context, __obj, *args, **kwargs))
+
+        def wrap_str_format(self, value):
+            fmt = super().wrap_str_format(value)
+            if fmt is None:
+                return None
+            _check_format(value.__self__)
+
+            def checked(*args, **kwargs):
+                return _check_value(fmt(*args, **kwargs))
+            return checked
 
     def budgeted_range(*args):
         r = range(*args)
         _spend(len(r))
         return r
 
+    def tojson(x, indent=None, ensure_ascii=False):
+        if isinstance(indent, int) and indent > 0:
+            _check_size(indent * len(json.dumps(x, ensure_ascii=ensure_ascii)), "JSON text")
+        return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+
     env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters = {name: _budgeted_filter(name, f) for name, f in env.filters.items()}
     env.globals["range"] = budgeted_range
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                   ensure_ascii=ensure_ascii)
+    env.globals["lipsum"] = lambda n=5, *args, **kwargs: ""  # 10**9 paragraphs of filler: not in a chat prompt
+    env.globals["_colibri_iter"] = _budgeted_iter
+    env.globals["_colibri_concat"] = _budgeted_concat
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -216,9 +425,10 @@ def _chat_template(path: str, config: dict) -> tuple[str | None, str]:
     config_file = os.path.join(path, "tokenizer_config.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+        if not template or not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
             raise TokenizerError(f"{config_file}: chat_template: expected a string or a list of "
-                                 '{"name": ..., "template": "..."} objects')
+                                 '{"name": ..., "template": "..."} objects' + (", got an empty list" if not template
+                                                                              else ""))
         by_name = {t.get("name"): t["template"] for t in template}
         template = by_name.get("default") or next(iter(by_name.values()), None)
     if template is not None and not isinstance(template, str):
@@ -257,6 +467,16 @@ def _check_special_tokens(config: dict, source: str) -> None:
                              f"{json.dumps(value)[:60]}")
 
 
+def _check_special_tokens_known(backend, config: dict, source: str, tokenizer_file: str) -> None:
+    """bos_token / eos_token must be tokens of tokenizer.json: a template would write an unknown
+    one as plain text, and generation could never stop at an unknown end token."""
+    for key in ("bos_token", "eos_token"):
+        text = _token_text(config.get(key))
+        if text and backend.token_to_id(text) is None:
+            raise TokenizerError(f"{source}: {key}: {text!r} is not a token of {tokenizer_file} (the tokenizer "
+                                 "files of two different models?)")
+
+
 def _backend(tokenizer_file: str, root: str):
     """The ``tokenizers`` object of tokenizer.json; a corrupt file is a TokenizerError naming it."""
     from tokenizers import Tokenizer as Backend
@@ -291,11 +511,15 @@ def load_tokenizer(path) -> Tokenizer:
     config_file = os.path.join(path, "tokenizer_config.json")
     config = _read_json(config_file, path)
     _check_special_tokens(config, config_file)
-    extra_eos = []
+    _check_special_tokens_known(backend, config, config_file, tokenizer_file)
+    extra_eos, eos_sources = [], {}
     for name in ("config.json", "generation_config.json"):
         source = os.path.join(path, name)
-        extra_eos += _eos_ids(_read_json(source, path).get("eos_token_id"), source)
+        ids = _eos_ids(_read_json(source, path).get("eos_token_id"), source)
+        extra_eos += ids
+        for i in ids:
+            eos_sources.setdefault(i, source)
     template, template_source = _chat_template(path, config)
     if template:
         _compile_template(template, template_source)
-    return Tokenizer(backend, config, template, extra_eos, template_source, tokenizer_file)
+    return Tokenizer(backend, config, template, extra_eos, template_source, tokenizer_file, eos_sources)

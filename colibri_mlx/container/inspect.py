@@ -4,7 +4,9 @@ For each logical tensor (a weight with its ``.qs``, or a plain tensor): fmt, gs,
 bytes, model part (``tensor_class``); totals per fmt and per part; routed-expert count and bytes;
 ambiguous byte counts (several fmt/gs readings fit) are flagged with the reading chosen and the
 one upstream's engine would take; anything that cannot be read gets a verdict and makes
-``report.ok`` false (the CLI then exits 1).
+``report.ok`` false (the CLI then exits 1, with one ``Error:`` line). A plain tensor the model
+takes is checked as the loader checks it: its length (norms, biases), its dtype (no bytes or
+integers without ``.qs``) and, for the small ones, NaN / inf; quantized scales are not read.
 
 Weights config.json implies but the container lacks (a dropped expert, layers lost to a wrong
 ``convert --n-layers``) also fail the verdict, by the loader's rules (``models.deepseek_v3``):
@@ -22,6 +24,8 @@ import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+
+import numpy as np
 
 from ..formats import FMT_NAMES, FormatError, detect_format
 from .reader import Container
@@ -90,7 +94,8 @@ def inspect_container(path: str, progress: bool = True) -> Report:
     container = Container(path)
     names = container.weight_names()
     n_layers = container.config.get("num_hidden_layers")
-    rows = [_row(container, name, n_layers) for name in _progress(names, progress)]
+    lengths = expected_vector_lengths(container.shapes)
+    rows = [_row(container, name, n_layers, lengths) for name in _progress(names, progress)]
     report = _summarize(container.path, rows)
     report.missing = find_missing(container.config, set(names))
     return report
@@ -159,6 +164,60 @@ def expected_vectors(shapes: dict, attention_bias: bool) -> set[str]:
         if p + "eh_proj.weight" in shapes:
             names |= {p + "enorm.weight", p + "hnorm.weight", p + "shared_head.norm.weight"}
     return names
+
+
+def expected_vector_lengths(shapes: dict) -> dict[str, int]:
+    """name -> length of each 1-D norm and bias the model takes (:func:`expected_vectors`), from
+    the 2-D weight it goes with: a bias is as long as its weight's rows, a norm as the vector it
+    normalizes."""
+    if "model.embed_tokens.weight" not in shapes:
+        return {}
+    D = shapes["model.embed_tokens.weight"][1]
+    lengths = {}
+    for name in expected_vectors(shapes, attention_bias=True):
+        p, _, leaf = name.rpartition(".")
+        if leaf == "bias" and p + ".weight" in shapes:
+            lengths[name] = shapes[p + ".weight"][0]
+        elif name.endswith("self_attn.q_a_layernorm.weight"):
+            lengths[name] = shapes[name.replace("q_a_layernorm", "q_a_proj")][0]
+        elif name.endswith("self_attn.kv_a_layernorm.weight"):
+            kv_b = name.replace("kv_a_layernorm", "kv_b_proj")
+            if kv_b in shapes:
+                lengths[name] = shapes[kv_b][1]
+        elif name.endswith(ROUTER_BIAS):
+            lengths[name] = shapes[name.replace("e_score_correction_bias", "weight")][0]
+        elif ".indexer.k_norm." in name:
+            wk = name.rsplit(".k_norm.", 1)[0] + ".wk.weight"
+            if wk in shapes:
+                lengths[name] = shapes[wk][0]
+        else:  # input / post-attention / final / MTP norms
+            lengths[name] = D
+    return lengths
+
+
+# What the loader takes as values (models.loading.VALUE_DTYPES): a plain tensor of another dtype
+# (bytes or integers without .qs scales) would be read as garbage.
+VALUE_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
+FINITE_CHECK_MAX = 1 << 22  # as models.loading: norms, biases, routers are scanned for NaN / inf
+
+
+def _plain_problem(c: Container, name: str, lengths: dict[str, int]) -> Optional[str]:
+    """Why the loader would refuse a plain (unquantized) tensor it takes, or None."""
+    info = c.info(name)
+    where = f"{info.path}: tensor {name!r}"
+    want = lengths.get(name)
+    if want is not None and info.shape != (want,):
+        return f"{where}: stored shape {list(info.shape)}, expected [{want}]"
+    if want is None and name not in c.shapes:
+        return None  # not a tensor the model takes by this table (missing-weight check covers names)
+    if info.dtype not in VALUE_DTYPES:
+        return (f"{where}: stored as {info.dtype}; the model takes it as values: expected F32, BF16 or F16 "
+                "(or a 2-D F8_E4M3 weight with its _scale_inv, or a 2-D U8 weight with its .qs scales)")
+    if info.dtype == "F8_E4M3" and name + "_scale_inv" not in c:
+        return f"{where}: an FP8 weight without its {name}_scale_inv (its 128x128 block scales)"
+    if info.dtype != "F8_E4M3" and info.numel <= FINITE_CHECK_MAX and not np.isfinite(c.array(name)).all():
+        return f"{where}: holds NaN or infinite values (a damaged shard?)"
+    return None
 
 
 def _optional_part(name: str, n_layers: int, stored_mtp: set[int], indexer_stored: bool,
@@ -271,7 +330,7 @@ def _progress(names: list[str], enabled: bool):
     return tqdm(names, desc="inspect", unit="tensor", file=sys.stderr, leave=False)
 
 
-def _row(c: Container, name: str, n_layers: Optional[int]) -> TensorRow:
+def _row(c: Container, name: str, n_layers: Optional[int], lengths: Optional[dict] = None) -> TensorRow:
     info = c.info(name)
     cls = tensor_class(name, n_layers)
     if c.is_quantized(name):
@@ -280,8 +339,11 @@ def _row(c: Container, name: str, n_layers: Optional[int]) -> TensorRow:
                     *_matrix_dims(info.shape), info.nbytes)
     try:
         c.tensor(name)  # checks a U8 weight without scales and the shape against config.json
+        problem = _plain_problem(c, name, lengths or {})
     except ContainerError as e:
-        row.fmt, row.fmt_id, row.error = "?", None, str(e)
+        problem = str(e)
+    if problem:
+        row.fmt, row.fmt_id, row.error = "?", None, problem
     return row
 
 
@@ -427,6 +489,20 @@ def _verdict_lines(report: Report) -> list[str]:
                         "colibri_mlx.load refuses this container")
     lines.append("verdict: " + "; ".join(verdicts))
     return lines
+
+
+def verdict_error(report: Report) -> str:
+    """The failed verdict in one line for the command's ``Error:`` (the first problem in full)."""
+    parts = []
+    if report.missing.required:
+        names = report.missing.required
+        parts.append(f"{len(names):,} weight{'s' if len(names) > 1 else ''} config.json requires "
+                     f"{'are' if len(names) > 1 else 'is'} missing ({names[0]}{', ...' if len(names) > 1 else ''}), "
+                     "colibri_mlx.load refuses this container")
+    if report.unresolved:
+        parts.append(f"{len(report.unresolved)} of {len(report.rows)} tensors cannot be read; the first: "
+                     f"{report.unresolved[0].error}")
+    return f"{report.path}: " + "; ".join(parts)
 
 
 def _missing_lines(missing: MissingWeights) -> list[str]:

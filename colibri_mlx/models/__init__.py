@@ -40,6 +40,7 @@ def load(path=None, dtype=None, **options):
     # config.json, shard headers, then the tokenizer: every check before any weight is read.
     opened = open_model_dir(path)
     tokenizer = load_tokenizer(path)
+    tokenizer.check_vocab(opened.config["vocab_size"], opened.config_path)
     return build_model(opened, dtype=dtype, **options), tokenizer
 
 
