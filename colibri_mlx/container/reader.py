@@ -97,6 +97,10 @@ class Container:
     def metadata(self, shard: str) -> dict[str, str]:
         return dict(self._headers[shard].metadata)
 
+    def shard_tensors(self, shard: str) -> list[str]:
+        """The tensor names one shard's header holds."""
+        return sorted(self._headers[shard].tensors)
+
     def stamp(self, name: str) -> Optional[Stamp]:
         """``(fmt, gs)`` recorded by our writer, upstream's fmt name, or None (unstamped)."""
         return self._stamps.get(name)
@@ -108,7 +112,7 @@ class Container:
             return {}
         try:
             return expected_shapes(self.config)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # inf / NaN as a count: OverflowError
             raise ContainerError(f"{self.path}/config.json: cannot derive tensor shapes: {e}") from None
 
     # -- tensors -------------------------------------------------------------------------------

@@ -347,7 +347,7 @@ class ExpertStore:
             buffers.append(self._pread(layout, r, staging[at: at + r.nbytes]))
             at += r.nbytes
         t1 = time.perf_counter()
-        loaded = _Loaded(tuple(_projection(p, buffers) for p in layout.projections), layout.nbytes)
+        loaded = _Loaded(tuple(_projection(p, buffers, layout) for p in layout.projections), layout.nbytes)
         t2 = time.perf_counter()
         with self._lock:
             self.stats.reads += 1
@@ -580,13 +580,18 @@ class LayerExperts(Sequence):
         self.store.prepare(self.layer, ids)
 
 
-def _projection(p: ProjectionLayout, buffers: list[np.ndarray]):
-    """One projection's arrays from the read buffers: exactly one copy (``mx.array`` copies)."""
+def _projection(p: ProjectionLayout, buffers: list[np.ndarray], layout: Optional[ExpertLayout] = None):
+    """One projection's arrays from the read buffers: exactly one copy (``mx.array`` copies).
+    Quantized scales are checked to be finite, as the resident loader checks them at load: a
+    damaged expert is an error naming its shard and tensor, not NaN logits."""
     raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
     if p.scales is None:
         return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))
     s = p.scales
     scales = _as_float32(buffers[s.read][s.start: s.start + s.nbytes], s.dtype)
+    if p.fmt != 6 and not np.isfinite(scales).all():  # fmt 6's .qs is a tag
+        where = layout.reads[s.read].path if layout is not None else "an expert shard"
+        raise ExpertStoreError(f"{where}: tensor {s.name!r} holds NaN or infinite scales (a damaged shard?)")
     return QTensor(mx.array(raw), mx.array(scales), p.fmt, p.O, p.I, p.gs, p.weight.name, streamed=True)
 
 

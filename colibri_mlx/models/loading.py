@@ -20,6 +20,8 @@ from ..formats.qtensor import QTensor
 from .deepseek_v3 import Model, ModelArgs, WeightTable, resolve_dtype, sanitize
 
 FP8_DTYPES = ("F8_E4M3",)
+# Stored dtypes a float tensor (norm, bias, router, unquantized weight) may have.
+VALUE_DTYPES = ("F32", "BF16", "F16") + FP8_DTYPES
 SCALE_INV_SUFFIX = "_scale_inv"
 FP8_BLOCK = 128
 # Float tensors up to this many values (norms, biases, routers: not whole matrices of an
@@ -112,6 +114,13 @@ def _fetch(container: Container, name: str, shape: tuple):
                              "scales (a damaged shard?)")
         return qt.to_mlx()
     container.tensor(name, shape)  # header shape check, names the shard on mismatch
+    info = container.info(name)
+    if info.dtype not in VALUE_DTYPES or (info.dtype in FP8_DTYPES and len(shape) != 2):
+        # U8/I8 without .qs, I64/U64, a bare scale dtype: bytes or integers read as weights would
+        # run and print garbage.
+        raise ValueError(f"{info.path}: tensor {name!r} is stored as {info.dtype}; the model takes it as values "
+                         f"of shape {list(shape)}: expected F32, BF16 or F16 (or a 2-D F8_E4M3 weight with its "
+                         f"{SCALE_INV_SUFFIX}, or a 2-D U8 weight with its .qs scales)")
     values = container.array(name, shape=shape)
     if container.info(name).dtype in FP8_DTYPES:
         values = _apply_fp8_scales(container, name, values)
@@ -125,7 +134,8 @@ def _fetch(container: Container, name: str, shape: tuple):
 def _apply_fp8_scales(container: Container, name: str, values: np.ndarray) -> np.ndarray:
     scale_name = name + SCALE_INV_SUFFIX
     if scale_name not in container:
-        raise ValueError(f"{container.path}: FP8 tensor {name!r} has no {scale_name!r}")
+        raise ValueError(f"{container.info(name).path}: FP8 tensor {name!r} has no {scale_name!r} (its 128x128 "
+                         "block scales)")
     O, I = values.shape
     blocks = (-(-O // FP8_BLOCK), -(-I // FP8_BLOCK))
     scales = container.array(scale_name)

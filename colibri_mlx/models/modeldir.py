@@ -4,7 +4,8 @@
 user would fix it: the path is a directory, it has a config.json (else it is not a model
 directory at all), config.json is UTF-8 JSON holding an object that fits the model's schema
 (``config_schema``), every ``*.safetensors`` is a regular file inside the directory (or a Hugging
-Face cache blob) with a valid header, and config.json's layer and expert counts match the shards.
+Face cache blob) with a valid header holding tensors, and config.json's layer and expert counts
+match the shards.
 Each failure is one message naming the file and the key or tensor. It costs a header read per
 shard: seconds for the largest models, against minutes to load their weights.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..container import Container
+from ..container import Container, ContainerError
 from ..container.files import read_json_object
 from ..errors import ConfigError
 from .config_schema import check_against_shards, validate_config
@@ -81,5 +82,9 @@ def open_model_dir(path) -> ModelDir:
     config = read_config(path)
     path = os.fspath(path)
     container = Container(path, config=config)
+    for shard in container.shards:  # a shard is read for its tensors: one without any is damaged
+        if not container.shard_tensors(shard):
+            raise ContainerError(f"{shard}: a safetensors shard that holds no tensors (an interrupted write, or the "
+                                 "wrong file?)")
     check_against_shards(config, container.names(), os.path.join(path, CONFIG_FILE), path)
     return ModelDir(path, config, container)
