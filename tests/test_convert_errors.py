@@ -142,6 +142,54 @@ def test_a_config_that_would_not_load_is_refused_before_converting(src, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def _drop_from_shard(path: Path, name: str):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    del tensors[name]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("more-layers-in-config", ["config.json", "num_hidden_layers=3", "would not load"]),
+    ("tensor-missing-from-its-shard", ["model.safetensors.index.json", "model.norm.weight", SHARDS[0]]),
+    ("shard-named-by-the-index-absent", ["model.safetensors.index.json", SHARDS[1], "not among"]),
+    ("tokenizer-broken-symlink", ["tokenizer.json", "broken symlink"]),
+    ("tokenizer-symlink-outside", ["tokenizer.json", "outside"]),
+    ("bits-out-of-range", ["--ebits", "99"]),
+])
+def test_an_incomplete_or_inconsistent_checkpoint_is_refused_before_converting(src, tmp_path, case, needles):
+    """What would make a container that does not load (or fail after hours) is refused up front."""
+    more = []
+    if case == "more-layers-in-config":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
+    elif case == "tensor-missing-from-its-shard":
+        _drop_from_shard(src / SHARDS[0], "model.norm.weight")
+    elif case == "shard-named-by-the-index-absent":
+        (src / SHARDS[1]).unlink()
+    elif case == "tokenizer-broken-symlink":
+        (src / "tokenizer.json").unlink()
+        os.symlink("tokenizer.json.incomplete", src / "tokenizer.json")
+    elif case == "tokenizer-symlink-outside":
+        (src / "tokenizer.json").unlink()
+        (tmp_path / "elsewhere.json").write_text("{}")
+        os.symlink(tmp_path / "elsewhere.json", src / "tokenizer.json")
+    else:
+        more = ["--ebits", "99"]
+    assert_error(convert(src, tmp_path / "out", *more), *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_partial_checkpoint_without_an_index_converts_with_a_warning(src, tmp_path):
+    # a hand-made checkpoint (no index) converts as upstream converts it, saying what it lacks
+    (src / "model.safetensors.index.json").unlink()
+    _drop_from_shard(src / SHARDS[0], "model.norm.weight")
+    result = convert(src, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert "WARNING" in result.output and "model.norm.weight" in result.output and "will not load" in result.output
+
+
 def test_outdir_equal_to_indir(src):
     assert_error(convert(src, src), "--outdir", "--indir")
 

@@ -10,8 +10,8 @@ from contextlib import ExitStack
 from typing import Callable, Optional
 
 from .classify import ConvertError
-from .pipeline import (METADATA_FILES, METADATA_PATTERNS, Conversion, OutdirLock, Summary, copy_metadata,
-                       list_shards, read_json, read_weight_map, shards_for_mode)
+from .pipeline import (METADATA_FILES, METADATA_PATTERNS, Conversion, OutdirLock, Summary, check_metadata,
+                       copy_metadata, list_shards, read_json, read_weight_map, shards_for_mode)
 from .recipes import describe, resolve_plan
 
 DEFAULT_N_LAYERS = 78  # upstream's default (GLM-5.2); used only when config.json is absent
@@ -66,6 +66,43 @@ def _check_config(config: Optional[dict], source: str) -> None:
     layers = config.get("num_hidden_layers")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
         raise ConvertError(f"{source}: num_hidden_layers: got {layers!r}; expected an integer >= 1")
+
+
+def _check_complete(config: Optional[dict], shards: list[str], weight_map: Optional[dict], source: str,
+                    indir: str, n_layers: int, log) -> None:
+    """The main pass's tensors are all there. With an index (a release checkpoint), every tensor it
+    names below layer ``n_layers`` must be in the shard it names, and the checkpoint must hold every
+    tensor config.json implies (the loader's rules, as `colibri inspect` applies them) and no layer
+    or expert config.json does not count: a container converted without them would not load, and
+    the conversion may take hours. Without an index (a hand-made or partial checkpoint, converted
+    as upstream converts it) a shortfall is a warning."""
+    from ..container import read_shard_header
+    from ..container.inspect import find_missing
+    from ..models.config_schema import MODEL_TYPES, check_against_shards
+    from .classify import layer_index
+
+    held: dict[str, set] = {os.path.basename(p): set(read_shard_header(p).tensors) for p in shards}
+    index = os.path.join(indir, "model.safetensors.index.json")
+    for name, shard in (weight_map or {}).items():
+        if layer_index(name) < n_layers and shard in held and name not in held[shard]:
+            raise ConvertError(f"{index}: names tensor {name!r} in {shard}, which does not hold it (a damaged or "
+                               "re-saved shard, or the index of another download?)")
+    if not config or config.get("model_type") not in MODEL_TYPES:
+        return
+    names = set().union(*held.values())
+    try:
+        check_against_shards(config, names, source, indir)
+        missing = find_missing(config, names).required
+        if missing:
+            plural = "s" if len(missing) > 1 else ""
+            raise ConvertError(f"{indir}: the checkpoint lacks {len(missing):,} tensor{plural} "
+                               f"{source} implies ({missing[0]}{', ...' if len(missing) > 1 else ''}; a shard "
+                               "missing from the download, or another model's config.json?)")
+    except ValueError as e:  # ConfigError, ConvertError
+        if weight_map is None:
+            log(f"[plan] WARNING: {e}; the container will not load as it is")
+            return
+        raise ConvertError(f"{e}; the container would not load") from None
 
 
 def _refuse_container(indir: str, shards: list[str]) -> None:
@@ -140,6 +177,9 @@ def _convert_local(indir, outdir, mode, recipe, n_layers, bit_options, jobs, sta
     conversion.check_outdir()
     if conversion.check_sources(shards) == 0:
         raise ConvertError(_nothing_to_convert(indir, mode, plan.n_layers))
+    if mode == "main" and (n_layers is None or n_layers == (config or {}).get("num_hidden_layers")):
+        _check_complete(config, shards, weight_map, os.path.join(indir, "config.json"), indir, plan.n_layers, log)
+    check_metadata(indir)
     with OutdirLock(outdir):
         summary = conversion.run(shards)
         if mode == "main":  # the --mtp/--indexer passes add to a container that has its metadata

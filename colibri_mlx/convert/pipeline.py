@@ -511,20 +511,48 @@ def _os_reason(e: OSError) -> str:
 
 
 def shards_for_mode(shard_names: list[str], weight_map: Optional[dict], mode: str, n_layers: int) -> list[str]:
-    """--mtp / --indexer only need the shards holding their tensors (upstream #383)."""
-    if mode == "main" or weight_map is None:
+    """--mtp / --indexer only need the shards holding their tensors (upstream #383). Every shard
+    the index names for a tensor of this pass must be there (the main pass: any tensor below
+    layer ``n_layers``): converting without it would write a container missing those tensors."""
+    if weight_map is None:
         return shard_names
     present = {os.path.basename(s) for s in shard_names}
-    absent = sorted({v for v in weight_map.values() if v not in present})
+    needed = weight_map.values() if mode != "main" else \
+        [v for k, v in weight_map.items() if layer_index(k) < n_layers]
+    absent = sorted({v for v in needed if v not in present})
     if absent:
         raise ConvertError(f"model.safetensors.index.json: its weight_map names {', '.join(absent[:3])}"
                            f"{' ...' if len(absent) > 3 else ''}, which {'is' if len(absent) == 1 else 'are'} not "
                            "among the checkpoint's shards (an index of another download, or an incomplete one?)")
+    if mode == "main":
+        return shard_names
     if mode == "mtp":
         want = {v for k, v in weight_map.items() if layer_index(k) == n_layers}
     else:
         want = {v for k, v in weight_map.items() if "indexer" in k and 0 <= layer_index(k) < n_layers}
     return [s for s in shard_names if os.path.basename(s) in want]
+
+
+def _metadata_names(indir: str) -> list[str]:
+    names = [n for n in METADATA_FILES if os.path.lexists(os.path.join(indir, n))]
+    for pattern in METADATA_PATTERNS:
+        names += sorted(os.path.basename(p) for p in glob.glob(os.path.join(indir, pattern)))
+    return names
+
+
+def check_metadata(indir: str) -> None:
+    """The config/tokenizer files copy_metadata will copy, checked before any shard is converted:
+    regular files inside the checkpoint (or a Hugging Face cache blob), as the loader reads them;
+    a broken symlink, a FIFO or a link to an unrelated file would fail the copy after hours, or
+    be copied and fail at load."""
+    from ..container import ContainerError
+    from ..container.files import check_file
+
+    for n in _metadata_names(indir):
+        try:
+            check_file(os.path.join(indir, n), indir, n)
+        except ContainerError as e:
+            raise ConvertError(str(e)) from None
 
 
 def copy_metadata(indir: str, outdir: str) -> tuple[list[str], list[str]]:

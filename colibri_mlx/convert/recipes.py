@@ -67,7 +67,11 @@ def resolve_plan(options: dict, recipe: Optional[str] = None, mode: str = "main"
     values.update(given)
     for key in BIT_OPTIONS:
         if key in values:
-            values[key] = parse_bits(values[key])
+            try:
+                values[key] = parse_bits(values[key])
+            except ConvertError as e:  # name the flag (or the recipe) that gave the value
+                where = f"--{key.replace('_', '-')}" if key in given else f"--recipe {recipe}"
+                raise ConvertError(f"{where}: {e}") from None
     ebits = values["ebits"]
     return BitPlan(
         ebits=ebits,
