@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -208,6 +209,7 @@ def word_level_tokenizer(d: Path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     (d / "tokenizer.json").unlink()
     tok.save(str(d / "tokenizer.json"))
+    edit_tokenizer_config(bos_token=DELETE, eos_token=DELETE)(d)  # not tokens of this one
 
 
 def both(*mutations):
@@ -215,6 +217,30 @@ def both(*mutations):
         for m in mutations:
             m(d)
     return mutate
+
+
+def replace_in_config(old: str, new: str):
+    """Edit config.json's text (for what json.dumps cannot write: a key given twice)."""
+    def mutate(d: Path):
+        text = (d / "config.json").read_text()
+        assert old in text, old
+        (d / "config.json").write_text(text.replace(old, new))
+    return mutate
+
+
+def retype(shard: str, name: str, dtype: str, itemsize: int):
+    """Store ``name`` as ``dtype`` with the same shape (new bytes appended: a pattern, no NaN)."""
+    def edit(d: Path):
+        header, data = read_shard(d / shard)
+        entry = header[name]
+        n = itemsize * int(np.prod(entry["shape"]))
+        entry["dtype"], entry["data_offsets"] = dtype, [len(data), len(data) + n]
+        write_shard_raw(d / shard, header, data + bytes(i % 61 for i in range(n)))
+    return edit
+
+
+def template(text: str):
+    return edit_tokenizer_config(chat_template=text)
 
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
@@ -308,7 +334,9 @@ CASES = {
     "indexer-types-on-v3": (edit_config(indexer_types=5, num_hidden_layers=3), ["config.json", "num_hidden_layers"]),
     "hidden-size-other": (edit_config(hidden_size=128), ["embed_tokens", "[264, 64]", "[264, 128]"]),
     "moe-inter-other": (edit_config(moe_intermediate_size=64), ["experts.0", "out-00001.safetensors"]),
-    "vocab-smaller-than-tokenizer": (edit_config(vocab_size=200), ["tokenizer.json", "vocab_size"]),
+    "vocab-smaller-than-tokenizer": (edit_config(vocab_size=200), ["config.json", "bos_token_id", "vocab_size=200"]),
+    "vocab-smaller-than-tokenizer-ids": (edit_config(vocab_size=258),
+                                         ["tokenizer.json", "token id 263", "vocab_size=258"]),
     # --- tokenizer files
     "tokenizer-missing": (remove("tokenizer.json"), ["tokenizer.json"]),
     "tokenizer-empty": (write("tokenizer.json", ""), ["tokenizer.json", "empty"]),
@@ -387,6 +415,52 @@ CASES = {
         "data_offsets", [0, 10**9])), [S0, "model.norm.weight"]),
     # --- the directory
     "not-a-model-directory": (remove("config.json"), ["not a model directory", "config.json"]),
+    # --- config.json: more (red-team pass)
+    "config-key-twice": (replace_in_config('"hidden_size": 64,', '"hidden_size": 64, "hidden_size": 128,'),
+                         ["config.json", "'hidden_size' is given twice", "64", "128"]),
+    "architectures-other-model": (edit_config(architectures=["LlamaForCausalLM"]),
+                                  ["config.json", "architectures", "LlamaForCausalLM", "deepseek_v3"]),
+    "architectures-string": (edit_config(architectures="DeepseekV3ForCausalLM"), ["config.json", "architectures"]),
+    "model-type-of-another-family": (edit_config(model_type="glm_moe_dsa"),
+                                     ["config.json", "architectures", "glm_moe_dsa"]),
+    "bos-negative": (edit_config(bos_token_id=-1), ["config.json", "bos_token_id"]),
+    "eos-past-vocab": (edit_config(eos_token_id=[257, 99999]), ["config.json", "eos_token_id", "vocab_size=264"]),
+    "moe-layer-freq-2": (edit_config(moe_layer_freq=2), ["config.json", "moe_layer_freq"]),
+    "rope-type-twice-differently": (edit_config(rope_scaling=dict(YARN, rope_type="default")),
+                                    ["config.json", "rope_scaling.rope_type", "'yarn'"]),
+    # --- shards: more
+    "shard-without-tensors": (lambda d: write_shard_raw(d / S1, {"__metadata__": {"format": "pt"}}, b""),
+                              [S1, "holds no tensors"]),
+    "norm-stored-as-bytes": (retype(S0, "model.norm.weight", "U8", 1), [S0, "model.norm.weight", "U8"]),
+    "norm-stored-as-int64": (retype(S0, "model.layers.0.input_layernorm.weight", "I64", 8),
+                             [S0, "input_layernorm.weight", "I64"]),
+    "norm-stored-as-scale-dtype": (retype(S0, "model.norm.weight", "F8_E8M0", 1), [S0, "F8_E8M0"]),
+    "fp8-router-without-block-scales": (retype(S0, "model.layers.1.mlp.gate.weight", "F8_E4M3", 1),
+                                        [S0, "model.layers.1.mlp.gate.weight", "_scale_inv"]),
+    # --- tokenizer files: more
+    "eos-token-not-in-vocab": (edit_tokenizer_config(eos_token="<|end|>"),
+                               ["tokenizer_config.json", "eos_token", "<|end|>", "tokenizer.json"]),
+    "bos-token-not-in-vocab": (edit_tokenizer_config(bos_token={"content": "<s>"}),
+                               ["tokenizer_config.json", "bos_token", "<s>"]),
+    "generation-config-eos-past-vocab": (write("generation_config.json", '{"eos_token_id": 99999}'),
+                                         ["generation_config.json", "eos_token_id 99999", "vocab_size=264"]),
+    "template-empty-list": (template([]), ["tokenizer_config.json", "chat_template", "empty list"]),
+    "template-renders-nothing": (template("{% if false %}{{ messages }}{% endif %}"),
+                                 ["tokenizer_config.json", "rendered no text"]),
+    "template-format-width": (template("{{ '%0999999999d' % 1 }}"), ["tokenizer_config.json", "width"]),
+    "template-center-width": (template("{{ 'x' | center(2000000000) }}"), ["tokenizer_config.json", "width"]),
+    "template-ljust-width": (template("{{ 'x'.ljust(2000000000) }}"), ["tokenizer_config.json", "width"]),
+    "template-json-indent": (template("{{ messages | tojson(indent=1000000000) }}"),
+                             ["tokenizer_config.json", "JSON text"]),
+    "template-string-doubling": (template("{% set ns = namespace(s='x') %}{% for i in range(60) %}"
+                                          "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"),
+                                 ["tokenizer_config.json", "characters"]),
+    "template-nested-loops": (template("{% set x = [1] * 2000 %}{% for a in x %}{% for b in x %}{% for c in x %}"
+                                       "{% endfor %}{% endfor %}{% endfor %}"),
+                              ["tokenizer_config.json", "loop iterations"]),
+    "template-huge-power": (template("{{ ((9 ** 1000) ** 1000) ** 1000 }}"), ["tokenizer_config.json", "too large"]),
+    "template-inflates-the-prompt": (template("{{ messages[0]['content'] * 5000 }}"),
+                                     ["tokenizer_config.json", "context limit of 64"]),
 }
 
 
@@ -443,6 +517,32 @@ def test_every_command_reports_a_bad_model_in_one_line(model, command):
 def test_inspect_reports_a_bad_shard_in_one_line(model):
     truncate(S1, lambda n: n - 1000)(model)
     assert_one_line_error(run("inspect", model), S1)
+
+
+@pytest.mark.parametrize("case", ["rms-norm-eps-nan", "architectures-other-model", "nan-in-a-norm",
+                                  "norm-stored-as-bytes", "embed-shape-wrong", "expert-missing", "tokenizer-garbage",
+                                  "template-raises", "eos-token-not-in-vocab", "vocab-smaller-than-tokenizer-ids"])
+def test_inspect_refuses_what_generate_refuses(model, case):
+    """inspect checks config.json and the tokenizer files as generate does, and ends a failed
+    verdict with one Error: line (the table still goes to stdout)."""
+    mutate, needles = CASES[case]
+    mutate(model)
+    assert_one_line_error(run("inspect", model), *needles)
+
+
+def test_a_damaged_streamed_expert_is_one_error_line(model):
+    """--ram-gb reads experts while generating: their scales are checked as the resident load checks
+    them, and chat ends on the error (a damaged shard is not a bad line to skip)."""
+    poison(S1, "model.layers.1.mlp.experts.0.up_proj.weight.qs")(model)
+    needles = [S1, "experts.0.up_proj.weight.qs", "NaN"]
+    for all_experts in (run("generate", "-m", model, "-p", "hi", "--max-tokens", "4", "--ram-gb", "0.00001"),
+                        run("chat", "-m", model, "--max-tokens", "3", "--ram-gb", "0.00001", input="hi\nho\n/exit\n")):
+        assert_one_line_error(all_experts, *needles)
+
+
+def test_an_absurd_memory_budget_is_a_flag_error(model):
+    result = run("generate", "-m", model, "-p", "hi", "--ram-gb", "1e300")
+    assert result.exit_code == 2 and "--ram-gb" in assert_one_line_error(result)
 
 
 # ------------------------------------------------------ cases that would hang a broken loader
@@ -543,6 +643,22 @@ def test_unusual_but_valid_directory_loads(pristine, tmp_path):
     # reached through a symlink to the whole directory
     os.symlink(d, tmp_path / "linked")
     assert run("generate", "-m", tmp_path / "linked", "-p", "hello", "--max-tokens", "3").exit_code == 0
+
+
+def test_unusual_but_valid_files_load(pristine, tmp_path):
+    """Non-ASCII strings in config.json, a key given twice with the same value, a Kimi config,
+    special tokens as AddedToken objects, a named list of chat templates, BF16 vectors."""
+    d = tmp_path / "model"
+    shutil.copytree(pristine, d)
+    cfg = dict(CONFIG, model_type="kimi_k2", name_or_path="Ünïcode/模型 🚀", description="modèle – ‘quotes’")
+    (d / "config.json").write_text(json.dumps(cfg, ensure_ascii=False)[:-1] + ', "hidden_size": 64}', "utf-8")
+    edit_tokenizer_config(eos_token={"__type": "AddedToken", "content": "<|eos|>", "special": True},
+                          chat_template=[{"name": "tool_use", "template": "{{ tools }}"},
+                                         {"name": "default", "template": "{{ messages[0]['content'] }}"}])(d)
+    retype(S0, "model.layers.1.mlp.gate.e_score_correction_bias", "BF16", 2)(d)
+    result = run("generate", "-m", d, "-p", "hello", "--max-tokens", "3")
+    assert result.exit_code == 0, result.output
+    assert run("inspect", d).exit_code == 0
 
 
 def test_yarn_and_dsa_configs_still_load(pristine, pristine_glm, tmp_path):
