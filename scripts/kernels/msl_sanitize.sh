@@ -9,7 +9,7 @@
 # calls through a pointer of the wrong function type among them), else the simulator's default.
 # Any sanitizer report fails the launch that made it, so a clean run is a passing run.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 if [ -z "${COLIBRI_MSL_CLANG:-}" ] && command -v clang++-19 >/dev/null 2>&1; then
