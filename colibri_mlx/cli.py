@@ -367,11 +367,7 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
     if no_chat_template:
         ids = _encode_prompt(tokenizer, opened, prompt)
     elif not tokenizer.chat_template:
-        if system is not None:
-            raise click.UsageError(f"--system needs a chat template, and the model has none "
-                                   f"({tokenizer.chat_template_source} has no chat_template)")
-        click.echo(f"colibri: note: {opened.path} has no chat template: generating from the plain prompt "
-                   "(as --no-chat-template)", err=True)
+        _without_template(tokenizer, opened, system, "generating from the plain prompt (as --no-chat-template)")
         ids = _encode_prompt(tokenizer, opened, prompt)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -380,6 +376,14 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
     opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     _, _, last = _stream_reply(model, tokenizer, ids, opts)
     click.echo(_stats_line(last, max_tokens, model.max_length), err=True)
+
+
+def _without_template(tokenizer, opened, system, instead: str) -> None:
+    """A model without a chat template: ``--system`` cannot apply; say once what happens instead."""
+    if system is not None:
+        raise click.UsageError(f"--system needs a chat template, and the model has none "
+                               f"({tokenizer.chat_template_source} has no chat_template)")
+    click.echo(f"colibri: note: {opened.path} has no chat template: {instead}", err=True)
 
 
 # Without a chat template, chat feeds the conversation as plain text: each message on its own line.
@@ -398,11 +402,7 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
         system = _utf8_text(system, "the system message")
     opened, tokenizer = _open_for_cli(model_path)
     if not tokenizer.chat_template:
-        if system is not None:
-            raise click.UsageError(f"--system needs a chat template, and the model has none "
-                                   f"({tokenizer.chat_template_source} has no chat_template)")
-        click.echo(f"colibri: note: {opened.path} has no chat template: the conversation is fed as plain text, "
-                   "one message a line", err=True)
+        _without_template(tokenizer, opened, system, "the conversation is fed as plain text, one message a line")
         tokenizer.chat_template, tokenizer.chat_template_source = PLAIN_CHAT_TEMPLATE, "colibri's plain-text chat"
     # The template renders now, not at the first message after minutes of loading.
     probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello"}]
