@@ -1,5 +1,5 @@
 """float64 numpy oracles for moe_block and mla_decode, and the MSL simulator runner for their
-LaunchSpecs (shared by tests/test_moe_mla_msl.py and scripts/check_moe_mla_gpu.py).
+LaunchSpecs (shared by the simulator tests of the MoE and MLA kernels).
 
 Tolerances (same argument as kernel_oracle.py): each float32 dot product of n terms errs by at
 most ~n * 2^-24 * sum|terms| (far less in practice), so every stage is checked against
