@@ -92,7 +92,7 @@ def _closing_paren(text: str, open_at: int) -> int:
 def _top_level_comma(text: str, start: int, end: int) -> int:
     depth = 0
     for i in range(start, end):
-        depth += {"(": 1, ")": -1, "<": 0, ">": 0}.get(text[i], 0)
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
         if text[i] == "," and depth == 0:
             return i
     raise ValueError("no second argument")

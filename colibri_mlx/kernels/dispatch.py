@@ -34,8 +34,8 @@ ENV_VAR = "COLIBRI_KERNELS"
 # The kernel sources: inside the package in an installed wheel (setup.py copies them there),
 # else metal_kernels/ at the repository root, beside the package (a source checkout).
 _PACKAGE = Path(__file__).resolve().parents[1]
-KERNEL_DIR = next((d for d in (_PACKAGE / "metal_kernels", _PACKAGE.parent / "metal_kernels") if d.is_dir()),
-                  _PACKAGE.parent / "metal_kernels")
+KERNEL_DIR = (_PACKAGE / "metal_kernels" if (_PACKAGE / "metal_kernels").is_dir()
+              else _PACKAGE.parent / "metal_kernels")
 BODY_MARKER = "// ==== kernel body ===="
 
 _lock = threading.Lock()
