@@ -14,6 +14,10 @@ class QTensor:
     (a 1-element tag for fmt 6). Both may be numpy arrays (memory-mapped views from the
     container) or ``mx.array`` (after :meth:`to_mlx`). fmt 6 holds the *rotated* matrix
     ``W @ Q``: inputs must be rotated before multiplying (docs/format.md#rotation).
+
+    fmt 7-10 are MLX's quantization modes as mlx-lm checkpoints store them
+    (:mod:`colibri_mlx.formats.mlx_quant`): ``packed`` is uint32 ``[O, I*bits/32]``, ``scales``
+    ``[O, I/gs]`` in the stored dtype, ``biases`` (fmt 7 only) like ``scales``.
     """
 
     packed: Any
@@ -24,6 +28,8 @@ class QTensor:
     gs: Optional[int] = None
     name: str = ""
     streamed: bool = False   # an expert read on demand by ExpertStore (never cached dequantized)
+    bits: Optional[int] = None   # code width of the MLX formats fmt 7-10 (formats/mlx_quant.py)
+    biases: Any = None           # fmt 7 (MLX affine): per-group biases, like ``scales``
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -31,7 +37,8 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.packed.nbytes) + int(self.scales.nbytes)
+        n = int(self.packed.nbytes) + int(self.scales.nbytes)
+        return n + (int(self.biases.nbytes) if self.biases is not None else 0)
 
     def dequantize(self):
         """float32 numpy ``[O, I]`` (rotated basis for fmt 6)."""
@@ -39,6 +46,10 @@ class QTensor:
 
         from . import decode
 
+        if self.fmt >= 7:
+            from .mlx_quant import decode_mlx
+
+            return decode_mlx(self)
         return decode(self.fmt, np.asarray(self.packed), np.asarray(self.scales), self.O, self.I, self.gs)
 
     def to_mlx(self) -> "QTensor":
@@ -47,5 +58,10 @@ class QTensor:
 
         if isinstance(self.packed, mx.array):
             return self
+        if self.fmt >= 7:   # bfloat16 scales arrive as mx arrays already; numpy ones convert as stored
+            def conv(a):
+                return a if a is None or isinstance(a, mx.array) else mx.array(np.asarray(a))
+            return QTensor(conv(self.packed), conv(self.scales), self.fmt, self.O, self.I, self.gs,
+                           self.name, self.streamed, self.bits, conv(self.biases))
         return QTensor(mx.array(np.asarray(self.packed)), mx.array(np.asarray(self.scales)),
                        self.fmt, self.O, self.I, self.gs, self.name, self.streamed)

@@ -1,0 +1,115 @@
+"""MLX quantization formats (fmt 7-10): decode bit-exact against ``mx.dequantize``; constructor checks."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx.formats import FormatError, QTensor, qtensor_from_mlx
+from colibri_mlx.formats.mlx_quant import E4M3_VALUES, E8M0_VALUES, MLX_MODES, decode_mlx
+
+AFFINE = [(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
+FP_MODES = [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _weights(O, I, dtype, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((O, I)).astype(np.float32) * 0.05
+    w[0, :7] = [0.0, 1.5, -2.25, 1e-4, -3e-5, 0.3, -0.7]   # a few values far from the group's spread
+    return mx.array(w).astype(dtype)
+
+
+def _quantized(mode, bits, gs, dtype=mx.float32, O=6, I=256, seed=0):
+    w = _weights(O, I, dtype, seed)
+    parts = mx.quantize(w, group_size=gs, bits=bits, mode=mode)
+    q, s = parts[0], parts[1]
+    b = parts[2] if len(parts) > 2 else None
+    return q, s, b
+
+
+def _assert_bits_equal(mine, ref):
+    mine, ref = np.asarray(mine, np.float32), np.asarray(ref, np.float32)
+    assert mine.shape == ref.shape
+    same = (mine.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(mine) & np.isnan(ref))
+    assert same.all(), f"{(~same).sum()} of {same.size} values differ, first at {np.argwhere(~same)[0]}"
+
+
+@pytest.mark.parametrize("bits,gs", AFFINE)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_affine_decode_bit_exact(bits, gs, dtype):
+    q, s, b = _quantized("affine", bits, gs, DTYPES[dtype], seed=bits * 1000 + gs)
+    qt = qtensor_from_mlx(q, s, b, mode="affine", bits=bits, group_size=gs, name="w")
+    assert (qt.fmt, qt.O, qt.I, qt.gs, qt.bits) == (7, 6, 256, gs, bits)
+    ref = mx.dequantize(q, s, b, group_size=gs, bits=bits, mode="affine", dtype=mx.float32)
+    _assert_bits_equal(decode_mlx(qt), ref)
+    _assert_bits_equal(qt.dequantize(), ref)            # QTensor's own path
+    # numpy-held scales (bfloat16 as raw uint16 bits, as a safetensors reader hands them over)
+    as_np = (lambda a: np.asarray(a.view(mx.uint16))) if dtype == "bfloat16" else np.asarray
+    qn = QTensor(np.asarray(q), as_np(s), 7, 6, 256, gs, "w", bits=bits, biases=as_np(b))
+    _assert_bits_equal(decode_mlx(qn), ref)
+
+
+@pytest.mark.parametrize("mode,bits,gs", FP_MODES)
+def test_fp_decode_bit_exact(mode, bits, gs):
+    q, s, b = _quantized(mode, bits, gs, seed=7)
+    assert b is None
+    qt = qtensor_from_mlx(q, s, None, mode=mode, bits=bits, group_size=gs)
+    assert qt.fmt == MLX_MODES[mode].fmt and qt.biases is None
+    ref = mx.dequantize(q, s, group_size=gs, bits=bits, mode=mode, dtype=mx.float32)
+    _assert_bits_equal(decode_mlx(qt), ref)
+
+
+@pytest.mark.parametrize("mode,bits,gs", FP_MODES)
+def test_fp_decode_every_code_and_scale(mode, bits, gs):
+    """Every code value under every scale byte, against MLX's own dequantize (covers the tables)."""
+    per = 32 // bits
+    n_codes = 1 << bits
+    O = 256   # one row per scale byte
+    I = -(-max(gs, n_codes) // gs) * gs
+    codes = np.tile(np.arange(I, dtype=np.uint32) % n_codes, (O, 1))
+    shifts = np.arange(per, dtype=np.uint32) * bits
+    words = np.bitwise_or.reduce(codes.reshape(O, -1, per) << shifts, axis=-1).astype(np.uint32)
+    scales = np.repeat(np.arange(256, dtype=np.uint8)[:, None], I // gs, axis=1)
+    if mode == "nvfp4":   # E4M3 scales are positive in MLX; sign bit and NaN codes are not produced
+        scales = scales & np.uint8(0x7E)
+    qt = qtensor_from_mlx(mx.array(words), mx.array(scales), mode=mode, bits=bits, group_size=gs)
+    ref = mx.dequantize(mx.array(words), mx.array(scales), group_size=gs, bits=bits, mode=mode, dtype=mx.float32)
+    _assert_bits_equal(decode_mlx(qt), ref)
+
+
+def test_tables_spot_values():
+    assert E8M0_VALUES[127] == 1.0 and E8M0_VALUES[130] == 8.0 and E8M0_VALUES[0] == 2.0 ** -127
+    assert E4M3_VALUES[0x38] == 1.0 and E4M3_VALUES[0x7E] == 448.0 and E4M3_VALUES[0x01] == 2.0 ** -9
+    assert np.isnan(E4M3_VALUES[0x7F]) and E4M3_VALUES[0xB8] == -1.0
+
+
+def test_constructor_rejects_bad_input():
+    q, s, b = _quantized("affine", 4, 64)
+    with pytest.raises(FormatError, match="bits"):
+        qtensor_from_mlx(q, s, b, mode="affine", bits=7, group_size=64, name="w")
+    with pytest.raises(FormatError, match="group_size"):
+        qtensor_from_mlx(q, s, b, mode="affine", bits=4, group_size=16, name="w")
+    with pytest.raises(FormatError, match="model.x: scales must be"):
+        qtensor_from_mlx(q, s[:, :2], b, mode="affine", bits=4, group_size=64, name="model.x")
+    with pytest.raises(FormatError, match="needs biases"):
+        qtensor_from_mlx(q, s, None, mode="affine", bits=4, group_size=64, name="w")
+    with pytest.raises(FormatError, match="uint32"):
+        qtensor_from_mlx(q.view(mx.int32), s, b, mode="affine", bits=4, group_size=64, name="w")
+    with pytest.raises(FormatError, match="mode"):
+        qtensor_from_mlx(q, s, b, mode="int4", bits=4, group_size=64)
+    qf, sf, _ = _quantized("mxfp4", 4, 32)
+    with pytest.raises(FormatError, match="uint8"):
+        qtensor_from_mlx(qf, sf.astype(mx.float32), mode="mxfp4", bits=4, group_size=32, name="w")
+    with pytest.raises(FormatError, match="no biases"):
+        qtensor_from_mlx(qf, sf, sf, mode="mxfp4", bits=4, group_size=32, name="w")
+
+
+def test_qtensor_accessors_keep_stored_arrays():
+    q, s, b = _quantized("affine", 3, 32, mx.bfloat16)
+    qt = qtensor_from_mlx(q, s, b, mode="affine", bits=3, group_size=32)
+    assert qt.scales.dtype == mx.bfloat16 and qt.to_mlx() is qt
+    assert qt.nbytes == q.nbytes + s.nbytes + b.nbytes
+    qn = QTensor(np.asarray(q), np.asarray(s.astype(mx.float32)), 7, 6, 256, 32, bits=3,
+                 biases=np.asarray(b.astype(mx.float32)))
+    qm = qn.to_mlx()
+    assert isinstance(qm.biases, mx.array) and qm.bits == 3 and qm.fmt == 7
