@@ -162,7 +162,12 @@ def _as_mx(a, dtype) -> mx.array:
 
 
 def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
-    """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of a QTensor (rotated basis for fmt 6)."""
+    """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of a QTensor (rotated basis for fmt 6;
+    fmt 7-10, MLX's formats: kernels/mlx_formats.py)."""
+    if qt.fmt >= 7:
+        from . import mlx_formats
+
+        return mlx_formats.dequantize_rows(qt, r0, r1)
     rb = row_bytes(qt.fmt, qt.I)
     packed = _as_mx(qt.packed, mx.uint8).reshape(-1)[r0 * rb: r1 * rb]
     spr = scales_per_row(qt.fmt, qt.I, qt.gs)

@@ -1,0 +1,152 @@
+"""The MLX quantization formats (fmt 7-10, formats/mlx_quant.py) in the hot paths.
+
+* :func:`dequantize_rows`: the pure-MLX reference decode (bit-equal to ``mx.dequantize(...,
+  dtype=float32)``: affine with 16-bit scales rounds ``q * s`` and ``+ b`` to that dtype as MLX does).
+* :func:`kernel_fmt`, :func:`kernel_weights`, :func:`kernel_scales`: what the GPU kernels take. The
+  kernels see one FMT template code per layout (qdecode.h): affine ``70 + bits`` (bfloat16 scales),
+  ``80 + bits`` (float16), ``90 + bits`` (float32); 8 mxfp4, 9 nvfp4, 10 mxfp8. Units are 32
+  weights (``bits`` words); the weights are the stored uint32 words viewed as bytes. The scales
+  input is built once per weight: affine one 32-bit word per group holding the 16-bit scale (low
+  half) and bias (high half), or two float32 words; fp modes the stored scale bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.mlx_quant import E2M1_VALUES, E4M3_VALUES, E8M0_VALUES, MLX_FMTS
+
+MLX_FMT_MIN = 7
+UNIT = 32             # weights per kernel unit, every MLX format
+AFFINE_KERNEL_BASE = {"bfloat16": 70, "float16": 80, "float32": 90}
+FP_KERNEL_FMT = {8: 8, 9: 9, 10: 10}
+
+
+def is_mlx(qt) -> bool:
+    return qt.fmt >= MLX_FMT_MIN
+
+
+def _dtype_name(a) -> str:
+    return str(a.dtype).replace("mlx.core.", "")
+
+
+def kernel_fmt(qt) -> int:
+    """The FMT template code of a QTensor (fmt 0-6: its fmt)."""
+    if qt.fmt < MLX_FMT_MIN:
+        return qt.fmt
+    if qt.fmt == 7:
+        name = _dtype_name(qt.scales)
+        if name == "uint16":   # bfloat16 held as raw bits in numpy
+            name = "bfloat16"
+        return AFFINE_KERNEL_BASE[name] + int(qt.bits)
+    return FP_KERNEL_FMT[qt.fmt]
+
+
+def row_bytes(qt) -> int:
+    return qt.I * qt.bits // 8
+
+
+def decline_reason(qt):
+    """Why the kernels cannot read this MLX-format weight, or None."""
+    if qt.I % UNIT:
+        return f"fmt {qt.fmt} with I={qt.I} (needs a multiple of {UNIT})"
+    if qt.fmt == 7 and _dtype_name(qt.scales) not in ("bfloat16", "uint16", "float16", "float32"):
+        return f"fmt 7 scales of dtype {_dtype_name(qt.scales)}"
+    return None
+
+
+def _mx(a) -> mx.array:
+    if isinstance(a, mx.array):
+        return a
+    a = np.ascontiguousarray(np.asarray(a))
+    return mx.array(a)
+
+
+def _float_scales(a) -> mx.array:
+    """Affine scales/biases as an mx float array in their stored dtype (numpy uint16 = bfloat16 bits)."""
+    a = _mx(a)
+    return a.view(mx.bfloat16) if a.dtype == mx.uint16 else a
+
+
+def kernel_weights(qt) -> mx.array:
+    """The stored uint32 words as a flat uint8 array (a view, no copy)."""
+    return _mx(qt.packed).reshape(-1).view(mx.uint8)
+
+
+def kernel_scales(qt) -> mx.array:
+    """The kernels' scales input as float32-typed words (the kernels reinterpret them)."""
+    if qt.fmt == 7:
+        s, b = _float_scales(qt.scales), _float_scales(qt.biases)
+        if s.dtype == mx.float32:
+            words = mx.stack([s.view(mx.uint32), b.view(mx.uint32)], axis=-1)
+        else:
+            words = s.view(mx.uint16).astype(mx.uint32) | (b.view(mx.uint16).astype(mx.uint32) << 16)
+        return words.reshape(-1).view(mx.float32)
+    raw = _mx(qt.scales).reshape(-1)
+    pad = (-raw.size) % 4
+    if pad:
+        raw = mx.concatenate([raw, mx.zeros((pad,), mx.uint8)])
+    return raw.view(mx.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-MLX reference decode
+
+
+@functools.lru_cache(maxsize=None)
+def _straddle_index(I: int, bits: int):
+    """Word index, next word index and shift of every code of a row (3-, 5-, 6-bit codes)."""
+    off = np.arange(I, dtype=np.int64) * bits
+    word = off >> 5
+    shift = (off & 31).astype(np.uint32)
+    n_words = I * bits // 32
+    nxt = np.minimum(word + 1, n_words - 1)
+    spill = (shift + bits > 32)
+    return (mx.array(word.astype(np.int32)), mx.array(nxt.astype(np.int32)), mx.array(shift),
+            mx.array(np.where(spill, 32 - shift, 0).astype(np.uint32)), mx.array(spill))
+
+
+def codes(words: mx.array, bits: int, I: int) -> mx.array:
+    """uint32 ``[R, I*bits/32]`` -> codes uint32 ``[R, I]`` (each row one LSB-first bit stream)."""
+    R = words.shape[0]
+    mask = (1 << bits) - 1
+    if 32 % bits == 0:
+        per = 32 // bits
+        shifts = mx.array([bits * k for k in range(per)], dtype=mx.uint32)
+        return mx.bitwise_and(mx.right_shift(words[..., None], shifts), mask).reshape(R, I)
+    word, nxt, shift, up, spill = _straddle_index(I, bits)
+    lo = mx.right_shift(mx.take(words, word, axis=1), shift)
+    hi = mx.where(spill, mx.left_shift(mx.take(words, nxt, axis=1), up), 0)
+    return mx.bitwise_and(mx.bitwise_or(lo, hi.astype(mx.uint32)), mask)
+
+
+_tables: dict = {}
+
+
+def _table(name: str, values: np.ndarray) -> mx.array:
+    t = _tables.get(name)
+    if t is None:
+        t = _tables[name] = mx.array(values)
+    return t
+
+
+def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
+    """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of an MLX-format QTensor."""
+    m = MLX_FMTS[qt.fmt]
+    R, ng, gs = r1 - r0, qt.I // qt.gs, qt.gs
+    words = _mx(qt.packed).reshape(qt.O, -1)[r0:r1]
+    c = codes(words, qt.bits, qt.I).reshape(R, ng, gs)
+    if m.has_biases:
+        s = _float_scales(qt.scales).reshape(qt.O, ng)[r0:r1, :, None]
+        b = _float_scales(qt.biases).reshape(qt.O, ng)[r0:r1, :, None]
+        # In the scales' dtype, as MLX computes: q * s rounded, then + b rounded.
+        w = (c.astype(s.dtype) * s + b).astype(mx.float32)
+    else:
+        table = {"e2m1": ("e2m1", E2M1_VALUES), "e4m3": ("e4m3", E4M3_VALUES)}[m.code_kind]
+        stable = {"e8m0": ("e8m0", E8M0_VALUES), "e4m3": ("e4m3", E4M3_VALUES)}[m.scale_kind]
+        sc = _mx(qt.scales).reshape(qt.O, ng)[r0:r1].astype(mx.uint32)
+        w = mx.take(_table(*table), c) * mx.take(_table(*stable), sc)[..., None]
+    return w.reshape(R, qt.I)
