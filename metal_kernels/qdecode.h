@@ -1,4 +1,4 @@
-// qdecode.h: the fmt 0-6 unit loads, exact decoders and segment dot products shared by every
+// qdecode.h: the fmt 0-6 and MLX-format unit loads, exact decoders and segment dot products shared by every
 // kernel that reads colibri-quantized weights (qgemv, moe_block, mla_decode). The Python side
 // prepends this file to each kernel's own header (dispatch.decode_header). The CUDA twin is
 // metal_kernels/cuda/qdecode.cuh, same names and algorithm.
@@ -16,19 +16,36 @@
 // Products and sums are float32. Scales: fmt 4/5/6 per segment (qd_seg_scale), fmt 1-3 one
 // per row applied by the caller after its reduction (qd_row_scale).
 
+// MLX's quantization formats (colibri_mlx/kernels/mlx_formats.py) take FMT codes of their own:
+// affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales and biases),
+// 8 mxfp4, 9 nvfp4, 10 mxfp8. A unit is 32 weights: `bits` words of the row's LSB-first bit
+// stream (3/5/6-bit codes straddle words), then the unit's scale words (qd_load_aux): affine one
+// word holding the 16-bit scale (low half) and bias (high half), or the float32 scale and bias;
+// the fp modes the unit's scale byte(s).
+constexpr bool qd_mlx(int fmt) {
+  return fmt >= 8;
+}
+constexpr bool qd_affine(int fmt) {
+  return fmt >= 70;
+}
+constexpr int qd_mlx_bits(int fmt) {
+  return fmt >= 70 ? fmt % 10 : (fmt == 10 ? 8 : 4);
+}
+
 constexpr int qd_wpu(int fmt) {
   return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 // Raw 32-bit words of one unit.
 constexpr int qd_words(int fmt) {
-  return fmt == 0 ? 8 : 6;
+  return fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 // Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
-// scale in the middle of a 32-weight unit; every other case has one scale per unit.
+// scale in the middle of a 32-weight unit, nvfp4 (groups of 16) likewise; every other case has
+// one scale per unit.
 constexpr int qd_seg(int fmt, int gs) {
-  return (fmt == 4 && gs % 32 != 0) ? 16 : qd_wpu(fmt);
+  return ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : qd_wpu(fmt);
 }
 
 // Raw bytes of unit u of one row (rb bytes) into r[0 .. qd_words(FMT) - 1], little-endian.
@@ -60,6 +77,12 @@ inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
     r[1] = uint(qs[2]) | (uint(qs[3]) << 16);
     r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
     r[3] = uint(dd[0]);
+  } else if (qd_mlx(FMT)) {
+    // `bits` whole words: rows and units start 4-byte aligned.
+    const device uint* p = (const device uint*)(wrow) + qd_mlx_bits(FMT) * u;
+    for (int k = 0; k < qd_mlx_bits(FMT); ++k) {
+      r[k] = p[k];
+    }
   } else if (VEC) {
     // Two 8-byte loads. With rows a multiple of 8 but not 16 bytes, the second half of a
     // row's last unit lies past the row.
@@ -82,13 +105,51 @@ inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
   }
 }
 
+// The unit's scale words of the MLX formats into r after its code words (a no-op for fmt 0-6).
+// scales: affine one 32-bit word (two for FMT 90+) per group of GS weights, [O, ng] row-major;
+// the fp modes the stored scale bytes [O, ng].
+template <int FMT, int GS>
+inline void qd_load_aux(const device float* scales, int row, int ng, int u, thread uint* r) {
+  constexpr int B = qd_mlx_bits(FMT);
+  if (qd_affine(FMT)) {
+    const int gi = row * ng + (32 * u) / GS;
+    const device uint* sw = (const device uint*)scales;
+    if (FMT >= 90) {
+      r[B] = sw[2 * gi];
+      r[qd_words(FMT) - 1] = sw[2 * gi + 1];
+    } else {
+      r[B] = sw[gi];
+    }
+  } else if (FMT == 8 || FMT == 10) {
+    r[B] = uint(((const device uint8_t*)scales)[row * ng + u]);
+  } else if (FMT == 9) {
+    const device uint8_t* sb = (const device uint8_t*)scales + row * ng + 2 * u;
+    r[B] = uint(sb[0]) | (uint(sb[1]) << 8);
+  }
+}
+
+// E4M3 code c (bias 7) as float: its bits placed in a half (bias 15) are the value * 2^-8
+// exactly, subnormals included.
+inline float qd_e4m3(uint c) {
+  return float(as_type<half>(ushort(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7)))) * 256.0f;
+}
+
 // Scale of segment g of unit u of row `row`: fmt 4 its group's, fmt 5 its group's, fmt 6
-// d * (0.5 + code) / 4 (the grid holds doubled magnitudes); 1 for fmt 0-3. A fmt 4
-// half-unit past the row end (its x are zero) clamps to the row's last group.
+// d * (0.5 + code) / 4 (the grid holds doubled magnitudes); 1 for fmt 0-3 and MLX affine (its
+// decode applies scale and bias). The MLX fp modes: E8M0 (2^(e-127): the float32 with exponent
+// bits e) or E4M3, times 2^14 for E2M1 codes and 2^8 for E4M3 codes (qd_decode8 builds codes
+// as halves scaled down by those powers). A fmt 4 half-unit past the row end (its x are zero)
+// clamps to the row's last group.
 template <int FMT, int GS>
 inline float qd_seg_scale(const device float* scales, int row, int ng, int u, int g,
                           thread const uint* r) {
-  if (FMT == 4) {
+  if (FMT == 8) {
+    return as_type<float>((r[4] & 0xFFu) << 23) * 16384.0f;
+  } else if (FMT == 9) {
+    return qd_e4m3((r[4] >> (8 * g)) & 0xFFu) * 16384.0f;
+  } else if (FMT == 10) {
+    return as_type<float>((r[8] & 0xFFu) << 23) * 256.0f;
+  } else if (FMT == 4) {
     return scales[row * ng + min((32 * u + qd_seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {
     return scales[row * ng + u];
@@ -158,6 +219,32 @@ inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, 
       const uint lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
       const uint hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
       q[k] = qd_code(lo | (hi << 2), 8388612.0f);
+    }
+  } else if (qd_affine(FMT)) {
+    // w = q * scale + bias: the 8 codes from one 64-bit window of the bit stream (8 * bits
+    // bits starting at bit 8 * bits * (k0 / 8): shift + 8 * bits <= 64 for every bits).
+    constexpr int B = qd_mlx_bits(FMT);
+    const uint sb = r[B];
+    const float sc = FMT >= 90 ? as_type<float>(sb)
+                     : (FMT >= 80 ? float(as_type<half2>(sb).x) : as_type<float>(sb << 16));
+    const float bi = FMT >= 90 ? as_type<float>(r[qd_words(FMT) - 1])
+                     : (FMT >= 80 ? float(as_type<half2>(sb).y) : as_type<float>(sb & 0xFFFF0000u));
+    const int off = k0 * B;
+    const ulong v = (ulong(r[off >> 5]) | (ulong(r[(off >> 5) + 1]) << 32)) >> (off & 31);
+    for (int k = 0; k < 8; ++k) {
+      q[k] = fma(qd_code(uint(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f), sc, bi);
+    }
+  } else if (FMT == 8 || FMT == 9) {
+    // E2M1 nibble c (weight k in nibble k): its bits in a half are the value * 2^-14.
+    for (int k = 0; k < 8; ++k) {
+      const uint c = (r[(k0 + k) >> 3] >> (4 * ((k0 + k) & 7))) & 0xFu;
+      q[k] = float(as_type<half>(ushort(((c & 8u) << 12) | ((c & 7u) << 9))));
+    }
+  } else if (FMT == 10) {
+    // E4M3 byte c: its bits in a half are the value * 2^-8.
+    for (int k = 0; k < 8; ++k) {
+      const uint c = (r[(k0 + k) >> 2] >> (8 * ((k0 + k) & 3))) & 0xFFu;
+      q[k] = float(as_type<half>(ushort(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7))));
     }
   } else if (FMT == 6) {
     // 8 weights = one 7-bit sign field; the 8th sign makes the count of negatives even.

@@ -1,4 +1,5 @@
-// qgemv: y[s, o] = sum_i x[s, i] * W[o, i] for S <= 8 rows of x, W in colibri fmt 1..6.
+// qgemv: y[s, o] = sum_i x[s, i] * W[o, i] for S <= 8 rows of x, W in colibri fmt 1..6 or an
+// MLX format (qdecode.h: 32-weight units, GS the MLX group size).
 //
 // Launch (colibri_mlx/kernels/qgemv.py): one threadgroup of NW SIMD groups per ROWS
 // consecutive output rows, grid = (32 * NW * ceil(O / ROWS), 1, 1). A row is cut into
@@ -71,6 +72,7 @@ inline void qg_load_units(const device uint8_t* w, const device float* scales,
     if (u < n_units) {
       for (int r = 0; r < ROWS; ++r) {
         qd_load<FMT, VEC>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        qd_load_aux<FMT, GS>(scales, rows[r], ng, u, raw[j][r]);
         for (int g = 0; g < NSEG; ++g) {
           sc[j][r][g] = qd_scales_in_memory(FMT)
                             ? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])

@@ -82,6 +82,10 @@ def decode_e8_f64(packed: np.ndarray, O: int, I: int) -> np.ndarray:
 
 
 def dequant_f64(qt: QTensor) -> np.ndarray:
+    if qt.fmt >= 7:   # MLX formats: q * s + b exactly, as the kernels compute it
+        from colibri_mlx.formats.mlx_quant import decode_mlx
+
+        return decode_mlx(qt, exact=True)
     packed = np.asarray(qt.packed)
     if qt.fmt == 6:
         return decode_e8_f64(packed, qt.O, qt.I)

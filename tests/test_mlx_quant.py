@@ -167,3 +167,48 @@ def test_qmatmul_reference_vs_float64(mode, bits, gs, dtype):
         assert np.all(np.abs(y - want) <= 1e-5 * terms + 1e-30), np.max(np.abs(y - want) / terms)
         path = "qgemv/reference" if S <= 8 else "qmm/dequant-matmul"
         assert dispatch.counters()["calls"] == {path: 1}
+
+
+# ---------------------------------------------------------------------------------------
+# The GPU kernels in the MSL simulator (skipped without clang)
+
+simulator_reason = None
+try:
+    from msl import simulator as _sim
+    simulator_reason = _sim.unavailable_reason()
+except ImportError as exc:   # pragma: no cover
+    simulator_reason = str(exc)
+needs_simulator = pytest.mark.skipif(bool(simulator_reason), reason=f"MSL simulator: {simulator_reason}")
+
+# Every kernel FMT code family: each affine bits with each scale dtype somewhere, every fp mode.
+SIM_CASES = [("affine", 4, 64, "bfloat16", 1), ("affine", 3, 32, "float16", 2), ("affine", 5, 128, "bfloat16", 1),
+             ("affine", 6, 64, "float32", 3), ("affine", 2, 32, "bfloat16", 1), ("affine", 8, 128, "float16", 1),
+             ("mxfp4", 4, 32, "bfloat16", 2), ("nvfp4", 4, 16, "bfloat16", 1), ("mxfp8", 8, 32, "bfloat16", 1)]
+SIM_FULL = [("affine", b, g, d, 1) for b, g in AFFINE for d in ("bfloat16", "float16", "float32")]
+
+
+def _run_qgemv_sim(mode, bits, gs, dtype, S, O=7, I=384, x_dtype=mx.float32):
+    from kernel_oracle import assert_close, random_x
+    from test_qgemv_msl import simulate
+
+    from colibri_mlx.kernels import qgemv
+
+    qt = _qt(mode, bits, gs, dtype, O=O, I=I, seed=bits * 7 + gs)
+    x = random_x(S, I, dtype=x_dtype, seed=5)
+    assert qgemv.decline_reason(x, qt) is None
+    y = simulate(qgemv.launch_spec(x, qt))
+    assert y.shape == (S, O)
+    assert_close(y, x, qt, f"qgemv {mode} {bits}-bit g{gs} {dtype} S={S}")
+
+
+@needs_simulator
+@pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_CASES)
+def test_qgemv_msl(mode, bits, gs, dtype, S):
+    _run_qgemv_sim(mode, bits, gs, dtype, S)
+
+
+@needs_simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_FULL)
+def test_qgemv_msl_full_grid(mode, bits, gs, dtype, S):
+    _run_qgemv_sim(mode, bits, gs, dtype, S, x_dtype=mx.bfloat16)

@@ -215,29 +215,33 @@ def _unpack_codes(words: np.ndarray, bits: int, I: int) -> np.ndarray:
     return (bitplane.astype(np.uint32) * weights).sum(axis=-1, dtype=np.uint32)
 
 
-def decode_mlx(qt: QTensor) -> np.ndarray:
-    """float32 numpy ``[O, I]`` of an MLX-format QTensor, bit-equal to ``mx.dequantize(..., dtype=float32)``
-    (affine with float16/bfloat16 scales rounds ``q * s`` and ``+ b`` to that dtype, as MLX does)."""
+def decode_mlx(qt: QTensor, *, exact: bool = False) -> np.ndarray:
+    """``[O, I]`` of an MLX-format QTensor: float32 bit-equal to ``mx.dequantize(..., dtype=float32)``
+    (affine with float16/bfloat16 scales rounds ``q * s`` and ``+ b`` to that dtype, as MLX does), or
+    with ``exact`` the float64 ``q * s + b`` / ``code * scale`` without roundings (what the GPU
+    kernels compute in float32, the oracle of their tests)."""
     m = MLX_FMTS[qt.fmt]
     words = _to_numpy(qt.packed).reshape(qt.O, -1)
     gs, ng = qt.gs, qt.I // qt.gs
+    ft = np.float64 if exact else np.float32
     if m.has_biases:
-        kind = _float_kind(qt.scales)
-        scales = float_bits_as_f32(qt.scales, kind == "bfloat16").reshape(qt.O, ng, 1)
-        biases = float_bits_as_f32(qt.biases, kind == "bfloat16").reshape(qt.O, ng, 1)
+        kind = "float32" if exact else _float_kind(qt.scales)
+        bf16 = _is_bf16(qt.scales)
+        scales = float_bits_as_f32(qt.scales, bf16).reshape(qt.O, ng, 1).astype(ft)
+        biases = float_bits_as_f32(qt.biases, bf16).reshape(qt.O, ng, 1).astype(ft)
     else:
-        scales = SCALE_TABLES[m.scale_kind][_to_numpy(qt.scales).reshape(qt.O, ng)][..., None]
-    out = np.empty((qt.O, qt.I), np.float32)
+        scales = SCALE_TABLES[m.scale_kind][_to_numpy(qt.scales).reshape(qt.O, ng)][..., None].astype(ft)
+    out = np.empty((qt.O, qt.I), ft)
     for r0 in range(0, qt.O, _ROWS_PER_CHUNK):
         r1 = min(qt.O, r0 + _ROWS_PER_CHUNK)
         codes = _unpack_codes(words[r0:r1], qt.bits, qt.I).reshape(r1 - r0, ng, gs)
         if m.has_biases:
             # MLX computes in the scales' dtype: the product is rounded to it, then the sum
             # (q * s is exact in float32: at most 8 + 11 significant bits).
-            v = _round_to(kind, _round_to(kind, codes.astype(np.float32) * scales[r0:r1]) + biases[r0:r1])
+            v = _round_to(kind, _round_to(kind, codes.astype(ft) * scales[r0:r1]) + biases[r0:r1])
         else:
             with np.errstate(invalid="ignore", over="ignore"):   # 0 x inf scale is NaN, as in MLX
-                v = CODE_TABLES[m.code_kind][codes] * scales[r0:r1]
+                v = CODE_TABLES[m.code_kind][codes].astype(ft) * scales[r0:r1]
         out[r0:r1] = v.reshape(r1 - r0, qt.I)
     return out
 

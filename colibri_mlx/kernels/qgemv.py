@@ -1,4 +1,4 @@
-"""qgemv: ``y = x @ W.T`` for S <= 8 rows of x against a colibri-quantized W (fmt 1-6).
+"""qgemv: ``y = x @ W.T`` for S <= 8 rows of x against a quantized W (colibri fmt 1-6, MLX fmt 7-10).
 
 ``launch_spec(x, qt, backend)`` builds the exact launch (source, inputs, grid, template) that
 :func:`qgemv` hands to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and that the MSL
@@ -15,14 +15,14 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch
+from . import dispatch, mlx_formats
 from .reference import e8_grid_words, row_bytes, scales_per_row
 
 NAME = "qgemv"
 MAX_ROWS = 8                    # S above this is prefill: dequantized tiles + matmul
 SIMD = 32
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32}
+UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32, **{f: mlx_formats.UNIT for f in (7, 8, 9, 10)}}
 PARAMS_LEN = 8                  # >= 8 elements: MLX passes it as a device pointer
 MAX_SIMDGROUPS = 4              # split-K: SIMD groups sharing one threadgroup's rows
 # Enough SIMD groups for 132 SMs x ~32 resident warps (H200); below this the launch splits
@@ -99,6 +99,8 @@ def _decline(qt, S: int, dtype) -> Optional[str]:
         return f"x dtype {dtype} not float32/float16/bfloat16"
     if qt.fmt == 4 and (not qt.gs or qt.gs % 16):
         return f"fmt 4 with gs={qt.gs} (needs a multiple of 16)"
+    if mlx_formats.is_mlx(qt) and mlx_formats.decline_reason(qt):
+        return mlx_formats.decline_reason(qt)
     if SIMD * MAX_SIMDGROUPS * qt.O >= 2**31 or S * max(qt.I, qt.O) >= 2**31:
         return f"shape {qt.O}x{qt.I} too large for 32-bit indexing"
     return None
@@ -144,13 +146,15 @@ def _as_mx(a, dtype) -> mx.array:
 def shape_values(qt) -> tuple:
     """O, I, row bytes, scales or super-blocks per row, units per row: the kernel's params
     (or, CUDA's persistent default, its template KO, KI, KRB, KNG, KNU)."""
+    if mlx_formats.is_mlx(qt):
+        return qt.O, qt.I, mlx_formats.row_bytes(qt), qt.I // qt.gs, qt.I // mlx_formats.UNIT
     per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (-(-qt.I // 256) if qt.fmt == 6 else 1)
     return qt.O, qt.I, row_bytes(qt.fmt, qt.I), per_row, -(-qt.I // UNIT_WEIGHTS[qt.fmt])
 
 
 def params(qt) -> mx.array:
     """:func:`shape_values` as the kernel's params array; cached per shape."""
-    key = (qt.fmt, qt.O, qt.I, qt.gs if qt.fmt == 4 else None)
+    key = (mlx_formats.kernel_fmt(qt), qt.O, qt.I, qt.gs if qt.fmt == 4 or mlx_formats.is_mlx(qt) else None)
     p = _params_mx.get(key)
     if p is None:
         p = _params_mx[key] = mx.array([*shape_values(qt), 0, 0, 0], dtype=mx.int32)
@@ -239,12 +243,14 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     if shape_in and backend != dispatch.CUDA:
         raise ValueError(f"qgemv: the shape is compiled in on CUDA only, not {backend}")
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
-    packed = _as_mx(qt.packed, mx.uint8)
-    scales = _as_mx(qt.scales, mx.float32)
+    if mlx_formats.is_mlx(qt):
+        packed, scales = mlx_formats.kernel_weights(qt), mlx_formats.kernel_scales(qt)
+    else:
+        packed, scales = _as_mx(qt.packed, mx.uint8), _as_mx(qt.scales, mx.float32)
     vec = (2 if rb % 16 == 0 else 1 if rb % 8 == 0 else 0) if qt.fmt in (1, 2, 3, 4) else 0
     x_vec = int((qt.I * dtype.size) % 16 == 0)
-    template = [("T", dtype), ("FMT", int(qt.fmt)), ("S", int(S)),
-                ("GS", int(qt.gs) if qt.fmt == 4 else 16), ("VEC", vec), ("XV", x_vec),
+    template = [("T", dtype), ("FMT", mlx_formats.kernel_fmt(qt)), ("S", int(S)),
+                ("GS", int(qt.gs) if qt.fmt == 4 or mlx_formats.is_mlx(qt) else 16), ("VEC", vec), ("XV", x_vec),
                 ("UNROLL", int(unroll)), ("ROWS", int(rows)), ("NW", int(simdgroups)),
                 ("NIB", int(DEFAULT_NIB[backend] if nib is None else nib)),
                 ("PF", prefetch), ("PERS", pers)]
