@@ -39,6 +39,25 @@ def random_qtensor(fmt: int, O: int, I: int, gs=None, seed: int = 0) -> QTensor:
     return QTensor(packed, scales, fmt, O, I, gs, name=f"test.fmt{fmt}")
 
 
+def random_mlx_qtensor(mode: str, bits: int, gs: int, O: int, I: int, scale_dtype=mx.bfloat16,
+                       seed: int = 0) -> QTensor:
+    """An MLX-format QTensor (fmt 7-10) from ``mx.quantize`` of random weights in ``scale_dtype``."""
+    from colibri_mlx.formats import qtensor_from_mlx
+
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((O, I)).astype(np.float32) * 0.05).astype(scale_dtype)
+    parts = mx.quantize(w, group_size=gs, bits=bits, mode=mode)
+    return qtensor_from_mlx(parts[0], parts[1], parts[2] if len(parts) > 2 else None, mode=mode, bits=bits,
+                            group_size=gs, name=f"test.{mode}{bits}g{gs}")
+
+
+# One of each kernel FMT family of the MLX formats (kernels/mlx_formats.py): every affine bits
+# with one of the scale dtypes, every fp mode.
+MLX_KERNEL_CASES = [("affine", 4, 64, mx.bfloat16), ("affine", 3, 32, mx.float16), ("affine", 5, 128, mx.bfloat16),
+                    ("affine", 6, 64, mx.float32), ("affine", 2, 32, mx.bfloat16), ("affine", 8, 128, mx.float16),
+                    ("mxfp4", 4, 32, mx.bfloat16), ("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16)]
+
+
 def random_x(S: int, I: int, dtype=mx.float32, seed: int = 1) -> mx.array:
     rng = np.random.default_rng(seed)
     return mx.array(rng.standard_normal((S, I)).astype(np.float32)).astype(dtype)

@@ -212,3 +212,22 @@ def test_qgemv_msl(mode, bits, gs, dtype, S):
 @pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_FULL)
 def test_qgemv_msl_full_grid(mode, bits, gs, dtype, S):
     _run_qgemv_sim(mode, bits, gs, dtype, S, x_dtype=mx.bfloat16)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("case", range(9))
+def test_qgemv_kernel_on_device(case):
+    """The backend's own kernel (Metal or the CUDA twin) through qmatmul, against float64."""
+    from kernel_oracle import MLX_KERNEL_CASES, assert_close, random_mlx_qtensor, random_x
+
+    mode, bits, gs, sdt = MLX_KERNEL_CASES[case]
+    qt = random_mlx_qtensor(mode, bits, gs, 1000, 4096, sdt, seed=case)
+    for S, dtype in ((1, mx.bfloat16), (4, mx.float16), (8, mx.float32)):
+        x = random_x(S, 4096, dtype=dtype, seed=S)
+        dispatch.reset_counters()
+        y = kernels.qmatmul(x, qt)
+        mx.eval(y)
+        c = dispatch.counters()
+        assert c["calls"] == {f"qgemv/{dispatch.backend()}": 1} and not c["fallbacks"], c
+        assert_close(y, x, qt, f"{mode} {bits}-bit g{gs} {sdt} S={S}")

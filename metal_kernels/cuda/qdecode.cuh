@@ -1,5 +1,5 @@
 // qdecode.cuh: CUDA twin of metal_kernels/qdecode.h (same names without the qd_ prefix, in
-// namespace colibri_qd; same algorithm): the fmt 0-6 unit loads, exact decoders and segment
+// namespace colibri_qd; same algorithm): the fmt 0-6 and MLX-format unit loads, exact decoders and segment
 // dot products shared by qgemv, moe_block and mla_decode. The Python side prepends this file
 // to each kernel's own header (dispatch.decode_header). MLX compiles with NVRTC and
 // --device-as-default-execution-space; helpers still say __device__ so nvcc accepts them
@@ -7,16 +7,28 @@
 
 namespace colibri_qd {
 
+// MLX formats: affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales),
+// 8 mxfp4, 9 nvfp4, 10 mxfp8 (qdecode.h).
+__device__ constexpr bool mlx(int fmt) {
+  return fmt >= 8;
+}
+__device__ constexpr bool affine(int fmt) {
+  return fmt >= 70;
+}
+__device__ constexpr int mlx_bits(int fmt) {
+  return fmt >= 70 ? fmt % 10 : (fmt == 10 ? 8 : 4);
+}
+
 __device__ constexpr int wpu(int fmt) {
   return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 __device__ constexpr int words(int fmt) {
-  return fmt == 0 ? 8 : 6;
+  return fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 __device__ constexpr int seg(int fmt, int gs) {
-  return (fmt == 4 && gs % 32 != 0) ? 16 : wpu(fmt);
+  return ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : wpu(fmt);
 }
 
 // VEC 2 (rows a multiple of 16 bytes) reads a unit with one 16-byte load when the buffer
@@ -45,6 +57,12 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
     r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
     r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
     r[3] = uint32_t(dd[0]);
+  } else if (mlx(FMT)) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(wrow) + mlx_bits(FMT) * u;
+#pragma unroll
+    for (int k = 0; k < mlx_bits(FMT); ++k) {
+      r[k] = p[k];
+    }
   } else if (VEC == 2 && W16) {
     const uint4 v = *reinterpret_cast<const uint4*>(wrow + 16 * u);
     r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
@@ -70,9 +88,44 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
 }
 
 template <int FMT, int GS>
+__device__ __forceinline__ void load_aux(const float* scales, int row, int ng, int u, uint32_t* r) {
+  constexpr int B = mlx_bits(FMT);
+  if (affine(FMT)) {
+    const int gi = row * ng + (32 * u) / GS;
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
+    if (FMT >= 90) {
+      r[B] = sw[2 * gi];
+      r[words(FMT) - 1] = sw[2 * gi + 1];
+    } else {
+      r[B] = sw[gi];
+    }
+  } else if (FMT == 8 || FMT == 10) {
+    r[B] = uint32_t(reinterpret_cast<const uint8_t*>(scales)[row * ng + u]);
+  } else if (FMT == 9) {
+    const uint8_t* sb = reinterpret_cast<const uint8_t*>(scales) + row * ng + 2 * u;
+    r[B] = uint32_t(sb[0]) | (uint32_t(sb[1]) << 8);
+  }
+}
+
+// Bits of a half as float (exact).
+__device__ __forceinline__ float half_bits(uint32_t h) {
+  return __half2float(__ushort_as_half((unsigned short)h));
+}
+
+__device__ __forceinline__ float e4m3(uint32_t c) {
+  return half_bits(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7)) * 256.0f;
+}
+
+template <int FMT, int GS>
 __device__ __forceinline__ float seg_scale(const float* scales, int row, int ng, int u, int g,
                                            const uint32_t* r) {
-  if (FMT == 4) {
+  if (FMT == 8) {
+    return __uint_as_float((r[4] & 0xFFu) << 23) * 16384.0f;
+  } else if (FMT == 9) {
+    return e4m3((r[4] >> (8 * g)) & 0xFFu) * 16384.0f;
+  } else if (FMT == 10) {
+    return __uint_as_float((r[8] & 0xFFu) << 23) * 256.0f;
+  } else if (FMT == 4) {
     return scales[row * ng + min((32 * u + seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {
     return scales[row * ng + u];
@@ -157,6 +210,32 @@ __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_
       const uint32_t lo = (r[i >> 4] >> (2 * (i & 15))) & 3u;
       const uint32_t hi = (r[4 + (i >> 5)] >> (i & 31)) & 1u;
       q[k] = code(lo | (hi << 2), 8388612.0f);
+    }
+  } else if (affine(FMT)) {
+    constexpr int B = mlx_bits(FMT);
+    const uint32_t sb = r[B];
+    const float sc = FMT >= 90 ? __uint_as_float(sb)
+                     : (FMT >= 80 ? half_bits(sb & 0xFFFFu) : __uint_as_float(sb << 16));
+    const float bi = FMT >= 90 ? __uint_as_float(r[words(FMT) - 1])
+                     : (FMT >= 80 ? half_bits(sb >> 16) : __uint_as_float(sb & 0xFFFF0000u));
+    const int off = k0 * B;
+    const unsigned long long v =
+        ((unsigned long long)r[off >> 5] | ((unsigned long long)r[(off >> 5) + 1] << 32)) >> (off & 31);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      q[k] = fmaf(code(uint32_t(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f), sc, bi);
+    }
+  } else if (FMT == 8 || FMT == 9) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t c = (r[(k0 + k) >> 3] >> (4 * ((k0 + k) & 7))) & 0xFu;
+      q[k] = half_bits(((c & 8u) << 12) | ((c & 7u) << 9));
+    }
+  } else if (FMT == 10) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t c = (r[(k0 + k) >> 2] >> (8 * ((k0 + k) & 3))) & 0xFFu;
+      q[k] = half_bits(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7));
     }
   } else if (FMT == 6) {
     const int l = k0 >> 3;

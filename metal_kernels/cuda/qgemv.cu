@@ -62,6 +62,7 @@ __device__ __forceinline__ void load_units(const uint8_t* w, const float* scales
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         qd::load<FMT, VEC, W16>(w + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        qd::load_aux<FMT, GS>(scales, rows[r], ng, u, raw[j][r]);
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           sc[j][r][g] = qd::scales_in_memory(FMT)

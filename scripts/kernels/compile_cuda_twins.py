@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
 from colibri_mlx.kernels.kernel_text import launch_text  # noqa: E402
-from kernel_oracle import random_qtensor, random_x  # noqa: E402
+from kernel_oracle import MLX_KERNEL_CASES, random_mlx_qtensor, random_qtensor, random_x  # noqa: E402
 
 ARCH = "sm_90a"
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
@@ -104,6 +104,11 @@ def qgemv_specs(full: bool):
                            qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
                                              shape_in=True))
                     yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_shape", qgemv.launch_spec(x, qt, dispatch.CUDA, shape_in=True)
+    for mode, bits, gs, sdt in MLX_KERNEL_CASES:   # the MLX formats: every kernel FMT family
+        qt = random_mlx_qtensor(mode, bits, gs, 64, 4096, sdt, seed=1)
+        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
+            x = random_x(S, 4096, dtype=dtype)
+            yield f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S{S}", qgemv.launch_spec(x, qt, dispatch.CUDA)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
