@@ -208,6 +208,13 @@ def test_qgemv_msl(mode, bits, gs, dtype, S):
 
 
 @needs_simulator
+@pytest.mark.parametrize("mode,gs", [("mxfp4", 32), ("nvfp4", 16)])
+def test_qgemv_msl_scale_rows_padded(mode, gs):
+    """I / gs not a multiple of 4: each row's scale bytes are padded to whole words."""
+    _run_qgemv_sim(mode, 4, gs, "bfloat16", 2, O=5, I=416)
+
+
+@needs_simulator
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_FULL)
 def test_qgemv_msl_full_grid(mode, bits, gs, dtype, S):

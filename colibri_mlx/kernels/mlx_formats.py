@@ -6,8 +6,9 @@
   kernels see one FMT template code per layout (qdecode.h): affine ``70 + bits`` (bfloat16 scales),
   ``80 + bits`` (float16), ``90 + bits`` (float32); 8 mxfp4, 9 nvfp4, 10 mxfp8. Units are 32
   weights (``bits`` words); the weights are the stored uint32 words viewed as bytes. The scales
-  input is built once per weight: affine one 32-bit word per group holding the 16-bit scale (low
-  half) and bias (high half), or two float32 words; fp modes the stored scale bytes.
+  input is built once per weight (:func:`kernel_scales`): affine one 32-bit word per group holding
+  the 16-bit scale (low half) and bias (high half), or two float32 words; fp modes the stored
+  scale bytes, rows padded to whole words.
 """
 
 from __future__ import annotations
@@ -76,8 +77,20 @@ def kernel_weights(qt) -> mx.array:
     return _mx(qt.packed).reshape(-1).view(mx.uint8)
 
 
+def scale_words_per_row(qt) -> int:
+    """32-bit words of :func:`kernel_scales` per row: the kernels' ``ng`` (so a row's scales start
+    at ``row * ng`` words whatever the format, and stacked experts offset them in words)."""
+    ng = qt.I // qt.gs
+    if qt.fmt == 7:
+        return 2 * ng if _dtype_name(_float_scales(qt.scales)) == "float32" else ng
+    return -(-ng // 4)
+
+
 def kernel_scales(qt) -> mx.array:
-    """The kernels' scales input as float32-typed words (the kernels reinterpret them)."""
+    """The kernels' scales input, float32-typed words (the kernels reinterpret them), ``[O, ng]``
+    with ng = :func:`scale_words_per_row`: affine one word per group, scale in the low and bias
+    in the high half (16-bit dtypes), or scale and bias as two float32 words; the fp modes the
+    stored scale bytes, each row padded to whole words (a copy only when I / gs % 4 != 0)."""
     if qt.fmt == 7:
         s, b = _float_scales(qt.scales), _float_scales(qt.biases)
         if s.dtype == mx.float32:
@@ -85,11 +98,11 @@ def kernel_scales(qt) -> mx.array:
         else:
             words = s.view(mx.uint16).astype(mx.uint32) | (b.view(mx.uint16).astype(mx.uint32) << 16)
         return words.reshape(-1).view(mx.float32)
-    raw = _mx(qt.scales).reshape(-1)
-    pad = (-raw.size) % 4
+    raw = _mx(qt.scales).reshape(qt.O, -1)
+    pad = 4 * scale_words_per_row(qt) - raw.shape[1]
     if pad:
-        raw = mx.concatenate([raw, mx.zeros((pad,), mx.uint8)])
-    return raw.view(mx.float32)
+        raw = mx.concatenate([raw, mx.zeros((qt.O, pad), mx.uint8)], axis=1)
+    return raw.reshape(-1).view(mx.float32)
 
 
 # ---------------------------------------------------------------------------------------
