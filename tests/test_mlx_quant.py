@@ -238,3 +238,45 @@ def test_qgemv_kernel_on_device(case):
         c = dispatch.counters()
         assert c["calls"] == {f"qgemv/{dispatch.backend()}": 1} and not c["fallbacks"], c
         assert_close(y, x, qt, f"{mode} {bits}-bit g{gs} {sdt} S={S}")
+
+
+# ---------------------------------------------------------------------------------------
+# moe_block in the MSL simulator: stacked MLX-format experts through both kernels
+
+MOE_CASES = [(("affine", 4, 64, mx.bfloat16), ("affine", 4, 64, mx.bfloat16)),
+             (("affine", 3, 32, mx.float16), ("affine", 6, 64, mx.float16)),    # a mixed recipe's down
+             (("affine", 8, 128, mx.float32), ("affine", 2, 32, mx.float32)),
+             (("mxfp4", 4, 32, mx.bfloat16), ("mxfp4", 4, 32, mx.bfloat16)),
+             (("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16))]
+
+
+@pytest.fixture
+def metal_sim(monkeypatch):
+    from moe_mla_oracle import route_launches_to_simulator
+
+    from colibri_mlx.kernels import moe
+
+    yield route_launches_to_simulator(monkeypatch, _sim)
+    moe.clear_banks()
+
+
+@needs_simulator
+@pytest.mark.parametrize("gu,down", MOE_CASES)
+def test_moe_block_msl(metal_sim, gu, down):
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_moe_close
+
+    D, inter, E, N, K = 128, 64, 4, 2, 2
+    experts = [(random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e),
+                random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e + 1),
+                random_mlx_qtensor(*down[:3], D, inter, down[3], seed=10 * e + 2)) for e in range(E)]
+    rng = np.random.default_rng(4)
+    ids = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = mx.array(rng.standard_normal((N, D)).astype(np.float32))
+    dispatch.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w)
+    c = dispatch.counters()
+    assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
+    assert "moe_gate_up" in metal_sim and "moe_down" in metal_sim
+    assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")

@@ -50,6 +50,23 @@ def row_bytes(qt) -> int:
     return qt.I * qt.bits // 8
 
 
+def kernel_bits(kfmt: int) -> int:
+    """Code width of a kernel FMT code of the MLX formats (qdecode.h qd_mlx_bits)."""
+    return kfmt % 10 if kfmt >= 70 else (8 if kfmt == 10 else 4)
+
+
+def kernel_row_bytes(kfmt: int, I: int) -> int:
+    return I * kernel_bits(kfmt) // 8
+
+
+def kernel_scale_words(kfmt: int, I: int, gs: int) -> int:
+    """:func:`scale_words_per_row` from a kernel FMT code."""
+    ng = I // gs
+    if kfmt >= 70:
+        return 2 * ng if kfmt >= 90 else ng
+    return -(-ng // 4)
+
+
 def decline_reason(qt):
     """Why the kernels cannot read this MLX-format weight, or None."""
     if qt.I % UNIT:
@@ -80,10 +97,7 @@ def kernel_weights(qt) -> mx.array:
 def scale_words_per_row(qt) -> int:
     """32-bit words of :func:`kernel_scales` per row: the kernels' ``ng`` (so a row's scales start
     at ``row * ng`` words whatever the format, and stacked experts offset them in words)."""
-    ng = qt.I // qt.gs
-    if qt.fmt == 7:
-        return 2 * ng if _dtype_name(_float_scales(qt.scales)) == "float32" else ng
-    return -(-ng // 4)
+    return kernel_scale_words(kernel_fmt(qt), qt.I, qt.gs)
 
 
 def kernel_scales(qt) -> mx.array:
