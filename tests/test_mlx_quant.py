@@ -280,3 +280,23 @@ def test_moe_block_msl(metal_sim, gu, down):
     assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
     assert "moe_gate_up" in metal_sim and "moe_down" in metal_sim
     assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
+
+
+@needs_simulator
+def test_mla_decode_declines_mlx_kv_b_visibly(metal_sim):
+    """mla_decode has no MLX-format decode: the decline is counted and the reference computes
+    what it computes for the same kv_b as float32."""
+    from kernel_oracle import random_mlx_qtensor
+
+    B, H, L, T, R, nope, v, rope = 1, 2, 1, 5, 64, 32, 32, 16
+    kv_b = random_mlx_qtensor("affine", 4, 32, H * (nope + v), R, mx.bfloat16, seed=2)
+    rng = np.random.default_rng(8)
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))   # noqa: E731
+    q_nope, q_rope, latent, k_rope = arr(B, H, L, nope), arr(B, H, L, rope), arr(B, T, R), arr(B, T, rope)
+    dispatch.reset_counters()
+    y = kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, 0.125, None, nope, v)
+    c = dispatch.counters()
+    assert any("kv_b fmt 7 (affine 4-bit g32)" in reason for reason in c["fallbacks"]), c
+    with kernels.force_reference():
+        want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, mx.array(decode_mlx(kv_b)), 0.125, None, nope, v)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
