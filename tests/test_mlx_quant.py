@@ -300,3 +300,18 @@ def test_mla_decode_declines_mlx_kv_b_visibly(metal_sim):
     with kernels.force_reference():
         want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, mx.array(decode_mlx(kv_b)), 0.125, None, nope, v)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,bits,gs,dtype", [("affine", 3, 32, "bfloat16"), ("mxfp4", 4, 32, "float32")])
+def test_row_operations_move_whole_rows(mode, bits, gs, dtype):
+    """take_rows / concat_rows / rows_of keep every row's codes, scales and biases together."""
+    a, b = _qt(mode, bits, gs, dtype, O=6, seed=1), _qt(mode, bits, gs, dtype, O=4, seed=2)
+    wa, wb = decode_mlx(a), decode_mlx(b)
+    order = [3, 0, 5, 1, 4, 2]
+    _assert_bits_equal(decode_mlx(kernels.take_rows(a, order)), wa[order])
+    fused = kernels.concat_rows([a, b])
+    assert fused is not None and fused.O == 10
+    _assert_bits_equal(decode_mlx(fused), np.concatenate([wa, wb]))
+    _assert_bits_equal(decode_mlx(kernels.rows_of(fused, 6, 10)), wb)
+    other = _qt("affine", 4, 64, "bfloat16", O=4)
+    assert kernels.concat_rows([a, other]) is None   # another bit width or mode: no shared layout

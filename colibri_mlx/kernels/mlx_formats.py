@@ -177,3 +177,49 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
         sc = _mx(qt.scales).reshape(qt.O, ng)[r0:r1].astype(mx.uint32)
         w = mx.take(_table(*table), c) * mx.take(_table(*stable), sc)[..., None]
     return w.reshape(R, qt.I)
+
+
+# ---------------------------------------------------------------------------------------
+# Row operations (kernels.take_rows / concat_rows / rows_of): weights, scales and biases are
+# all [O, ...] arrays, so rows move together.
+
+
+def _with_arrays(qt, packed, scales, biases, O: int, name: str):
+    from ..formats.qtensor import QTensor
+
+    return QTensor(packed, scales, qt.fmt, O, qt.I, qt.gs, name, bits=qt.bits, biases=biases)
+
+
+def _rows_2d(a, O: int) -> mx.array:
+    return _mx(a).reshape(O, -1)
+
+
+def take_rows(qt, idx: mx.array):
+    """``qt`` with its rows in the order ``idx`` (evaluated)."""
+    packed = _rows_2d(qt.packed, qt.O)[idx]
+    scales = _rows_2d(qt.scales, qt.O)[idx]
+    biases = None if qt.biases is None else _rows_2d(qt.biases, qt.O)[idx]
+    mx.eval(packed, scales, *(() if biases is None else (biases,)))
+    return _with_arrays(qt, packed, scales, biases, qt.O, qt.name)
+
+
+def rows(qt, r0: int, r1: int):
+    """Rows ``r0:r1`` of ``qt`` (slices, no copy)."""
+    biases = None if qt.biases is None else _rows_2d(qt.biases, qt.O)[r0:r1]
+    return _with_arrays(qt, _rows_2d(qt.packed, qt.O)[r0:r1], _rows_2d(qt.scales, qt.O)[r0:r1], biases,
+                        r1 - r0, qt.name)
+
+
+def concat_rows(weights):
+    """One QTensor holding the rows of ``weights`` in order, or None when their layouts differ."""
+    first = weights[0]
+    key = (kernel_fmt(first), first.I, first.gs)
+    if any(not is_mlx(w) or (kernel_fmt(w), w.I, w.gs) != key for w in weights):
+        return None
+    packed = mx.concatenate([_rows_2d(w.packed, w.O) for w in weights])
+    scales = mx.concatenate([_float_scales(w.scales).reshape(w.O, -1) if first.fmt == 7 else _rows_2d(w.scales, w.O)
+                             for w in weights])
+    biases = None if first.biases is None else mx.concatenate(
+        [_float_scales(w.biases).reshape(w.O, -1) for w in weights])
+    mx.eval(packed, scales, *(() if biases is None else (biases,)))
+    return _with_arrays(first, packed, scales, biases, sum(w.O for w in weights), "+".join(w.name for w in weights))
