@@ -315,3 +315,21 @@ def test_row_operations_move_whole_rows(mode, bits, gs, dtype):
     _assert_bits_equal(decode_mlx(kernels.rows_of(fused, 6, 10)), wb)
     other = _qt("affine", 4, 64, "bfloat16", O=4)
     assert kernels.concat_rows([a, other]) is None   # another bit width or mode: no shared layout
+
+
+def test_numpy_bfloat16_scales_as_ml_dtypes_or_bits():
+    """A safetensors reader hands bfloat16 over as ml_dtypes.bfloat16 or raw uint16 bits: both
+    construct, decode bit-exactly and reach the reference path."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, s, b = _quantized("affine", 5, 32, mx.bfloat16, O=6, I=256, seed=4)
+    ref = mx.dequantize(q, s, b, group_size=32, bits=5, dtype=mx.float32)
+    bits = lambda a: np.asarray(a.view(mx.uint16))   # noqa: E731
+    for conv in (bits, lambda a: bits(a).view(ml_dtypes.bfloat16)):
+        qt = qtensor_from_mlx(np.asarray(q), conv(s), conv(b), mode="affine", bits=5, group_size=32, name="w")
+        _assert_bits_equal(decode_mlx(qt), ref)
+        _assert_bits_equal(reference.dequantize(qt), ref)
+        from colibri_mlx.kernels import mlx_formats
+        assert mlx_formats.kernel_fmt(qt) == 75
+        qm = qt.to_mlx()
+        assert isinstance(qm.scales, mx.array) and isinstance(qm.biases, mx.array)
+        _assert_bits_equal(reference.dequantize(qm), ref)

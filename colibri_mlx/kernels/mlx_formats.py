@@ -77,9 +77,12 @@ def decline_reason(qt):
 
 
 def _mx(a) -> mx.array:
+    """An ``mx.array`` of a stored array; numpy bfloat16 (ml_dtypes) comes over as its uint16 bits."""
     if isinstance(a, mx.array):
         return a
     a = np.ascontiguousarray(np.asarray(a))
+    if a.dtype.name == "bfloat16":
+        return mx.array(a.view(np.uint16)).view(mx.bfloat16)
     return mx.array(a)
 
 
