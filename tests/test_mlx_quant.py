@@ -333,3 +333,30 @@ def test_numpy_bfloat16_scales_as_ml_dtypes_or_bits():
         qm = qt.to_mlx()
         assert isinstance(qm.scales, mx.array) and isinstance(qm.biases, mx.array)
         _assert_bits_equal(reference.dequantize(qm), ref)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("gu,down", MOE_CASES)
+def test_moe_block_kernels_on_device(gu, down):
+    """The backend's moe_gate_up / moe_down on MLX-format experts, against float64."""
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_moe_close
+
+    from colibri_mlx.kernels import moe
+
+    D, inter, E, N, K = 1024, 512, 8, 3, 4
+    experts = [(random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e),
+                random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e + 1),
+                random_mlx_qtensor(*down[:3], D, inter, down[3], seed=10 * e + 2)) for e in range(E)]
+    rng = np.random.default_rng(6)
+    ids = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = mx.array(rng.standard_normal((N, D)).astype(np.float32))
+    dispatch.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w)
+    mx.eval(y)
+    c = dispatch.counters()
+    moe.clear_banks()
+    assert c["calls"].get(f"moe_block/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
