@@ -360,3 +360,14 @@ def test_moe_block_kernels_on_device(gu, down):
     moe.clear_banks()
     assert c["calls"].get(f"moe_block/{dispatch.backend()}") == 1 and not c["fallbacks"], c
     assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
+
+
+@pytest.mark.parametrize("mode,bits,gs,dtype", [("affine", 6, 64, "bfloat16"), ("mxfp8", 8, 32, "float32")])
+def test_embedding_rows_of_an_mlx_table(mode, bits, gs, dtype):
+    from colibri_mlx.models.deepseek_v3 import embedding_rows
+
+    table = _qt(mode, bits, gs, dtype, O=50, I=128, seed=9)
+    ids = mx.array([[3, 49, 3], [0, 17, 8]], dtype=mx.int32)
+    got = embedding_rows(table, ids)
+    assert got.shape == (2, 3, 128) and got.dtype == mx.float32
+    _assert_bits_equal(np.asarray(got).reshape(6, 128), decode_mlx(table)[np.asarray(ids).reshape(-1)])
