@@ -7,6 +7,7 @@ environment it runs one process (the reference).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -43,6 +44,10 @@ def main():
     else:
         model, _ = made
     load_s = time.perf_counter() - t0
+    if os.environ.get("DIST_WORKER_PAUSE"):
+        # Loaded on every rank: the test now kills or stops a rank, then lets rank 0 go on.
+        print("loaded", flush=True)
+        sys.stdin.readline()
     tokens, logits, decode_s = greedy(model, n_tokens)
     if made is not None:
         stats = model.stats()

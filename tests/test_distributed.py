@@ -1,0 +1,253 @@
+"""Expert and pipeline parallel over MLX's ring backend, 2 and 3 local processes.
+
+Each run is checked against the same model in one process (the oracle): 32 greedy tokens
+identical, logits of the prompt and of every step within 1e-5. Per-rank bytes are checked against
+the container's own header (not the planner's numbers): the ranks together read the sharded part
+once and the replicated part once each, and no rank reads more than 1/N of the sharded part plus
+the replicated part plus the planner's stated imbalance (one expert per MoE layer under expert
+parallel, one layer under pipeline parallel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import helpers_models
+import helpers_tiny
+from helpers_tiny import CONFIG, GLM, write_tiny_container
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
+N_TOKENS = 32
+LOGIT_TOL = 1e-5            # float32 sums in another order (partial sums per rank, then all_sum)
+RESIDENT_OVERHEAD = 4096    # per-rank index tables (expert id -> local slot: 4 bytes per expert and layer)
+DSV3 = dict(CONFIG, num_hidden_layers=4, n_routed_experts=6, max_position_embeddings=64)
+GLM5 = dict(GLM, num_hidden_layers=4, n_routed_experts=6, max_position_embeddings=64)
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _env(tmp_path, rank, world, extra=None):
+    hostfile = tmp_path / "hosts.json"
+    if not hostfile.exists():
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(world)]))
+    env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.update(extra or {})
+    return env
+
+
+def _launch(tmp_path, model, mode, world, out, n_tokens=N_TOKENS, extra=None, **popen):
+    return [subprocess.Popen([sys.executable, WORKER, model, mode, str(out), str(n_tokens)],
+                             env=_env(tmp_path, r, world, extra), cwd=str(tmp_path), **popen)
+            for r in range(world)]
+
+
+def _run(tmp_path, model, mode, world):
+    out = tmp_path / f"{mode}{world}.json"
+    procs = _launch(tmp_path, model, mode, world, out, stderr=subprocess.PIPE)
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    return json.loads(out.read_text())
+
+
+def _reference(tmp_path, model):
+    out = tmp_path / "one.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    subprocess.run([sys.executable, WORKER, model, "expert", str(out), str(N_TOKENS)], env=env, check=True,
+                   timeout=120)
+    return json.loads(out.read_text())
+
+
+def _header_parts(path):
+    """(sharded bytes by unit, replicated bytes) from the container header alone."""
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    experts, layers, replicated = {}, {}, 0
+    for name in c.names():
+        nbytes = c.info(name).nbytes
+        m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name)
+        if m is None:
+            replicated += nbytes
+            continue
+        layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + nbytes
+        key = (int(m.group(1)), int(m.group(3))) if m.group(2) else None
+        if key is not None:
+            experts[key] = experts.get(key, 0) + nbytes
+    return experts, layers, replicated
+
+
+def _check_bytes(path, mode, world, stats):
+    experts, layers, replicated = _header_parts(path)
+    if mode == "expert":
+        sharded = sum(experts.values())
+        everything = sum(layers.values()) + replicated
+        replicated, units = everything - sharded, experts
+        moe_layers = {l for l, _ in experts}
+        slack = sum(max(v for (l, _), v in experts.items() if l == layer) for layer in moe_layers)
+        n_experts = len(experts)
+        assert sum(s["experts_held"] for s in stats) == n_experts   # disjoint and complete
+    else:
+        sharded, units = sum(layers.values()), layers
+        slack = max(layers.values())
+        assert sum(s["layers_held"] for s in stats) == len(layers)
+    read = [s["read_bytes"] for s in stats]
+    assert sum(read) == sharded + world * replicated        # each sharded tensor read by exactly one rank
+    bound = sharded / world + replicated + slack
+    for s in stats:
+        assert s["read_bytes"] <= bound, (s, bound)
+        assert s["resident_bytes"] <= s["read_bytes"] + RESIDENT_OVERHEAD, s
+    assert len(units) > world
+
+
+def _check_against_one(tmp_path, model, mode, world):
+    ref = _reference(tmp_path, model)
+    got = _run(tmp_path, model, mode, world)
+    assert len(ref["tokens"]) == N_TOKENS
+    assert got["tokens"] == ref["tokens"]
+    a, b = np.array(ref["logits"]), np.array(got["logits"])
+    assert a.shape == b.shape and np.isfinite(a).all()
+    assert np.abs(a - b).max() <= LOGIT_TOL
+    assert [s["rank"] for s in got["stats"]] == list(range(world))
+    _check_bytes(model, mode, world, got["stats"])
+    return got
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    made = {"dsv3": write_tiny_container(root / "dsv3", DSV3, seed=1),
+            "glm5": write_tiny_container(root / "glm5", GLM5, seed=2)}
+    original = helpers_tiny._format
+    helpers_tiny._format = helpers_models.default_container_formats   # every fmt, per expert too
+    try:
+        made["mixed"] = write_tiny_container(root / "mixed", DSV3, seed=3)
+    finally:
+        helpers_tiny._format = original
+    return made
+
+
+@pytest.mark.parametrize("name,mode,world", [
+    ("dsv3", "expert", 2),
+    ("mixed", "pipeline", 2),
+    ("glm5", "expert", 3),
+])
+def test_parallel_matches_one_process(tmp_path, models, name, mode, world):
+    _check_against_one(tmp_path, models[name], mode, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode,world", [
+    ("dsv3", "pipeline", 2), ("dsv3", "expert", 3), ("dsv3", "pipeline", 3),
+    ("glm5", "expert", 2), ("glm5", "pipeline", 2), ("glm5", "pipeline", 3),
+    ("mixed", "expert", 2), ("mixed", "expert", 3), ("mixed", "pipeline", 3),
+])
+def test_parallel_matches_one_process_matrix(tmp_path, models, name, mode, world):
+    _check_against_one(tmp_path, models[name], mode, world)
+
+
+def test_mlx_launch_command_line(tmp_path, models):
+    """The documented launcher: ``mlx.launch -n 2 --backend ring``."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    if not os.path.exists(launcher):
+        pytest.skip("mlx.launch is not installed next to this interpreter")
+    out = tmp_path / "launch.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    r = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(1)[0]),
+                        sys.executable, WORKER, models["dsv3"], "expert", str(out), "4"],
+                       env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    got = json.loads(out.read_text())
+    assert len(got["tokens"]) == 4 and len(got["stats"]) == 2
+
+
+def _start_paused(tmp_path, model, extra):
+    out = tmp_path / "dead.json"
+    procs = _launch(tmp_path, model, "expert", 2, out, extra=dict(extra, DIST_WORKER_PAUSE="1"),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = procs[0].stdout.readline()
+    assert line.strip() == b"loaded", (line, procs[0].stderr.read().decode())
+    return procs
+
+
+def _finish(procs, timeout):
+    t0 = time.monotonic()
+    procs[0].stdin.write(b"go\n")
+    procs[0].stdin.flush()
+    _, err = procs[0].communicate(timeout=timeout)
+    for p in procs[1:]:
+        p.kill()
+        p.wait()
+    return procs[0].returncode, err.decode(), time.monotonic() - t0
+
+
+def test_dead_rank_is_an_error_on_rank_0(tmp_path, models):
+    procs = _start_paused(tmp_path, models["dsv3"], {})
+    procs[1].kill()
+    procs[1].wait()
+    rc, err, _ = _finish(procs, timeout=60)
+    assert rc != 0
+    assert "DistributedError" in err and "rank 0/2" in err and "a rank died" in err, err
+
+
+def test_hung_rank_times_out_on_rank_0(tmp_path, models):
+    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "2"})
+    os.kill(procs[1].pid, signal.SIGSTOP)   # alive, holding its sockets, never answering
+    rc, err, seconds = _finish(procs, timeout=60)   # kills the stopped rank afterwards
+    from colibri_mlx.distributed import TIMEOUT_EXIT_CODE
+
+    assert rc == TIMEOUT_EXIT_CODE, err
+    assert "no answer from the other ranks in 2 s (COLIBRI_DIST_TIMEOUT)" in err, err
+    assert seconds < 30
+
+
+def test_planners():
+    from colibri_mlx.distributed import plan_experts, plan_layers
+
+    sizes = np.array([5, 1, 1, 1, 4, 2, 2])
+    shares = plan_experts(sizes, 3)
+    assert sorted(e for s in shares for e in s) == list(range(7))
+    loads = [sizes[s].sum() for s in shares]
+    assert max(loads) - min(loads) <= sizes.max()
+    assert plan_experts(np.ones(4), 2) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="at least one routed expert per rank"):
+        plan_experts(np.ones(2), 3)
+    ranges = plan_layers([10, 10, 10, 10, 40], 2)
+    assert ranges == [range(0, 3), range(3, 5)] or ranges == [range(0, 4), range(4, 5)]
+    assert [list(r) for r in plan_layers([1, 1, 1, 1], 2, shared_after={2})] in ([[0], [1, 2, 3]],
+                                                                                  [[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match="at least one layer per rank"):
+        plan_layers([1, 1], 3)
+
+
+def test_one_process_is_unchanged(monkeypatch):
+    from colibri_mlx import distributed
+
+    for k in ("MLX_RANK", "MLX_HOSTFILE", "OMPI_COMM_WORLD_RANK", "MLX_JACCL_COORDINATOR"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.setup("/nonexistent", "expert") is None
+    monkeypatch.setenv("COLIBRI_DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="COLIBRI_DIST_TIMEOUT"):
+        distributed.timeout_s()
