@@ -320,8 +320,10 @@ class ExpertParallel:
         self.n_experts = n_experts
 
     def __call__(self, moe, x, residual=None):
+        from .kernels.dispatch import record_call
         from .models.deepseek_v3 import routed_experts
 
+        record_call("moe_parallel", "all_sum")
         flat = x.reshape(-1, x.shape[-1])
         if not hasattr(moe, "local_index"):
             table = np.full(self.n_experts, -1, np.int32)
@@ -517,3 +519,33 @@ def format_stats(stats: list[dict]) -> str:
                      f"{s['read_bytes'] / 1e6:.1f} MB, {int(s['experts_held'])} experts, {int(s['layers_held'])} "
                      f"layers, communication {per_token:.3f} ms/token ({int(s['comm_calls'])} collectives)")
     return "\n".join(lines)
+
+
+def load_for_cli(opened, parallel: str | None, options: dict):
+    """The CLI's model under ``mlx.launch`` (rank 0's :class:`DistributedModel`; other ranks serve
+    and exit here), or None for one process. The per-rank statistics go to stderr at exit."""
+    if not launched():
+        if parallel is not None:
+            sys.stderr.write(f"colibri: note: --parallel {parallel} needs mlx.launch (docs/distributed.md); "
+                             "running as one process\n")
+        return None
+    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb"))
+    if unsupported:
+        raise ValueError(f"--parallel: {', '.join('--' + k.replace('_', '-') for k in unsupported)} "
+                         "not available with several ranks")
+    made = setup(opened.path, parallel or "expert", options.get("dtype"), options.get("expert_top_p"),
+                 options.get("ram_gb"))
+    if made is None:
+        return None
+    dist, _ = made
+    import atexit
+
+    atexit.register(_print_stats, dist)   # registered after close: runs before it
+    return dist
+
+
+def _print_stats(dist) -> None:
+    try:
+        sys.stderr.write(format_stats(dist.stats()) + "\n")
+    except DistributedError as e:
+        sys.stderr.write(f"colibri: per-rank statistics unavailable: {e}\n")
