@@ -251,3 +251,39 @@ def test_one_process_is_unchanged(monkeypatch):
     monkeypatch.setenv("COLIBRI_DIST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="COLIBRI_DIST_TIMEOUT"):
         distributed.timeout_s()
+
+
+def _cli(tmp_path, args, world=None):
+    cmd = [sys.executable, "-m", "colibri_mlx", *args]
+    if world is None:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        for k in ("MLX_RANK", "MLX_HOSTFILE"):
+            env.pop(k, None)
+        return [subprocess.run(cmd, env=env, capture_output=True, timeout=120)]
+    procs = [subprocess.Popen(cmd, env=_env(tmp_path, r, world), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(world)]
+    return [subprocess.CompletedProcess(cmd, p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+@pytest.mark.parametrize("mode", ["expert", pytest.param("pipeline", marks=pytest.mark.slow)])
+def test_cli_generate_under_two_ranks(tmp_path, models, mode):
+    args = ["generate", "-m", models["dsv3"], "-p", "Hello", "--max-tokens", "12"]
+    (one,) = _cli(tmp_path, args)
+    assert one.returncode == 0, one.stderr.decode()
+    ranks = _cli(tmp_path, args + ["--parallel", mode], world=2)
+    for r in ranks:
+        assert r.returncode == 0, r.stderr.decode()
+    assert ranks[0].stdout == one.stdout and one.stdout.strip()
+    assert ranks[1].stdout == b""                       # rank 0 owns the output
+    err = ranks[0].stderr.decode()
+    assert "rank 0: resident" in err and "rank 1: resident" in err, err
+
+
+def test_cli_help_documents_the_launch():
+    from click.testing import CliRunner
+
+    from colibri_mlx.cli import main
+
+    for command in ("generate", "chat", "bench", "serve"):
+        text = CliRunner().invoke(main, [command, "--help"]).output
+        assert "--parallel [expert|pipeline]" in text and "mlx.launch" in text, command
