@@ -86,6 +86,63 @@ def allsum_worker(width, out):
         Path(out).write_text(json.dumps(result))
 
 
+# The ms/token model of docs/distributed.md. Per-layer compute: H200, bench_moe_mla.py (docs/performance.md,
+# first of the three 2026-12-02 runs), µs a layer at a 4096 cache.
+H200_US = {"mla": 186.0, "moe_block": 142.7, "routed": 95.1}
+# The same layers' bandwidth floors on the H200 (bytes / 4.3 TB/s, docs/performance.md), µs: an M3 Ultra
+# (819 GB/s) reads them 4300/819 times slower; at half its bandwidth (our H200 routed experts reach 48 %).
+H200_FLOOR_US = {"mla": 26.0, "moe_block": 52.0, "routed": 46.0}
+M3_ULTRA_EFFICIENCY = 0.5
+M3_ULTRA_US = {k: v * 4300 / 819 / M3_ULTRA_EFFICIENCY for k, v in H200_FLOOR_US.items()}
+# Latency of one all_sum / send of a decode row (7168 bf16 = 14 KB), µs: ring over TCP/Thunderbolt and
+# JACCL (RDMA over Thunderbolt 5) as published (docs/distributed.md cites them).
+LINK_US = {"ring TCP": 300.0, "JACCL RDMA": 50.0}
+MODELS = {"DeepSeek-V3": dict(layers=61, moe=58, experts=256, k=8),
+          "Kimi-K2": dict(layers=61, moe=60, experts=384, k=8)}
+
+
+def expected_max_local(experts, k, ranks, samples=20000, seed=0):
+    """Mean over tokens of the most selected experts one rank holds (uniform routing, experts dealt
+    round-robin): the rank every MoE layer waits for."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((samples, experts)), axis=1)[:, :k]
+    return float(np.mean([np.bincount(row % ranks, minlength=ranks).max() for row in ids]))
+
+
+def estimate(model, ranks, mode, link_us, c=H200_US):
+    """ms/token of one decode row: compute on the slowest rank plus the collectives on the critical path."""
+    m = MODELS[model]
+    attention = m["layers"] * c["mla"]
+    dense = (m["layers"] - m["moe"]) * c["moe_block"]        # dense MLP taken as a MoE block (upper bound)
+    replicated = m["moe"] * (c["moe_block"] - c["routed"])   # router + shared expert
+    routed = m["moe"] * c["routed"]
+    broadcast = 2 * link_us if ranks > 1 else 0.0           # rank 0's command and token
+    if mode == "expert" and ranks > 1:
+        share = expected_max_local(m["experts"], m["k"], ranks) / m["k"]
+        compute = attention + dense + replicated + routed * share
+        comm = m["moe"] * link_us
+    else:
+        compute = attention + dense + replicated + routed
+        comm = ranks * link_us if ranks > 1 else 0.0            # the hidden state visits every rank and returns
+    return (compute + comm + broadcast) / 1e3
+
+
+def print_estimates():
+    print("ms/token, one decode row (docs/distributed.md); compute: H200 measured per layer / M3 Ultra at half "
+          "its bandwidth")
+    for model in MODELS:
+        for scale_name, scale in (("H200 compute", H200_US), ("M3 Ultra compute", M3_ULTRA_US)):
+            one = estimate(model, 1, "expert", 0.0, scale)
+            cells = [f"1: {one:6.1f}"]
+            for link, us in LINK_US.items():
+                for mode in ("expert", "pipeline"):
+                    row = ", ".join(f"{n}: {estimate(model, n, mode, us, scale):6.1f}" for n in (2, 4, 8))
+                    cells.append(f"{mode} over {link} [{row}]")
+            print(f"  {model:12s} {scale_name:17s} " + "\n" + "\n".join("      " + c for c in cells))
+
+
 def _run_ranks(ranks, argv, tmp):
     hostfile = Path(tmp) / f"hosts{time.monotonic_ns()}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
@@ -110,7 +167,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--estimate", action="store_true", help="Print the ms/token model of docs/distributed.md.")
     a = ap.parse_args()
+    if a.estimate:
+        print_estimates()
+        return
     if a.worker:
         if a.worker[0] == "decode":
             decode_worker(a.model, a.worker[1], a.tokens, a.worker[2])
