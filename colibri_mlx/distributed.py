@@ -494,7 +494,12 @@ def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | Non
             if hasattr(layer.mlp, "expert_ids"):
                 layer.mlp.parallel = hook
     if comm.rank != 0:
-        follow(model, comm, load)
+        try:
+            follow(model, comm, load)
+        except DistributedError as e:
+            sys.stderr.write(f"colibri: {e}\n")
+            sys.stderr.flush()
+            os._exit(1)
         sys.stdout.flush()
         os._exit(0)
     dist = DistributedModel(model, comm, load)

@@ -287,3 +287,32 @@ def test_cli_help_documents_the_launch():
     for command in ("generate", "chat", "bench", "serve"):
         text = CliRunner().invoke(main, [command, "--help"]).output
         assert "--parallel [expert|pipeline]" in text and "mlx.launch" in text, command
+
+
+def test_rank_0_gone_ends_the_other_ranks(tmp_path, models):
+    procs = _start_paused(tmp_path, models["dsv3"], {})
+    procs[0].kill()
+    procs[0].wait()
+    _, err = procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 1
+    assert "colibri: rank 1/2: command wait failed" in err.decode(), err.decode()
+
+
+def test_expert_shares_follow_the_usage_history(models):
+    """With a .coli_usage history the shares balance selections, not bytes: the two most selected
+    experts of a layer land on different ranks, and every expert is held exactly once."""
+    from colibri_mlx.container import Container
+    from colibri_mlx.distributed import plan_rank
+    from colibri_mlx.experts.usage import UsageHistory
+    from colibri_mlx.models.deepseek_v3 import ModelArgs
+
+    c = Container(models["dsv3"])
+    args = ModelArgs.from_config(DSV3)
+    usage = UsageHistory.empty(DSV3["num_hidden_layers"], DSV3["n_routed_experts"])
+    usage.counts[1, [0, 1]] = 1000            # experts 0 and 1 of layer 1: the hot ones
+    plans = [plan_rank(c, args, r, 2, "expert", usage)[0] for r in range(2)]
+    shares = [p.experts["model.layers.1.mlp.experts."] for p in plans]
+    assert sorted(shares[0] + shares[1]) == list(range(DSV3["n_routed_experts"]))
+    assert (0 in shares[0]) != (1 in shares[0])
+    by_bytes = [plan_rank(c, args, r, 2, "expert")[0].experts["model.layers.1.mlp.experts."] for r in range(2)]
+    assert by_bytes == [[0, 2, 4], [1, 3, 5]]   # equal experts: dealt in turn
