@@ -79,6 +79,25 @@ def timeout_s() -> float:
     return t
 
 
+def write_local_hostfile(path, world: int) -> str:
+    """A ring-backend hostfile of ``world`` ranks on 127.0.0.1 (free ports), what
+    ``mlx.launch -n N --backend ring`` writes: run each rank with MLX_RANK and MLX_HOSTFILE=path."""
+    import json
+    import socket
+
+    socks = [socket.socket() for _ in range(world)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    with open(path, "w") as f:
+        json.dump([[f"127.0.0.1:{p}"] for p in ports], f)
+    return os.fspath(path)
+
+
 # ----------------------------------------------------------------------------------- plans
 
 

@@ -24,6 +24,7 @@ import pytest
 
 import helpers_models
 import helpers_tiny
+from colibri_mlx.distributed import write_local_hostfile
 from helpers_tiny import CONFIG, GLM, write_tiny_container
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,20 +36,16 @@ DSV3 = dict(CONFIG, num_hidden_layers=4, n_routed_experts=6, max_position_embedd
 GLM5 = dict(GLM, num_hidden_layers=4, n_routed_experts=6, max_position_embeddings=64)
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
+def _free_port():
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+        return s.getsockname()[1]
 
 
 def _env(tmp_path, rank, world, extra=None):
     hostfile = tmp_path / "hosts.json"
     if not hostfile.exists():
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(world)]))
+        write_local_hostfile(hostfile, world)
     env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     env.update(extra or {})
@@ -152,7 +149,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("name,mode,world", [
     ("dsv3", "expert", 2),
     ("mixed", "pipeline", 2),
-    ("glm5", "expert", 3),
+    ("glm5", "expert", 2),
 ])
 def test_parallel_matches_one_process(tmp_path, models, name, mode, world):
     _check_against_one(tmp_path, models[name], mode, world)
@@ -161,7 +158,7 @@ def test_parallel_matches_one_process(tmp_path, models, name, mode, world):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode,world", [
     ("dsv3", "pipeline", 2), ("dsv3", "expert", 3), ("dsv3", "pipeline", 3),
-    ("glm5", "expert", 2), ("glm5", "pipeline", 2), ("glm5", "pipeline", 3),
+    ("glm5", "expert", 3), ("glm5", "pipeline", 2), ("glm5", "pipeline", 3),
     ("mixed", "expert", 2), ("mixed", "expert", 3), ("mixed", "pipeline", 3),
 ])
 def test_parallel_matches_one_process_matrix(tmp_path, models, name, mode, world):
@@ -175,7 +172,7 @@ def test_mlx_launch_command_line(tmp_path, models):
         pytest.skip("mlx.launch is not installed next to this interpreter")
     out = tmp_path / "launch.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    r = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports(1)[0]),
+    r = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()),
                         sys.executable, WORKER, models["dsv3"], "expert", str(out), "4"],
                        env=env, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr.decode()
@@ -204,12 +201,14 @@ def _finish(procs, timeout):
 
 
 def test_dead_rank_is_an_error_on_rank_0(tmp_path, models):
-    procs = _start_paused(tmp_path, models["dsv3"], {})
+    """The ring backend reports the closed connection (DistributedError); should it not notice,
+    the deadline does. Either way rank 0 ends with an error naming the cause, not a hang."""
+    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "10"})
     procs[1].kill()
     procs[1].wait()
     rc, err, _ = _finish(procs, timeout=60)
     assert rc != 0
-    assert "DistributedError" in err and "rank 0/2" in err and "a rank died" in err, err
+    assert "rank 0/2" in err and "a rank died" in err, err
 
 
 def test_hung_rank_times_out_on_rank_0(tmp_path, models):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,16 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 WARMUP_STEPS = 4
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def decode_worker(model_dir, mode, tokens, out):
@@ -144,8 +133,9 @@ def print_estimates():
 
 
 def _run_ranks(ranks, argv, tmp):
-    hostfile = Path(tmp) / f"hosts{time.monotonic_ns()}.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
+    from colibri_mlx.distributed import write_local_hostfile
+
+    hostfile = write_local_hostfile(Path(tmp) / f"hosts{time.monotonic_ns()}.json", ranks)
     procs = []
     for r in range(ranks):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
