@@ -43,9 +43,10 @@ _EXPERT = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts\.)(\d+)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # Command header rank 0 broadcasts before each mirrored call: op, batch, length, cache id,
-# has left padding, a cache id to drop (0 = none).
+# has left padding, a cache id to drop (0 = none), the cache's offset (checked: the ranks' caches
+# stay in step).
 OP_STOP, OP_FORWARD, OP_STATS = 0, 1, 2
-HEADER = 6
+HEADER = 7
 STAT_FIELDS = ("resident_bytes", "read_bytes", "experts_held", "layers_held", "comm_s", "comm_calls", "tokens")
 
 
@@ -416,9 +417,9 @@ class DistributedModel:
             weakref.finalize(cache, self._dropped.append, cid)
         return self._cache_ids[cache]
 
-    def _command(self, op: int, B: int = 0, L: int = 0, cid: int = 0, padded: int = 0):
+    def _command(self, op: int, B: int = 0, L: int = 0, cid: int = 0, padded: int = 0, offset: int = 0):
         drop = self._dropped.pop() if self._dropped else 0
-        self._comm.all_sum(mx.array([op, B, L, cid, padded, drop], dtype=mx.int32), "command broadcast")
+        self._comm.all_sum(mx.array([op, B, L, cid, padded, drop, offset], dtype=mx.int32), "command broadcast")
 
     def __call__(self, tokens, cache=None, left_padding=None):
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
@@ -428,11 +429,11 @@ class DistributedModel:
             cache = self.make_cache()
         B, L = tokens.shape
         padded = left_padding is not None and cache.offset == 0
-        self._command(OP_FORWARD, B, L, self._cache_id(cache), int(padded))
+        self._command(OP_FORWARD, B, L, self._cache_id(cache), int(padded), cache.offset)
         self._comm.all_sum(tokens.astype(mx.int32), "token broadcast")
         if padded:
             self._comm.all_sum(mx.array(left_padding, dtype=mx.int32).reshape(B), "padding broadcast")
-        self._tokens += B * L if cache.offset == 0 else B
+        self._tokens += B   # per forward step: a generated token, or a prompt (counted once)
         return _forward(self._model, self._comm, self._load.mode, tokens, cache, left_padding)
 
     def stats(self) -> list[dict]:
@@ -475,7 +476,7 @@ def follow(model, comm: Comm, load: RankLoad) -> None:
     tokens_seen = 0
     while True:
         header = comm.all_sum(mx.zeros((HEADER,), mx.int32), "command wait", deadline=False)
-        op, B, L, cid, padded, drop = (int(v) for v in header.tolist())
+        op, B, L, cid, padded, drop, offset = (int(v) for v in header.tolist())
         caches.pop(drop, None)
         if op == OP_STOP:
             return
@@ -489,7 +490,10 @@ def follow(model, comm: Comm, load: RankLoad) -> None:
         cache = caches.get(cid)
         if cache is None:
             cache = caches[cid] = model.make_cache()
-        tokens_seen += B * L if cache.offset == 0 else B
+        if cache.offset != offset:
+            raise DistributedError(f"rank {comm.rank}: its cache holds {cache.offset} positions, rank 0's {offset}: "
+                                   "the ranks are out of step")
+        tokens_seen += B
         _forward(model, comm, load.mode, tokens, cache, left_padding)
         # The logits are rank 0's; the cache writes are this rank's.
         mx.eval([b for layer_cache in cache.layers for b in layer_cache.buffers.values()])
