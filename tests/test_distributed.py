@@ -77,46 +77,55 @@ def _reference(tmp_path, model):
     return json.loads(out.read_text())
 
 
-def _header_parts(path):
-    """(sharded bytes by unit, replicated bytes) from the container header alone."""
+def _header_parts(path, mode):
+    """From the container header alone: per sharded unit (an expert of a layer, or a layer) and for
+    the replicated rest, the stored bytes a load reads and the bytes it keeps (quantized tensors as
+    stored, every float tensor widened to float32 on the CPU, FP8 block scales folded in)."""
     from colibri_mlx.container import Container
 
     c = Container(path)
-    experts, layers, replicated = {}, {}, 0
-    for name in c.names():
-        nbytes = c.info(name).nbytes
+    names = set(c.names())
+    units, replicated = {}, np.zeros(2)
+    for name in names:
+        info = c.info(name)
+        if name.endswith("_scale_inv"):
+            kept = 0
+        elif name.endswith(".qs") or name + ".qs" in names:
+            kept = info.nbytes
+        else:
+            kept = 4 * int(np.prod(info.shape))
         m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name)
-        if m is None:
-            replicated += nbytes
-            continue
-        layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + nbytes
-        key = (int(m.group(1)), int(m.group(3))) if m.group(2) else None
-        if key is not None:
-            experts[key] = experts.get(key, 0) + nbytes
-    return experts, layers, replicated
+        key = None
+        if m is not None:
+            key = int(m.group(1)) if mode == "pipeline" else (
+                (int(m.group(1)), int(m.group(3))) if m.group(2) else None)
+        if key is None:
+            replicated += (info.nbytes, kept)
+        else:
+            units[key] = units.get(key, np.zeros(2)) + (info.nbytes, kept)
+    return units, replicated
 
 
 def _check_bytes(path, mode, world, stats):
-    experts, layers, replicated = _header_parts(path)
+    units, replicated = _header_parts(path, mode)
+    sharded = sum(units.values())
     if mode == "expert":
-        sharded = sum(experts.values())
-        everything = sum(layers.values()) + replicated
-        replicated, units = everything - sharded, experts
-        moe_layers = {l for l, _ in experts}
-        slack = sum(max(v for (l, _), v in experts.items() if l == layer) for layer in moe_layers)
-        n_experts = len(experts)
-        assert sum(s["experts_held"] for s in stats) == n_experts   # disjoint and complete
+        # The planner's imbalance: at most one expert per MoE layer more than an even share.
+        layers = {l for l, _ in units}
+        slack = sum(np.max([v for (l, _), v in units.items() if l == layer], axis=0) for layer in layers)
+        assert sum(s["experts_held"] for s in stats) == len(units)    # disjoint and complete
     else:
-        sharded, units = sum(layers.values()), layers
-        slack = max(layers.values())
-        assert sum(s["layers_held"] for s in stats) == len(layers)
-    read = [s["read_bytes"] for s in stats]
-    assert sum(read) == sharded + world * replicated        # each sharded tensor read by exactly one rank
+        slack = np.max(list(units.values()), axis=0)                  # one layer
+        assert sum(s["layers_held"] for s in stats) == len(units)
+    assert len(units) > world
+    read = sum(s["read_bytes"] for s in stats)
+    assert read == sharded[0] + world * replicated[0]     # each sharded tensor read by exactly one rank
     bound = sharded / world + replicated + slack
     for s in stats:
-        assert s["read_bytes"] <= bound, (s, bound)
-        assert s["resident_bytes"] <= s["read_bytes"] + RESIDENT_OVERHEAD, s
-    assert len(units) > world
+        assert s["read_bytes"] <= bound[0], (s, bound)
+        assert s["resident_bytes"] <= bound[1] + RESIDENT_OVERHEAD, (s, bound)
+    kept = sum(s["resident_bytes"] for s in stats)
+    assert abs(kept - (sharded[1] + world * replicated[1])) <= world * RESIDENT_OVERHEAD
 
 
 def _check_against_one(tmp_path, model, mode, world):
@@ -315,3 +324,15 @@ def test_expert_shares_follow_the_usage_history(models):
     assert (0 in shares[0]) != (1 in shares[0])
     by_bytes = [plan_rank(c, args, r, 2, "expert")[0].experts["model.layers.1.mlp.experts."] for r in range(2)]
     assert by_bytes == [[0, 2, 4], [1, 3, 5]]   # equal experts: dealt in turn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_unconverted_fp8_checkpoint(tmp_path, mode):
+    """A Hugging Face checkpoint with FP8 weights and their block scales: each rank reads its
+    tensors' scales with them, and nothing else."""
+    pytest.importorskip("transformers")
+    from helpers_models import build_config_model, save_checkpoint
+
+    path = save_checkpoint(build_config_model("v3_lora_g1"), str(tmp_path / "hf"), fp8=True)
+    _check_against_one(tmp_path, path, mode, 2)
