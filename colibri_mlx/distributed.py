@@ -465,7 +465,7 @@ def _gather_stats(model, comm, load, tokens) -> list[dict]:
     # float64 on the CPU stream: bytes stay exact up to 2**53.
     row = np.zeros((comm.size, len(STAT_FIELDS)), np.float64)
     row[comm.rank] = _rank_stats(model, comm, load, tokens)
-    table = np.array(mx.distributed.all_sum(mx.array(row), group=comm.group, stream=mx.cpu))
+    table = np.array(comm.run("statistics", mx.distributed.all_sum(mx.array(row), group=comm.group, stream=mx.cpu)))
     return [dict(zip(STAT_FIELDS, map(float, r)), rank=i) for i, r in enumerate(table)]
 
 

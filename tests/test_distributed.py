@@ -212,7 +212,7 @@ def _finish(procs, timeout):
 def test_dead_rank_is_an_error_on_rank_0(tmp_path, models):
     """The ring backend reports the closed connection (DistributedError); should it not notice,
     the deadline does. Either way rank 0 ends with an error naming the cause, not a hang."""
-    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "10"})
+    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "3"})
     procs[1].kill()
     procs[1].wait()
     rc, err, _ = _finish(procs, timeout=60)
