@@ -336,3 +336,36 @@ def test_unconverted_fp8_checkpoint(tmp_path, mode):
 
     path = save_checkpoint(build_config_model("v3_lora_g1"), str(tmp_path / "hf"), fp8=True)
     _check_against_one(tmp_path, path, mode, 2)
+
+
+def _bench(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_distributed.py"), *args],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_bench_estimate_model():
+    """docs/distributed.md's table: one machine is every layer's measured time added up by hand
+    (61 MLA blocks at 186 µs, 3 dense + 58 MoE blocks at 142.7 µs)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
+    try:
+        import bench_distributed as B
+    finally:
+        sys.path.pop(0)
+    assert B.estimate("DeepSeek-V3", 1, "expert", 0.0) == pytest.approx((61 * 186.0 + 61 * 142.7) / 1e3)
+    # Pipeline: the same compute plus one hop per rank and rank 0's two broadcasts.
+    assert B.estimate("DeepSeek-V3", 4, "pipeline", 300.0) == pytest.approx((61 * 186.0 + 61 * 142.7 + 6 * 300) / 1e3)
+    out = _bench("--estimate")
+    assert "expert over JACCL RDMA [2:   42.7, 4:   37.2, 8:   33.9]" in out   # the DeepSeek-V3 row of the docs
+
+
+@pytest.mark.slow
+def test_bench_runs(tmp_path):
+    out = _bench("--tokens", "6", "--json", str(tmp_path / "b.json"))
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["expert"]["ratio"] > 0 and report["pipeline"]["ratio"] > 0
+    assert "all_sum float32 [1x512]" in out

@@ -16,6 +16,7 @@ machine's cores, so the CPU ratio bounds the communication cost, not the speed-u
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -90,6 +91,7 @@ MODELS = {"DeepSeek-V3": dict(layers=61, moe=58, experts=256, k=8),
           "Kimi-K2": dict(layers=61, moe=60, experts=384, k=8)}
 
 
+@functools.lru_cache(maxsize=None)
 def expected_max_local(experts, k, ranks, samples=20000, seed=0):
     """Mean over tokens of the most selected experts one rank holds (uniform routing, experts dealt
     round-robin): the rank every MoE layer waits for."""
