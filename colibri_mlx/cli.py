@@ -158,6 +158,12 @@ _STREAMING_OPTIONS = [
     click.option("--dtype", "dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None,
                  expose_value=False, callback=_remember,
                  help="Activation and KV cache dtype. auto: float32 on the CPU backend, bfloat16 on GPUs."),
+    # One model over several processes or machines (docs/distributed.md).
+    click.option("--parallel", "parallel", type=click.Choice(["expert", "pipeline"]), default=None,
+                 expose_value=False, callback=_remember,
+                 help="Under mlx.launch (e.g. 'mlx.launch -n 2 --backend ring -- colibri generate ...' or a "
+                      "--hostfile): expert (default: each rank holds a share of every MoE layer's experts) or "
+                      "pipeline (a range of layers per rank). Rank 0 prints and serves. docs/distributed.md."),
 ]
 
 
@@ -213,10 +219,16 @@ def _open_for_cli(model_path):
 
 def _build_for_cli(opened):
     """The model's weights, loaded; a failure that is not a known error names the directory."""
+    from .distributed import load_for_cli
     from .models.loading import build_model
 
+    options = dict(_load_options())
+    parallel = options.pop("parallel", None)
     try:
-        model = build_model(opened, **_load_options())
+        model = load_for_cli(opened, parallel, options)   # None: one process
+        if model is not None:
+            return model
+        model = build_model(opened, **options)
     except Exception as e:
         if is_user_error(e) or debug():
             raise

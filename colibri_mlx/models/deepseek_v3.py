@@ -654,6 +654,9 @@ class MoE:
         D, inter = args.hidden_size, args.moe_intermediate_size
         self.router = Router(args, w, prefix + "gate.")
         store = getattr(w, "expert_store", None)  # experts streamed from disk (experts.ExpertStore)
+        held = getattr(w, "experts_held", None)   # this rank's share under expert parallel (distributed)
+        self.expert_ids = list(range(args.n_routed_experts)) if held is None else held(prefix + "experts.")
+        self.parallel = None                      # distributed.ExpertParallel: local experts + all_sum
         if store is not None:
             self.experts = store.view_for_prefix(prefix + "experts.")
             w.used.update(store.tensor_names(self.experts.layer))
@@ -661,7 +664,7 @@ class MoE:
             self.experts = [
                 tuple(w.take(f"{prefix}experts.{e}.{p}_proj.weight", s)
                       for p, s in (("gate", (inter, D)), ("up", (inter, D)), ("down", (D, inter))))
-                for e in range(args.n_routed_experts)
+                for e in self.expert_ids
             ]
         self.shared = None
         # What kernels.moe_block reads: the routed experts, plus the shared expert as expert E
@@ -676,11 +679,13 @@ class MoE:
             self.shared_mlp_reason = kernels.moe.shared_slot_reason(self.experts, triple)
             if self.shared_mlp_reason is None:
                 self.bank = list(self.experts) + [triple]
-                self.shared_slot = args.n_routed_experts
+                self.shared_slot = len(self.experts)
 
         self._compiled = kernels.compiled.CompiledBlock(self.forward, "moe")
 
     def forward(self, x, residual=None):
+        if self.parallel is not None:
+            return self.parallel(self, x, residual)
         flat = x.reshape(-1, x.shape[-1])
         if self.shared is not None and self.shared_slot is None:
             y = self.routed(flat).reshape(x.shape)
@@ -710,6 +715,8 @@ class MoE:
             return "router replaced by a Python function (its side effects would be traced once)"
         if self.router.top_p is not None:
             return "router top-p selects on the host"
+        if self.parallel is not None:
+            return "expert parallel: the partial sums cross processes (all_sum)"
         K = self.router.args.num_experts_per_tok + (self.shared_slot is not None)
         return kernels.moe.host_reason(x.reshape(n, x.shape[-1]), self.bank, K)
 
@@ -812,7 +819,9 @@ class Model:
         weights.dtype = self.dtype
         self.embed_tokens = weights.take("model.embed_tokens.weight", (V, D))
         self.dense_attention_reason = _dense_attention_fallback(args, weights)
-        self.layers = [DecoderLayer(args, weights, i) for i in range(args.num_hidden_layers)]
+        # Pipeline parallel (distributed) holds a contiguous range of layers per rank.
+        self.layer_ids = getattr(weights, "layers_held", range(args.num_hidden_layers))
+        self.layers = [DecoderLayer(args, weights, i) for i in self.layer_ids]
         self.norm = weights.take("model.norm.weight", (D,))
         if "lm_head.weight" in weights or not args.tie_word_embeddings:
             self.lm_head = weights.take("lm_head.weight", (V, D))

@@ -1,0 +1,371 @@
+"""Expert and pipeline parallel over MLX's ring backend, 2 and 3 local processes.
+
+Each run is checked against the same model in one process (the oracle): 32 greedy tokens
+identical, logits of the prompt and of every step within 1e-5. Per-rank bytes are checked against
+the container's own header (not the planner's numbers): the ranks together read the sharded part
+once and the replicated part once each, and no rank reads more than 1/N of the sharded part plus
+the replicated part plus the planner's stated imbalance (one expert per MoE layer under expert
+parallel, one layer under pipeline parallel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import helpers_models
+import helpers_tiny
+from colibri_mlx.distributed import write_local_hostfile
+from helpers_tiny import CONFIG, GLM, write_tiny_container
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
+N_TOKENS = 32
+LOGIT_TOL = 1e-5            # float32 sums in another order (partial sums per rank, then all_sum)
+RESIDENT_OVERHEAD = 4096    # per-rank index tables (expert id -> local slot: 4 bytes per expert and layer)
+DSV3 = dict(CONFIG, num_hidden_layers=4, n_routed_experts=6, max_position_embeddings=64)
+GLM5 = dict(GLM, num_hidden_layers=4, n_routed_experts=6, max_position_embeddings=64)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(tmp_path, rank, world, extra=None):
+    hostfile = tmp_path / "hosts.json"
+    if not hostfile.exists():
+        write_local_hostfile(hostfile, world)
+    env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    env.update(extra or {})
+    return env
+
+
+def _launch(tmp_path, model, mode, world, out, n_tokens=N_TOKENS, extra=None, **popen):
+    return [subprocess.Popen([sys.executable, WORKER, model, mode, str(out), str(n_tokens)],
+                             env=_env(tmp_path, r, world, extra), cwd=str(tmp_path), **popen)
+            for r in range(world)]
+
+
+def _run(tmp_path, model, mode, world):
+    out = tmp_path / f"{mode}{world}.json"
+    procs = _launch(tmp_path, model, mode, world, out, stderr=subprocess.PIPE)
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    return json.loads(out.read_text())
+
+
+def _reference(tmp_path, model):
+    out = tmp_path / "one.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    subprocess.run([sys.executable, WORKER, model, "expert", str(out), str(N_TOKENS)], env=env, check=True,
+                   timeout=120)
+    return json.loads(out.read_text())
+
+
+def _header_parts(path, mode):
+    """From the container header alone: per sharded unit (an expert of a layer, or a layer) and for
+    the replicated rest, the stored bytes a load reads and the bytes it keeps (quantized tensors as
+    stored, every float tensor widened to float32 on the CPU, FP8 block scales folded in)."""
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    names = set(c.names())
+    units, replicated = {}, np.zeros(2)
+    for name in names:
+        info = c.info(name)
+        if name.endswith("_scale_inv"):
+            kept = 0
+        elif name.endswith(".qs") or name + ".qs" in names:
+            kept = info.nbytes
+        else:
+            kept = 4 * int(np.prod(info.shape))
+        m = re.match(r"model\.layers\.(\d+)\.(mlp\.experts\.(\d+)\.)?", name)
+        key = None
+        if m is not None:
+            key = int(m.group(1)) if mode == "pipeline" else (
+                (int(m.group(1)), int(m.group(3))) if m.group(2) else None)
+        if key is None:
+            replicated += (info.nbytes, kept)
+        else:
+            units[key] = units.get(key, np.zeros(2)) + (info.nbytes, kept)
+    return units, replicated
+
+
+def _check_bytes(path, mode, world, stats):
+    units, replicated = _header_parts(path, mode)
+    sharded = sum(units.values())
+    if mode == "expert":
+        # The planner's imbalance: at most one expert per MoE layer more than an even share.
+        layers = {l for l, _ in units}
+        slack = sum(np.max([v for (l, _), v in units.items() if l == layer], axis=0) for layer in layers)
+        assert sum(s["experts_held"] for s in stats) == len(units)    # disjoint and complete
+    else:
+        slack = np.max(list(units.values()), axis=0)                  # one layer
+        assert sum(s["layers_held"] for s in stats) == len(units)
+    assert len(units) > world
+    read = sum(s["read_bytes"] for s in stats)
+    assert read == sharded[0] + world * replicated[0]     # each sharded tensor read by exactly one rank
+    bound = sharded / world + replicated + slack
+    for s in stats:
+        assert s["read_bytes"] <= bound[0], (s, bound)
+        assert s["resident_bytes"] <= bound[1] + RESIDENT_OVERHEAD, (s, bound)
+    kept = sum(s["resident_bytes"] for s in stats)
+    assert abs(kept - (sharded[1] + world * replicated[1])) <= world * RESIDENT_OVERHEAD
+
+
+def _check_against_one(tmp_path, model, mode, world):
+    ref = _reference(tmp_path, model)
+    got = _run(tmp_path, model, mode, world)
+    assert len(ref["tokens"]) == N_TOKENS
+    assert got["tokens"] == ref["tokens"]
+    a, b = np.array(ref["logits"]), np.array(got["logits"])
+    assert a.shape == b.shape and np.isfinite(a).all()
+    assert np.abs(a - b).max() <= LOGIT_TOL
+    assert [s["rank"] for s in got["stats"]] == list(range(world))
+    _check_bytes(model, mode, world, got["stats"])
+    return got
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    made = {"dsv3": write_tiny_container(root / "dsv3", DSV3, seed=1),
+            "glm5": write_tiny_container(root / "glm5", GLM5, seed=2)}
+    original = helpers_tiny._format
+    helpers_tiny._format = helpers_models.default_container_formats   # every fmt, per expert too
+    try:
+        made["mixed"] = write_tiny_container(root / "mixed", DSV3, seed=3)
+    finally:
+        helpers_tiny._format = original
+    return made
+
+
+@pytest.mark.parametrize("name,mode,world", [
+    ("dsv3", "expert", 2),
+    ("mixed", "pipeline", 2),
+    ("glm5", "expert", 2),
+])
+def test_parallel_matches_one_process(tmp_path, models, name, mode, world):
+    _check_against_one(tmp_path, models[name], mode, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode,world", [
+    ("dsv3", "pipeline", 2), ("dsv3", "expert", 3), ("dsv3", "pipeline", 3),
+    ("glm5", "expert", 3), ("glm5", "pipeline", 2), ("glm5", "pipeline", 3),
+    ("mixed", "expert", 2), ("mixed", "expert", 3), ("mixed", "pipeline", 3),
+])
+def test_parallel_matches_one_process_matrix(tmp_path, models, name, mode, world):
+    _check_against_one(tmp_path, models[name], mode, world)
+
+
+def test_mlx_launch_command_line(tmp_path, models):
+    """The documented launcher: ``mlx.launch -n 2 --backend ring``."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    if not os.path.exists(launcher):
+        pytest.skip("mlx.launch is not installed next to this interpreter")
+    out = tmp_path / "launch.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    r = subprocess.run([launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()),
+                        sys.executable, WORKER, models["dsv3"], "expert", str(out), "4"],
+                       env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    got = json.loads(out.read_text())
+    assert len(got["tokens"]) == 4 and len(got["stats"]) == 2
+
+
+def _start_paused(tmp_path, model, extra):
+    out = tmp_path / "dead.json"
+    procs = _launch(tmp_path, model, "expert", 2, out, extra=dict(extra, DIST_WORKER_PAUSE="1"),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = procs[0].stdout.readline()
+    assert line.strip() == b"loaded", (line, procs[0].stderr.read().decode())
+    return procs
+
+
+def _finish(procs, timeout):
+    t0 = time.monotonic()
+    procs[0].stdin.write(b"go\n")
+    procs[0].stdin.flush()
+    _, err = procs[0].communicate(timeout=timeout)
+    for p in procs[1:]:
+        p.kill()
+        p.wait()
+    return procs[0].returncode, err.decode(), time.monotonic() - t0
+
+
+def test_dead_rank_is_an_error_on_rank_0(tmp_path, models):
+    """The ring backend reports the closed connection (DistributedError); should it not notice,
+    the deadline does. Either way rank 0 ends with an error naming the cause, not a hang."""
+    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "3"})
+    procs[1].kill()
+    procs[1].wait()
+    rc, err, _ = _finish(procs, timeout=60)
+    assert rc != 0
+    assert "rank 0/2" in err and "a rank died" in err, err
+
+
+def test_hung_rank_times_out_on_rank_0(tmp_path, models):
+    procs = _start_paused(tmp_path, models["dsv3"], {"COLIBRI_DIST_TIMEOUT": "2"})
+    os.kill(procs[1].pid, signal.SIGSTOP)   # alive, holding its sockets, never answering
+    rc, err, seconds = _finish(procs, timeout=60)   # kills the stopped rank afterwards
+    from colibri_mlx.distributed import TIMEOUT_EXIT_CODE
+
+    assert rc == TIMEOUT_EXIT_CODE, err
+    assert "no answer from the other ranks in 2 s (COLIBRI_DIST_TIMEOUT)" in err, err
+    assert seconds < 30
+
+
+def test_planners():
+    from colibri_mlx.distributed import plan_experts, plan_layers
+
+    sizes = np.array([5, 1, 1, 1, 4, 2, 2])
+    shares = plan_experts(sizes, 3)
+    assert sorted(e for s in shares for e in s) == list(range(7))
+    loads = [sizes[s].sum() for s in shares]
+    assert max(loads) - min(loads) <= sizes.max()
+    assert plan_experts(np.ones(4), 2) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="at least one routed expert per rank"):
+        plan_experts(np.ones(2), 3)
+    ranges = plan_layers([10, 10, 10, 10, 40], 2)
+    assert ranges == [range(0, 3), range(3, 5)] or ranges == [range(0, 4), range(4, 5)]
+    assert [list(r) for r in plan_layers([1, 1, 1, 1], 2, shared_after={2})] in ([[0], [1, 2, 3]],
+                                                                                  [[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match="at least one layer per rank"):
+        plan_layers([1, 1], 3)
+
+
+def test_one_process_is_unchanged(monkeypatch):
+    from colibri_mlx import distributed
+
+    for k in ("MLX_RANK", "MLX_HOSTFILE", "OMPI_COMM_WORLD_RANK", "MLX_JACCL_COORDINATOR"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.setup("/nonexistent", "expert") is None
+    monkeypatch.setenv("COLIBRI_DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="COLIBRI_DIST_TIMEOUT"):
+        distributed.timeout_s()
+
+
+def _cli(tmp_path, args, world=None):
+    cmd = [sys.executable, "-m", "colibri_mlx", *args]
+    if world is None:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        for k in ("MLX_RANK", "MLX_HOSTFILE"):
+            env.pop(k, None)
+        return [subprocess.run(cmd, env=env, capture_output=True, timeout=120)]
+    procs = [subprocess.Popen(cmd, env=_env(tmp_path, r, world), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r in range(world)]
+    return [subprocess.CompletedProcess(cmd, p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+@pytest.mark.parametrize("mode", ["expert", pytest.param("pipeline", marks=pytest.mark.slow)])
+def test_cli_generate_under_two_ranks(tmp_path, models, mode):
+    args = ["generate", "-m", models["dsv3"], "-p", "Hello", "--max-tokens", "12"]
+    (one,) = _cli(tmp_path, args)
+    assert one.returncode == 0, one.stderr.decode()
+    ranks = _cli(tmp_path, args + ["--parallel", mode], world=2)
+    for r in ranks:
+        assert r.returncode == 0, r.stderr.decode()
+    assert ranks[0].stdout == one.stdout and one.stdout.strip()
+    assert ranks[1].stdout == b""                       # rank 0 owns the output
+    err = ranks[0].stderr.decode()
+    assert "rank 0: resident" in err and "rank 1: resident" in err, err
+
+
+def test_cli_help_documents_the_launch():
+    from click.testing import CliRunner
+
+    from colibri_mlx.cli import main
+
+    for command in ("generate", "chat", "bench", "serve"):
+        text = CliRunner().invoke(main, [command, "--help"]).output
+        assert "--parallel [expert|pipeline]" in text and "mlx.launch" in text, command
+
+
+def test_rank_0_gone_ends_the_other_ranks(tmp_path, models):
+    procs = _start_paused(tmp_path, models["dsv3"], {})
+    procs[0].kill()
+    procs[0].wait()
+    _, err = procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 1
+    assert "colibri: rank 1/2: command wait failed" in err.decode(), err.decode()
+
+
+def test_expert_shares_follow_the_usage_history(models):
+    """With a .coli_usage history the shares balance selections, not bytes: the two most selected
+    experts of a layer land on different ranks, and every expert is held exactly once."""
+    from colibri_mlx.container import Container
+    from colibri_mlx.distributed import plan_rank
+    from colibri_mlx.experts.usage import UsageHistory
+    from colibri_mlx.models.deepseek_v3 import ModelArgs
+
+    c = Container(models["dsv3"])
+    args = ModelArgs.from_config(DSV3)
+    usage = UsageHistory.empty(DSV3["num_hidden_layers"], DSV3["n_routed_experts"])
+    usage.counts[1, [0, 1]] = 1000            # experts 0 and 1 of layer 1: the hot ones
+    plans = [plan_rank(c, args, r, 2, "expert", usage)[0] for r in range(2)]
+    shares = [p.experts["model.layers.1.mlp.experts."] for p in plans]
+    assert sorted(shares[0] + shares[1]) == list(range(DSV3["n_routed_experts"]))
+    assert (0 in shares[0]) != (1 in shares[0])
+    by_bytes = [plan_rank(c, args, r, 2, "expert")[0].experts["model.layers.1.mlp.experts."] for r in range(2)]
+    assert by_bytes == [[0, 2, 4], [1, 3, 5]]   # equal experts: dealt in turn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_unconverted_fp8_checkpoint(tmp_path, mode):
+    """A Hugging Face checkpoint with FP8 weights and their block scales: each rank reads its
+    tensors' scales with them, and nothing else."""
+    pytest.importorskip("transformers")
+    from helpers_models import build_config_model, save_checkpoint
+
+    path = save_checkpoint(build_config_model("v3_lora_g1"), str(tmp_path / "hf"), fp8=True)
+    _check_against_one(tmp_path, path, mode, 2)
+
+
+def _bench(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for k in ("MLX_RANK", "MLX_HOSTFILE"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench", "bench_distributed.py"), *args],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_bench_estimate_model():
+    """docs/distributed.md's table: one machine is every layer's measured time added up by hand
+    (61 MLA blocks at 186 µs, 3 dense + 58 MoE blocks at 142.7 µs)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "bench"))
+    try:
+        import bench_distributed as B
+    finally:
+        sys.path.pop(0)
+    assert B.estimate("DeepSeek-V3", 1, "expert", 0.0) == pytest.approx((61 * 186.0 + 61 * 142.7) / 1e3)
+    # Pipeline: the same compute plus one hop per rank and rank 0's two broadcasts.
+    assert B.estimate("DeepSeek-V3", 4, "pipeline", 300.0) == pytest.approx((61 * 186.0 + 61 * 142.7 + 6 * 300) / 1e3)
+    out = _bench("--estimate")
+    assert "expert over JACCL RDMA [2:   42.7, 4:   37.2, 8:   33.9]" in out   # the DeepSeek-V3 row of the docs
+
+
+@pytest.mark.slow
+def test_bench_runs(tmp_path):
+    out = _bench("--tokens", "6", "--json", str(tmp_path / "b.json"))
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["expert"]["ratio"] > 0 and report["pipeline"]["ratio"] > 0
+    assert "all_sum float32 [1x512]" in out
