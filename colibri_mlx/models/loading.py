@@ -67,14 +67,14 @@ def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin
     if ram_gb is None:
         if pin is not None or pin_gb is not None or store_options:
             raise ValueError("pin / pin_gb / expert store options need ram_gb (expert streaming)")
-        model = Model(args, weight_table(container), dtype)
+        model = Model(args, table_for(container, opened.config), dtype)
         model.expert_store = None
     else:
         from ..experts import ExpertStore, resident_bytes
 
         pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
         store = ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, **store_options)
-        table = weight_table(container)
+        table = table_for(container, opened.config)
         table.expert_store = store
         model = Model(args, table, dtype)
         model.expert_store = store
@@ -86,6 +86,15 @@ def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin
 
         set_expert_top_p(model, expert_top_p)
     return model
+
+
+def table_for(container: Container, config: dict) -> WeightTable:
+    """The weight table of a container, Hugging Face or mlx-lm checkpoint directory."""
+    from .mlx_lm_checkpoint import is_mlx_lm_checkpoint, weight_table as mlx_lm_table
+
+    if is_mlx_lm_checkpoint(config, container.names()):
+        return mlx_lm_table(container, config)
+    return weight_table(container)
 
 
 def weight_table(container: Container) -> WeightTable:

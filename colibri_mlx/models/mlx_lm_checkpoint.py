@@ -1,0 +1,287 @@
+"""mlx-lm checkpoints (what ``mlx_lm.convert`` writes) as weights for :class:`deepseek_v3.Model`.
+
+An mlx-lm checkpoint is recognised by config.json's ``quantization`` (or ``quantization_config``)
+dict holding ``bits`` / ``group_size`` / ``mode``, or by its tensor names: ``X.scales`` beside a
+``X.weight``, ``mlp.switch_mlp.*``, ``self_attn.embed_q`` / ``unembed_out``. Its layout, as mlx-lm's
+``deepseek_v3`` / ``deepseek_v32`` / ``glm_moe_dsa`` models sanitize and save it:
+
+* a quantized linear ``X`` is ``X.weight`` (uint32 ``[O, I*bits/32]``), ``X.scales`` and, for
+  affine, ``X.biases`` (``[O, I/group_size]``), read as a QTensor fmt 7-10
+  (:func:`formats.mlx_quant.qtensor_from_mlx`); a module left unquantized is a float ``X.weight``;
+* routed experts are stacked: ``mlp.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`` with
+  a leading expert axis ``[E, O, ...]``; expert ``e`` is row ``e`` of each (one contiguous slice);
+* ``kv_b_proj`` is split per head into ``embed_q [H, kv_lora, nope]`` (the key part, transposed)
+  and ``unembed_out [H, v, kv_lora]``; both are decoded (exactly, as ``mx.dequantize``) and joined
+  back into the float ``kv_b_proj.weight [H*(nope+v), kv_lora]`` the model takes;
+* per-module settings: ``quantization[<module path>]`` is a dict (its own bits / group_size /
+  mode, the ``mixed_*`` recipes) or ``false`` (left unquantized); other modules use the top-level
+  settings. The stored shapes are checked against the settings and the shape config.json implies.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats.mlx_quant import MLX_MODES, check_params, qtensor_from_mlx
+from .weights import WeightTable
+
+QUANT_KEYS = ("quantization", "quantization_config")
+SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(gate|up|down)_proj\.weight$")
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+SPLIT_KV_B = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(embed_q|unembed_out)\.weight$")
+COMPANIONS = (".scales", ".biases")
+STORED_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "U8": np.uint8}
+
+
+class MlxLmCheckpointError(ValueError):
+    """An mlx-lm checkpoint whose quantization settings or tensors do not fit together."""
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    mode: str
+    bits: int
+    group_size: int
+
+
+def quantization_dict(config: Mapping) -> Optional[dict]:
+    """config.json's mlx-lm quantization dict (``quantization``, else ``quantization_config`` when it
+    is mlx-lm's, not a Hugging Face ``quant_method`` one), or None."""
+    for key in QUANT_KEYS:
+        q = config.get(key)
+        if isinstance(q, dict) and "quant_method" not in q and ("bits" in q or "group_size" in q):
+            return q
+    return None
+
+
+def is_mlx_lm_checkpoint(config: Mapping, names) -> bool:
+    """config.json or the tensor names say this directory is an mlx-lm checkpoint."""
+    if quantization_dict(config) is not None:
+        return True
+    return any(n.endswith(".scales") and n[:-7] + ".weight" in names or ".switch_mlp." in n
+               or SPLIT_KV_B.match(n) for n in names)
+
+
+class Quantization:
+    """The quantization settings of every module (module docstring), checked at construction."""
+
+    def __init__(self, config: Mapping, source: str = "config.json"):
+        self.source = source
+        q = quantization_dict(config)
+        self.default: Optional[QuantParams] = None
+        self.overrides: dict[str, Optional[QuantParams]] = {}
+        if q is None:
+            return
+        self.default = self._params(q, "quantization", None)
+        for key, value in q.items():
+            if key in ("bits", "group_size", "mode"):
+                continue
+            if value is False:
+                self.overrides[key] = None
+            elif isinstance(value, dict):
+                self.overrides[key] = self._params(value, f"quantization[{key!r}]", self.default)
+            elif value is not True:
+                raise MlxLmCheckpointError(f"{source}: quantization[{key!r}] must be a dict of bits / group_size / "
+                                           f"mode, true or false, got {value!r}")
+
+    def _params(self, q: dict, where: str, default: Optional[QuantParams]) -> QuantParams:
+        mode = q.get("mode", default.mode if default else "affine")
+        if mode not in MLX_MODES:
+            raise MlxLmCheckpointError(f"{self.source}: {where}: mode {mode!r} is not one of {sorted(MLX_MODES)}")
+        bits, gs = q.get("bits", default.bits if default else None), q.get("group_size",
+                                                                           default.group_size if default else None)
+        if not isinstance(bits, int) or not isinstance(gs, int) or isinstance(bits, bool) or isinstance(gs, bool):
+            raise MlxLmCheckpointError(f"{self.source}: {where}: needs integer bits and group_size, got "
+                                       f"bits={bits!r}, group_size={gs!r}")
+        try:
+            check_params(mode, bits, gs)
+        except ValueError as e:
+            raise MlxLmCheckpointError(f"{self.source}: {where}: {e}") from None
+        return QuantParams(mode, bits, gs)
+
+    def for_module(self, path: str) -> Optional[QuantParams]:
+        """Settings of the module at ``path`` (mlx-lm module path); None: unquantized."""
+        if path in self.overrides:
+            return self.overrides[path]
+        return self.default
+
+    def describe(self) -> str:
+        if self.default is None:
+            return "mlx-lm (unquantized)"
+        d = self.default
+        text = f"mlx-lm {d.mode} {d.bits}-bit g{d.group_size}"
+        if self.overrides:
+            kinds = sorted({"unquantized" if p is None else f"{p.mode} {p.bits}-bit g{p.group_size}"
+                            for p in self.overrides.values()})
+            text += f", {len(self.overrides)} module overrides ({', '.join(kinds)})"
+        return text
+
+
+def stored_array(container, name: str):
+    """One stored tensor as an ``mx.array`` of its stored dtype (BF16 stays bfloat16), copied out of
+    the memory map (resident weights are really resident)."""
+    info = container.info(name)
+    np_dtype = STORED_DTYPES.get(info.dtype)
+    if np_dtype is None:
+        raise MlxLmCheckpointError(f"{info.path}: tensor {name!r} is stored as {info.dtype}; an mlx-lm checkpoint "
+                                   f"holds {sorted(STORED_DTYPES)}")
+    values = np.array(container.raw(name).view(np_dtype).reshape(info.shape))
+    arr = mx.array(values)
+    return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+
+
+def stored_slice(container, name: str, index: int):
+    """Row ``index`` of a stacked tensor (one expert of ``switch_mlp``): one contiguous byte range."""
+    info = container.info(name)
+    np_dtype = STORED_DTYPES[info.dtype]
+    raw = container.raw(name).view(np_dtype).reshape(info.shape)
+    arr = mx.array(np.array(raw[index]))
+    return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+
+
+class MlxLmWeights:
+    """Model tensor names (Hugging Face layout) -> tensors of an mlx-lm checkpoint."""
+
+    def __init__(self, container, config: Mapping):
+        self.container = container
+        self.path = container.path
+        self.quant = Quantization(config, f"{container.path}/config.json")
+        self.n_experts = int(config.get("n_routed_experts") or 0)
+        self.stored = set(container.names())
+        self.names: dict[str, tuple] = {}   # model name -> how to build it
+        for name in self.stored:
+            if name.endswith(COMPANIONS) and name.rsplit(".", 1)[0] + ".weight" in self.stored:
+                continue
+            m = SWITCH.match(name)
+            if m:
+                for e in range(self.n_experts):
+                    self.names[f"{m.group(1)}.experts.{e}.{m.group(2)}_proj.weight"] = ("expert", name, e)
+                continue
+            m = SPLIT_KV_B.match(name)
+            if m:
+                self.names[f"{m.group(1)}.kv_b_proj.weight"] = ("kv_b", m.group(1))
+                continue
+            self.names[name] = ("plain", name)
+
+    def fetch(self, name: str, shape: tuple):
+        kind, *rest = self.names[name]
+        if kind == "expert":
+            stored, e = rest
+            return self._linear(stored, shape, e)
+        if kind == "kv_b":
+            return self._kv_b(rest[0], shape)
+        if rest[0].endswith(".weight") and rest[0][:-7] + ".scales" in self.stored:
+            return self._linear(rest[0], shape)
+        return self._float(rest[0], shape)
+
+    def _float(self, name: str, shape: tuple):
+        from .loading import _fetch
+
+        return _fetch(self.container, name, shape)
+
+    def _linear(self, weight_name: str, shape: tuple, expert: Optional[int] = None):
+        """A quantized matrix ``[O, I]`` (``expert``: row of a stacked one), or the float one of an
+        unquantized module."""
+        module = weight_name[:-len(".weight")]
+        scales_name, biases_name = module + ".scales", module + ".biases"
+        info = self.container.info(weight_name)
+        label = weight_name if expert is None else f"{weight_name}[{expert}]"
+        if scales_name not in self.stored:
+            if info.dtype == "U32":
+                raise MlxLmCheckpointError(f"{info.path}: tensor {weight_name!r} is packed (U32) but "
+                                           f"{scales_name!r} is missing")
+            if expert is None:
+                return self._float(weight_name, shape)
+            values = stored_slice(self.container, weight_name, expert).astype(mx.float32)
+            return values
+        params = self.quant.for_module(module)
+        if params is None:
+            params = self._infer(module, weight_name, scales_name, shape)
+        O, I = shape
+        stacked = () if expert is None else (self.n_experts,)
+        want_w = stacked + (O, I * params.bits // 32)
+        want_s = stacked + (O, I // params.group_size)
+        if tuple(info.shape) != want_w or tuple(self.container.info(scales_name).shape) != want_s:
+            raise MlxLmCheckpointError(
+                f"{info.path}: {weight_name!r} {list(info.shape)} with {scales_name!r} "
+                f"{list(self.container.info(scales_name).shape)} does not match {params.mode} bits={params.bits} "
+                f"group_size={params.group_size} for a [{O}, {I}] matrix (expected {list(want_w)} and {list(want_s)}; "
+                "quantization in config.json does not describe this tensor)")
+        has_biases = MLX_MODES[params.mode].has_biases
+        if has_biases and biases_name not in self.stored:
+            raise MlxLmCheckpointError(f"{info.path}: affine tensor {weight_name!r} has no {biases_name!r}")
+        take = (lambda n: stored_array(self.container, n)) if expert is None else \
+            (lambda n: stored_slice(self.container, n, expert))
+        return qtensor_from_mlx(take(weight_name), take(scales_name), take(biases_name) if has_biases else None,
+                                mode=params.mode, bits=params.bits, group_size=params.group_size, name=label)
+
+    def _infer(self, module: str, weight_name: str, scales_name: str, shape: tuple) -> QuantParams:
+        """Settings of a quantized module config.json marks unquantized: refused (the config is wrong)."""
+        raise MlxLmCheckpointError(f"{self.path}/config.json: module {module!r} is stored quantized "
+                                   f"({scales_name!r} present) but quantization says it is not")
+
+    def _kv_b(self, attn: str, shape: tuple):
+        """``kv_b_proj.weight`` from ``embed_q`` and ``unembed_out`` (module docstring)."""
+        parts = {}
+        for part in ("embed_q", "unembed_out"):
+            name = f"{attn}.{part}.weight"
+            if name not in self.stored:
+                raise MlxLmCheckpointError(f"{self.path}: missing tensor {name!r} (mlx-lm stores kv_b_proj as "
+                                           "embed_q and unembed_out)")
+            info = self.container.info(name)
+            if len(info.shape) != 3:
+                raise MlxLmCheckpointError(f"{info.path}: {name!r} has shape {list(info.shape)}, expected "
+                                           "[heads, out, in]")
+            H, O, words_or_in = info.shape
+            if f"{attn}.{part}.scales" in self.stored:
+                params = self.quant.for_module(f"{attn}.{part}")
+                if params is None:
+                    self._infer(f"{attn}.{part}", name, f"{attn}.{part}.scales", shape)
+                I = words_or_in * 32 // params.bits
+                qt = self._linear_3d(name, params, H * O, I)
+                parts[part] = mx.array(qt.dequantize()).reshape(H, O, I)
+            else:
+                parts[part] = stored_array(self.container, name).astype(mx.float32)
+        wk, wv = parts["embed_q"], parts["unembed_out"]   # [H, kv_lora, nope], [H, v, kv_lora]
+        H = wk.shape[0]
+        if wv.shape[0] != H or wk.shape[1] != wv.shape[2]:
+            raise MlxLmCheckpointError(f"{self.path}: {attn}.embed_q {list(wk.shape)} and unembed_out "
+                                       f"{list(wv.shape)} do not split one kv_b_proj")
+        joined = mx.concatenate([wk.swapaxes(1, 2), wv], axis=1)
+        return joined.reshape(-1, wk.shape[1])
+
+    def _linear_3d(self, name: str, params: QuantParams, rows: int, I: int):
+        module = name[:-len(".weight")]
+
+        def flat(n):
+            a = stored_array(self.container, n)
+            return a.reshape(rows, a.shape[-1])
+
+        biases = flat(module + ".biases") if MLX_MODES[params.mode].has_biases else None
+        try:
+            return qtensor_from_mlx(flat(name), flat(module + ".scales"), biases, mode=params.mode,
+                                    bits=params.bits, group_size=params.group_size, name=name)
+        except ValueError as e:
+            raise MlxLmCheckpointError(f"{self.container.info(name).path}: {e}") from None
+
+
+def weight_table(container, config: Mapping) -> WeightTable:
+    weights = MlxLmWeights(container, config)
+    return WeightTable(weights.names, weights.fetch, container.path)
+
+
+def embedding_rows(table, ids: mx.array) -> mx.array:
+    """Rows ``ids`` of an MLX-quantized embedding table, decoded as mlx-lm's QuantizedEmbedding
+    does (``mx.dequantize`` of the gathered rows), in float32."""
+    from ..formats.mlx_quant import mode_of
+
+    flat = ids.reshape(-1)
+    biases = None if table.biases is None else table.biases[flat]
+    rows = mx.dequantize(table.packed[flat], table.scales[flat], biases, group_size=table.gs, bits=table.bits,
+                         mode=mode_of(table.fmt), dtype=mx.float32)
+    return rows.reshape(*ids.shape, table.I)
