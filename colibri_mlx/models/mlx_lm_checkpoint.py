@@ -20,6 +20,7 @@ dict holding ``bits`` / ``group_size`` / ``mode``, or by its tensor names: ``X.s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -285,3 +286,88 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
     rows = mx.dequantize(table.packed[flat], table.scales[flat], biases, group_size=table.gs, bits=table.bits,
                          mode=mode_of(table.fmt), dtype=mx.float32)
     return rows.reshape(*ids.shape, table.I)
+
+
+# ------------------------------------------------------------------------- expert streaming
+
+
+def stacked_tensor_name(layer: int, proj: str, part: str = "weight") -> str:
+    return f"model.layers.{layer}.mlp.switch_mlp.{proj}_proj.{part}"
+
+
+def _row_range(info, index: int):
+    """(offset, nbytes) of row ``index`` of a stacked tensor: one contiguous byte range."""
+    per = info.nbytes // info.shape[0]
+    return info.offset + index * per, per
+
+
+def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
+    """Where expert ``expert`` of an mlx-lm ``switch_mlp`` layer lies: its row of each stacked
+    tensor (weight, scales, biases of gate, up, down), one read each (adjacent rows merged)."""
+    from ..experts.store import (PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, Read)
+
+    quant = Quantization(container.config, f"{container.path}/config.json")
+    ranges, projections = [], []
+    for proj in PROJECTIONS:
+        O, I = shapes[proj]
+        names = {part: stacked_tensor_name(layer, proj, part) for part in ("weight", "scales", "biases")}
+        info = container.info(names["weight"])
+        n_experts = info.shape[0]
+        if not 0 <= expert < n_experts:
+            raise ExpertStoreError(f"{info.path}: {names['weight']!r} stacks {n_experts} experts, config.json "
+                                   f"has n_routed_experts > {expert}")
+        params = quant.for_module(names["weight"][:-len(".weight")]) if names["scales"] in container else None
+        if params is None:
+            if info.dtype not in STORED_DTYPES or info.dtype in ("U32", "U8") or tuple(info.shape[1:]) != (O, I):
+                raise ExpertStoreError(f"{info.path}: tensor {names['weight']!r}: stored {info.dtype} "
+                                       f"{list(info.shape)}, expected a float [E, {O}, {I}] (or its .scales)")
+            parts = ("weight",)
+        else:
+            want = (O, I * params.bits // 32)
+            if tuple(info.shape[1:]) != want:
+                raise ExpertStoreError(f"{info.path}: tensor {names['weight']!r}: stored {list(info.shape)}, "
+                                       f"expected [E, {want[0]}, {want[1]}] ({params.mode} {params.bits}-bit)")
+            parts = ("weight", "scales", "biases") if MLX_MODES[params.mode].has_biases else ("weight", "scales")
+        for part in parts:
+            pinfo = container.info(names[part])
+            offset, nbytes = _row_range(pinfo, expert)
+            label = f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight" if part == "weight" \
+                else f"{names[part]}[{expert}]"
+            ranges.append((label, pinfo.dtype, pinfo.path, offset, nbytes))
+        projections.append((proj, O, I, params, len(parts)))
+    reads, where = [], {}
+    for label, dtype, path, offset, nbytes in sorted(ranges, key=lambda r: (r[2], r[3])):
+        last = reads[-1] if reads else None
+        if last is not None and last.path == path and last.offset + last.nbytes == offset:
+            where[label] = Part(label, dtype, len(reads) - 1, last.nbytes, nbytes)
+            reads[-1] = Read(path, last.offset, last.nbytes + nbytes)
+        else:
+            where[label] = Part(label, dtype, len(reads), 0, nbytes)
+            reads.append(Read(path, offset, nbytes))
+    layouts, at = [], 0
+    for proj, O, I, params, n in projections:
+        labels = [r[0] for r in ranges[at: at + n]]
+        at += n
+        parts = [where[label] for label in labels] + [None] * (3 - n)
+        layouts.append(ProjectionLayout(proj, O, I, parts[0], parts[1],
+                                        None if params is None else MLX_MODES[params.mode].fmt,
+                                        None if params is None else params.group_size,
+                                        None if params is None else params.bits, parts[2]))
+    return ExpertLayout(layer, expert, tuple(reads), tuple(layouts))
+
+
+def stacked_projection(p, buffers):
+    """A streamed expert projection (:func:`plan_stacked_expert`) as a QTensor over its read bytes."""
+    from ..formats.mlx_quant import MLX_FMTS
+
+    def arr(part, rows_shape):
+        raw = buffers[part.read][part.start: part.start + part.nbytes]
+        a = mx.array(np.require(raw.view(STORED_DTYPES[part.dtype]), requirements="A").reshape(rows_shape))
+        return a.view(mx.bfloat16) if part.dtype == "BF16" else a
+
+    mode = MLX_FMTS[p.fmt]
+    weight = arr(p.weight, (p.O, p.I * p.bits // 32))
+    scales = arr(p.scales, (p.O, p.I // p.gs))
+    biases = arr(p.biases, (p.O, p.I // p.gs)) if p.biases is not None else None
+    qt = qtensor_from_mlx(weight, scales, biases, mode=mode.mode, bits=p.bits, group_size=p.gs, name=p.weight.name)
+    return dataclasses.replace(qt, streamed=True)
