@@ -36,6 +36,8 @@ SWITCH = re.compile(r"^(model\.layers\.\d+\.mlp)\.switch_mlp\.(gate|up|down)_pro
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 SPLIT_KV_B = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(embed_q|unembed_out)\.weight$")
 COMPANIONS = (".scales", ".biases")
+# (group_size, bits) MLX uses for a mode when config.json gives None (mlx.nn.quantize).
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 STORED_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "U8": np.uint8}
 
 
@@ -96,6 +98,9 @@ class Quantization:
             raise MlxLmCheckpointError(f"{self.source}: {where}: mode {mode!r} is not one of {sorted(MLX_MODES)}")
         bits, gs = q.get("bits", default.bits if default else None), q.get("group_size",
                                                                            default.group_size if default else None)
+        # None: MLX's default for the mode (``nn.quantize`` / ``to_quantized`` take None so).
+        bits = MODE_DEFAULTS[mode][1] if bits is None else bits
+        gs = MODE_DEFAULTS[mode][0] if gs is None else gs
         if not isinstance(bits, int) or not isinstance(gs, int) or isinstance(bits, bool) or isinstance(gs, bool):
             raise MlxLmCheckpointError(f"{self.source}: {where}: needs integer bits and group_size, got "
                                        f"bits={bits!r}, group_size={gs!r}")
@@ -176,7 +181,7 @@ class MlxLmWeights:
             return self._linear(stored, shape, e)
         if kind == "kv_b":
             return self._kv_b(rest[0], shape)
-        if rest[0].endswith(".weight") and rest[0][:-7] + ".scales" in self.stored:
+        if rest[0].endswith(".weight") and len(shape) == 2:
             return self._linear(rest[0], shape)
         return self._float(rest[0], shape)
 

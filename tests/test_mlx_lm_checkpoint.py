@@ -1,0 +1,218 @@
+"""mlx-lm checkpoints (``mlx_lm.convert`` output) loaded by colibri_mlx, against mlx-lm itself.
+
+Tiny random DeepSeek-V3 and GLM-5 (DSA) Hugging Face checkpoints (tests/helpers_models.py, widths
+of 128 so every group size quantizes the projections) are converted with ``mlx_lm.convert``; each
+result is loaded by ``mlx_lm.load`` (cast to float32) and by ``colibri_mlx.load`` (float32):
+
+* logits of a 12-token prompt agree to 1e-5 relative to their largest magnitude (both decode the
+  same stored codes exactly; the difference is float32 summation order);
+* 32 greedy tokens, each decoded with the model's cache, are identical;
+* expert streaming (``ram_gb``) gives the same logits, reading each expert's rows of the stacked
+  tensors and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+mlx_lm = pytest.importorskip("mlx_lm")
+pytest.importorskip("transformers")
+import mlx.core as mx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers_models import build_hf_model, save_checkpoint  # noqa: E402
+
+WIDE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, kv_lora_rank=128, q_lora_rank=128,
+            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
+DSA = dict(index_topk=8, index_n_heads=8, index_head_dim=32)  # every layer its own indexer, as mlx-lm reads it
+ARCHS = {"v3": ("deepseek_v3", {}), "glm": ("glm_moe_dsa", DSA)}
+REL_TOL = 1e-5
+GREEDY_TOKENS = 32
+
+FAST = [
+    ("v3", dict(q_bits=4, q_group_size=64)),
+    ("v3", dict(q_bits=3, q_group_size=32)),      # 3-bit codes straddle uint32 words
+    ("v3", dict(q_bits=6, q_group_size=128)),
+    ("v3", dict(q_mode="mxfp4")),
+    ("v3", dict(quant_predicate="mixed_3_4")),     # per-module bits in config.json
+    ("glm", dict(q_bits=4, q_group_size=64)),     # DSA indexer projections quantized too
+]
+SLOW = [("v3", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
+SLOW += [("v3", dict(q_mode="mxfp8")), ("v3", dict(q_mode="nvfp4")), ("glm", dict(q_mode="mxfp4")),
+         ("v3", dict(quant_predicate="mixed_2_6")), ("v3", dict(quant_predicate="mixed_4_6"))]
+
+
+def _case_id(case):
+    arch, kw = case
+    return arch + "-" + "-".join(f"{k[2:] if k.startswith('q_') else 'recipe'}{v}" for k, v in kw.items())
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlx_lm_hf")
+    out = {}
+    for key, (arch, extra) in ARCHS.items():
+        model = build_hf_model(arch, seed=3, **WIDE, **extra)
+        out[key] = save_checkpoint(model, str(root / key))
+        if arch == "glm_moe_dsa":   # keys GLM-5's config.json has and mlx-lm's glm_moe_dsa requires
+            _edit_config(out[key], lambda c: c.update(topk_method="noaux_tc", scoring_func="sigmoid",
+                                                      moe_layer_freq=1))
+    return out
+
+
+_converted: dict = {}
+
+
+def converted(hf_dirs, tmp_path_factory, case) -> str:
+    key = _case_id(case)
+    if key not in _converted:
+        arch, kw = case
+        out = str(tmp_path_factory.getbasetemp() / "mlx_lm_q" / key)
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        mlx_lm.convert(hf_dirs[arch], out, quantize=True, **kw)
+        _converted[key] = out
+    return _converted[key]
+
+
+def _ours(path, **options):
+    import colibri_mlx
+
+    model, _ = colibri_mlx.load(path, dtype="float32", **options)
+    return model
+
+
+def _theirs(path):
+    model, _ = mlx_lm.load(path)
+    model.set_dtype(mx.float32)
+    return model
+
+
+def _prompt(n=12, seed=0):
+    return mx.array(np.random.default_rng(seed).integers(0, 256, (1, n)).astype(np.int32))
+
+
+def _greedy(model, cache, prompt, n):
+    tokens, x = [], prompt
+    for _ in range(n):
+        logits = model(x, cache=cache)
+        tok = int(mx.argmax(logits[0, -1]).item())
+        tokens.append(tok)
+        x = mx.array([[tok]], dtype=mx.int32)
+    return tokens
+
+
+def check_against_mlx_lm(path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ours, theirs = _ours(path), _theirs(path)
+    prompt = _prompt()
+    want, got = np.array(theirs(prompt)), np.array(ours(prompt))
+    assert np.abs(want).max() > 1.0   # O(1) logits: a relative bound that means something
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel <= REL_TOL, f"{path}: logits differ from mlx-lm by {rel:.2e} relative"
+    assert _greedy(ours, ours.make_cache(), prompt, GREEDY_TOKENS) == \
+        _greedy(theirs, make_prompt_cache(theirs), prompt, GREEDY_TOKENS)
+    return ours
+
+
+@pytest.mark.parametrize("case", FAST, ids=_case_id)
+def test_logits_and_greedy_match_mlx_lm(hf_dirs, tmp_path_factory, case):
+    path = converted(hf_dirs, tmp_path_factory, case)
+    model = check_against_mlx_lm(path)
+    from colibri_mlx.models.loading import quantized_tensors
+
+    fmts = {qt.fmt for qt in quantized_tensors(model)}
+    want = {"mxfp4": {8}, "nvfp4": {9}, "mxfp8": {10}}.get(case[1].get("q_mode"), {7})
+    assert want <= fmts, f"expected QTensor fmt {want}, the model holds {fmts}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=_case_id)
+def test_every_format_matches_mlx_lm(hf_dirs, tmp_path_factory, case):
+    check_against_mlx_lm(converted(hf_dirs, tmp_path_factory, case))
+
+
+def _expert_bytes(path, layer):
+    """Bytes of one expert of ``layer``: 1/E of every switch_mlp tensor of that layer."""
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        names = json.load(f)["weight_map"]
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    stacked = [n for n in names if n.startswith(f"model.layers.{layer}.mlp.switch_mlp.")]
+    assert len(stacked) == 9   # gate, up, down x weight, scales, biases
+    return sum(c.info(n).nbytes // c.info(n).shape[0] for n in stacked)
+
+
+def test_streaming_reads_one_row_of_each_stacked_tensor(hf_dirs, tmp_path_factory):
+    path = converted(hf_dirs, tmp_path_factory, FAST[0])
+    resident = _ours(path)
+    streamed = _ours(path, ram_gb=1e-5, prefetch=False, record_usage=False)
+    prompt = _prompt()
+    want = np.array(resident(prompt))
+    x = np.array(streamed(prompt))
+    assert np.array_equal(x, want)
+    report = streamed.expert_store.report()
+    assert report["reads"] > 0 and report["misses"] == report["reads"]
+    per_expert = _expert_bytes(path, 1)
+    layouts = streamed.expert_store.layouts
+    assert {layouts[k].nbytes for k in layouts} == {per_expert}
+    assert report["bytes_read"] == report["reads"] * per_expert
+
+
+def test_inspect_reports_mlx_lm_format(hf_dirs, tmp_path_factory, capsys):
+    from colibri_mlx.cli import main
+
+    path = converted(hf_dirs, tmp_path_factory, FAST[3])
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "mlx-lm" in out and "mxfp4" in out, out
+
+
+def _copy(path, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(path, dst)
+    return str(dst)
+
+
+def _edit_config(path, edit):
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    edit(config)
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["quantization"].update(bits=7), "bits"),
+    (lambda c: c["quantization"].update(mode="int4"), "mode 'int4'"),
+    (lambda c: c["quantization"].update(bits="4"), "integer bits"),
+    (lambda c: c["quantization"].update(bits=8), "does not match affine bits=8"),
+    (lambda c: c["quantization"].update({"model.layers.0.self_attn.o_proj": False}), "quantization says it is not"),
+])
+def test_bad_quantization_dict_names_the_problem(hf_dirs, tmp_path_factory, tmp_path, edit, message):
+    path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
+    _edit_config(path, edit)
+    with pytest.raises(ValueError, match="config.json|safetensors") as info:
+        _ours(path)
+    assert message in str(info.value)
+
+
+def test_missing_scales_names_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
+    shard = os.path.join(path, "model.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.0.self_attn.o_proj.scales"]
+    save_file(tensors, shard, metadata={"format": "mlx"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'.*"
+                                         r"'model\.layers\.0\.self_attn\.o_proj\.scales' is missing"):
+        _ours(path)
