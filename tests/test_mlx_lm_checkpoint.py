@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -166,13 +167,18 @@ def test_streaming_reads_one_row_of_each_stacked_tensor(hf_dirs, tmp_path_factor
     assert report["bytes_read"] == report["reads"] * per_expert
 
 
-def test_inspect_reports_mlx_lm_format(hf_dirs, tmp_path_factory, capsys):
+def test_inspect_reports_mlx_lm_format(hf_dirs, tmp_path_factory):
+    from click.testing import CliRunner
+
     from colibri_mlx.cli import main
 
     path = converted(hf_dirs, tmp_path_factory, FAST[3])
-    assert main(["inspect", path]) == 0
-    out = capsys.readouterr().out
-    assert "mlx-lm" in out and "mxfp4" in out, out
+    result = CliRunner().invoke(main, ["inspect", path])
+    assert result.exit_code == 0, result.output
+    assert "format: mlx-lm mxfp4 4-bit g32" in result.output
+    assert re.search(r"switch_mlp\.gate_proj\.weight +mlx-mxfp4-4b +32 +128 x 128 ", result.output)
+    # 8 experts x 2 MoE layers; an expert: 3 projections x 128 rows x (64 bytes of codes + 4 E8M0 scales)
+    assert "routed experts: 16, 26.11 KB each" in result.output
 
 
 def _copy(path, tmp_path):

@@ -376,3 +376,63 @@ def stacked_projection(p, buffers):
     biases = arr(p.biases, (p.O, p.I // p.gs)) if p.biases is not None else None
     qt = qtensor_from_mlx(weight, scales, biases, mode=mode.mode, bits=p.bits, group_size=p.gs, name=p.weight.name)
     return dataclasses.replace(qt, streamed=True)
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+def inspect_checkpoint(container):
+    """``colibri inspect`` of an mlx-lm checkpoint: one row per stored module (weight with its
+    scales and biases; a stacked ``switch_mlp`` tensor is one row of E experts). Each quantized
+    row is checked against the module's settings in config.json; a mismatch is an unresolved row."""
+    from ..container.inspect import MissingWeights, TensorRow, _summarize
+    from ..container.shapes import tensor_class
+    from ..formats.mlx_quant import MLX_FMT_NAMES
+
+    quant = Quantization(container.config, f"{container.path}/config.json")
+    stored = set(container.names())
+    n_layers = container.config.get("num_hidden_layers")
+    rows, experts = [], {}
+    for name in sorted(stored):
+        module, _, part = name.rpartition(".")
+        if part in ("scales", "biases") and module + ".weight" in stored:
+            continue
+        info = container.info(name)
+        cls = tensor_class(name.replace(".switch_mlp.", ".experts."), n_layers)
+        companions = [module + s for s in COMPANIONS if part == "weight" and module + s in stored]
+        nbytes = info.nbytes + sum(container.info(n).nbytes for n in companions)
+        shape = tuple(info.shape)
+        if not companions:
+            O, I = (shape[-2], shape[-1]) if len(shape) >= 2 else (shape[0] if shape else None, None)
+            row = TensorRow(name, cls, info.dtype, info.dtype.lower(), 0 if info.dtype == "F32" else None, None,
+                            O, I, nbytes)
+            if info.dtype == "U32":
+                row.fmt, row.error = "?", f"{info.path}: tensor {name!r} is packed (U32) but {module}.scales is missing"
+        else:
+            params = quant.for_module(module)
+            scales = container.info(module + ".scales")
+            O = shape[-2]
+            if params is None:
+                row = TensorRow(name, cls, info.dtype, "?", None, None, O, None, nbytes,
+                                error=f"{module}: stored quantized but config.json's quantization says it is not")
+            else:
+                I = shape[-1] * 32 // params.bits
+                row = TensorRow(name, cls, info.dtype, f"{MLX_FMT_NAMES[MLX_MODES[params.mode].fmt]}-{params.bits}b",
+                                MLX_MODES[params.mode].fmt, params.group_size, O, I, nbytes)
+                if I % params.group_size or tuple(scales.shape[-1:]) != (I // params.group_size,):
+                    row.fmt, row.error = "?", (f"{module}: scales {list(scales.shape)} do not fit {params.mode} "
+                                               f"bits={params.bits} group_size={params.group_size} for "
+                                               f"weight {list(shape)}")
+        if len(shape) == 3:
+            row.note = f"{shape[0]} x [{row.O}, {row.I}]" + (" (stacked experts)" if ".switch_mlp." in name else "")
+            if ".switch_mlp." in name:
+                layer = int(name.split(".")[2])
+                for e in range(shape[0]):
+                    experts[(layer, e)] = experts.get((layer, e), 0) + nbytes // shape[0]
+        rows.append(row)
+    report = _summarize(container.path, rows)
+    report.routed_experts = len(experts)
+    report.expert_nbytes = sorted(set(experts.values()))
+    report.missing = MissingWeights(skipped="an mlx-lm checkpoint: its tensors are matched to the model at load")
+    report.source_format = quant.describe()
+    return report
