@@ -222,3 +222,56 @@ def test_missing_scales_names_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'.*"
                                          r"'model\.layers\.0\.self_attn\.o_proj\.scales' is missing"):
         _ours(path)
+
+
+def _fake_hub_cache(cache, repo, src):
+    """``src``'s files as the snapshot of ``repo`` in a Hugging Face hub cache laid out as
+    huggingface_hub writes it (refs/main -> snapshots/<commit>/)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(src, root / "snapshots" / commit)
+    return str(root / "snapshots" / commit)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_hub_id_resolves_from_the_cache(hf_dirs, tmp_path_factory, offline_hub, monkeypatch):
+    from colibri_mlx.models.modeldir import resolve_model_path
+
+    snapshot = _fake_hub_cache(offline_hub, "mlx-community/Tiny-V3-4bit",
+                               converted(hf_dirs, tmp_path_factory, FAST[0]))
+    monkeypatch.chdir(offline_hub)   # no local directory of that name
+    assert os.path.samefile(resolve_model_path("mlx-community/Tiny-V3-4bit"), snapshot)
+    model = _ours("mlx-community/Tiny-V3-4bit")
+    want = np.array(_ours(snapshot)(_prompt()))
+    assert np.array_equal(np.array(model(_prompt())), want)
+
+
+def test_hub_id_offline_and_not_cached_says_so(offline_hub, monkeypatch):
+    from click.testing import CliRunner
+
+    from colibri_mlx.cli import main
+
+    monkeypatch.chdir(offline_hub)
+    result = CliRunner().invoke(main, ["generate", "-m", "mlx-community/Not-Cached-4bit", "-p", "hi"])
+    assert result.exit_code != 0
+    assert "not in the cache" in result.output and "HF_HUB_OFFLINE" in result.output, result.output
+
+
+def test_local_directory_wins_over_a_hub_id(tmp_path, monkeypatch):
+    from colibri_mlx.models.modeldir import resolve_model_path
+
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("owner/name") == "owner/name"
