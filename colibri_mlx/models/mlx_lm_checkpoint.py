@@ -306,10 +306,21 @@ def _row_range(info, index: int):
     return info.offset + index * per, per
 
 
+@dataclass(frozen=True)
+class _Range:
+    """One expert's row of a stacked tensor, as ``experts.store._coalesce`` takes byte ranges."""
+
+    name: str
+    dtype: str
+    path: str
+    offset: int
+    nbytes: int
+
+
 def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
     """Where expert ``expert`` of an mlx-lm ``switch_mlp`` layer lies: its row of each stacked
     tensor (weight, scales, biases of gate, up, down), one read each (adjacent rows merged)."""
-    from ..experts.store import (PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, Read)
+    from ..experts.store import PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, _coalesce
 
     quant = Quantization(container.config, f"{container.path}/config.json")
     ranges, projections = [], []
@@ -340,20 +351,12 @@ def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
                 else f"{names[part]}[{expert}]"
             ranges.append((label, pinfo.dtype, pinfo.path, offset, nbytes))
         projections.append((proj, O, I, params, len(parts)))
-    reads, where = [], {}
-    for label, dtype, path, offset, nbytes in sorted(ranges, key=lambda r: (r[2], r[3])):
-        last = reads[-1] if reads else None
-        if last is not None and last.path == path and last.offset + last.nbytes == offset:
-            where[label] = Part(label, dtype, len(reads) - 1, last.nbytes, nbytes)
-            reads[-1] = Read(path, last.offset, last.nbytes + nbytes)
-        else:
-            where[label] = Part(label, dtype, len(reads), 0, nbytes)
-            reads.append(Read(path, offset, nbytes))
+    reads, where = _coalesce([_Range(*r) for r in ranges])
     layouts, at = [], 0
     for proj, O, I, params, n in projections:
         labels = [r[0] for r in ranges[at: at + n]]
         at += n
-        parts = [where[label] for label in labels] + [None] * (3 - n)
+        parts = [Part(label, *where[label]) for label in labels] + [None] * (3 - n)
         layouts.append(ProjectionLayout(proj, O, I, parts[0], parts[1],
                                         None if params is None else MLX_MODES[params.mode].fmt,
                                         None if params is None else params.group_size,
