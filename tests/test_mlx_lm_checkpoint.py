@@ -44,6 +44,8 @@ FAST = [
     ("v3", dict(quant_predicate="mixed_3_4")),     # per-module bits in config.json
     ("glm", dict(q_bits=4, q_group_size=64)),     # DSA indexer projections quantized too
 ]
+# BF16 checkpoints (what the hub holds): bfloat16 scales and biases.
+BF16 = ("v3", dict(q_bits=4, q_group_size=64, dtype="bfloat16"))
 SLOW = [("v3", dict(q_bits=b, q_group_size=g)) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 SLOW += [("v3", dict(q_mode="mxfp8")), ("v3", dict(q_mode="nvfp4")), ("glm", dict(q_mode="mxfp4")),
          ("v3", dict(quant_predicate="mixed_2_6")), ("v3", dict(quant_predicate="mixed_4_6"))]
@@ -51,7 +53,8 @@ SLOW += [("v3", dict(q_mode="mxfp8")), ("v3", dict(q_mode="nvfp4")), ("glm", dic
 
 def _case_id(case):
     arch, kw = case
-    return arch + "-" + "-".join(f"{k[2:] if k.startswith('q_') else 'recipe'}{v}" for k, v in kw.items())
+    label = {"quant_predicate": "recipe"}
+    return arch + "-" + "-".join(f"{label.get(k, k.removeprefix('q_'))}{v}" for k, v in kw.items())
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,15 @@ def _ours(path, **options):
 
 
 def _theirs(path):
+    """mlx-lm's model computing in float32: every float parameter widened except the quantization
+    scales and biases, which stay as stored (what ``quantized_matmul`` reads)."""
+    from mlx.utils import tree_map_with_path
+
     model, _ = mlx_lm.load(path)
-    model.set_dtype(mx.float32)
+    model.update(tree_map_with_path(
+        lambda p, v: v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) and
+        not p.endswith((".scales", ".biases")) else v,
+        model.parameters()))
     return model
 
 
@@ -275,3 +285,14 @@ def test_local_directory_wins_over_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "owner" / "name").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert resolve_model_path("owner/name") == "owner/name"
+
+
+@pytest.mark.xfail(strict=True, reason="the pure-MLX reference decode of affine weights with bfloat16 scales "
+                   "rounds q*s+b to bfloat16 (as mx.dequantize does); mlx-lm's float32 quantized_matmul "
+                   "does not (1e-2 relative on logits)")
+def test_bfloat16_scales_match_mlx_lm(hf_dirs, tmp_path_factory):
+    from colibri_mlx.container import Container
+
+    path = converted(hf_dirs, tmp_path_factory, BF16)
+    assert Container(path).info("lm_head.scales").dtype == "BF16"
+    check_against_mlx_lm(path)

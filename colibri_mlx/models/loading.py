@@ -53,10 +53,10 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
     activation dtype, "auto"/None (float32 on the CPU backend, bfloat16 on GPUs), "float32",
     "bfloat16" or "float16".
     """
-    from .modeldir import open_model_dir
+    from .modeldir import open_model_dir, resolve_model_path
 
     dtype = resolve_dtype(dtype)  # a bad value fails before any tensor is read
-    return build_model(open_model_dir(path), ram_gb, pin, pin_gb, expert_top_p, dtype, **store_options)
+    return build_model(open_model_dir(resolve_model_path(path)), ram_gb, pin, pin_gb, expert_top_p, dtype, **store_options)
 
 
 def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,

@@ -250,7 +250,7 @@ class MlxLmWeights:
                     self._infer(f"{attn}.{part}", name, f"{attn}.{part}.scales", shape)
                 I = words_or_in * 32 // params.bits
                 qt = self._linear_3d(name, params, H * O, I)
-                parts[part] = mx.array(qt.dequantize()).reshape(H, O, I)
+                parts[part] = dequantize_as_float32(qt).reshape(H, O, I)
             else:
                 parts[part] = stored_array(self.container, name).astype(mx.float32)
         wk, wv = parts["embed_q"], parts["unembed_out"]   # [H, kv_lora, nope], [H, v, kv_lora]
@@ -274,6 +274,16 @@ class MlxLmWeights:
                                     bits=params.bits, group_size=params.group_size, name=name)
         except ValueError as e:
             raise MlxLmCheckpointError(f"{self.container.info(name).path}: {e}") from None
+
+
+def dequantize_as_float32(qt) -> mx.array:
+    """``W`` as mlx-lm's float32 ``quantized_matmul`` reads it: 16-bit scales and biases widened to
+    float32 first, ``q * s + b`` in float32 (``mx.dequantize`` would round it to the scales' dtype)."""
+    from ..formats.mlx_quant import mode_of
+
+    wide = (lambda a: None if a is None else a.astype(mx.float32)) if qt.fmt == 7 else (lambda a: a)
+    return mx.dequantize(qt.packed, wide(qt.scales), wide(qt.biases), group_size=qt.gs, bits=qt.bits,
+                         mode=mode_of(qt.fmt), dtype=mx.float32)
 
 
 def weight_table(container, config: Mapping) -> WeightTable:
