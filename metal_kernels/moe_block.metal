@@ -70,6 +70,7 @@ inline void moe_gate_up_load(const device uint8_t* wgu, const device float* sgu,
     if (u < n_units) {
       for (int r = 0; r < R2; ++r) {
         qd_load<FMT, VEC>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        qd_load_aux<FMT, GS>(sgu, rows[r], ng, u, raw[j][r]);
         for (int g = 0; g < NSEG; ++g) {
           scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
         }
@@ -143,6 +144,7 @@ inline void moe_down_load(const device uint8_t* wd8, const device float* sd, thr
       const device float* s0 = sd + (size_t(eso[je]) + soff);
       for (int r = 0; r < ROWS; ++r) {
         qd_load<FMT, VEC>(w0 + rd[r] * rb, rb, u, raw[j][r]);
+        qd_load_aux<FMT, GS>(s0, rd[r], ng, u, raw[j][r]);
         for (int g = 0; g < NSEG; ++g) {
           scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(s0, rd[r], ng, u, g, raw[j][r]) : 1.0f;
         }

@@ -106,24 +106,24 @@ inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
 }
 
 // The unit's scale words of the MLX formats into r after its code words (a no-op for fmt 0-6).
-// scales: affine one 32-bit word (two for FMT 90+) per group of GS weights, [O, ng] row-major;
-// the fp modes the stored scale bytes [O, ng].
+// scales: ng 32-bit words a row (kernels/mlx_formats.py kernel_scales): affine one word per group
+// of GS weights (two for FMT 90+), the fp modes the row's scale bytes padded to whole words.
 template <int FMT, int GS>
 inline void qd_load_aux(const device float* scales, int row, int ng, int u, thread uint* r) {
   constexpr int B = qd_mlx_bits(FMT);
   if (qd_affine(FMT)) {
-    const int gi = row * ng + (32 * u) / GS;
-    const device uint* sw = (const device uint*)scales;
+    const device uint* sw = (const device uint*)scales + row * ng;
     if (FMT >= 90) {
-      r[B] = sw[2 * gi];
-      r[qd_words(FMT) - 1] = sw[2 * gi + 1];
-    } else {
+      const int gi = 2 * ((32 * u) / GS);
       r[B] = sw[gi];
+      r[qd_words(FMT) - 1] = sw[gi + 1];
+    } else {
+      r[B] = sw[(32 * u) / GS];
     }
   } else if (FMT == 8 || FMT == 10) {
-    r[B] = uint(((const device uint8_t*)scales)[row * ng + u]);
+    r[B] = uint(((const device uint8_t*)scales)[4 * row * ng + u]);
   } else if (FMT == 9) {
-    const device uint8_t* sb = (const device uint8_t*)scales + row * ng + 2 * u;
+    const device uint8_t* sb = (const device uint8_t*)scales + 4 * row * ng + 2 * u;
     r[B] = uint(sb[0]) | (uint(sb[1]) << 8);
   }
 }

@@ -208,6 +208,13 @@ def test_qgemv_msl(mode, bits, gs, dtype, S):
 
 
 @needs_simulator
+@pytest.mark.parametrize("mode,gs", [("mxfp4", 32), ("nvfp4", 16)])
+def test_qgemv_msl_scale_rows_padded(mode, gs):
+    """I / gs not a multiple of 4: each row's scale bytes are padded to whole words."""
+    _run_qgemv_sim(mode, 4, gs, "bfloat16", 2, O=5, I=416)
+
+
+@needs_simulator
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_FULL)
 def test_qgemv_msl_full_grid(mode, bits, gs, dtype, S):
@@ -231,3 +238,98 @@ def test_qgemv_kernel_on_device(case):
         c = dispatch.counters()
         assert c["calls"] == {f"qgemv/{dispatch.backend()}": 1} and not c["fallbacks"], c
         assert_close(y, x, qt, f"{mode} {bits}-bit g{gs} {sdt} S={S}")
+
+
+# ---------------------------------------------------------------------------------------
+# moe_block in the MSL simulator: stacked MLX-format experts through both kernels
+
+MOE_CASES = [(("affine", 4, 64, mx.bfloat16), ("affine", 4, 64, mx.bfloat16)),
+             (("affine", 3, 32, mx.float16), ("affine", 6, 64, mx.float16)),    # a mixed recipe's down
+             (("affine", 8, 128, mx.float32), ("affine", 2, 32, mx.float32)),
+             (("mxfp4", 4, 32, mx.bfloat16), ("mxfp4", 4, 32, mx.bfloat16)),
+             (("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16))]
+
+
+@pytest.fixture
+def metal_sim(monkeypatch):
+    from moe_mla_oracle import route_launches_to_simulator
+
+    from colibri_mlx.kernels import moe
+
+    yield route_launches_to_simulator(monkeypatch, _sim)
+    moe.clear_banks()
+
+
+@needs_simulator
+@pytest.mark.parametrize("gu,down", MOE_CASES)
+def test_moe_block_msl(metal_sim, gu, down):
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_moe_close
+
+    D, inter, E, N, K = 128, 64, 4, 2, 2
+    experts = [(random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e),
+                random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e + 1),
+                random_mlx_qtensor(*down[:3], D, inter, down[3], seed=10 * e + 2)) for e in range(E)]
+    rng = np.random.default_rng(4)
+    ids = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = mx.array(rng.standard_normal((N, D)).astype(np.float32))
+    dispatch.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w)
+    c = dispatch.counters()
+    assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
+    assert "moe_gate_up" in metal_sim and "moe_down" in metal_sim
+    assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
+
+
+@needs_simulator
+def test_mla_decode_declines_mlx_kv_b_visibly(metal_sim):
+    """mla_decode has no MLX-format decode: the decline is counted and the reference computes
+    what it computes for the same kv_b as float32."""
+    from kernel_oracle import random_mlx_qtensor
+
+    B, H, L, T, R, nope, v, rope = 1, 2, 1, 5, 64, 32, 32, 16
+    kv_b = random_mlx_qtensor("affine", 4, 32, H * (nope + v), R, mx.bfloat16, seed=2)
+    rng = np.random.default_rng(8)
+    arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))   # noqa: E731
+    q_nope, q_rope, latent, k_rope = arr(B, H, L, nope), arr(B, H, L, rope), arr(B, T, R), arr(B, T, rope)
+    dispatch.reset_counters()
+    y = kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, 0.125, None, nope, v)
+    c = dispatch.counters()
+    assert any("kv_b fmt 7 (affine 4-bit g32)" in reason for reason in c["fallbacks"]), c
+    with kernels.force_reference():
+        want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, mx.array(decode_mlx(kv_b)), 0.125, None, nope, v)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode,bits,gs,dtype", [("affine", 3, 32, "bfloat16"), ("mxfp4", 4, 32, "float32")])
+def test_row_operations_move_whole_rows(mode, bits, gs, dtype):
+    """take_rows / concat_rows / rows_of keep every row's codes, scales and biases together."""
+    a, b = _qt(mode, bits, gs, dtype, O=6, seed=1), _qt(mode, bits, gs, dtype, O=4, seed=2)
+    wa, wb = decode_mlx(a), decode_mlx(b)
+    order = [3, 0, 5, 1, 4, 2]
+    _assert_bits_equal(decode_mlx(kernels.take_rows(a, order)), wa[order])
+    fused = kernels.concat_rows([a, b])
+    assert fused is not None and fused.O == 10
+    _assert_bits_equal(decode_mlx(fused), np.concatenate([wa, wb]))
+    _assert_bits_equal(decode_mlx(kernels.rows_of(fused, 6, 10)), wb)
+    other = _qt("affine", 4, 64, "bfloat16", O=4)
+    assert kernels.concat_rows([a, other]) is None   # another bit width or mode: no shared layout
+
+
+def test_numpy_bfloat16_scales_as_ml_dtypes_or_bits():
+    """A safetensors reader hands bfloat16 over as ml_dtypes.bfloat16 or raw uint16 bits: both
+    construct, decode bit-exactly and reach the reference path."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, s, b = _quantized("affine", 5, 32, mx.bfloat16, O=6, I=256, seed=4)
+    ref = mx.dequantize(q, s, b, group_size=32, bits=5, dtype=mx.float32)
+    bits = lambda a: np.asarray(a.view(mx.uint16))   # noqa: E731
+    for conv in (bits, lambda a: bits(a).view(ml_dtypes.bfloat16)):
+        qt = qtensor_from_mlx(np.asarray(q), conv(s), conv(b), mode="affine", bits=5, group_size=32, name="w")
+        _assert_bits_equal(decode_mlx(qt), ref)
+        _assert_bits_equal(reference.dequantize(qt), ref)
+        from colibri_mlx.kernels import mlx_formats
+        assert mlx_formats.kernel_fmt(qt) == 75
+        qm = qt.to_mlx()
+        assert isinstance(qm.scales, mx.array) and isinstance(qm.biases, mx.array)
+        _assert_bits_equal(reference.dequantize(qm), ref)

@@ -86,3 +86,9 @@ def test_profile_step_accounts_a_step(capsys):
     assert [name for name, _ in top] == ["a", "b", "c"]
     profile_step.print_sequence("ours", [(0.0, 30.0, "mlx::core::cu::custom_kernel_qgemv")])
     assert "  custom_kernel_qgemv" in capsys.readouterr().out
+
+
+def test_bench_mlx_quant_rows():
+    out = run_script("scripts/bench/bench_mlx_quant.py", "--tiny")
+    for name in ("affine 4b g64", "affine 3b g64", "mxfp4 g32"):
+        assert name in out, out

@@ -115,7 +115,8 @@ def _to_numpy(a):
         if a.dtype == mx.bfloat16:
             return np.asarray(a.view(mx.uint16))
         return np.asarray(a)
-    return np.asarray(a)
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.name == "bfloat16" else a   # ml_dtypes.bfloat16
 
 
 def float_bits_as_f32(a, bf16_bits: bool) -> np.ndarray:
@@ -156,7 +157,7 @@ def _is_bf16(a) -> bool:
             return a.dtype == mx.bfloat16
     except ImportError:  # pragma: no cover
         pass
-    return np.asarray(a).dtype == np.uint16
+    return np.asarray(a).dtype.name in ("uint16", "bfloat16")
 
 
 def qtensor_from_mlx(weight, scales, biases=None, *, mode: str = "affine", bits: int = 4,
@@ -164,7 +165,7 @@ def qtensor_from_mlx(weight, scales, biases=None, *, mode: str = "affine", bits:
     """A QTensor over one MLX-quantized matrix exactly as stored: ``weight`` uint32 ``[O, I*bits/32]``,
     ``scales`` ``[O, I/group_size]`` (float for affine, uint8 E8M0/E4M3 for the fp modes), ``biases``
     like scales for affine and None otherwise. numpy arrays or ``mx.array``; nothing is copied or cast
-    (bfloat16 stays bfloat16). Shapes and dtypes are checked against mode/bits/group_size."""
+    (bfloat16 stays bfloat16; numpy bfloat16 may be ``ml_dtypes.bfloat16`` or its raw uint16 bits). Shapes and dtypes are checked against mode/bits/group_size."""
     m = check_params(mode, bits, group_size, name)
     label = name or "<unnamed>"
     w_dtype = str(getattr(weight, "dtype", np.asarray(weight).dtype)).replace("mlx.core.", "")
@@ -186,8 +187,9 @@ def qtensor_from_mlx(weight, scales, biases=None, *, mode: str = "affine", bits:
         raise FormatError(f"{label}: scales must be {list(want)} for weight {list(shape)} "
                           f"({mode}, bits={bits}, group_size={group_size}), got {list(scales.shape)}")
     if m.has_biases:
-        if s_dtype not in ("float32", "float16", "bfloat16"):
-            raise FormatError(f"{label}: affine scales must be float32, float16 or bfloat16, got {s_dtype}")
+        if s_dtype not in ("float32", "float16", "bfloat16", "uint16"):
+            raise FormatError(f"{label}: affine scales must be float32, float16 or bfloat16 "
+                              f"(numpy: uint16 bfloat16 bits), got {s_dtype}")
         if biases is None:
             raise FormatError(f"{label}: affine quantization needs biases")
         b_dtype = str(biases.dtype).replace("mlx.core.", "")

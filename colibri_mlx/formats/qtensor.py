@@ -58,9 +58,14 @@ class QTensor:
 
         if isinstance(self.packed, mx.array):
             return self
-        if self.fmt >= 7:   # bfloat16 scales arrive as mx arrays already; numpy ones convert as stored
+        if self.fmt >= 7:
             def conv(a):
-                return a if a is None or isinstance(a, mx.array) else mx.array(np.asarray(a))
+                if a is None or isinstance(a, mx.array):
+                    return a
+                a = np.asarray(a)
+                if a.dtype.name == "bfloat16":   # ml_dtypes: over as its bits, back to mx.bfloat16
+                    return mx.array(a.view(np.uint16)).view(mx.bfloat16)
+                return mx.array(a)
             return QTensor(conv(self.packed), conv(self.scales), self.fmt, self.O, self.I, self.gs,
                            self.name, self.streamed, self.bits, conv(self.biases))
         return QTensor(mx.array(np.asarray(self.packed)), mx.array(np.asarray(self.scales)),

@@ -154,6 +154,8 @@ def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
 
 def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     """decline_reason for ``L`` query rows a sequence."""
+    if isinstance(kv_b, QTensor) and kv_b.fmt >= 7:
+        return f"kv_b fmt {kv_b.fmt} ({_mlx_name(kv_b)}): mla_decode has no MLX-format decode"
     fmt, gs = weight_format(kv_b)
     if fmt not in KV_B_FMTS:
         return f"kv_b fmt {fmt} (fmt 0-5 only)"
@@ -166,15 +168,23 @@ def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     return None
 
 
+def _mlx_name(qt) -> str:
+    from ..formats.mlx_quant import describe
+
+    return describe(qt)
+
+
 def heads_of(kv_b, nope: int, v: int) -> int:
     """Attention heads of a layer from its kv_b (``H * (nope + v)`` rows)."""
-    return kv_b_projection(kv_b).O // (nope + v)
+    return (kv_b.O if isinstance(kv_b, QTensor) else kv_b.shape[0]) // (nope + v)
 
 
 def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[str]:
     """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
     if not isinstance(q_b, QTensor):
         return "q_b is a float weight"
+    if q_b.fmt >= 7:
+        return f"q_b fmt {q_b.fmt} ({_mlx_name(q_b)}): mla_qb_qabs has no MLX-format decode"
     fmt, gs = weight_format(q_b)
     if fmt not in QB_FMTS:
         return f"q_b fmt {fmt} (fmt 1-5: fmt 6 rotates its input first)"

@@ -6,8 +6,9 @@
   kernels see one FMT template code per layout (qdecode.h): affine ``70 + bits`` (bfloat16 scales),
   ``80 + bits`` (float16), ``90 + bits`` (float32); 8 mxfp4, 9 nvfp4, 10 mxfp8. Units are 32
   weights (``bits`` words); the weights are the stored uint32 words viewed as bytes. The scales
-  input is built once per weight: affine one 32-bit word per group holding the 16-bit scale (low
-  half) and bias (high half), or two float32 words; fp modes the stored scale bytes.
+  input is built once per weight (:func:`kernel_scales`): affine one 32-bit word per group holding
+  the 16-bit scale (low half) and bias (high half), or two float32 words; fp modes the stored
+  scale bytes, rows padded to whole words.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ def row_bytes(qt) -> int:
     return qt.I * qt.bits // 8
 
 
+def kernel_bits(kfmt: int) -> int:
+    """Code width of a kernel FMT code of the MLX formats (qdecode.h qd_mlx_bits)."""
+    return kfmt % 10 if kfmt >= 70 else (8 if kfmt == 10 else 4)
+
+
+def kernel_row_bytes(kfmt: int, I: int) -> int:
+    return I * kernel_bits(kfmt) // 8
+
+
+def kernel_scale_words(kfmt: int, I: int, gs: int) -> int:
+    """:func:`scale_words_per_row` from a kernel FMT code."""
+    ng = I // gs
+    if kfmt >= 70:
+        return 2 * ng if kfmt >= 90 else ng
+    return -(-ng // 4)
+
+
 def decline_reason(qt):
     """Why the kernels cannot read this MLX-format weight, or None."""
     if qt.I % UNIT:
@@ -59,9 +77,12 @@ def decline_reason(qt):
 
 
 def _mx(a) -> mx.array:
+    """An ``mx.array`` of a stored array; numpy bfloat16 (ml_dtypes) comes over as its uint16 bits."""
     if isinstance(a, mx.array):
         return a
     a = np.ascontiguousarray(np.asarray(a))
+    if a.dtype.name == "bfloat16":
+        return mx.array(a.view(np.uint16)).view(mx.bfloat16)
     return mx.array(a)
 
 
@@ -76,8 +97,17 @@ def kernel_weights(qt) -> mx.array:
     return _mx(qt.packed).reshape(-1).view(mx.uint8)
 
 
+def scale_words_per_row(qt) -> int:
+    """32-bit words of :func:`kernel_scales` per row: the kernels' ``ng`` (so a row's scales start
+    at ``row * ng`` words whatever the format, and stacked experts offset them in words)."""
+    return kernel_scale_words(kernel_fmt(qt), qt.I, qt.gs)
+
+
 def kernel_scales(qt) -> mx.array:
-    """The kernels' scales input as float32-typed words (the kernels reinterpret them)."""
+    """The kernels' scales input, float32-typed words (the kernels reinterpret them), ``[O, ng]``
+    with ng = :func:`scale_words_per_row`: affine one word per group, scale in the low and bias
+    in the high half (16-bit dtypes), or scale and bias as two float32 words; the fp modes the
+    stored scale bytes, each row padded to whole words (a copy only when I / gs % 4 != 0)."""
     if qt.fmt == 7:
         s, b = _float_scales(qt.scales), _float_scales(qt.biases)
         if s.dtype == mx.float32:
@@ -85,11 +115,11 @@ def kernel_scales(qt) -> mx.array:
         else:
             words = s.view(mx.uint16).astype(mx.uint32) | (b.view(mx.uint16).astype(mx.uint32) << 16)
         return words.reshape(-1).view(mx.float32)
-    raw = _mx(qt.scales).reshape(-1)
-    pad = (-raw.size) % 4
+    raw = _mx(qt.scales).reshape(qt.O, -1)
+    pad = 4 * scale_words_per_row(qt) - raw.shape[1]
     if pad:
-        raw = mx.concatenate([raw, mx.zeros((pad,), mx.uint8)])
-    return raw.view(mx.float32)
+        raw = mx.concatenate([raw, mx.zeros((qt.O, pad), mx.uint8)], axis=1)
+    return raw.reshape(-1).view(mx.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,3 +180,49 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
         sc = _mx(qt.scales).reshape(qt.O, ng)[r0:r1].astype(mx.uint32)
         w = mx.take(_table(*table), c) * mx.take(_table(*stable), sc)[..., None]
     return w.reshape(R, qt.I)
+
+
+# ---------------------------------------------------------------------------------------
+# Row operations (kernels.take_rows / concat_rows / rows_of): weights, scales and biases are
+# all [O, ...] arrays, so rows move together.
+
+
+def _with_arrays(qt, packed, scales, biases, O: int, name: str):
+    from ..formats.qtensor import QTensor
+
+    return QTensor(packed, scales, qt.fmt, O, qt.I, qt.gs, name, bits=qt.bits, biases=biases)
+
+
+def _rows_2d(a, O: int) -> mx.array:
+    return _mx(a).reshape(O, -1)
+
+
+def take_rows(qt, idx: mx.array):
+    """``qt`` with its rows in the order ``idx`` (evaluated)."""
+    packed = _rows_2d(qt.packed, qt.O)[idx]
+    scales = _rows_2d(qt.scales, qt.O)[idx]
+    biases = None if qt.biases is None else _rows_2d(qt.biases, qt.O)[idx]
+    mx.eval(packed, scales, *(() if biases is None else (biases,)))
+    return _with_arrays(qt, packed, scales, biases, qt.O, qt.name)
+
+
+def rows(qt, r0: int, r1: int):
+    """Rows ``r0:r1`` of ``qt`` (slices, no copy)."""
+    biases = None if qt.biases is None else _rows_2d(qt.biases, qt.O)[r0:r1]
+    return _with_arrays(qt, _rows_2d(qt.packed, qt.O)[r0:r1], _rows_2d(qt.scales, qt.O)[r0:r1], biases,
+                        r1 - r0, qt.name)
+
+
+def concat_rows(weights):
+    """One QTensor holding the rows of ``weights`` in order, or None when their layouts differ."""
+    first = weights[0]
+    key = (kernel_fmt(first), first.I, first.gs)
+    if any(not is_mlx(w) or (kernel_fmt(w), w.I, w.gs) != key for w in weights):
+        return None
+    packed = mx.concatenate([_rows_2d(w.packed, w.O) for w in weights])
+    scales = mx.concatenate([_float_scales(w.scales).reshape(w.O, -1) if first.fmt == 7 else _rows_2d(w.scales, w.O)
+                             for w in weights])
+    biases = None if first.biases is None else mx.concatenate(
+        [_float_scales(w.biases).reshape(w.O, -1) for w in weights])
+    mx.eval(packed, scales, *(() if biases is None else (biases,)))
+    return _with_arrays(first, packed, scales, biases, sum(w.O for w in weights), "+".join(w.name for w in weights))

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.qtensor import QTensor
-from . import dispatch, qgemv, reference
+from . import dispatch, mlx_formats, qgemv, reference
 from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
@@ -87,8 +87,11 @@ def _as_mx(a, dtype) -> mx.array:
 
 
 def weight_format(w) -> tuple[int, Optional[int]]:
-    """(fmt, gs) of one projection; float arrays are fmt 0."""
+    """(fmt, gs) of one projection as the kernels see it; float arrays are fmt 0, the MLX
+    formats their kernel FMT code (kernels/mlx_formats.py: bits and scale dtype in it) and group size."""
     if isinstance(w, QTensor):
+        if mlx_formats.is_mlx(w):
+            return mlx_formats.kernel_fmt(w), int(w.gs)
         return int(w.fmt), (int(w.gs) if w.fmt == 4 else None)
     return 0, None
 
@@ -98,6 +101,8 @@ def _shape(w) -> tuple[int, int]:
 
 
 def _bytes_and_scales(w) -> tuple[mx.array, mx.array]:
+    if isinstance(w, QTensor) and mlx_formats.is_mlx(w):
+        return mlx_formats.kernel_weights(w), mlx_formats.kernel_scales(w)
     if isinstance(w, QTensor):
         return _as_mx(w.packed, mx.uint8).reshape(-1), _as_mx(w.scales, mx.float32).reshape(-1)
     return w.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((1,), mx.float32)
@@ -115,12 +120,18 @@ class Projection:
     scales: mx.array
 
     @property
+    def mlx(self) -> bool:
+        return self.fmt >= 8   # an MLX format's kernel FMT code
+
+    @property
     def rb(self) -> int:
-        return row_bytes(self.fmt, self.I)
+        return mlx_formats.kernel_row_bytes(self.fmt, self.I) if self.mlx else row_bytes(self.fmt, self.I)
 
     @property
     def ng(self) -> int:
-        """Scales per row as the kernel indexes them (0: the kernel reads none)."""
+        """Scales (MLX formats: 32-bit scale words) per row as the kernel indexes them (0: none)."""
+        if self.mlx:
+            return mlx_formats.kernel_scale_words(self.fmt, self.I, self.gs)
         return scales_per_row(self.fmt, self.I, self.gs) if self.fmt in (1, 2, 3, 4, 5) else 0
 
     @property
@@ -131,8 +142,12 @@ class Projection:
         return 2 if self.rb % 16 == 0 else 1 if self.rb % 8 == 0 else 0
 
     @property
+    def unit(self) -> int:
+        return mlx_formats.UNIT if self.mlx else UNIT_WEIGHTS[self.fmt]
+
+    @property
     def n_units(self) -> int:
-        return -(-self.I // UNIT_WEIGHTS[self.fmt])
+        return -(-self.I // self.unit)
 
 
 @dataclass
@@ -169,6 +184,9 @@ def _decline_expert(gate, up, down) -> Optional[str]:
     if fg != fu:
         return f"gate fmt {fg} != up fmt {fu}"
     fmt, gs = fg
+    for w in (gate, down):
+        if isinstance(w, QTensor) and mlx_formats.is_mlx(w) and mlx_formats.decline_reason(w):
+            return mlx_formats.decline_reason(w)
     if fmt == 4 and (not gs or gs % 16):
         return f"fmt 4 gs={gs} (needs a multiple of 16)"
     if weight_format(down)[0] == 4 and (weight_format(down)[1] or 1) % 16:
@@ -312,7 +330,7 @@ def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, 
               unroll: Optional[int] = None) -> list:
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
     unroll = unroll or (1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), S))
-    return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 else 16),
+    return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 or p.mlx else 16),
             ("VEC", p.vec), ("XV", x_vec), ("UNROLL", unroll),
             ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
@@ -321,7 +339,7 @@ def h_unit(group: "ExpertGroup") -> int:
     """moe_gate_up's HP: h rows are written padded to whole down units, in qdecode's
     ``xp_index`` layout (moe_down's lanes read it coalesced), unless the down projection is fmt
     6, whose input is rotated in row order first (0: row order)."""
-    return 0 if group.down.fmt == E8_FMT else UNIT_WEIGHTS[group.down.fmt]
+    return 0 if group.down.fmt == E8_FMT else group.down.unit
 
 
 def h_width(group: "ExpertGroup") -> int:

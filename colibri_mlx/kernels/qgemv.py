@@ -147,7 +147,7 @@ def shape_values(qt) -> tuple:
     """O, I, row bytes, scales or super-blocks per row, units per row: the kernel's params
     (or, CUDA's persistent default, its template KO, KI, KRB, KNG, KNU)."""
     if mlx_formats.is_mlx(qt):
-        return qt.O, qt.I, mlx_formats.row_bytes(qt), qt.I // qt.gs, qt.I // mlx_formats.UNIT
+        return qt.O, qt.I, mlx_formats.row_bytes(qt), mlx_formats.scale_words_per_row(qt), qt.I // mlx_formats.UNIT
     per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (-(-qt.I // 256) if qt.fmt == 6 else 1)
     return qt.O, qt.I, row_bytes(qt.fmt, qt.I), per_row, -(-qt.I // UNIT_WEIGHTS[qt.fmt])
 

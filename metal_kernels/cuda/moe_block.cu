@@ -48,6 +48,7 @@ __device__ __forceinline__ void gate_up_load(const uint8_t* wgu, const float* sg
 #pragma unroll
       for (int r = 0; r < R2; ++r) {
         qd::load<FMT, VEC, W16>(wgu + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+        qd::load_aux<FMT, GS>(sgu, rows[r], ng, u, raw[j][r]);
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;
@@ -169,6 +170,7 @@ __device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, co
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         qd::load<FMT, VEC, W16>(w0 + rd[r] * rb, rb, u, raw[j][r]);
+        qd::load_aux<FMT, GS>(s0, rd[r], ng, u, raw[j][r]);
 #pragma unroll
         for (int g = 0; g < NSEG; ++g) {
           scl[j][r][g] = qd::scales_in_memory(FMT) ? qd::seg_scale<FMT, GS>(s0, rd[r], ng, u, g, raw[j][r]) : 1.0f;

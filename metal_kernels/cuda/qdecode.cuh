@@ -91,18 +91,18 @@ template <int FMT, int GS>
 __device__ __forceinline__ void load_aux(const float* scales, int row, int ng, int u, uint32_t* r) {
   constexpr int B = mlx_bits(FMT);
   if (affine(FMT)) {
-    const int gi = row * ng + (32 * u) / GS;
-    const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales);
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(scales) + row * ng;
     if (FMT >= 90) {
-      r[B] = sw[2 * gi];
-      r[words(FMT) - 1] = sw[2 * gi + 1];
-    } else {
+      const int gi = 2 * ((32 * u) / GS);
       r[B] = sw[gi];
+      r[words(FMT) - 1] = sw[gi + 1];
+    } else {
+      r[B] = sw[(32 * u) / GS];
     }
   } else if (FMT == 8 || FMT == 10) {
-    r[B] = uint32_t(reinterpret_cast<const uint8_t*>(scales)[row * ng + u]);
+    r[B] = uint32_t(reinterpret_cast<const uint8_t*>(scales)[4 * row * ng + u]);
   } else if (FMT == 9) {
-    const uint8_t* sb = reinterpret_cast<const uint8_t*>(scales) + row * ng + 2 * u;
+    const uint8_t* sb = reinterpret_cast<const uint8_t*>(scales) + 4 * row * ng + 2 * u;
     r[B] = uint32_t(sb[0]) | (uint32_t(sb[1]) << 8);
   }
 }

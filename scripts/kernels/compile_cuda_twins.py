@@ -83,6 +83,14 @@ def wrap(spec: dispatch.LaunchSpec, kernel_name: str) -> str:
             + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
+def mlx_cases(full: bool) -> list:
+    """MLX-format weights to compile: every kernel FMT family with ``full``; else each scale
+    dtype's affine decode (the bit widths differ only in a constant) and every fp mode."""
+    if full:
+        return MLX_KERNEL_CASES
+    return [c for c in MLX_KERNEL_CASES if c[0] != "affine" or c[1] in (4, 3, 6)]
+
+
 def qgemv_specs(full: bool):
     """Launches covering every fmt, x dtype, S and load path the GPU check and bench use."""
     shapes = [(64, 4096), (7, 300)] if full else [(64, 4096)]
@@ -104,7 +112,7 @@ def qgemv_specs(full: bool):
                            qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
                                              shape_in=True))
                     yield f"fmt{fmt}_{O}x{I}_S1_{dtype}_shape", qgemv.launch_spec(x, qt, dispatch.CUDA, shape_in=True)
-    for mode, bits, gs, sdt in MLX_KERNEL_CASES:   # the MLX formats: every kernel FMT family
+    for mode, bits, gs, sdt in mlx_cases(full):   # the MLX formats' kernel FMT families
         qt = random_mlx_qtensor(mode, bits, gs, 64, 4096, sdt, seed=1)
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
             x = random_x(S, 4096, dtype=dtype)
@@ -238,6 +246,18 @@ def moe_specs(full: bool):
             assert words.gate_up.packed.dtype == mx.uint32
             yield "gate_up_fmt4_words", moe.gate_up_spec(x, words, ids, K, dispatch.CUDA)
             yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
+    for mode, bits, gs, sdt in mlx_cases(full):   # the MLX formats' kernel FMT families
+        D, inter = 512, 256
+        experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
+                         for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)]
+        (group,) = moe.build_bank(experts).groups
+        label = f"{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}"
+        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
+            K = 2
+            x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
+            h = mx.zeros((S * K, inter), mx.float32)
+            yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
