@@ -172,12 +172,8 @@ def take_rows(w, order):
         return mlx_formats.take_rows(w, idx)
     packed = _as_mx(w.packed, None)                       # any element type: rows are equal runs
     packed = packed.reshape(w.O, -1)[idx].reshape(packed.shape)
-    spr = scales_per_row(w.fmt, w.I, w.gs) if w.fmt < 7 else w.I // w.gs   # fmt 7-10: [O, I/gs] scales
+    spr = scales_per_row(w.fmt, w.I, w.gs)
     scales = _as_mx(w.scales, None)
     scales = scales.reshape(w.O, spr)[idx].reshape(scales.shape) if spr else scales
-    if w.biases is not None:   # fmt 7 (MLX affine): per-row biases like the scales
-        biases = _as_mx(w.biases, None).reshape(w.O, -1)[idx]
-        mx.eval(packed, scales, biases)
-        return QTensor(packed, scales, w.fmt, w.O, w.I, w.gs, w.name, bits=w.bits, biases=biases)
     mx.eval(packed, scales)
-    return QTensor(packed, scales, w.fmt, w.O, w.I, w.gs, w.name, bits=w.bits)
+    return QTensor(packed, scales, w.fmt, w.O, w.I, w.gs, w.name)
