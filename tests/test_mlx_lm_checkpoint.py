@@ -296,3 +296,16 @@ def test_bfloat16_scales_match_mlx_lm(hf_dirs, tmp_path_factory):
     path = converted(hf_dirs, tmp_path_factory, BF16)
     assert Container(path).info("lm_head.scales").dtype == "BF16"
     check_against_mlx_lm(path)
+
+
+def test_cli_generate_streams_an_mlx_lm_checkpoint(hf_dirs, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from colibri_mlx.cli import main
+
+    path = converted(hf_dirs, tmp_path_factory, FAST[0])
+    result = CliRunner().invoke(main, ["generate", "-m", path, "-p", "In the beginning", "--max-tokens", "4",
+                                       "--ram-gb", "0.0001", "--no-chat-template"])
+    assert result.exit_code == 0, result.output
+    assert "generation: 4 tokens" in result.output and "expert hit rate" in result.output
+    assert "fallback 0" in result.output
