@@ -66,6 +66,7 @@ def is_mlx_lm_checkpoint(config: Mapping, names) -> bool:
     """config.json or the tensor names say this directory is an mlx-lm checkpoint."""
     if quantization_dict(config) is not None:
         return True
+    names = set(names)
     return any(n.endswith(".scales") and n[:-7] + ".weight" in names or ".switch_mlp." in n
                or SPLIT_KV_B.match(n) for n in names)
 
@@ -128,25 +129,21 @@ class Quantization:
         return text
 
 
-def stored_array(container, name: str):
-    """One stored tensor as an ``mx.array`` of its stored dtype (BF16 stays bfloat16), copied out of
-    the memory map (resident weights are really resident)."""
+def stored_array(container, name: str, index: Optional[int] = None):
+    """One stored tensor (``index``: its row ``index``, one expert of a stacked ``switch_mlp``
+    tensor, a contiguous byte range) as an ``mx.array`` of its stored dtype (BF16 stays bfloat16).
+    ``mx.array`` is the one copy out of the memory map (resident weights are really resident);
+    ``np.require`` copies first only a misaligned view."""
     info = container.info(name)
     np_dtype = STORED_DTYPES.get(info.dtype)
     if np_dtype is None:
         raise MlxLmCheckpointError(f"{info.path}: tensor {name!r} is stored as {info.dtype}; an mlx-lm checkpoint "
                                    f"holds {sorted(STORED_DTYPES)}")
-    values = np.array(container.raw(name).view(np_dtype).reshape(info.shape))
-    arr = mx.array(values)
-    return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
-
-
-def stored_slice(container, name: str, index: int):
-    """Row ``index`` of a stacked tensor (one expert of ``switch_mlp``): one contiguous byte range."""
-    info = container.info(name)
-    np_dtype = STORED_DTYPES[info.dtype]
-    raw = container.raw(name).view(np_dtype).reshape(info.shape)
-    arr = mx.array(np.array(raw[index]))
+    raw, shape = container.raw(name), tuple(info.shape)
+    if index is not None:
+        per = info.nbytes // shape[0]
+        raw, shape = raw[index * per: (index + 1) * per], shape[1:]
+    arr = mx.array(np.require(raw.view(np_dtype), requirements="A").reshape(shape))
     return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
 
 
@@ -203,11 +200,11 @@ class MlxLmWeights:
                                            f"{scales_name!r} is missing")
             if expert is None:
                 return self._float(weight_name, shape)
-            values = stored_slice(self.container, weight_name, expert).astype(mx.float32)
+            values = stored_array(self.container, weight_name, expert).astype(mx.float32)
             return values
         params = self.quant.for_module(module)
         if params is None:
-            params = self._infer(module, weight_name, scales_name, shape)
+            raise self._marked_unquantized(module, scales_name)
         O, I = shape
         stacked = () if expert is None else (self.n_experts,)
         want_w = stacked + (O, I * params.bits // 32)
@@ -222,14 +219,14 @@ class MlxLmWeights:
         if has_biases and biases_name not in self.stored:
             raise MlxLmCheckpointError(f"{info.path}: affine tensor {weight_name!r} has no {biases_name!r}")
         take = (lambda n: stored_array(self.container, n)) if expert is None else \
-            (lambda n: stored_slice(self.container, n, expert))
+            (lambda n: stored_array(self.container, n, expert))
         return qtensor_from_mlx(take(weight_name), take(scales_name), take(biases_name) if has_biases else None,
                                 mode=params.mode, bits=params.bits, group_size=params.group_size, name=label)
 
-    def _infer(self, module: str, weight_name: str, scales_name: str, shape: tuple) -> QuantParams:
-        """Settings of a quantized module config.json marks unquantized: refused (the config is wrong)."""
-        raise MlxLmCheckpointError(f"{self.path}/config.json: module {module!r} is stored quantized "
-                                   f"({scales_name!r} present) but quantization says it is not")
+    def _marked_unquantized(self, module: str, scales_name: str) -> MlxLmCheckpointError:
+        """A module stored quantized that config.json says is not (or that has no settings at all)."""
+        return MlxLmCheckpointError(f"{self.path}/config.json: module {module!r} is stored quantized "
+                                    f"({scales_name!r} present) but quantization says it is not")
 
     def _kv_b(self, attn: str, shape: tuple):
         """``kv_b_proj.weight`` from ``embed_q`` and ``unembed_out`` (module docstring)."""
@@ -247,7 +244,7 @@ class MlxLmWeights:
             if f"{attn}.{part}.scales" in self.stored:
                 params = self.quant.for_module(f"{attn}.{part}")
                 if params is None:
-                    self._infer(f"{attn}.{part}", name, f"{attn}.{part}.scales", shape)
+                    raise self._marked_unquantized(f"{attn}.{part}", f"{attn}.{part}.scales")
                 I = words_or_in * 32 // params.bits
                 qt = self._linear_3d(name, params, H * O, I)
                 parts[part] = dequantize_as_float32(qt).reshape(H, O, I)
