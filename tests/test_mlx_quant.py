@@ -250,6 +250,21 @@ MOE_CASES = [(("affine", 4, 64, mx.bfloat16), ("affine", 4, 64, mx.bfloat16)),
              (("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16))]
 
 
+def _moe_case(gu, down, D, inter, E, N, K, seed):
+    """E experts (gate and up in format ``gu``, down in ``down``), a routing of N tokens to K
+    distinct experts each with gate weights, and x [N, D]."""
+    from kernel_oracle import random_mlx_qtensor
+
+    experts = [(random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e),
+                random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e + 1),
+                random_mlx_qtensor(*down[:3], D, inter, down[3], seed=10 * e + 2)) for e in range(E)]
+    rng = np.random.default_rng(seed)
+    ids = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = mx.array(rng.standard_normal((N, D)).astype(np.float32))
+    return experts, ids, w, x
+
+
 @pytest.fixture
 def metal_sim(monkeypatch):
     from moe_mla_oracle import route_launches_to_simulator
@@ -263,17 +278,9 @@ def metal_sim(monkeypatch):
 @needs_simulator
 @pytest.mark.parametrize("gu,down", MOE_CASES)
 def test_moe_block_msl(metal_sim, gu, down):
-    from kernel_oracle import random_mlx_qtensor
     from moe_mla_oracle import assert_moe_close
 
-    D, inter, E, N, K = 128, 64, 4, 2, 2
-    experts = [(random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e),
-                random_mlx_qtensor(*gu[:3], inter, D, gu[3], seed=10 * e + 1),
-                random_mlx_qtensor(*down[:3], D, inter, down[3], seed=10 * e + 2)) for e in range(E)]
-    rng = np.random.default_rng(4)
-    ids = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32))
-    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
-    x = mx.array(rng.standard_normal((N, D)).astype(np.float32))
+    experts, ids, w, x = _moe_case(gu, down, D=128, inter=64, E=4, N=2, K=2, seed=4)
     dispatch.reset_counters()
     y = kernels.moe_block(x, experts, ids, w)
     c = dispatch.counters()
@@ -333,3 +340,33 @@ def test_numpy_bfloat16_scales_as_ml_dtypes_or_bits():
         qm = qt.to_mlx()
         assert isinstance(qm.scales, mx.array) and isinstance(qm.biases, mx.array)
         _assert_bits_equal(reference.dequantize(qm), ref)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("gu,down", MOE_CASES)
+def test_moe_block_kernels_on_device(gu, down):
+    """The backend's moe_gate_up / moe_down on MLX-format experts, against float64."""
+    from moe_mla_oracle import assert_moe_close
+
+    from colibri_mlx.kernels import moe
+
+    experts, ids, w, x = _moe_case(gu, down, D=1024, inter=512, E=8, N=3, K=4, seed=6)
+    dispatch.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w)
+    mx.eval(y)
+    c = dispatch.counters()
+    moe.clear_banks()
+    assert c["calls"].get(f"moe_block/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
+
+
+@pytest.mark.parametrize("mode,bits,gs,dtype", [("affine", 6, 64, "bfloat16"), ("mxfp8", 8, 32, "float32")])
+def test_embedding_rows_of_an_mlx_table(mode, bits, gs, dtype):
+    from colibri_mlx.models.deepseek_v3 import embedding_rows
+
+    table = _qt(mode, bits, gs, dtype, O=50, I=128, seed=9)
+    ids = mx.array([[3, 49, 3], [0, 17, 8]], dtype=mx.int32)
+    got = embedding_rows(table, ids)
+    assert got.shape == (2, 3, 128) and got.dtype == mx.float32
+    _assert_bits_equal(np.asarray(got).reshape(6, 128), decode_mlx(table)[np.asarray(ids).reshape(-1)])

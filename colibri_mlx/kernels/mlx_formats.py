@@ -199,11 +199,9 @@ def _rows_2d(a, O: int) -> mx.array:
 
 def take_rows(qt, idx: mx.array):
     """``qt`` with its rows in the order ``idx`` (evaluated)."""
-    packed = _rows_2d(qt.packed, qt.O)[idx]
-    scales = _rows_2d(qt.scales, qt.O)[idx]
-    biases = None if qt.biases is None else _rows_2d(qt.biases, qt.O)[idx]
-    mx.eval(packed, scales, *(() if biases is None else (biases,)))
-    return _with_arrays(qt, packed, scales, biases, qt.O, qt.name)
+    out = take_rows_lazy(qt, idx)
+    mx.eval(out.packed, out.scales, *(() if out.biases is None else (out.biases,)))
+    return out
 
 
 def rows(qt, r0: int, r1: int):
@@ -226,3 +224,18 @@ def concat_rows(weights):
         [_float_scales(w.biases).reshape(w.O, -1) for w in weights])
     mx.eval(packed, scales, *(() if biases is None else (biases,)))
     return _with_arrays(first, packed, scales, biases, sum(w.O for w in weights), "+".join(w.name for w in weights))
+
+
+def embedding_rows(qt, ids: mx.array) -> mx.array:
+    """float32 rows ``ids`` (any shape) of an MLX-format table ``[V, D]``: only those rows are
+    decoded (the reference decode, bit-equal to ``mx.dequantize``)."""
+    flat = ids.reshape(-1).astype(mx.int32)
+    part = take_rows_lazy(qt, flat)
+    return dequantize_rows(part, 0, part.O).reshape(*ids.shape, qt.I)
+
+
+def take_rows_lazy(qt, idx: mx.array):
+    """Rows ``idx`` of ``qt`` (repeats allowed), not evaluated."""
+    biases = None if qt.biases is None else _float_scales(qt.biases).reshape(qt.O, -1)[idx]
+    scales = (_float_scales(qt.scales) if qt.fmt == 7 else _mx(qt.scales)).reshape(qt.O, -1)[idx]
+    return _with_arrays(qt, _rows_2d(qt.packed, qt.O)[idx], scales, biases, int(idx.size), qt.name)

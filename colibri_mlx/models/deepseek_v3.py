@@ -217,10 +217,10 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
 
-    if table.fmt >= 7:  # MLX formats (an mlx-lm checkpoint): the rows' words, scales and biases
-        from .mlx_lm_checkpoint import embedding_rows as mlx_rows
+    if table.fmt >= 7:   # an MLX-format table (mlx-lm's QuantizedEmbedding)
+        from ..kernels.mlx_formats import embedding_rows as mlx_embedding_rows
 
-        return mlx_rows(table, ids)
+        return mlx_embedding_rows(table, ids)
     if table.fmt == 6:
         raise ValueError(f"{table.name}: an fmt 6 (rotated) embedding table cannot be looked up by row")
     row_bytes = weight_nbytes(table.fmt, 1, table.I, table.gs)

@@ -288,18 +288,6 @@ def weight_table(container, config: Mapping) -> WeightTable:
     return WeightTable(weights.names, weights.fetch, container.path)
 
 
-def embedding_rows(table, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of an MLX-quantized embedding table, decoded as mlx-lm's QuantizedEmbedding
-    does (``mx.dequantize`` of the gathered rows), in float32."""
-    from ..formats.mlx_quant import mode_of
-
-    flat = ids.reshape(-1)
-    biases = None if table.biases is None else table.biases[flat]
-    rows = mx.dequantize(table.packed[flat], table.scales[flat], biases, group_size=table.gs, bits=table.bits,
-                         mode=mode_of(table.fmt), dtype=mx.float32)
-    return rows.reshape(*ids.shape, table.I)
-
-
 # ------------------------------------------------------------------------- expert streaming
 
 

@@ -92,6 +92,10 @@ for s in "${steps[@]}"; do
     kernel_tests)  step kernel_tests 200 python3 -m pytest -q -x tests/test_moe_block.py tests/test_mla_decode.py; reap ;;
     parity)        step parity 200 python3 -m pytest -q tests/test_model_parity.py \
                      tests/test_moe_block.py::test_greedy_tokens_kernels_equal_reference; reap ;;
+    mlx_quant)     # the MLX-format decode variants (fmt 7-10): qgemv and moe_block kernels against
+                   # float64, then GEMV against mx.quantized_matmul on the same arrays
+                   step mlx_quant_tests 300 python3 -m pytest -q -m device $(xdist_args) tests/test_mlx_quant.py; reap
+                   step bench_mlx_quant 200 python3 scripts/bench/bench_mlx_quant.py --all --json "$out/bench_mlx_quant.json" ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench/bench_mla_parts.py --iters 10 ;;
