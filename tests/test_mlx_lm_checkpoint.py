@@ -303,7 +303,10 @@ def test_cli_generate_streams_an_mlx_lm_checkpoint(hf_dirs, tmp_path_factory):
 
     from colibri_mlx.cli import main
 
+    from colibri_mlx.kernels import dispatch
+
     path = converted(hf_dirs, tmp_path_factory, FAST[0])
+    dispatch.reset_counters()   # process-wide: another test file's declines may have run in this worker
     result = CliRunner().invoke(main, ["generate", "-m", path, "-p", "In the beginning", "--max-tokens", "4",
                                        "--ram-gb", "0.0001", "--no-chat-template"])
     assert result.exit_code == 0, result.output
