@@ -134,6 +134,14 @@ inline float qd_e4m3(uint c) {
   return float(as_type<half>(ushort(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7)))) * 256.0f;
 }
 
+// E8M0 byte e as MLX reads it (the float32 with exponent bits e; e = 0 the subnormal 2^-127)
+// times 2^P: e = 0 gives 2^(P - 127) directly (the float with exponent bits P), a normal float,
+// so a GPU that flushes subnormals still decodes it as MLX does.
+template <int P>
+inline float qd_e8m0_times(uint e) {
+  return e == 0u ? as_type<float>(uint(P) << 23) : as_type<float>(e << 23) * float(1u << P);
+}
+
 // Scale of segment g of unit u of row `row`: fmt 4 its group's, fmt 5 its group's, fmt 6
 // d * (0.5 + code) / 4 (the grid holds doubled magnitudes); 1 for fmt 0-3 and MLX affine (its
 // decode applies scale and bias). The MLX fp modes: E8M0 (2^(e-127): the float32 with exponent
@@ -144,11 +152,11 @@ template <int FMT, int GS>
 inline float qd_seg_scale(const device float* scales, int row, int ng, int u, int g,
                           thread const uint* r) {
   if (FMT == 8) {
-    return as_type<float>((r[4] & 0xFFu) << 23) * 16384.0f;
+    return qd_e8m0_times<14>(r[4] & 0xFFu);
   } else if (FMT == 9) {
     return qd_e4m3((r[4] >> (8 * g)) & 0xFFu) * 16384.0f;
   } else if (FMT == 10) {
-    return as_type<float>((r[8] & 0xFFu) << 23) * 256.0f;
+    return qd_e8m0_times<8>(r[8] & 0xFFu);
   } else if (FMT == 4) {
     return scales[row * ng + min((32 * u + qd_seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {

@@ -116,15 +116,22 @@ __device__ __forceinline__ float e4m3(uint32_t c) {
   return half_bits(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7)) * 256.0f;
 }
 
+// E8M0 byte e as MLX reads it (e = 0: 2^-127) times 2^P; e = 0 as the normal float 2^(P - 127)
+// (qdecode.h qd_e8m0_times).
+template <int P>
+__device__ __forceinline__ float e8m0_times(uint32_t e) {
+  return e == 0u ? __uint_as_float(uint32_t(P) << 23) : __uint_as_float(e << 23) * float(1u << P);
+}
+
 template <int FMT, int GS>
 __device__ __forceinline__ float seg_scale(const float* scales, int row, int ng, int u, int g,
                                            const uint32_t* r) {
   if (FMT == 8) {
-    return __uint_as_float((r[4] & 0xFFu) << 23) * 16384.0f;
+    return e8m0_times<14>(r[4] & 0xFFu);
   } else if (FMT == 9) {
     return e4m3((r[4] >> (8 * g)) & 0xFFu) * 16384.0f;
   } else if (FMT == 10) {
-    return __uint_as_float((r[8] & 0xFFu) << 23) * 256.0f;
+    return e8m0_times<8>(r[8] & 0xFFu);
   } else if (FMT == 4) {
     return scales[row * ng + min((32 * u + seg(FMT, GS) * g) / GS, ng - 1)];
   } else if (FMT == 5) {
