@@ -135,9 +135,17 @@ def _qt(mode, bits, gs, dtype, O=40, I=256, seed=3):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_reference_dequantize_bit_exact_affine(bits, gs, dtype):
     qt = _qt("affine", bits, gs, dtype, O=9, seed=bits + gs)
-    ref = mx.dequantize(qt.packed, qt.scales, qt.biases, group_size=gs, bits=bits, dtype=mx.float32)
+    # The matmuls' decode widens the scales and biases first (as mx.quantized_matmul does) ...
+    ref = mx.dequantize(qt.packed, qt.scales.astype(mx.float32), qt.biases.astype(mx.float32), group_size=gs,
+                        bits=bits, dtype=mx.float32)
     _assert_bits_equal(reference.dequantize(qt), ref)
     _assert_bits_equal(reference.dequantize_rows(qt, 3, 7), np.asarray(ref)[3:7])
+    # ... embedding lookups round in the stored dtype, as mx.dequantize does.
+    from colibri_mlx.kernels import mlx_formats
+    stored = mx.dequantize(qt.packed, qt.scales, qt.biases, group_size=gs, bits=bits, dtype=mx.float32)
+    _assert_bits_equal(mlx_formats.embedding_rows(qt, mx.array([[4, 1]])), np.asarray(stored)[[4, 1]][None])
+    if dtype == "bfloat16":
+        assert not np.array_equal(np.asarray(ref), np.asarray(stored))
 
 
 @pytest.mark.parametrize("mode,bits,gs", FP_MODES)
@@ -148,8 +156,9 @@ def test_reference_dequantize_bit_exact_fp(mode, bits, gs):
 
 
 def _gemv_oracle(x: np.ndarray, qt):
-    """float64 x @ W.T from the numpy decode, and sum |x_i w_i| per output (the error scale)."""
-    w = decode_mlx(qt).astype(np.float64)
+    """float64 x @ W.T from the numpy decode without roundings (``q * s + b`` as the matmuls
+    compute it), and sum |x_i w_i| per output (the error scale)."""
+    w = decode_mlx(qt, exact=True)
     x = x.astype(np.float64)
     return x @ w.T, np.abs(x) @ np.abs(w).T
 
@@ -305,7 +314,8 @@ def test_mla_decode_declines_mlx_kv_b_visibly(metal_sim):
     c = dispatch.counters()
     assert any("kv_b fmt 7 (affine 4-bit g32)" in reason for reason in c["fallbacks"]), c
     with kernels.force_reference():
-        want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, mx.array(decode_mlx(kv_b)), 0.125, None, nope, v)
+        kv_b32 = mx.array(decode_mlx(kv_b, exact=True).astype(np.float32))
+        want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b32, 0.125, None, nope, v)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -330,16 +340,17 @@ def test_numpy_bfloat16_scales_as_ml_dtypes_or_bits():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, s, b = _quantized("affine", 5, 32, mx.bfloat16, O=6, I=256, seed=4)
     ref = mx.dequantize(q, s, b, group_size=32, bits=5, dtype=mx.float32)
+    widened = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=5, dtype=mx.float32)
     bits = lambda a: np.asarray(a.view(mx.uint16))   # noqa: E731
     for conv in (bits, lambda a: bits(a).view(ml_dtypes.bfloat16)):
         qt = qtensor_from_mlx(np.asarray(q), conv(s), conv(b), mode="affine", bits=5, group_size=32, name="w")
         _assert_bits_equal(decode_mlx(qt), ref)
-        _assert_bits_equal(reference.dequantize(qt), ref)
+        _assert_bits_equal(reference.dequantize(qt), widened)
         from colibri_mlx.kernels import mlx_formats
         assert mlx_formats.kernel_fmt(qt) == 75
         qm = qt.to_mlx()
         assert isinstance(qm.scales, mx.array) and isinstance(qm.biases, mx.array)
-        _assert_bits_equal(reference.dequantize(qm), ref)
+        _assert_bits_equal(reference.dequantize(qm), widened)
 
 
 @pytest.mark.device

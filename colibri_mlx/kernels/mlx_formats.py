@@ -1,7 +1,9 @@
 """The MLX quantization formats (fmt 7-10, formats/mlx_quant.py) in the hot paths.
 
-* :func:`dequantize_rows`: the pure-MLX reference decode (bit-equal to ``mx.dequantize(...,
-  dtype=float32)``: affine with 16-bit scales rounds ``q * s`` and ``+ b`` to that dtype as MLX does).
+* :func:`dequantize_rows`: the pure-MLX reference decode: affine ``q * s + b`` in float32 from the
+  widened scales, as ``mx.quantized_matmul`` computes it (bit-equal to ``mx.dequantize`` of the
+  float32-widened scales and biases); :func:`embedding_rows` rounds in the stored dtype as
+  ``mx.dequantize`` itself does.
 * :func:`kernel_fmt`, :func:`kernel_weights`, :func:`kernel_scales`: what the GPU kernels take. The
   kernels see one FMT template code per layout (qdecode.h): affine ``70 + bits`` (bfloat16 scales),
   ``80 + bits`` (float16), ``90 + bits`` (float32); 8 mxfp4, 9 nvfp4, 10 mxfp8. Units are 32
@@ -163,8 +165,13 @@ def _table(name: str, values: np.ndarray) -> mx.array:
     return t
 
 
-def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
-    """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of an MLX-format QTensor."""
+def dequantize_rows(qt, r0: int, r1: int, *, stored_dtype: bool = False) -> mx.array:
+    """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of an MLX-format QTensor.
+
+    Affine ``q * s + b`` is computed in float32 from the widened scales and biases, as MLX's
+    ``quantized_matmul`` (and our kernels) use them. ``stored_dtype``: in the scales' dtype,
+    rounded twice as ``mx.dequantize`` returns it (what mlx-lm's QuantizedEmbedding looks up);
+    with bfloat16 scales the two differ by up to a bfloat16 ulp of the weight."""
     m = MLX_FMTS[qt.fmt]
     R, ng, gs = r1 - r0, qt.I // qt.gs, qt.gs
     words = _mx(qt.packed).reshape(qt.O, -1)[r0:r1]
@@ -172,7 +179,8 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
     if m.has_biases:
         s = _float_scales(qt.scales).reshape(qt.O, ng)[r0:r1, :, None]
         b = _float_scales(qt.biases).reshape(qt.O, ng)[r0:r1, :, None]
-        # In the scales' dtype, as MLX computes: q * s rounded, then + b rounded.
+        if not stored_dtype:
+            s, b = s.astype(mx.float32), b.astype(mx.float32)
         w = (c.astype(s.dtype) * s + b).astype(mx.float32)
     else:
         table = {"e2m1": ("e2m1", E2M1_VALUES), "e4m3": ("e4m3", E4M3_VALUES)}[m.code_kind]
@@ -228,10 +236,10 @@ def concat_rows(weights):
 
 def embedding_rows(qt, ids: mx.array) -> mx.array:
     """float32 rows ``ids`` (any shape) of an MLX-format table ``[V, D]``: only those rows are
-    decoded (the reference decode, bit-equal to ``mx.dequantize``)."""
+    decoded, bit-equal to ``mx.dequantize`` as mlx-lm's QuantizedEmbedding looks them up."""
     flat = ids.reshape(-1).astype(mx.int32)
     part = take_rows_lazy(qt, flat)
-    return dequantize_rows(part, 0, part.O).reshape(*ids.shape, qt.I)
+    return dequantize_rows(part, 0, part.O, stored_dtype=True).reshape(*ids.shape, qt.I)
 
 
 def take_rows_lazy(qt, idx: mx.array):
