@@ -163,7 +163,8 @@ _STREAMING_OPTIONS = [
                  expose_value=False, callback=_remember,
                  help="Under mlx.launch (e.g. 'mlx.launch -n 2 --backend ring -- colibri generate ...' or a "
                       "--hostfile): expert (default: each rank holds a share of every MoE layer's experts) or "
-                      "pipeline (a range of layers per rank). Rank 0 prints and serves. docs/distributed.md."),
+                      "pipeline (a range of layers per rank). Rank 0 prints and serves. --ram-gb is per rank (each "
+                      "streams its own experts). docs/distributed.md."),
 ]
 
 

@@ -47,7 +47,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # stay in step).
 OP_STOP, OP_FORWARD, OP_STATS = 0, 1, 2
 HEADER = 7
-STAT_FIELDS = ("resident_bytes", "read_bytes", "experts_held", "layers_held", "comm_s", "comm_calls", "tokens")
+STAT_FIELDS = ("resident_bytes", "read_bytes", "experts_held", "layers_held", "comm_s", "comm_calls", "tokens",
+               "streamed_bytes", "expert_cache_bytes")
 
 
 class DistributedError(RuntimeError):
@@ -245,9 +246,11 @@ def plan_rank(container, args, rank: int, world: int, mode: str, usage=None) -> 
 
 
 def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_top_p: float | None = None,
-                    usage_path: str | None = None):
+                    usage_path: str | None = None, ram_gb: float | None = None, pin: str | None = None,
+                    pin_gb: float | None = None):
     """This rank's share of the model in directory ``path`` (a colibri container or any checkpoint
-    ``load()`` accepts): only the tensors it holds are read."""
+    ``load()`` accepts): only the tensors it holds are read. ``ram_gb`` streams this rank's routed
+    experts (and only those) through an ``experts.ExpertStore`` with that budget per rank."""
     from .experts.usage import read_usage
     from .models.deepseek_v3 import Model, ModelArgs, resolve_dtype
     from .models.loading import _fetch
@@ -270,13 +273,45 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
         table.experts_held = lambda prefix: load.experts[prefix]
     else:
         table.layers_held = load.layers
+    store = None
+    if ram_gb is not None:
+        store = rank_expert_store(container, args, load, ram_gb, pin, pin_gb, usage_file)
+        table.expert_store = store
+    elif pin is not None or pin_gb is not None:
+        raise ValueError("pin / pin_gb need ram_gb (expert streaming)")
     model = Model(args, table, dtype)
-    model.expert_store = None
+    model.expert_store = store
+    if store is not None:
+        from .experts import resident_bytes
+
+        weakref.finalize(model, store.close)
+        store.resident_weight_bytes = resident_bytes(model)
     if expert_top_p is not None:
         from .experts import set_expert_top_p
 
         set_expert_top_p(model, expert_top_p)
     return model, load
+
+
+def rank_expert_store(container, args, load: RankLoad, ram_gb: float, pin, pin_gb, usage_file: str):
+    """The expert store of one rank: only the experts it holds, ``ram_gb`` GB of cache on this rank.
+    None when the rank holds no routed expert (a pipeline stage of dense layers).
+
+    The usage history is written by rank 0 alone, under expert parallel only: every rank routes
+    every token through every layer (the router is replicated), so rank 0's history is the whole
+    model's and one writer keeps the file whole. Under pipeline parallel no rank sees every layer's
+    routing: the history is read (``--pin auto``) but not rewritten."""
+    from .experts import ExpertStore
+
+    if load.mode == "expert":
+        held = {int(prefix.split(".")[2]): ids for prefix, ids in load.experts.items()}
+    else:
+        held = {i: range(args.n_routed_experts) for i in load.layers if args.is_moe_layer(i)}
+    if not held:
+        return None
+    pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
+    return ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, usage_path=usage_file,
+                       record_usage=load.rank == 0 and load.mode == "expert", held=held)
 
 
 # ---------------------------------------------------------------------------- communication
@@ -352,13 +387,37 @@ class ExpertParallel:
         ids, weights = moe.router(flat)                     # global ids [N, K]
         local = moe.local_index[ids]
         held = local >= 0
-        # Slots of other ranks' experts run local expert 0 with weight 0: exactly nothing added.
-        y = routed_experts(flat, moe.experts, mx.where(held, local, 0), mx.where(held, weights, 0))
+        if getattr(moe.experts, "prepare", None) is not None:
+            # Streamed (ExpertStore, global ids): the store sees the whole routing (its usage
+            # history is the model's) and reads this rank's experts; other ranks' slots are dropped.
+            moe.experts.prepare(np.array(ids))
+            y = routed_experts(flat, _Prepared(moe.experts), mx.where(held, ids.astype(mx.int32), -1), weights)
+        else:
+            # Slots of other ranks' experts run local expert 0 with weight 0: exactly nothing added.
+            y = routed_experts(flat, moe.experts, mx.where(held, local, 0), mx.where(held, weights, 0))
         y = self.comm.all_sum(y, "expert all_sum")
         if moe.shared is not None:
             y = y + moe.shared.forward(flat)
         y = y.reshape(x.shape)
         return y if residual is None else residual + y
+
+
+class _Prepared:
+    """A streamed layer's experts whose routing the store already has (``prepare`` is a no-op)."""
+
+    eval_each = True
+
+    def __init__(self, view):
+        self.view = view
+
+    def __len__(self):
+        return len(self.view)
+
+    def __getitem__(self, e):
+        return self.view[e]
+
+    def prepare(self, ids):
+        pass
 
 
 def pipeline_forward(model, comm: Comm, tokens: mx.array, cache, left_padding=None):
@@ -458,7 +517,10 @@ def _rank_stats(model, comm, load, tokens) -> list[float]:
     from .experts import resident_bytes
 
     held = sum(len(layer.mlp.expert_ids) for layer in model.layers if hasattr(layer.mlp, "expert_ids"))
-    return [resident_bytes(model), load.read_bytes, held, len(model.layers), comm.seconds, comm.calls, tokens]
+    store = model.expert_store
+    streamed, cached = (0, 0) if store is None else (store.stats.bytes_read, store.cached_bytes)
+    return [resident_bytes(model), load.read_bytes, held, len(model.layers), comm.seconds, comm.calls, tokens,
+            streamed, cached]
 
 
 def _gather_stats(model, comm, load, tokens) -> list[dict]:
@@ -499,18 +561,17 @@ def follow(model, comm: Comm, load: RankLoad) -> None:
         mx.eval([b for layer_cache in cache.layers for b in layer_cache.buffers.values()])
 
 
-def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | None = None, ram_gb=None):
+def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | None = None, ram_gb=None,
+          pin=None, pin_gb=None):
     """Under ``mlx.launch``: ``(model, load)`` where rank 0 gets a :class:`DistributedModel` and
     every other rank serves rank 0 until it stops and then exits the process. Not launched, or a
-    world of one: None (load the model as usual)."""
+    world of one: None (load the model as usual). ``ram_gb``/``pin``/``pin_gb``: expert
+    streaming of each rank's own experts, the budget per rank (:func:`rank_expert_store`)."""
     group = init_group()
     if group is None:
         return None
-    if ram_gb is not None:
-        raise ValueError("--ram-gb (expert streaming) is not available with --parallel: each rank holds its "
-                         "share of the experts resident")
     comm = Comm(group)
-    model, load = load_rank_model(path, group, mode, dtype, expert_top_p)
+    model, load = load_rank_model(path, group, mode, dtype, expert_top_p, ram_gb=ram_gb, pin=pin, pin_gb=pin_gb)
     if mode == "expert":
         hook = ExpertParallel(comm, model.args.n_routed_experts)
         for layer in model.layers:
@@ -546,6 +607,9 @@ def format_stats(stats: list[dict]) -> str:
         lines.append(f"rank {s['rank']}: resident {s['resident_bytes'] / 1e6:.1f} MB, read "
                      f"{s['read_bytes'] / 1e6:.1f} MB, {int(s['experts_held'])} experts, {int(s['layers_held'])} "
                      f"layers, communication {per_token:.3f} ms/token ({int(s['comm_calls'])} collectives)")
+        if s["streamed_bytes"]:
+            lines[-1] += (f", experts streamed {s['streamed_bytes'] / 1e6:.1f} MB (cache "
+                          f"{s['expert_cache_bytes'] / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 
@@ -557,12 +621,12 @@ def load_for_cli(opened, parallel: str | None, options: dict):
             sys.stderr.write(f"colibri: note: --parallel {parallel} needs mlx.launch (docs/distributed.md); "
                              "running as one process\n")
         return None
-    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb"))
+    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb"))
     if unsupported:
         raise ValueError(f"--parallel: {', '.join('--' + k.replace('_', '-') for k in unsupported)} "
                          "not available with several ranks")
     made = setup(opened.path, parallel or "expert", options.get("dtype"), options.get("expert_top_p"),
-                 options.get("ram_gb"))
+                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"))
     if made is None:
         return None
     dist, _ = made

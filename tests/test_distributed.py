@@ -25,6 +25,7 @@ import pytest
 import helpers_models
 import helpers_tiny
 from colibri_mlx.distributed import write_local_hostfile
+from dist_worker import PROMPT
 from helpers_tiny import CONFIG, GLM, write_tiny_container
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +59,9 @@ def _launch(tmp_path, model, mode, world, out, n_tokens=N_TOKENS, extra=None, **
             for r in range(world)]
 
 
-def _run(tmp_path, model, mode, world):
+def _run(tmp_path, model, mode, world, extra=None):
     out = tmp_path / f"{mode}{world}.json"
-    procs = _launch(tmp_path, model, mode, world, out, stderr=subprocess.PIPE)
+    procs = _launch(tmp_path, model, mode, world, out, extra=extra, stderr=subprocess.PIPE)
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()
@@ -273,18 +274,39 @@ def _cli(tmp_path, args, world=None):
     return [subprocess.CompletedProcess(cmd, p.wait(timeout=120), *p.communicate()) for p in procs]
 
 
-@pytest.mark.parametrize("mode", ["expert", pytest.param("pipeline", marks=pytest.mark.slow)])
-def test_cli_generate_under_two_ranks(tmp_path, models, mode):
-    args = ["generate", "-m", models["dsv3"], "-p", "Hello", "--max-tokens", "12"]
+@pytest.mark.parametrize("mode,streaming", [
+    ("expert", []),
+    pytest.param("pipeline", [], marks=pytest.mark.slow),
+    pytest.param("expert", ["--ram-gb", "0.000001", "--pin", "auto"], marks=pytest.mark.slow),
+])
+def test_cli_generate_under_two_ranks(tmp_path, models, mode, streaming):
+    path = models["dsv3"]
+    if streaming:
+        import shutil
+
+        path = shutil.copytree(path, tmp_path / "model")   # the run writes .coli_usage next to the model
+    args = ["generate", "-m", str(path), "-p", "Hello", "--max-tokens", "12"]
     (one,) = _cli(tmp_path, args)
     assert one.returncode == 0, one.stderr.decode()
-    ranks = _cli(tmp_path, args + ["--parallel", mode], world=2)
+    ranks = _cli(tmp_path, args + ["--parallel", mode] + streaming, world=2)
     for r in ranks:
         assert r.returncode == 0, r.stderr.decode()
     assert ranks[0].stdout == one.stdout and one.stdout.strip()
     assert ranks[1].stdout == b""                       # rank 0 owns the output
     err = ranks[0].stderr.decode()
     assert "rank 0: resident" in err and "rank 1: resident" in err, err
+    if streaming:
+        assert err.count("experts streamed") == 2, err     # both ranks read their experts from disk
+        # Written by rank 0 alone, with the whole routing: every MoE layer counts the same
+        # selections, the experts rank 1 holds included.
+        from colibri_mlx.experts.usage import read_usage
+
+        counts = read_usage(os.path.join(path, ".coli_usage")).counts
+        counts = counts[DSV3["first_k_dense_replace"]:DSV3["num_hidden_layers"]]
+        per_layer = counts.sum(axis=1)
+        assert per_layer.min() == per_layer.max() > 0, counts
+        assert per_layer[0] % DSV3["num_experts_per_tok"] == 0
+        assert counts[:, 1::2].sum() > 0 and counts[:, 0::2].sum() > 0   # both ranks' shares (dealt in turn)
 
 
 def test_cli_help_documents_the_launch():
@@ -369,3 +391,41 @@ def test_bench_runs(tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["expert"]["ratio"] > 0 and report["pipeline"]["ratio"] > 0
     assert "all_sum float32 [1x512]" in out
+
+
+STREAM_RAM_GB = 1e-6    # 1000 bytes per rank: less than one tiny expert, so every selection is read
+
+
+@pytest.mark.parametrize("name,mode", [
+    ("dsv3", "expert"),
+    pytest.param("glm5", "expert", marks=pytest.mark.slow),
+    pytest.param("dsv3", "pipeline", marks=pytest.mark.slow),
+])
+def test_streamed_experts_per_rank(tmp_path, models, name, mode):
+    """--ram-gb under --parallel: each rank streams only the experts it holds, with the budget per
+    rank. Against one process with every expert resident: the same tokens and logits. No rank reads
+    a routed expert at load; each streams at most its own experts' bytes on every forward step
+    (demand reads plus the next layer's guesses, each at most once a step); under expert parallel
+    rank 0's usage history counts every selection of every layer (the whole model's routing)."""
+    path = models[name]
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, mode, 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    cfg = DSV3 if name == "dsv3" else GLM5
+    units, replicated = _header_parts(path, "expert")
+    steps = 1 + N_TOKENS                               # the prompt, then one call per token
+    for s in got["stats"]:
+        held_experts = int(s["experts_held"])
+        if mode == "expert":
+            assert s["read_bytes"] == replicated[0]        # nothing of a routed expert read at load
+            mine = held_experts * max(v[0] for v in units.values())
+        else:
+            mine = sum(v[0] for v in units.values())   # a stage's layers: at most all experts
+        assert 0 < s["streamed_bytes"] <= 2 * steps * mine, s
+        assert s["expert_cache_bytes"] <= STREAM_RAM_GB * 1e9
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    if mode == "expert":
+        assert got["usage_total"] == (len(PROMPT) + N_TOKENS) * cfg["num_experts_per_tok"] * moe_layers
+    else:
+        assert got["usage_total"] is None              # no rank sees every layer's routing: not written
