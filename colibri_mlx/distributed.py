@@ -247,10 +247,11 @@ def plan_rank(container, args, rank: int, world: int, mode: str, usage=None) -> 
 
 def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_top_p: float | None = None,
                     usage_path: str | None = None, ram_gb: float | None = None, pin: str | None = None,
-                    pin_gb: float | None = None):
+                    pin_gb: float | None = None, shard_attention: bool = False):
     """This rank's share of the model in directory ``path`` (a colibri container or any checkpoint
     ``load()`` accepts): only the tensors it holds are read. ``ram_gb`` streams this rank's routed
-    experts (and only those) through an ``experts.ExpertStore`` with that budget per rank."""
+    experts (and only those) through an ``experts.ExpertStore`` with that budget per rank.
+    ``shard_attention``: this rank's attention heads and vocabulary rows (:mod:`.tensor_parallel`)."""
     from .experts.usage import read_usage
     from .models.deepseek_v3 import Model, ModelArgs, resolve_dtype
     from .models.loading import _fetch
@@ -268,7 +269,20 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
         load.read_bytes += tensor_bytes(container, name)
         return _fetch(container, name, shape)
 
-    table = WeightTable(held, fetch, container.path)
+    model_args = args
+    if shard_attention:
+        from . import tensor_parallel
+
+        if mode != "expert":
+            raise ValueError("--shard-attention needs --parallel expert (pipeline stages hold whole layers)")
+        tied = "lm_head.weight" not in held
+        model_args = tensor_parallel.sharded_args(args, group.size())
+        table = WeightTable(held, tensor_parallel.shard_fetch(fetch, args, group.rank(), group.size(), tied),
+                            container.path)
+        if not tied:
+            tensor_parallel.head_shape_hook(table, args, group.rank(), group.size())
+    else:
+        table = WeightTable(held, fetch, container.path)
     if mode == "expert":
         table.experts_held = lambda prefix: load.experts[prefix]
     else:
@@ -279,7 +293,7 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
         table.expert_store = store
     elif pin is not None or pin_gb is not None:
         raise ValueError("pin / pin_gb need ram_gb (expert streaming)")
-    model = Model(args, table, dtype)
+    model = Model(model_args, table, dtype)
     model.expert_store = store
     if store is not None:
         from .experts import resident_bytes
@@ -562,21 +576,27 @@ def follow(model, comm: Comm, load: RankLoad) -> None:
 
 
 def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | None = None, ram_gb=None,
-          pin=None, pin_gb=None):
+          pin=None, pin_gb=None, shard_attention: bool = False):
     """Under ``mlx.launch``: ``(model, load)`` where rank 0 gets a :class:`DistributedModel` and
     every other rank serves rank 0 until it stops and then exits the process. Not launched, or a
     world of one: None (load the model as usual). ``ram_gb``/``pin``/``pin_gb``: expert
-    streaming of each rank's own experts, the budget per rank (:func:`rank_expert_store`)."""
+    streaming of each rank's own experts, the budget per rank (:func:`rank_expert_store`).
+    ``shard_attention``: attention heads and the head split between the ranks (:mod:`.tensor_parallel`)."""
     group = init_group()
     if group is None:
         return None
     comm = Comm(group)
-    model, load = load_rank_model(path, group, mode, dtype, expert_top_p, ram_gb=ram_gb, pin=pin, pin_gb=pin_gb)
+    model, load = load_rank_model(path, group, mode, dtype, expert_top_p, ram_gb=ram_gb, pin=pin, pin_gb=pin_gb,
+                                  shard_attention=shard_attention)
     if mode == "expert":
         hook = ExpertParallel(comm, model.args.n_routed_experts)
         for layer in model.layers:
             if hasattr(layer.mlp, "expert_ids"):
                 layer.mlp.parallel = hook
+    if shard_attention:
+        from . import tensor_parallel
+
+        tensor_parallel.install(model, comm, model.args)
     if comm.rank != 0:
         try:
             follow(model, comm, load)
@@ -621,12 +641,14 @@ def load_for_cli(opened, parallel: str | None, options: dict):
             sys.stderr.write(f"colibri: note: --parallel {parallel} needs mlx.launch (docs/distributed.md); "
                              "running as one process\n")
         return None
-    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb"))
+    unsupported = sorted(k for k in options
+                         if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb", "shard_attention"))
     if unsupported:
         raise ValueError(f"--parallel: {', '.join('--' + k.replace('_', '-') for k in unsupported)} "
                          "not available with several ranks")
     made = setup(opened.path, parallel or "expert", options.get("dtype"), options.get("expert_top_p"),
-                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"))
+                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"),
+                 bool(options.get("shard_attention")))
     if made is None:
         return None
     dist, _ = made

@@ -40,7 +40,9 @@ def main():
     t0 = time.perf_counter()
     # DIST_WORKER_RAM_GB: stream each rank's experts with that budget per rank.
     ram_gb = float(os.environ["DIST_WORKER_RAM_GB"]) if os.environ.get("DIST_WORKER_RAM_GB") else None
-    made = distributed.setup(path, mode, ram_gb=ram_gb)   # ranks >= 1 serve rank 0 and exit inside
+    # DIST_WORKER_SHARD_ATTENTION=1: attention heads and the head sharded (tensor parallel).
+    shard = os.environ.get("DIST_WORKER_SHARD_ATTENTION") == "1"
+    made = distributed.setup(path, mode, ram_gb=ram_gb, shard_attention=shard)   # ranks >= 1 serve rank 0 and exit inside
     if made is None:
         model, stats = load_model(path), None
     else:

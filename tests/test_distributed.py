@@ -429,3 +429,35 @@ def test_streamed_experts_per_rank(tmp_path, models, name, mode):
         assert got["usage_total"] == (len(PROMPT) + N_TOKENS) * cfg["num_experts_per_tok"] * moe_layers
     else:
         assert got["usage_total"] is None              # no rank sees every layer's routing: not written
+
+
+def _sharded_kept(path, world):
+    """Kept bytes (as in _header_parts) of the tensors --shard-attention splits: q_b/q, kv_b and
+    o_proj weights of every layer, and an untied lm_head."""
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    names = set(c.names())
+    total = 0
+    for name in names:
+        if re.match(r"model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$", name) or \
+                name == "lm_head.weight":
+            total += c.info(name).nbytes + (c.info(name + ".qs").nbytes if name + ".qs" in names else 0)
+    return total
+
+
+@pytest.mark.parametrize("name", ["dsv3", pytest.param("glm5", marks=pytest.mark.slow)])
+def test_sharded_attention_and_head(tmp_path, models, name):
+    """--shard-attention on 2 ranks: the same tokens and logits as one process, and each rank keeps
+    half of every attention head projection and of the head less than with them replicated."""
+    path = models[name]
+    ref = _reference(tmp_path, path)
+    plain = _run(tmp_path, path, "expert", 2)
+    got = _run(tmp_path, path, "expert", 2, extra={"DIST_WORKER_SHARD_ATTENTION": "1"})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    saved = _sharded_kept(path, 2) / 2
+    assert saved > 0
+    for p, s in zip(plain["stats"], got["stats"]):
+        assert p["resident_bytes"] - s["resident_bytes"] == saved, (p, s)
+        assert s["comm_calls"] > p["comm_calls"]      # an all_sum per layer's attention, one for the head
