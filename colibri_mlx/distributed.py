@@ -6,8 +6,10 @@ of size 1 is the single process, unchanged.
 
 * **Expert parallel** (the default): each rank holds a disjoint share of every MoE layer's routed
   experts (:func:`plan_experts`, balanced by bytes or by the ``.coli_usage`` history); attention,
-  dense layers, shared experts, embeddings and the head are replicated. A MoE layer computes the
-  rank's selected local experts and adds the partial sums with one ``all_sum``.
+  dense layers, shared experts, embeddings and the head are replicated, or attention heads and
+  the head's vocabulary split (``shard_attention``, :mod:`.tensor_parallel`). A MoE layer
+  computes the rank's selected local experts and adds the partial sums with one ``all_sum``.
+  ``ram_gb`` streams each rank's own experts from disk (:func:`rank_expert_store`).
 * **Pipeline parallel**: contiguous layer ranges per rank (:func:`plan_layers`, balanced by
   bytes); the hidden state goes rank 0 → 1 → … → N-1 → 0 with ``send``/``recv``.
 
@@ -633,22 +635,23 @@ def format_stats(stats: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_for_cli(opened, parallel: str | None, options: dict):
+def load_for_cli(opened, parallel: str | None, options: dict, shard_attention: bool = False):
     """The CLI's model under ``mlx.launch`` (rank 0's :class:`DistributedModel`; other ranks serve
     and exit here), or None for one process. The per-rank statistics go to stderr at exit."""
     if not launched():
+        if shard_attention:
+            sys.stderr.write("colibri: note: --shard-attention needs mlx.launch (docs/distributed.md); running as "
+                             "one process\n")
         if parallel is not None:
             sys.stderr.write(f"colibri: note: --parallel {parallel} needs mlx.launch (docs/distributed.md); "
                              "running as one process\n")
         return None
-    unsupported = sorted(k for k in options
-                         if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb", "shard_attention"))
+    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb"))
     if unsupported:
         raise ValueError(f"--parallel: {', '.join('--' + k.replace('_', '-') for k in unsupported)} "
                          "not available with several ranks")
     made = setup(opened.path, parallel or "expert", options.get("dtype"), options.get("expert_top_p"),
-                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"),
-                 bool(options.get("shard_attention")))
+                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"), shard_attention)
     if made is None:
         return None
     dist, _ = made

@@ -278,6 +278,7 @@ def _cli(tmp_path, args, world=None):
     ("expert", []),
     pytest.param("pipeline", [], marks=pytest.mark.slow),
     pytest.param("expert", ["--ram-gb", "0.000001", "--pin", "auto"], marks=pytest.mark.slow),
+    pytest.param("expert", ["--shard-attention"], marks=pytest.mark.slow),
 ])
 def test_cli_generate_under_two_ranks(tmp_path, models, mode, streaming):
     path = models["dsv3"]
@@ -295,7 +296,7 @@ def test_cli_generate_under_two_ranks(tmp_path, models, mode, streaming):
     assert ranks[1].stdout == b""                       # rank 0 owns the output
     err = ranks[0].stderr.decode()
     assert "rank 0: resident" in err and "rank 1: resident" in err, err
-    if streaming:
+    if "--ram-gb" in streaming:
         assert err.count("experts streamed") == 2, err     # both ranks read their experts from disk
         # Written by rank 0 alone, with the whole routing: every MoE layer counts the same
         # selections, the experts rank 1 holds included.
@@ -317,6 +318,7 @@ def test_cli_help_documents_the_launch():
     for command in ("generate", "chat", "bench", "serve"):
         text = CliRunner().invoke(main, [command, "--help"]).output
         assert "--parallel [expert|pipeline]" in text and "mlx.launch" in text, command
+        assert "--shard-attention" in text and "--ram-gb is per rank" in text, command
 
 
 def test_rank_0_gone_ends_the_other_ranks(tmp_path, models):
@@ -461,3 +463,33 @@ def test_sharded_attention_and_head(tmp_path, models, name):
     for p, s in zip(plain["stats"], got["stats"]):
         assert p["resident_bytes"] - s["resident_bytes"] == saved, (p, s)
         assert s["comm_calls"] > p["comm_calls"]      # an all_sum per layer's attention, one for the head
+
+
+@pytest.mark.parametrize("fmt,gs", [(0, None), (1, None), (2, None), (3, None), (4, 16)])
+def test_weight_slices_keep_every_stored_value(fmt, gs):
+    """Row and column slices of a stored weight decode to the same slice of the whole weight's
+    values (the numpy decoder of the whole tensor is the oracle): bytes and scales moved, none
+    requantized."""
+    from colibri_mlx.formats import QTensor, encode
+    from colibri_mlx.tensor_parallel import column_slice, row_slice
+
+    w = np.random.default_rng(fmt).standard_normal((12, 64)).astype(np.float32)
+    qt = QTensor(*encode(fmt, w, gs), fmt, 12, 64, gs, "w").to_mlx()
+    whole = qt.dequantize()
+    assert np.array_equal(column_slice(qt, 16, 48, "w").dequantize(), whole[:, 16:48])
+    assert np.array_equal(row_slice(qt, 4, 10).dequantize(), whole[4:10])
+    if fmt in (0, 1):                                   # one byte or more per value: any column
+        assert np.array_equal(column_slice(qt, 3, 7, "w").dequantize(), whole[:, 3:7])
+    else:                                               # inside a byte, or inside a scale group (fmt 4)
+        with pytest.raises(ValueError, match="whole bytes and scale groups"):
+            column_slice(qt, 8 if fmt == 4 else 1, 48, "w")
+
+
+def test_weight_slices_refuse_rotated_columns():
+    from colibri_mlx.formats import QTensor, encode
+    from colibri_mlx.tensor_parallel import column_slice
+
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    qt = QTensor(*encode(6, w, None), 6, 4, 256, None, "o_proj").to_mlx()
+    with pytest.raises(ValueError, match="o_proj is stored as fmt 6"):
+        column_slice(qt, 0, 128, "o_proj")
