@@ -279,8 +279,13 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
             raise ValueError("--shard-attention needs --parallel expert (pipeline stages hold whole layers)")
         tied = "lm_head.weight" not in held
         model_args = tensor_parallel.sharded_args(args, group.size())
-        table = WeightTable(held, tensor_parallel.shard_fetch(fetch, args, group.rank(), group.size(), tied),
-                            container.path)
+        def fetch_rows(name, shape, r0, r1):
+            value, nbytes = _fetch_rows(container, name, shape, r0, r1)
+            load.read_bytes += nbytes
+            return value
+
+        table = WeightTable(held, tensor_parallel.shard_fetch(fetch, args, group.rank(), group.size(), tied,
+                                                              fetch_rows), container.path)
         if not tied:
             tensor_parallel.head_shape_hook(table, args, group.rank(), group.size())
     else:
@@ -307,6 +312,33 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
 
         set_expert_top_p(model, expert_top_p)
     return model, load
+
+
+def _fetch_rows(container, name: str, shape: tuple, r0: int, r1: int):
+    """Rows ``r0:r1`` of a stored weight and the stored bytes read for them: a quantized tensor's
+    rows and its whole ``.qs``, a float tensor's rows. FP8 weights (block scales span 128 rows)
+    are read whole and cut."""
+    from . import tensor_parallel
+    from .models.loading import _fetch
+
+    info = container.info(name)
+    if container.is_quantized(name):
+        whole = container.tensor(name, shape)                  # memory-mapped: nothing read yet
+        part = tensor_parallel.row_slice(whole, r0, r1)
+        if part.fmt != 6 and not np.isfinite(np.array(part.scales)).all():
+            raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
+                             "scales (a damaged shard?)")
+        return part, int(part.packed.nbytes) + container.info(name + ".qs").nbytes
+    if info.dtype not in ("F32", "BF16", "F16"):
+        # FP8 (its block scales span 128 rows) and stored types _fetch refuses: whole, then cut.
+        return tensor_parallel.row_slice(_fetch(container, name, shape), r0, r1), tensor_bytes(container, name)
+    from .container import to_float32
+
+    rows = container.tensor(name, shape)[r0:r1]
+    values = to_float32(np.asarray(rows), info.dtype)
+    if not np.isfinite(values).all():
+        raise ValueError(f"{info.path}: tensor {name!r} holds NaN or infinite values (a damaged shard?)")
+    return mx.array(np.ascontiguousarray(values, dtype=np.float32)), int(rows.nbytes)
 
 
 def rank_expert_store(container, args, load: RankLoad, ram_gb: float, pin, pin_gb, usage_file: str):

@@ -12,7 +12,8 @@ Replicated, attention and the head are on every rank in full; sharded, rank r of
   a zero row of the whole vocabulary and one ``all_sum`` assembles them (adding zeros is exact).
   A head tied to the embeddings stays replicated (the embedding table is needed whole).
 
-The model file is unchanged: the rank's model is built with ``num_attention_heads = H/N`` from a
+Row shares are read alone from the shards (the rows of a stored tensor lie together); column
+shares (``o_proj``) are read whole and cut. The model file is unchanged: the rank's model is built with ``num_attention_heads = H/N`` from a
 weight table that hands out the slices (:class:`ShardedTable`), and the hooks replace
 ``Attention.output`` and ``Model.head`` on the instances.
 """
@@ -48,14 +49,16 @@ def sharded_args(args, world: int):
 
 
 def row_slice(w, r0: int, r1: int):
-    """Rows ``r0:r1`` of a float weight or QTensor as an owned copy (the whole tensor is freed)."""
+    """Rows ``r0:r1`` of a float weight or QTensor (MLX or memory-mapped numpy arrays) as an owned
+    MLX copy: the whole tensor is not kept, and of a memory map only these rows are read."""
     if isinstance(w, mx.array):
         return mx.array(np.array(w[r0:r1]))
     from .kernels.reference import row_bytes, scales_per_row
 
     rb, spr = row_bytes(w.fmt, w.I), scales_per_row(w.fmt, w.I, w.gs)
     packed = mx.array(np.array(w.packed[r0 * rb: r1 * rb]))
-    scales = w.scales if spr == 0 else mx.array(np.array(w.scales[r0 * spr: r1 * spr]))
+    # fmt 0 and 6 have no per-row scales (fmt 6's .qs is a tag): kept whole.
+    scales = mx.array(np.array(w.scales if spr == 0 else w.scales[r0 * spr: r1 * spr]))
     return QTensor(packed, scales, w.fmt, r1 - r0, w.I, w.gs, w.name)
 
 
@@ -80,9 +83,14 @@ def column_slice(w, c0: int, c1: int, name: str):
                    mx.array(np.ascontiguousarray(scales).reshape(-1)), w.fmt, w.O, c1 - c0, w.gs, w.name)
 
 
-def shard_fetch(fetch, args, rank: int, world: int, tied_head: bool):
+def shard_fetch(fetch, args, rank: int, world: int, tied_head: bool, fetch_rows=None):
     """``fetch(name, shape)`` handing out this rank's slice of the sharded tensors; ``shape`` is
-    the rank's (its heads, its vocabulary rows)."""
+    the rank's (its heads, its vocabulary rows). ``fetch_rows(name, shape, r0, r1)``: rows of a
+    stored tensor, reading only those (default: the whole tensor fetched, then sliced)."""
+    if fetch_rows is None:
+        def fetch_rows(name, shape, r0, r1):
+            return row_slice(fetch(name, shape), r0, r1)
+
     Hl = args.num_attention_heads // world
     h0 = rank * Hl
     qk, vd = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
@@ -93,7 +101,7 @@ def shard_fetch(fetch, args, rank: int, world: int, tied_head: bool):
         m = _ATTN.match(name)
         if name == HEAD and not tied_head:
             v0, v1 = vocab_range(args.vocab_size, rank, world)
-            return row_slice(fetch(name, (args.vocab_size, shape[1])), v0, v1)
+            return fetch_rows(name, (args.vocab_size, shape[1]), v0, v1)
         if m is None:
             return fetch(name, shape)
         proj, kind = m.groups()
@@ -103,7 +111,7 @@ def shard_fetch(fetch, args, rank: int, world: int, tied_head: bool):
                 return full if rank == 0 else mx.zeros_like(full)
             return column_slice(fetch(name, (shape[0], H * vd)), h0 * vd, (h0 + Hl) * vd, name)
         rows = per_head_rows[proj]
-        return row_slice(fetch(name, (H * rows, shape[1])), h0 * rows, (h0 + Hl) * rows)
+        return fetch_rows(name, (H * rows, shape[1]), h0 * rows, (h0 + Hl) * rows)
 
     return sharded
 

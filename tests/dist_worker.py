@@ -42,7 +42,8 @@ def main():
     ram_gb = float(os.environ["DIST_WORKER_RAM_GB"]) if os.environ.get("DIST_WORKER_RAM_GB") else None
     # DIST_WORKER_SHARD_ATTENTION=1: attention heads and the head sharded (tensor parallel).
     shard = os.environ.get("DIST_WORKER_SHARD_ATTENTION") == "1"
-    made = distributed.setup(path, mode, ram_gb=ram_gb, shard_attention=shard)   # ranks >= 1 serve rank 0 and exit inside
+    # Ranks >= 1 serve rank 0 and exit inside setup.
+    made = distributed.setup(path, mode, ram_gb=ram_gb, shard_attention=shard)
     if made is None:
         model, stats = load_model(path), None
     else:

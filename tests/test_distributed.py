@@ -460,8 +460,20 @@ def test_sharded_attention_and_head(tmp_path, models, name):
     assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
     saved = _sharded_kept(path, 2) / 2
     assert saved > 0
-    for p, s in zip(plain["stats"], got["stats"]):
+    from colibri_mlx.container import Container
+    from colibri_mlx.tensor_parallel import vocab_range
+
+    c = Container(path)
+    head_rows = [np.subtract(*vocab_range(c.config["vocab_size"], r, 2)[::-1]) for r in range(2)]
+    assert sum(head_rows) == c.config["vocab_size"]
+    # Reads: the other rank's rows of q_b/kv_b and of the head are not read (their .qs scales
+    # are, whole); o_proj is read whole and cut by columns.
+    row_sharded = sum(c.info(n).nbytes for n in c.names()
+                      if re.match(r"model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight$", n))
+    for r, (p, s) in enumerate(zip(plain["stats"], got["stats"])):
         assert p["resident_bytes"] - s["resident_bytes"] == saved, (p, s)
+        unread = row_sharded / 2 + c.info("lm_head.weight").nbytes * (1 - head_rows[r] / c.config["vocab_size"])
+        assert p["read_bytes"] - s["read_bytes"] == unread, (r, p, s)
         assert s["comm_calls"] > p["comm_calls"]      # an all_sum per layer's attention, one for the head
 
 
