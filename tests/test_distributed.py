@@ -505,3 +505,26 @@ def test_weight_slices_refuse_rotated_columns():
     qt = QTensor(*encode(6, w, None), 6, 4, 256, None, "o_proj").to_mlx()
     with pytest.raises(ValueError, match="o_proj is stored as fmt 6"):
         column_slice(qt, 0, 128, "o_proj")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["streamed", "fp8"])
+def test_sharded_attention_with_streaming_and_fp8(tmp_path, models, case):
+    """--shard-attention with --ram-gb (each rank streaming its experts), and on an unconverted
+    FP8 checkpoint (block-scaled weights read whole and cut): the same tokens and logits as one
+    process."""
+    extra = {"DIST_WORKER_SHARD_ATTENTION": "1"}
+    if case == "streamed":
+        path = models["dsv3"]
+        extra["DIST_WORKER_RAM_GB"] = str(STREAM_RAM_GB)
+    else:
+        pytest.importorskip("transformers")
+        from helpers_models import build_config_model, save_checkpoint
+
+        path = save_checkpoint(build_config_model("v3_lora_g1"), str(tmp_path / "hf"), fp8=True)
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, "expert", 2, extra=extra)
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    if case == "streamed":
+        assert all(s["streamed_bytes"] > 0 for s in got["stats"])
