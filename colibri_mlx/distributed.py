@@ -279,6 +279,7 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
             raise ValueError("--shard-attention needs --parallel expert (pipeline stages hold whole layers)")
         tied = "lm_head.weight" not in held
         model_args = tensor_parallel.sharded_args(args, group.size())
+
         def fetch_rows(name, shape, r0, r1):
             value, nbytes = _fetch_rows(container, name, shape, r0, r1)
             load.read_bytes += nbytes
