@@ -164,7 +164,13 @@ _STREAMING_OPTIONS = [
                  expose_value=False, callback=_remember,
                  help="Under mlx.launch (e.g. 'mlx.launch -n 2 --backend ring -- colibri generate ...' or a "
                       "--hostfile): expert (default: each rank holds a share of every MoE layer's experts) or "
-                      "pipeline (a range of layers per rank). Rank 0 prints and serves. docs/distributed.md."),
+                      "pipeline (a range of layers per rank). Rank 0 prints and serves. --ram-gb is per rank (each "
+                      "streams its own experts). docs/distributed.md."),
+    click.option("--shard-attention", "shard_attention", is_flag=True, default=None, expose_value=False,
+                 callback=_remember,
+                 help="With --parallel expert: split attention heads and the head's vocabulary between the ranks "
+                      "(tensor parallel: less memory per rank, two more all_sums per layer and token) instead of "
+                      "replicating them."),
 ]
 
 
@@ -226,8 +232,9 @@ def _build_for_cli(opened):
 
     options = dict(_load_options())
     parallel = options.pop("parallel", None)
+    shard_attention = bool(options.pop("shard_attention", False))
     try:
-        model = load_for_cli(opened, parallel, options)   # None: one process
+        model = load_for_cli(opened, parallel, options, shard_attention)   # None: one process
         if model is not None:
             return model
         model = build_model(opened, **options)

@@ -6,8 +6,10 @@ of size 1 is the single process, unchanged.
 
 * **Expert parallel** (the default): each rank holds a disjoint share of every MoE layer's routed
   experts (:func:`plan_experts`, balanced by bytes or by the ``.coli_usage`` history); attention,
-  dense layers, shared experts, embeddings and the head are replicated. A MoE layer computes the
-  rank's selected local experts and adds the partial sums with one ``all_sum``.
+  dense layers, shared experts, embeddings and the head are replicated, or attention heads and
+  the head's vocabulary split (``shard_attention``, :mod:`.tensor_parallel`). A MoE layer
+  computes the rank's selected local experts and adds the partial sums with one ``all_sum``.
+  ``ram_gb`` streams each rank's own experts from disk (:func:`rank_expert_store`).
 * **Pipeline parallel**: contiguous layer ranges per rank (:func:`plan_layers`, balanced by
   bytes); the hidden state goes rank 0 → 1 → … → N-1 → 0 with ``send``/``recv``.
 
@@ -47,7 +49,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # stay in step).
 OP_STOP, OP_FORWARD, OP_STATS = 0, 1, 2
 HEADER = 7
-STAT_FIELDS = ("resident_bytes", "read_bytes", "experts_held", "layers_held", "comm_s", "comm_calls", "tokens")
+STAT_FIELDS = ("resident_bytes", "read_bytes", "experts_held", "layers_held", "comm_s", "comm_calls", "tokens",
+               "streamed_bytes", "expert_cache_bytes")
 
 
 class DistributedError(RuntimeError):
@@ -245,9 +248,12 @@ def plan_rank(container, args, rank: int, world: int, mode: str, usage=None) -> 
 
 
 def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_top_p: float | None = None,
-                    usage_path: str | None = None):
+                    usage_path: str | None = None, ram_gb: float | None = None, pin: str | None = None,
+                    pin_gb: float | None = None, shard_attention: bool = False):
     """This rank's share of the model in directory ``path`` (a colibri container or any checkpoint
-    ``load()`` accepts): only the tensors it holds are read."""
+    ``load()`` accepts): only the tensors it holds are read. ``ram_gb`` streams this rank's routed
+    experts (and only those) through an ``experts.ExpertStore`` with that budget per rank.
+    ``shard_attention``: this rank's attention heads and vocabulary rows (:mod:`.tensor_parallel`)."""
     from .experts.usage import read_usage
     from .models.deepseek_v3 import Model, ModelArgs, resolve_dtype
     from .models.loading import _fetch
@@ -265,18 +271,96 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
         load.read_bytes += tensor_bytes(container, name)
         return _fetch(container, name, shape)
 
-    table = WeightTable(held, fetch, container.path)
+    model_args = args
+    if shard_attention:
+        from . import tensor_parallel
+
+        if mode != "expert":
+            raise ValueError("--shard-attention needs --parallel expert (pipeline stages hold whole layers)")
+        tied = "lm_head.weight" not in held
+        model_args = tensor_parallel.sharded_args(args, group.size())
+
+        def fetch_rows(name, shape, r0, r1):
+            value, nbytes = _fetch_rows(container, name, shape, r0, r1)
+            load.read_bytes += nbytes
+            return value
+
+        table = WeightTable(held, tensor_parallel.shard_fetch(fetch, args, group.rank(), group.size(), tied,
+                                                              fetch_rows), container.path)
+        if not tied:
+            tensor_parallel.head_shape_hook(table, args, group.rank(), group.size())
+    else:
+        table = WeightTable(held, fetch, container.path)
     if mode == "expert":
         table.experts_held = lambda prefix: load.experts[prefix]
     else:
         table.layers_held = load.layers
-    model = Model(args, table, dtype)
-    model.expert_store = None
+    store = None
+    if ram_gb is not None:
+        store = rank_expert_store(container, args, load, ram_gb, pin, pin_gb, usage_file)
+        table.expert_store = store
+    elif pin is not None or pin_gb is not None:
+        raise ValueError("pin / pin_gb need ram_gb (expert streaming)")
+    model = Model(model_args, table, dtype)
+    model.expert_store = store
+    if store is not None:
+        from .experts import resident_bytes
+
+        weakref.finalize(model, store.close)
+        store.resident_weight_bytes = resident_bytes(model)
     if expert_top_p is not None:
         from .experts import set_expert_top_p
 
         set_expert_top_p(model, expert_top_p)
     return model, load
+
+
+def _fetch_rows(container, name: str, shape: tuple, r0: int, r1: int):
+    """Rows ``r0:r1`` of a stored weight and the stored bytes read for them: a quantized tensor's
+    rows and its whole ``.qs``, a float tensor's rows. FP8 weights (block scales span 128 rows)
+    are read whole and cut."""
+    from . import tensor_parallel
+    from .models.loading import _fetch
+
+    info = container.info(name)
+    if container.is_quantized(name):
+        whole = container.tensor(name, shape)                  # memory-mapped: nothing read yet
+        part = tensor_parallel.row_slice(whole, r0, r1)
+        if part.fmt != 6 and not np.isfinite(np.array(part.scales)).all():
+            raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
+                             "scales (a damaged shard?)")
+        return part, int(part.packed.nbytes) + container.info(name + ".qs").nbytes
+    if info.dtype not in ("F32", "BF16", "F16"):
+        # FP8 (its block scales span 128 rows) and stored types _fetch refuses: whole, then cut.
+        return tensor_parallel.row_slice(_fetch(container, name, shape), r0, r1), tensor_bytes(container, name)
+    from .container import to_float32
+
+    rows = container.tensor(name, shape)[r0:r1]
+    values = to_float32(np.asarray(rows), info.dtype)
+    if not np.isfinite(values).all():
+        raise ValueError(f"{info.path}: tensor {name!r} holds NaN or infinite values (a damaged shard?)")
+    return mx.array(np.ascontiguousarray(values, dtype=np.float32)), int(rows.nbytes)
+
+
+def rank_expert_store(container, args, load: RankLoad, ram_gb: float, pin, pin_gb, usage_file: str):
+    """The expert store of one rank: only the experts it holds, ``ram_gb`` GB of cache on this rank.
+    None when the rank holds no routed expert (a pipeline stage of dense layers).
+
+    The usage history is written by rank 0 alone, under expert parallel only: every rank routes
+    every token through every layer (the router is replicated), so rank 0's history is the whole
+    model's and one writer keeps the file whole. Under pipeline parallel no rank sees every layer's
+    routing: the history is read (``--pin auto``) but not rewritten."""
+    from .experts import ExpertStore
+
+    if load.mode == "expert":
+        held = {int(prefix.split(".")[2]): ids for prefix, ids in load.experts.items()}
+    else:
+        held = {i: range(args.n_routed_experts) for i in load.layers if args.is_moe_layer(i)}
+    if not held:
+        return None
+    pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
+    return ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, usage_path=usage_file,
+                       record_usage=load.rank == 0 and load.mode == "expert", held=held)
 
 
 # ---------------------------------------------------------------------------- communication
@@ -352,13 +436,37 @@ class ExpertParallel:
         ids, weights = moe.router(flat)                     # global ids [N, K]
         local = moe.local_index[ids]
         held = local >= 0
-        # Slots of other ranks' experts run local expert 0 with weight 0: exactly nothing added.
-        y = routed_experts(flat, moe.experts, mx.where(held, local, 0), mx.where(held, weights, 0))
+        if getattr(moe.experts, "prepare", None) is not None:
+            # Streamed (ExpertStore, global ids): the store sees the whole routing (its usage
+            # history is the model's) and reads this rank's experts; other ranks' slots are dropped.
+            moe.experts.prepare(np.array(ids))
+            y = routed_experts(flat, _Prepared(moe.experts), mx.where(held, ids.astype(mx.int32), -1), weights)
+        else:
+            # Slots of other ranks' experts run local expert 0 with weight 0: exactly nothing added.
+            y = routed_experts(flat, moe.experts, mx.where(held, local, 0), mx.where(held, weights, 0))
         y = self.comm.all_sum(y, "expert all_sum")
         if moe.shared is not None:
             y = y + moe.shared.forward(flat)
         y = y.reshape(x.shape)
         return y if residual is None else residual + y
+
+
+class _Prepared:
+    """A streamed layer's experts whose routing the store already has (``prepare`` is a no-op)."""
+
+    eval_each = True
+
+    def __init__(self, view):
+        self.view = view
+
+    def __len__(self):
+        return len(self.view)
+
+    def __getitem__(self, e):
+        return self.view[e]
+
+    def prepare(self, ids):
+        pass
 
 
 def pipeline_forward(model, comm: Comm, tokens: mx.array, cache, left_padding=None):
@@ -458,7 +566,10 @@ def _rank_stats(model, comm, load, tokens) -> list[float]:
     from .experts import resident_bytes
 
     held = sum(len(layer.mlp.expert_ids) for layer in model.layers if hasattr(layer.mlp, "expert_ids"))
-    return [resident_bytes(model), load.read_bytes, held, len(model.layers), comm.seconds, comm.calls, tokens]
+    store = model.expert_store
+    streamed, cached = (0, 0) if store is None else (store.stats.bytes_read, store.cached_bytes)
+    return [resident_bytes(model), load.read_bytes, held, len(model.layers), comm.seconds, comm.calls, tokens,
+            streamed, cached]
 
 
 def _gather_stats(model, comm, load, tokens) -> list[dict]:
@@ -499,23 +610,28 @@ def follow(model, comm: Comm, load: RankLoad) -> None:
         mx.eval([b for layer_cache in cache.layers for b in layer_cache.buffers.values()])
 
 
-def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | None = None, ram_gb=None):
+def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | None = None, ram_gb=None,
+          pin=None, pin_gb=None, shard_attention: bool = False):
     """Under ``mlx.launch``: ``(model, load)`` where rank 0 gets a :class:`DistributedModel` and
     every other rank serves rank 0 until it stops and then exits the process. Not launched, or a
-    world of one: None (load the model as usual)."""
+    world of one: None (load the model as usual). ``ram_gb``/``pin``/``pin_gb``: expert
+    streaming of each rank's own experts, the budget per rank (:func:`rank_expert_store`).
+    ``shard_attention``: attention heads and the head split between the ranks (:mod:`.tensor_parallel`)."""
     group = init_group()
     if group is None:
         return None
-    if ram_gb is not None:
-        raise ValueError("--ram-gb (expert streaming) is not available with --parallel: each rank holds its "
-                         "share of the experts resident")
     comm = Comm(group)
-    model, load = load_rank_model(path, group, mode, dtype, expert_top_p)
+    model, load = load_rank_model(path, group, mode, dtype, expert_top_p, ram_gb=ram_gb, pin=pin, pin_gb=pin_gb,
+                                  shard_attention=shard_attention)
     if mode == "expert":
         hook = ExpertParallel(comm, model.args.n_routed_experts)
         for layer in model.layers:
             if hasattr(layer.mlp, "expert_ids"):
                 layer.mlp.parallel = hook
+    if shard_attention:
+        from . import tensor_parallel
+
+        tensor_parallel.install(model, comm, model.args)
     if comm.rank != 0:
         try:
             follow(model, comm, load)
@@ -546,23 +662,29 @@ def format_stats(stats: list[dict]) -> str:
         lines.append(f"rank {s['rank']}: resident {s['resident_bytes'] / 1e6:.1f} MB, read "
                      f"{s['read_bytes'] / 1e6:.1f} MB, {int(s['experts_held'])} experts, {int(s['layers_held'])} "
                      f"layers, communication {per_token:.3f} ms/token ({int(s['comm_calls'])} collectives)")
+        if s["streamed_bytes"]:
+            lines[-1] += (f", experts streamed {s['streamed_bytes'] / 1e6:.1f} MB (cache "
+                          f"{s['expert_cache_bytes'] / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 
-def load_for_cli(opened, parallel: str | None, options: dict):
+def load_for_cli(opened, parallel: str | None, options: dict, shard_attention: bool = False):
     """The CLI's model under ``mlx.launch`` (rank 0's :class:`DistributedModel`; other ranks serve
     and exit here), or None for one process. The per-rank statistics go to stderr at exit."""
     if not launched():
+        if shard_attention:
+            sys.stderr.write("colibri: note: --shard-attention needs mlx.launch (docs/distributed.md); running as "
+                             "one process\n")
         if parallel is not None:
             sys.stderr.write(f"colibri: note: --parallel {parallel} needs mlx.launch (docs/distributed.md); "
                              "running as one process\n")
         return None
-    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb"))
+    unsupported = sorted(k for k in options if k not in ("dtype", "expert_top_p", "ram_gb", "pin", "pin_gb"))
     if unsupported:
         raise ValueError(f"--parallel: {', '.join('--' + k.replace('_', '-') for k in unsupported)} "
                          "not available with several ranks")
     made = setup(opened.path, parallel or "expert", options.get("dtype"), options.get("expert_top_p"),
-                 options.get("ram_gb"))
+                 options.get("ram_gb"), options.get("pin"), options.get("pin_gb"), shard_attention)
     if made is None:
         return None
     dist, _ = made

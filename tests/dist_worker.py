@@ -38,7 +38,12 @@ def main():
     path, mode, out = sys.argv[1:4]
     n_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 32
     t0 = time.perf_counter()
-    made = distributed.setup(path, mode)   # ranks >= 1 serve rank 0 and exit inside
+    # DIST_WORKER_RAM_GB: stream each rank's experts with that budget per rank.
+    ram_gb = float(os.environ["DIST_WORKER_RAM_GB"]) if os.environ.get("DIST_WORKER_RAM_GB") else None
+    # DIST_WORKER_SHARD_ATTENTION=1: attention heads and the head sharded (tensor parallel).
+    shard = os.environ.get("DIST_WORKER_SHARD_ATTENTION") == "1"
+    # Ranks >= 1 serve rank 0 and exit inside setup.
+    made = distributed.setup(path, mode, ram_gb=ram_gb, shard_attention=shard)
     if made is None:
         model, stats = load_model(path), None
     else:
@@ -49,12 +54,16 @@ def main():
         print("loaded", flush=True)
         sys.stdin.readline()
     tokens, logits, decode_s = greedy(model, n_tokens)
+    usage_total = None
     if made is not None:
         stats = model.stats()
+        store = model.expert_store
+        if store is not None and store.record_usage:
+            usage_total = int(store.usage.counts.sum())   # selections recorded for .coli_usage
         model.close()
     with open(out, "w") as f:
-        json.dump({"tokens": tokens, "logits": logits.tolist(), "stats": stats, "load_s": load_s,
-                   "decode_s": decode_s}, f)
+        json.dump({"tokens": tokens, "logits": logits.tolist(), "stats": stats, "usage_total": usage_total,
+                   "load_s": load_s, "decode_s": decode_s}, f)
 
 
 if __name__ == "__main__":

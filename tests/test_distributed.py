@@ -25,6 +25,7 @@ import pytest
 import helpers_models
 import helpers_tiny
 from colibri_mlx.distributed import write_local_hostfile
+from dist_worker import PROMPT
 from helpers_tiny import CONFIG, GLM, write_tiny_container
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +59,9 @@ def _launch(tmp_path, model, mode, world, out, n_tokens=N_TOKENS, extra=None, **
             for r in range(world)]
 
 
-def _run(tmp_path, model, mode, world):
+def _run(tmp_path, model, mode, world, extra=None):
     out = tmp_path / f"{mode}{world}.json"
-    procs = _launch(tmp_path, model, mode, world, out, stderr=subprocess.PIPE)
+    procs = _launch(tmp_path, model, mode, world, out, extra=extra, stderr=subprocess.PIPE)
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err.decode()
@@ -273,18 +274,40 @@ def _cli(tmp_path, args, world=None):
     return [subprocess.CompletedProcess(cmd, p.wait(timeout=120), *p.communicate()) for p in procs]
 
 
-@pytest.mark.parametrize("mode", ["expert", pytest.param("pipeline", marks=pytest.mark.slow)])
-def test_cli_generate_under_two_ranks(tmp_path, models, mode):
-    args = ["generate", "-m", models["dsv3"], "-p", "Hello", "--max-tokens", "12"]
+@pytest.mark.parametrize("mode,streaming", [
+    ("expert", []),
+    pytest.param("pipeline", [], marks=pytest.mark.slow),
+    pytest.param("expert", ["--ram-gb", "0.000001", "--pin", "auto"], marks=pytest.mark.slow),
+    pytest.param("expert", ["--shard-attention"], marks=pytest.mark.slow),
+])
+def test_cli_generate_under_two_ranks(tmp_path, models, mode, streaming):
+    path = models["dsv3"]
+    if streaming:
+        import shutil
+
+        path = shutil.copytree(path, tmp_path / "model")   # the run writes .coli_usage next to the model
+    args = ["generate", "-m", str(path), "-p", "Hello", "--max-tokens", "12"]
     (one,) = _cli(tmp_path, args)
     assert one.returncode == 0, one.stderr.decode()
-    ranks = _cli(tmp_path, args + ["--parallel", mode], world=2)
+    ranks = _cli(tmp_path, args + ["--parallel", mode] + streaming, world=2)
     for r in ranks:
         assert r.returncode == 0, r.stderr.decode()
     assert ranks[0].stdout == one.stdout and one.stdout.strip()
     assert ranks[1].stdout == b""                       # rank 0 owns the output
     err = ranks[0].stderr.decode()
     assert "rank 0: resident" in err and "rank 1: resident" in err, err
+    if "--ram-gb" in streaming:
+        assert err.count("experts streamed") == 2, err     # both ranks read their experts from disk
+        # Written by rank 0 alone, with the whole routing: every MoE layer counts the same
+        # selections, the experts rank 1 holds included.
+        from colibri_mlx.experts.usage import read_usage
+
+        counts = read_usage(os.path.join(path, ".coli_usage")).counts
+        counts = counts[DSV3["first_k_dense_replace"]:DSV3["num_hidden_layers"]]
+        per_layer = counts.sum(axis=1)
+        assert per_layer.min() == per_layer.max() > 0, counts
+        assert per_layer[0] % DSV3["num_experts_per_tok"] == 0
+        assert counts[:, 1::2].sum() > 0 and counts[:, 0::2].sum() > 0   # both ranks' shares (dealt in turn)
 
 
 def test_cli_help_documents_the_launch():
@@ -295,6 +318,7 @@ def test_cli_help_documents_the_launch():
     for command in ("generate", "chat", "bench", "serve"):
         text = CliRunner().invoke(main, [command, "--help"]).output
         assert "--parallel [expert|pipeline]" in text and "mlx.launch" in text, command
+        assert "--shard-attention" in text and "--ram-gb is per rank" in text, command
 
 
 def test_rank_0_gone_ends_the_other_ranks(tmp_path, models):
@@ -369,3 +393,138 @@ def test_bench_runs(tmp_path):
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["expert"]["ratio"] > 0 and report["pipeline"]["ratio"] > 0
     assert "all_sum float32 [1x512]" in out
+
+
+STREAM_RAM_GB = 1e-6    # 1000 bytes per rank: less than one tiny expert, so every selection is read
+
+
+@pytest.mark.parametrize("name,mode", [
+    ("dsv3", "expert"),
+    pytest.param("glm5", "expert", marks=pytest.mark.slow),
+    pytest.param("dsv3", "pipeline", marks=pytest.mark.slow),
+])
+def test_streamed_experts_per_rank(tmp_path, models, name, mode):
+    """--ram-gb under --parallel: each rank streams only the experts it holds, with the budget per
+    rank. Against one process with every expert resident: the same tokens and logits. No rank reads
+    a routed expert at load; each streams at most its own experts' bytes on every forward step
+    (demand reads plus the next layer's guesses, each at most once a step); under expert parallel
+    rank 0's usage history counts every selection of every layer (the whole model's routing)."""
+    path = models[name]
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, mode, 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    cfg = DSV3 if name == "dsv3" else GLM5
+    units, replicated = _header_parts(path, "expert")
+    steps = 1 + N_TOKENS                               # the prompt, then one call per token
+    for s in got["stats"]:
+        held_experts = int(s["experts_held"])
+        if mode == "expert":
+            assert s["read_bytes"] == replicated[0]        # nothing of a routed expert read at load
+            mine = held_experts * max(v[0] for v in units.values())
+        else:
+            mine = sum(v[0] for v in units.values())   # a stage's layers: at most all experts
+        assert 0 < s["streamed_bytes"] <= 2 * steps * mine, s
+        assert s["expert_cache_bytes"] <= STREAM_RAM_GB * 1e9
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    if mode == "expert":
+        assert got["usage_total"] == (len(PROMPT) + N_TOKENS) * cfg["num_experts_per_tok"] * moe_layers
+    else:
+        assert got["usage_total"] is None              # no rank sees every layer's routing: not written
+
+
+def _sharded_kept(path, world):
+    """Kept bytes (as in _header_parts) of the tensors --shard-attention splits: q_b/q, kv_b and
+    o_proj weights of every layer, and an untied lm_head."""
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    names = set(c.names())
+    total = 0
+    for name in names:
+        if re.match(r"model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight$", name) or \
+                name == "lm_head.weight":
+            total += c.info(name).nbytes + (c.info(name + ".qs").nbytes if name + ".qs" in names else 0)
+    return total
+
+
+@pytest.mark.parametrize("name", ["dsv3", pytest.param("glm5", marks=pytest.mark.slow)])
+def test_sharded_attention_and_head(tmp_path, models, name):
+    """--shard-attention on 2 ranks: the same tokens and logits as one process, and each rank keeps
+    half of every attention head projection and of the head less than with them replicated."""
+    path = models[name]
+    ref = _reference(tmp_path, path)
+    plain = _run(tmp_path, path, "expert", 2)
+    got = _run(tmp_path, path, "expert", 2, extra={"DIST_WORKER_SHARD_ATTENTION": "1"})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    saved = _sharded_kept(path, 2) / 2
+    assert saved > 0
+    from colibri_mlx.container import Container
+    from colibri_mlx.tensor_parallel import vocab_range
+
+    c = Container(path)
+    head_rows = [np.subtract(*vocab_range(c.config["vocab_size"], r, 2)[::-1]) for r in range(2)]
+    assert sum(head_rows) == c.config["vocab_size"]
+    # Reads: the other rank's rows of q_b/kv_b and of the head are not read (their .qs scales
+    # are, whole); o_proj is read whole and cut by columns.
+    row_sharded = sum(c.info(n).nbytes for n in c.names()
+                      if re.match(r"model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight$", n))
+    for r, (p, s) in enumerate(zip(plain["stats"], got["stats"])):
+        assert p["resident_bytes"] - s["resident_bytes"] == saved, (p, s)
+        unread = row_sharded / 2 + c.info("lm_head.weight").nbytes * (1 - head_rows[r] / c.config["vocab_size"])
+        assert p["read_bytes"] - s["read_bytes"] == unread, (r, p, s)
+        assert s["comm_calls"] > p["comm_calls"]      # an all_sum per layer's attention, one for the head
+
+
+@pytest.mark.parametrize("fmt,gs", [(0, None), (1, None), (2, None), (3, None), (4, 16)])
+def test_weight_slices_keep_every_stored_value(fmt, gs):
+    """Row and column slices of a stored weight decode to the same slice of the whole weight's
+    values (the numpy decoder of the whole tensor is the oracle): bytes and scales moved, none
+    requantized."""
+    from colibri_mlx.formats import QTensor, encode
+    from colibri_mlx.tensor_parallel import column_slice, row_slice
+
+    w = np.random.default_rng(fmt).standard_normal((12, 64)).astype(np.float32)
+    qt = QTensor(*encode(fmt, w, gs), fmt, 12, 64, gs, "w").to_mlx()
+    whole = qt.dequantize()
+    assert np.array_equal(column_slice(qt, 16, 48, "w").dequantize(), whole[:, 16:48])
+    assert np.array_equal(row_slice(qt, 4, 10).dequantize(), whole[4:10])
+    if fmt in (0, 1):                                   # one byte or more per value: any column
+        assert np.array_equal(column_slice(qt, 3, 7, "w").dequantize(), whole[:, 3:7])
+    else:                                               # inside a byte, or inside a scale group (fmt 4)
+        with pytest.raises(ValueError, match="whole bytes and scale groups"):
+            column_slice(qt, 8 if fmt == 4 else 1, 48, "w")
+
+
+def test_weight_slices_refuse_rotated_columns():
+    from colibri_mlx.formats import QTensor, encode
+    from colibri_mlx.tensor_parallel import column_slice
+
+    w = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    qt = QTensor(*encode(6, w, None), 6, 4, 256, None, "o_proj").to_mlx()
+    with pytest.raises(ValueError, match="o_proj is stored as fmt 6"):
+        column_slice(qt, 0, 128, "o_proj")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["streamed", "fp8"])
+def test_sharded_attention_with_streaming_and_fp8(tmp_path, models, case):
+    """--shard-attention with --ram-gb (each rank streaming its experts), and on an unconverted
+    FP8 checkpoint (block-scaled weights read whole and cut): the same tokens and logits as one
+    process."""
+    extra = {"DIST_WORKER_SHARD_ATTENTION": "1"}
+    if case == "streamed":
+        path = models["dsv3"]
+        extra["DIST_WORKER_RAM_GB"] = str(STREAM_RAM_GB)
+    else:
+        pytest.importorskip("transformers")
+        from helpers_models import build_config_model, save_checkpoint
+
+        path = save_checkpoint(build_config_model("v3_lora_g1"), str(tmp_path / "hf"), fp8=True)
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, "expert", 2, extra=extra)
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    if case == "streamed":
+        assert all(s["streamed_bytes"] > 0 for s in got["stats"])

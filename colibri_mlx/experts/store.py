@@ -219,7 +219,7 @@ class ExpertStore:
                  pin_bytes: Optional[int] = None, usage_path: Optional[str] = None, engine_name: Optional[str] = None,
                  record_usage: bool = True, workers: int = 4, max_inflight: Optional[int] = None,
                  prefetch: bool = True, preload_pinned: bool = True, drop_read_pages: bool = False,
-                 admission: bool = True):
+                 admission: bool = True, held: Optional[dict] = None):
         if budget_bytes < 0:
             raise ValueError(f"expert budget must be >= 0 bytes, got {budget_bytes}")
         cfg = container.config
@@ -231,6 +231,9 @@ class ExpertStore:
         self.prefetch_enabled = prefetch
         self.drop_read_pages = drop_read_pages
         self.max_inflight = max_inflight if max_inflight is not None else 2 * workers
+        # {layer: expert ids} this process streams (a rank's share under distributed parallel);
+        # None: every routed expert. Routing of other experts is still recorded in the history.
+        self.held = held
         self.stats = StoreStats()
         self.resident_weight_bytes = 0  # set by the loader
         self.layouts = self._plan_all()
@@ -278,7 +281,9 @@ class ExpertStore:
                 if stacked_tensor_name(layer, "gate") not in self.container:
                     continue
                 plan = plan_stacked_expert   # mlx-lm's switch_mlp: expert e is row e of [E, O, ...]
-            for e in range(self.n_experts):
+            if self.held is not None and layer not in self.held:
+                continue
+            for e in range(self.n_experts) if self.held is None else self.held[layer]:
                 layouts[(layer, e)] = plan(self.container, layer, e, shapes)
         if not layouts:
             raise ExpertStoreError(f"{self.container.path}: no routed experts to stream "
@@ -400,13 +405,15 @@ class ExpertStore:
     def view_for_prefix(self, prefix: str) -> "LayerExperts":
         """The view for ``model.layers.<i>.mlp.experts.`` (the name prefix a MoE layer knows)."""
         m = _LAYER_PREFIX.match(prefix)
-        if m is None or (int(m.group(1)), 0) not in self.layouts:
+        if m is None or int(m.group(1)) not in self.moe_layers:
             raise ExpertStoreError(f"{self.container.path}: no routed experts under {prefix!r}")
         return self.layer_view(int(m.group(1)))
 
     def tensor_names(self, layer: int) -> list[str]:
         names = []
         for e in range(self.n_experts):
+            if (layer, e) not in self.layouts:
+                continue   # another rank's expert
             for p in self.layouts[(layer, e)].projections:
                 names += [p.weight.name] + ([p.scales.name] if p.scales is not None else [])
         return names
@@ -418,7 +425,7 @@ class ExpertStore:
         self._count(layer, ids)
         if layer == self.moe_layers[0]:
             self.stats.tokens += int(ids.shape[0]) if ids.ndim > 1 else 1
-        keys = [(layer, int(e)) for e in np.unique(ids) if e >= 0]
+        keys = [(layer, int(e)) for e in np.unique(ids) if e >= 0 and (layer, int(e)) in self.layouts]
         self._prev_sets[layer] = keys
         unpinned = sum(self.layouts[k].nbytes for k in keys if k not in self.pinned_keys)
         self.working_set_bytes += unpinned - self._set_bytes.get(layer, 0)
