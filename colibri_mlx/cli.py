@@ -111,7 +111,8 @@ def _check_model_files(directory) -> None:
 def _sampling_options(f):
     options = [
         click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
-                     help="Container or Hugging Face checkpoint directory. Default: the bundled "
+                     help="Container, Hugging Face or mlx-lm checkpoint directory, or a hub id (mlx-community/...). "
+                          "Default: the bundled "
                           "demo model (a tiny KJV-trained model, docs/demo-model.md)."),
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
                      help="Most tokens to generate per reply (generation also stops at the model's context "
@@ -197,7 +198,7 @@ def _check_load_options() -> None:
 
 def _open_for_cli(model_path):
     """``(opened model directory, tokenizer)``: every check that needs no weights (modeldir)."""
-    from .models.modeldir import open_model_dir
+    from .models.modeldir import open_model_dir, resolve_model_path
     from .tokenizer import load_tokenizer
 
     if model_path is None:
@@ -205,6 +206,7 @@ def _open_for_cli(model_path):
 
         click.echo(f"colibri: no -m given, using the bundled demo model ({DEMO_MODEL_DIR})", err=True)
         model_path = DEMO_MODEL_DIR
+    model_path = resolve_model_path(model_path)   # a hub id (mlx-community/...) -> its cached snapshot
     opened = open_model_dir(model_path)
     tokenizer = load_tokenizer(model_path)
     tokenizer.check_vocab(opened.config["vocab_size"], opened.config_path)
@@ -488,7 +490,8 @@ class _ChatSession:
 # --- bench / serve -------------------------------------------------------------------------
 
 _MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
-                             help="Container or Hugging Face checkpoint directory. Default: the bundled demo model.")
+                             help="Container, Hugging Face or mlx-lm checkpoint directory, or a hub id "
+                                  "(mlx-community/...). Default: the bundled demo model.")
 
 
 def _with_streaming_options(f):

@@ -92,3 +92,9 @@ def test_bench_mlx_quant_rows():
     out = run_script("scripts/bench/bench_mlx_quant.py", "--tiny")
     for name in ("affine 4b g64", "affine 3b g64", "mxfp4 g32"):
         assert name in out, out
+
+
+def test_bench_mlx_lm_checkpoint_rows():
+    out = run_script("scripts/bench/bench_mlx_lm_checkpoint.py", "--tiny", "--formats", "affine3g64", "--steps", "2",
+                     "--greedy", "4", "--experts", "16", "--vocab", "512")
+    assert "affine3g64" in out and "4 greedy tokens kernels vs reference: identical" in out, out

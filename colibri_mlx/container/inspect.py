@@ -76,6 +76,7 @@ class Report:
     routed_experts: int
     expert_nbytes: list[int]  # distinct per-expert byte counts (one value when uniform)
     missing: MissingWeights = field(default_factory=MissingWeights)
+    source_format: str = ""  # what wrote the directory, when not a colibri container (e.g. mlx-lm)
 
     @property
     def ambiguous(self) -> list[TensorRow]:
@@ -92,6 +93,10 @@ class Report:
 
 def inspect_container(path: str, progress: bool = True) -> Report:
     container = Container(path)
+    from ..models.mlx_lm_checkpoint import inspect_checkpoint, is_mlx_lm_checkpoint
+
+    if is_mlx_lm_checkpoint(container.config or {}, container.names()):
+        return inspect_checkpoint(container)
     names = container.weight_names()
     n_layers = container.config.get("num_hidden_layers")
     lengths = expected_vector_lengths(container.shapes)
@@ -412,6 +417,7 @@ def report_json(report: Report) -> dict:
         tensors.append(d)
     return {
         "path": report.path,
+        "source_format": report.source_format or None,
         "ok": report.ok,
         "tensors": tensors,
         "totals": {"nbytes": report.total_nbytes, "by_fmt": report.by_fmt, "by_class": report.by_class},
@@ -427,7 +433,7 @@ def report_json(report: Report) -> dict:
 
 
 def format_table(report: Report) -> str:
-    lines = [f"container {report.path}", ""]
+    lines = [f"container {report.path}"] + ([f"format: {report.source_format}"] if report.source_format else []) + [""]
     header = ("tensor", "fmt", "gs", "O x I", "bytes", "")
     body = [(r.name, r.fmt, str(r.gs or ""), _dims_text(r), f"{r.nbytes:,}", _flag(r)) for r in report.rows]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(5)]

@@ -45,6 +45,7 @@ _CANONICAL = {
     "F8_E8M0": DType("F8_E8M0", 1, np.dtype("u1")),
     "I64": DType("I64", 8, np.dtype("<i8")),
     "U64": DType("U64", 8, np.dtype("<u8")),
+    "U32": DType("U32", 4, np.dtype("<u4")),  # MLX-packed quantized weights (mlx-lm checkpoints)
 }
 DTYPES: dict[str, DType] = {
     **_CANONICAL,

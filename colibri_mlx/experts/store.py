@@ -93,6 +93,8 @@ class ProjectionLayout:
     scales: Optional[Part]  # None for a float (unquantized) expert
     fmt: Optional[int] = None
     gs: Optional[int] = None
+    bits: Optional[int] = None       # MLX formats fmt 7-10 (mlx-lm checkpoints): code width
+    biases: Optional[Part] = None    # fmt 7: per-group biases
 
 
 @dataclass(frozen=True)
@@ -269,11 +271,15 @@ class ExpertStore:
         shapes = {"gate": (inter, D), "up": (inter, D), "down": (D, inter)}
         layouts = {}
         for layer in range(self.n_layers + 1 + int(cfg.get("num_nextn_predict_layers") or 0)):
-            first = expert_tensor_names(layer, 0)[0]
+            first, plan = expert_tensor_names(layer, 0)[0], plan_expert
             if first not in self.container:
-                continue
+                from ..models.mlx_lm_checkpoint import plan_stacked_expert, stacked_tensor_name
+
+                if stacked_tensor_name(layer, "gate") not in self.container:
+                    continue
+                plan = plan_stacked_expert   # mlx-lm's switch_mlp: expert e is row e of [E, O, ...]
             for e in range(self.n_experts):
-                layouts[(layer, e)] = plan_expert(self.container, layer, e, shapes)
+                layouts[(layer, e)] = plan(self.container, layer, e, shapes)
         if not layouts:
             raise ExpertStoreError(f"{self.container.path}: no routed experts to stream "
                                    f"(no model.layers.*.mlp.experts.0.gate_proj.weight)")
@@ -585,6 +591,10 @@ def _projection(p: ProjectionLayout, buffers: list[np.ndarray], layout: Optional
     Quantized scales are checked to be finite, as the resident loader checks them at load: a
     damaged expert is an error naming its shard and tensor, not NaN logits."""
     raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
+    if p.bits is not None:
+        from ..models.mlx_lm_checkpoint import stacked_projection
+
+        return stacked_projection(p, buffers)
     if p.scales is None:
         return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))
     s = p.scales

@@ -34,9 +34,10 @@ def load(path=None, dtype=None, **options):
         raise TypeError(f"load() got unknown option(s): {sorted(unknown)}")
     from ..tokenizer import load_tokenizer
     from .loading import build_model
-    from .modeldir import open_model_dir
+    from .modeldir import open_model_dir, resolve_model_path
 
     resolve_dtype(dtype)  # a bad value fails first
+    path = resolve_model_path(path)   # a hub id (mlx-community/...) -> its cached snapshot
     # config.json, shard headers, then the tokenizer: every check before any weight is read.
     opened = open_model_dir(path)
     tokenizer = load_tokenizer(path)

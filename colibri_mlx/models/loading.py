@@ -53,10 +53,10 @@ def load_model(path: str, ram_gb: float | None = None, pin: str | None = None, p
     activation dtype, "auto"/None (float32 on the CPU backend, bfloat16 on GPUs), "float32",
     "bfloat16" or "float16".
     """
-    from .modeldir import open_model_dir
+    from .modeldir import open_model_dir, resolve_model_path
 
     dtype = resolve_dtype(dtype)  # a bad value fails before any tensor is read
-    return build_model(open_model_dir(path), ram_gb, pin, pin_gb, expert_top_p, dtype, **store_options)
+    return build_model(open_model_dir(resolve_model_path(path)), ram_gb, pin, pin_gb, expert_top_p, dtype, **store_options)
 
 
 def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin_gb: float | None = None,
@@ -67,14 +67,14 @@ def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin
     if ram_gb is None:
         if pin is not None or pin_gb is not None or store_options:
             raise ValueError("pin / pin_gb / expert store options need ram_gb (expert streaming)")
-        model = Model(args, weight_table(container), dtype)
+        model = Model(args, table_for(container, opened.config), dtype)
         model.expert_store = None
     else:
         from ..experts import ExpertStore, resident_bytes
 
         pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
         store = ExpertStore(container, int(ram_gb * 1e9), pin=pin, pin_bytes=pin_bytes, **store_options)
-        table = weight_table(container)
+        table = table_for(container, opened.config)
         table.expert_store = store
         model = Model(args, table, dtype)
         model.expert_store = store
@@ -86,6 +86,15 @@ def build_model(opened, ram_gb: float | None = None, pin: str | None = None, pin
 
         set_expert_top_p(model, expert_top_p)
     return model
+
+
+def table_for(container: Container, config: dict) -> WeightTable:
+    """The weight table of a container, Hugging Face or mlx-lm checkpoint directory."""
+    from .mlx_lm_checkpoint import is_mlx_lm_checkpoint, weight_table as mlx_lm_table
+
+    if is_mlx_lm_checkpoint(config, container.names()):
+        return mlx_lm_table(container, config)
+    return weight_table(container)
 
 
 def weight_table(container: Container) -> WeightTable:

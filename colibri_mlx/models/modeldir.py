@@ -13,6 +13,7 @@ shard: seconds for the largest models, against minutes to load their weights.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from ..container import Container, ContainerError
@@ -34,6 +35,43 @@ class ModelDir:
     @property
     def config_path(self) -> str:
         return os.path.join(self.path, CONFIG_FILE)
+
+
+# "owner/name" as the Hugging Face hub spells a repository id.
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What a model directory needs from a hub repository (weights, config, tokenizer, chat template).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py"]
+
+
+def resolve_model_path(path) -> str:
+    """A local directory as given; else a hub id (``mlx-community/...``) resolved as mlx-lm does,
+    through ``huggingface_hub.snapshot_download``: the local cache first, a download when allowed.
+    With ``HF_HUB_OFFLINE=1`` only the cache is used; a repository not in it is an error that
+    says so."""
+    path = os.fspath(path)
+    if os.path.exists(path) or not HUB_ID.match(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:
+        raise FileNotFoundError(f"{path}: no such directory (a Hugging Face hub id needs the huggingface_hub "
+                                "package: pip install huggingface_hub)") from None
+    from huggingface_hub import constants
+
+    try:
+        return snapshot_download(path, allow_patterns=HUB_PATTERNS)
+    except LocalEntryNotFoundError:
+        where = constants.HF_HUB_CACHE
+        if constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"{path}: no such directory, and the Hugging Face hub repository {path!r} is "
+                                    f"not in the cache ({where}) while HF_HUB_OFFLINE is set: download it "
+                                    f"first (huggingface-cli download {path}) or unset HF_HUB_OFFLINE") from None
+        raise FileNotFoundError(f"{path}: no such directory, and the Hugging Face hub repository {path!r} could "
+                                f"not be downloaded (no connection?) and is not in the cache ({where})") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"{path}: no such directory, and no Hugging Face hub repository {path!r} "
+                                "(or it is private: log in with huggingface-cli login)") from None
 
 
 def check_model_path(path) -> str:

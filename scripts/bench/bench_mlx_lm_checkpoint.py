@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Decode speed on mlx-lm checkpoints: ours (colibri_mlx.load, kernels on) against mlx-lm 0.32.2 on
+the same files, same process; the model of bench_e2e.py (1 dense + 3 MoE layers, 256 experts top-8)
+written by mlx-lm's own quantization and ``save_model`` as affine 4-bit g64, affine 3-bit g64 and
+mxfp4 checkpoints.
+
+    PYTHONPATH=$PWD python3 scripts/bench/bench_mlx_lm_checkpoint.py [--formats affine4g64,affine3g64,mxfp4]
+        [--steps 32] [--greedy 64] [--out result.json] [--tiny]
+
+Per format: ms/token as bench_e2e.py (median of --steps greedy decode steps after a 16-token prompt,
+each step evaluated and synchronized; one unrecorded pass first); then --greedy greedy tokens with
+the kernels on against the pure-MLX reference (``kernels.force_reference``) on the same loaded
+weights: identical or not, and the kernels' dispatch counters (a declined kernel shows as a
+fallback). mlx-lm's model is loaded from the same directory (``mlx_lm.utils.load_model``) after
+ours is released. ``--tiny``: tiny shapes, a CPU smoke run (CPU figures are ratios of CPU paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+
+import bench_e2e as E  # noqa: E402
+from colibri_mlx import kernels  # noqa: E402
+from colibri_mlx.kernels import dispatch  # noqa: E402
+
+FORMATS = {"affine4g64": ("affine", 4, 64), "affine3g64": ("affine", 3, 64), "mxfp4": ("mxfp4", 4, 32),
+           "affine8g64": ("affine", 8, 64), "affine2g64": ("affine", 2, 64), "nvfp4": ("nvfp4", 4, 16),
+           "mxfp8": ("mxfp8", 8, 32)}
+
+
+def write_checkpoint(cfg: dict, mode: str, bits: int, gs: int, path: Path) -> None:
+    """A random mlx-lm deepseek_v3 model, quantized by mlx-lm one module at a time (bf16 scales), saved
+    as mlx-lm saves it (weights + config.json with its quantization dict)."""
+    import mlx.nn as nn
+    from mlx_lm.models import deepseek_v3 as lm
+    from mlx_lm.utils import save_config, save_model
+
+    args = lm.ModelArgs(**{k: v for k, v in cfg.items() if k in lm.ModelArgs.__dataclass_fields__})
+    model = lm.Model(args)
+    model.set_dtype(mx.bfloat16)
+    for p in [p for p, m in model.named_modules() if hasattr(m, "to_quantized")]:
+        nn.quantize(model, group_size=gs, bits=bits, mode=mode, class_predicate=lambda q, m, p=p: q == p)
+        mx.eval(dict(model.named_modules())[p].parameters())
+    save_model(path, model, donate_model=True)
+    config = dict(cfg, model_type="deepseek_v3", quantization={"group_size": gs, "bits": bits, "mode": mode})
+    config["quantization_config"] = config["quantization"]
+    save_config(config, path / "config.json")
+
+
+def greedy(model, prompt, n):
+    cache, x, out = model.make_cache(), prompt, []
+    for _ in range(n):
+        tok = mx.argmax(model(x, cache)[:, -1], axis=-1)
+        out.append(int(tok.item()))
+        x = tok[:, None]
+    return out
+
+
+def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
+    from colibri_mlx.models.loading import load_model
+
+    mode, bits, gs = FORMATS[name]
+    path = root / name
+    t0 = time.perf_counter()
+    write_checkpoint(cfg, mode, bits, gs, path)
+    res = {"format": name, "mode": mode, "bits": bits, "group_size": gs, "write_s": time.perf_counter() - t0}
+    ours = load_model(str(path))
+    dispatch.reset_counters()
+    cache = ours.make_cache()
+    E.decode_times(lambda t: ours(t, cache), prompt, args.steps)
+    cache = ours.make_cache()
+    res["ours_ms"] = E.decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
+    tokens = greedy(ours, prompt, args.greedy)
+    res["counters"] = kernels.counters()
+    with kernels.force_reference():
+        reference = greedy(ours, prompt, args.greedy)
+    res["greedy_identical"] = tokens == reference
+    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    del ours, cache
+    kernels.moe.clear_banks()
+    mx.clear_cache()
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as lm_load
+
+    lm, _ = lm_load(path)
+    lm_cache = make_prompt_cache(lm)
+    E.decode_times(lambda t: lm(t, cache=lm_cache), prompt, args.steps)
+    lm_cache = make_prompt_cache(lm)
+    res["mlxlm_ms"] = E.decode_times(lambda t: lm(t, cache=lm_cache), prompt, args.steps) * 1e3
+    res["speedup"] = res["mlxlm_ms"] / res["ours_ms"]
+    del lm, lm_cache
+    mx.clear_cache()
+    shutil.rmtree(path)
+    print(f"{name:12s} ours {res['ours_ms']:7.2f} ms/token  mlx-lm {res['mlxlm_ms']:7.2f}  x{res['speedup']:.2f}  "
+          f"{args.greedy} greedy tokens kernels vs reference: {'identical' if res['greedy_identical'] else 'DIFFER at ' + str(res['greedy_first_difference'])}",
+          flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    E.add_model_args(ap)
+    ap.add_argument("--formats", default="affine4g64,affine3g64,mxfp4")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--greedy", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
+    args = ap.parse_args()
+    cfg = E.model_config(args)
+    prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
+    out = {"backend": kernels.backend(), "layers": args.layers, "experts": args.experts, "rows": []}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name in args.formats.split(","):
+            mx.random.seed(0)
+            out["rows"].append(run_format(name, cfg, prompt, args, Path(tmp)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\n{'format':12s} {'ours ms':>8s} {'mlx-lm ms':>9s} {'mlx-lm/ours':>11s}  greedy kernels = reference")
+    for r in out["rows"]:
+        print(f"{r['format']:12s} {r['ours_ms']:8.2f} {r['mlxlm_ms']:9.2f} {r['speedup']:11.2f}  {r['greedy_identical']}")
+    print(f"backend {out['backend']}; ms/token: median of --steps synchronized decode steps (bench_e2e.py)")
+
+
+if __name__ == "__main__":
+    main()
