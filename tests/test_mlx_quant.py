@@ -465,3 +465,37 @@ def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
     want, terms = _gemv_oracle(x, qt)
     assert np.all(terms > 0)
     assert np.all(np.abs(y - want) <= 1e-6 * terms), np.max(np.abs(y - want) / terms)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("kv_fmt", MLA_CASES + [("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16)])
+def test_mla_decode_mlx_kv_b_on_device(kv_fmt):
+    """The backend's mla_decode (Metal or the CUDA twin, its default variant) on an MLX-format
+    kv_b and q_b at DeepSeek-V3's head widths, against the float64 oracle with the budget of the
+    variant that ran (test_mla_decode.py: the CUDA matrix variants' TF32 model)."""
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_mla_close
+    from test_mla_decode import assert_attention_close
+
+    H, nope, v, R, rope, T = 16, 128, 128, 512, 64, 300
+    args = _mla_args(kv_fmt, B=1, H=H, L=1, T=T, nope=nope, v=v, R=R, rope=rope, seed=7)
+    args = (*args[:2], args[2].astype(mx.bfloat16), args[3].astype(mx.bfloat16), *args[4:])
+    dispatch.reset_counters()
+    out = kernels.mla_decode(*args)
+    mx.eval(out)
+    c = dispatch.counters()
+    assert c["calls"].get(f"mla_decode/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    variant = mla.choose_variant(R, rope, backend=dispatch.backend(), dtype=args[0].dtype, cache_dtype=args[2].dtype)
+    assert_attention_close(out, *args, variant=variant, label=str(kv_fmt[:3]))
+    # q_b in the same format, folded into the first launch (float32 queries: the simt variant)
+    q_b = random_mlx_qtensor(*kv_fmt[:3], H * (nope + rope), 1536, kv_fmt[3], seed=8)
+    q_latent = mx.array(np.random.default_rng(9).standard_normal((1, 1, 1536)).astype(np.float32))
+    dispatch.reset_counters()
+    out = kernels.mla_decode(None, None, args[2], args[3], args[4], args[5], None, nope, v, q_proj=(q_latent, q_b))
+    mx.eval(out)
+    c = dispatch.counters()
+    assert c["calls"].get(f"mla_qb_qabs/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    with kernels.force_reference():
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, H, nope)
+    assert_mla_close(out, q_nope, q_rope, args[2], args[3], args[4], args[5], None, nope, v, extra_rel=1e-4)
