@@ -439,17 +439,9 @@ def test_embedding_rows_of_an_mlx_table(mode, bits, gs, dtype):
     _assert_bits_equal(np.asarray(got).reshape(6, 128), decode_mlx(table)[np.asarray(ids).reshape(-1)])
 
 
-@needs_simulator
-@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
-def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
-    """Scale byte 0 is 2**-127 in MLX (not zero): the reference decode and qgemv's kernel agree
-    with mx.dequantize. Rows 0 and 1 have every scale byte 0, so their outputs are ~1e-34: the
-    check is relative to each row's own Σ|x w| (no absolute floor), and a kernel that read the
-    byte as 0.0 would be off by 100%."""
-    from test_qgemv_msl import simulate
-
-    from colibri_mlx.kernels import qgemv
-
+def _e8m0_zero_case(mode, bits):
+    """An mxfp4 / mxfp8 weight whose rows 0 and 1 have every scale byte 0 (2**-127 in MLX, not
+    zero: their outputs are ~1e-34) and row 2 every third, with x [2, I]."""
     O, I, gs = 5, 256, 32
     q, s, _ = _quantized(mode, bits, gs, mx.float32, O=O, I=I, seed=4)
     s = np.array(s)
@@ -458,13 +450,44 @@ def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
     qt = qtensor_from_mlx(q, mx.array(s), mode=mode, bits=bits, group_size=gs, name=f"w.{mode}")
     ref = mx.dequantize(q, mx.array(s), group_size=gs, bits=bits, mode=mode, dtype=mx.float32)
     assert np.all(np.abs(np.asarray(ref)[:2]) < 1e-30) and np.any(np.asarray(ref)[:2] != 0)
-    _assert_bits_equal(reference.dequantize(qt), ref)
-    _assert_bits_equal(decode_mlx(qt), ref)
-    x = np.random.default_rng(6).standard_normal((2, I)).astype(np.float32)
-    y = np.asarray(simulate(qgemv.launch_spec(mx.array(x), qt))).astype(np.float64)
+    return qt, ref, np.random.default_rng(6).standard_normal((2, I)).astype(np.float32)
+
+
+def _assert_e8m0_zero_gemv(y, x, qt):
+    """Relative to each output's own Σ|x w| with no absolute floor: a kernel reading the byte as
+    0.0 is off by 100% on rows 0 and 1."""
     want, terms = _gemv_oracle(x, qt)
+    y = np.asarray(y.astype(mx.float32)).astype(np.float64)
     assert np.all(terms > 0)
     assert np.all(np.abs(y - want) <= 1e-6 * terms), np.max(np.abs(y - want) / terms)
+
+
+@needs_simulator
+@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
+def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
+    """Scale byte 0 is 2**-127 in MLX: the reference decode, the numpy decode and qgemv's Metal
+    kernel agree with mx.dequantize."""
+    from test_qgemv_msl import simulate
+
+    from colibri_mlx.kernels import qgemv
+
+    qt, ref, x = _e8m0_zero_case(mode, bits)
+    _assert_bits_equal(reference.dequantize(qt), ref)
+    _assert_bits_equal(decode_mlx(qt), ref)
+    _assert_e8m0_zero_gemv(simulate(qgemv.launch_spec(mx.array(x), qt)), x, qt)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
+def test_e8m0_scale_byte_zero_on_device(mode, bits):
+    """The backend's qgemv (Metal or the CUDA twin) on scale byte 0, as the simulator test."""
+    qt, _, x = _e8m0_zero_case(mode, bits)
+    dispatch.reset_counters()
+    y = kernels.qmatmul(mx.array(x), qt)
+    mx.eval(y)
+    assert dispatch.counters()["calls"] == {f"qgemv/{dispatch.backend()}": 1}
+    _assert_e8m0_zero_gemv(y, x, qt)
 
 
 @pytest.mark.device
