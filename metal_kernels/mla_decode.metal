@@ -192,6 +192,7 @@ inline void mla_qabs_columns(QP qh, const device uint8_t* w, const device float*
         const int u = u0 + ul + LW * j;
         if (n < nope && ul + LW * j < UPP && u < n_units) {
           qd_load<FMT, VEC>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          qd_load_aux<FMT, GS>(scales, row, ng, u, raw[i][j]);
           for (int g = 0; g < NSEG; ++g) {
             scl[i][j][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
           }
@@ -306,6 +307,7 @@ inline void mla_qb_head_rows(const device TQ* x, const device uint8_t* wqb, cons
       if (u < n_units) {
         for (int r = 0; r < QR; ++r) {
           qd_load<FMT, VEC>(wqb + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          qd_load_aux<FMT, GS>(sqb, rows[r], ng, u, raw[j][r]);
           for (int g = 0; g < NSEG; ++g) {
             scl[j][r][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]) : 1.0f;
           }
@@ -1088,6 +1090,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
         const int u = ul + LW * j;
         if (vi < v && u < n_units) {
           qd_load<FMT, VEC>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          qd_load_aux<FMT, GS>(scales, row, ng, u, raw[i][j]);
           for (int g = 0; g < NSEG; ++g) {
             scl[i][j][g] = qd_scales_in_memory(FMT) ? qd_seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
           }

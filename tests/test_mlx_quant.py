@@ -119,7 +119,7 @@ def test_qtensor_accessors_keep_stored_arrays():
 # Pure-MLX reference and qmatmul through the dispatcher
 
 from colibri_mlx import kernels  # noqa: E402
-from colibri_mlx.kernels import dispatch, reference  # noqa: E402
+from colibri_mlx.kernels import dispatch, mla, reference  # noqa: E402
 
 REPRESENTATIVE = [("affine", 4, 64, "bfloat16"), ("affine", 3, 32, "float16"), ("affine", 5, 128, "float32"),
                   ("affine", 6, 64, "bfloat16"), ("affine", 2, 128, "float16"), ("affine", 8, 32, "bfloat16"),
@@ -298,24 +298,90 @@ def test_moe_block_msl(metal_sim, gu, down):
     assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
 
 
-@needs_simulator
-def test_mla_decode_declines_mlx_kv_b_visibly(metal_sim):
-    """mla_decode has no MLX-format decode: the decline is counted and the reference computes
-    what it computes for the same kv_b as float32."""
+# ---------------------------------------------------------------------------------------
+# mla_decode in the MSL simulator: MLX-format kv_b (mla_qabs' W_UK columns, mla_out's W_UV rows)
+# and q_b (mla_qb_qabs). The oracle and its budget are test_mla_decode.py's
+# (moe_mla_oracle.mla_oracle: REL = 1e-4 of each stage's sum of |terms|, carried through the
+# softmax), on kv_b decoded exactly (q * s + b in float64): the kernels decode a weight with one
+# float32 fma, which the per-stage budget covers.
+
+MLA_CASES = [("affine", 4, 64, mx.bfloat16), ("affine", 3, 32, mx.float16), ("affine", 8, 128, mx.float32),
+             ("mxfp4", 4, 32, mx.bfloat16)]
+MLA_MORE = [("affine", b, g, d) for b, g in ((2, 32), (5, 64), (6, 128), (4, 32), (4, 128), (3, 64), (8, 64))
+            for d in (mx.bfloat16, mx.float16, mx.float32)] + [("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16)]
+
+
+def _mla_args(kv_fmt, B=1, H=4, L=1, T=37, nope=32, v=32, R=128, rope=16, seed=0):
     from kernel_oracle import random_mlx_qtensor
 
-    B, H, L, T, R, nope, v, rope = 1, 2, 1, 5, 64, 32, 32, 16
-    kv_b = random_mlx_qtensor("affine", 4, 32, H * (nope + v), R, mx.bfloat16, seed=2)
-    rng = np.random.default_rng(8)
+    rng = np.random.default_rng(seed)
     arr = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))   # noqa: E731
-    q_nope, q_rope, latent, k_rope = arr(B, H, L, nope), arr(B, H, L, rope), arr(B, T, R), arr(B, T, rope)
+    kv_b = random_mlx_qtensor(*kv_fmt[:3], H * (nope + v), R, kv_fmt[3], seed=seed + 1)
+    return (arr(B, H, L, nope), arr(B, H, L, rope), arr(B, T, R), arr(B, T, rope), kv_b, 0.125, None, nope, v)
+
+
+def _run_mla_msl(metal_sim, kv_fmt, variant, **kw):
+    from moe_mla_oracle import assert_mla_close
+
+    args = _mla_args(kv_fmt, **kw)
     dispatch.reset_counters()
-    y = kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, 0.125, None, nope, v)
+    out = kernels.mla_decode(*args, variant=variant)
     c = dispatch.counters()
-    assert any("kv_b fmt 7 (affine 4-bit g32)" in reason for reason in c["fallbacks"]), c
+    assert c["calls"].get("mla_decode/metal") == 1 and not c["fallbacks"], c
+    assert metal_sim[0] == "mla_qabs" and metal_sim[-1] == "mla_out", metal_sim
+    assert_mla_close(out, *args, label=f"kv_b {kv_fmt[:3]} {kv_fmt[3]} {variant}")
+
+
+@needs_simulator
+@pytest.mark.parametrize("kv_fmt", MLA_CASES)
+@pytest.mark.parametrize("variant", ["mma", "simt"])
+def test_mla_decode_msl_mlx_kv_b(metal_sim, kv_fmt, variant):
+    _run_mla_msl(metal_sim, kv_fmt, variant, seed=len(metal_sim))
+
+
+@needs_simulator
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_fmt", MLA_MORE)
+def test_mla_decode_msl_mlx_kv_b_more(metal_sim, kv_fmt):
+    _run_mla_msl(metal_sim, kv_fmt, "mma", B=2, L=2, T=21)
+
+
+@needs_simulator
+@pytest.mark.parametrize("q_fmt,kv_fmt", [(("affine", 4, 64, mx.bfloat16), ("affine", 4, 64, mx.bfloat16)),
+                                          (("mxfp4", 4, 32, mx.bfloat16), ("affine", 3, 32, mx.float16))])
+def test_mla_decode_msl_mlx_q_b_folded(metal_sim, q_fmt, kv_fmt):
+    """mla_decode given (q_latent, q_b) in MLX formats: mla_qb_qabs projects the queries, and the
+    output is the oracle's on the reference projection's queries (float32 q: the same queries to
+    the oracle's budget, plus REL of |out| for the two float32 sums' different orders)."""
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_mla_close
+
+    H, nope, v, rope, q_lora = 4, 32, 32, 16, 192
+    _, _, latent, k_rope, kv_b, scale, _, _, _ = _mla_args(kv_fmt, H=H, nope=nope, v=v, rope=rope, seed=3)
+    q_b = random_mlx_qtensor(*q_fmt[:3], H * (nope + rope), q_lora, q_fmt[3], seed=9)
+    q_latent = mx.array(np.random.default_rng(13).standard_normal((1, 1, q_lora)).astype(np.float32))
+    dispatch.reset_counters()
+    out = kernels.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b))
+    c = dispatch.counters()
+    assert metal_sim[0] == "mla_qb_qabs" and not c["fallbacks"], (metal_sim, c)
     with kernels.force_reference():
-        kv_b32 = mx.array(decode_mlx(kv_b, exact=True).astype(np.float32))
-        want = kernels.mla_decode(q_nope, q_rope, latent, k_rope, kv_b32, 0.125, None, nope, v)
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, H, nope)
+    assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v, extra_rel=1e-4)
+
+
+@needs_simulator
+def test_mla_decode_declines_unreadable_mlx_kv_b_visibly(metal_sim):
+    """An MLX-format kv_b whose rows are not whole 32-weight units (nvfp4, R = 48): the decline is
+    counted with its reason and the reference computes what it computes for kv_b as float32."""
+    args = list(_mla_args(("nvfp4", 4, 16, mx.bfloat16), H=2, R=48, seed=2))
+    dispatch.reset_counters()
+    y = kernels.mla_decode(*args)
+    c = dispatch.counters()
+    assert any("nvfp4" in r and "I=48" in r for r in c["fallbacks"]), c
+    assert not metal_sim
+    args[4] = mx.array(decode_mlx(args[4]))
+    with kernels.force_reference():
+        want = kernels.mla_decode(*args)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -383,17 +449,9 @@ def test_embedding_rows_of_an_mlx_table(mode, bits, gs, dtype):
     _assert_bits_equal(np.asarray(got).reshape(6, 128), decode_mlx(table)[np.asarray(ids).reshape(-1)])
 
 
-@needs_simulator
-@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
-def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
-    """Scale byte 0 is 2**-127 in MLX (not zero): the reference decode and qgemv's kernel agree
-    with mx.dequantize. Rows 0 and 1 have every scale byte 0, so their outputs are ~1e-34: the
-    check is relative to each row's own Σ|x w| (no absolute floor), and a kernel that read the
-    byte as 0.0 would be off by 100%."""
-    from test_qgemv_msl import simulate
-
-    from colibri_mlx.kernels import qgemv
-
+def _e8m0_zero_case(mode, bits):
+    """An mxfp4 / mxfp8 weight whose rows 0 and 1 have every scale byte 0 (2**-127 in MLX, not
+    zero: their outputs are ~1e-34) and row 2 every third, with x [2, I]."""
     O, I, gs = 5, 256, 32
     q, s, _ = _quantized(mode, bits, gs, mx.float32, O=O, I=I, seed=4)
     s = np.array(s)
@@ -402,10 +460,75 @@ def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
     qt = qtensor_from_mlx(q, mx.array(s), mode=mode, bits=bits, group_size=gs, name=f"w.{mode}")
     ref = mx.dequantize(q, mx.array(s), group_size=gs, bits=bits, mode=mode, dtype=mx.float32)
     assert np.all(np.abs(np.asarray(ref)[:2]) < 1e-30) and np.any(np.asarray(ref)[:2] != 0)
-    _assert_bits_equal(reference.dequantize(qt), ref)
-    _assert_bits_equal(decode_mlx(qt), ref)
-    x = np.random.default_rng(6).standard_normal((2, I)).astype(np.float32)
-    y = np.asarray(simulate(qgemv.launch_spec(mx.array(x), qt))).astype(np.float64)
+    return qt, ref, np.random.default_rng(6).standard_normal((2, I)).astype(np.float32)
+
+
+def _assert_e8m0_zero_gemv(y, x, qt):
+    """Relative to each output's own Σ|x w| with no absolute floor: a kernel reading the byte as
+    0.0 is off by 100% on rows 0 and 1."""
     want, terms = _gemv_oracle(x, qt)
+    y = np.asarray(y.astype(mx.float32)).astype(np.float64)
     assert np.all(terms > 0)
     assert np.all(np.abs(y - want) <= 1e-6 * terms), np.max(np.abs(y - want) / terms)
+
+
+@needs_simulator
+@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
+def test_e8m0_scale_byte_zero_decodes_as_mlx(mode, bits):
+    """Scale byte 0 is 2**-127 in MLX: the reference decode, the numpy decode and qgemv's Metal
+    kernel agree with mx.dequantize."""
+    from test_qgemv_msl import simulate
+
+    from colibri_mlx.kernels import qgemv
+
+    qt, ref, x = _e8m0_zero_case(mode, bits)
+    _assert_bits_equal(reference.dequantize(qt), ref)
+    _assert_bits_equal(decode_mlx(qt), ref)
+    _assert_e8m0_zero_gemv(simulate(qgemv.launch_spec(mx.array(x), qt)), x, qt)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("mode,bits", [("mxfp4", 4), ("mxfp8", 8)])
+def test_e8m0_scale_byte_zero_on_device(mode, bits):
+    """The backend's qgemv (Metal or the CUDA twin) on scale byte 0, as the simulator test."""
+    qt, _, x = _e8m0_zero_case(mode, bits)
+    dispatch.reset_counters()
+    y = kernels.qmatmul(mx.array(x), qt)
+    mx.eval(y)
+    assert dispatch.counters()["calls"] == {f"qgemv/{dispatch.backend()}": 1}
+    _assert_e8m0_zero_gemv(y, x, qt)
+
+
+@pytest.mark.device
+@pytest.mark.skipif(dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+@pytest.mark.parametrize("kv_fmt", MLA_CASES + [("nvfp4", 4, 16, mx.bfloat16), ("mxfp8", 8, 32, mx.bfloat16)])
+def test_mla_decode_mlx_kv_b_on_device(kv_fmt):
+    """The backend's mla_decode (Metal or the CUDA twin, its default variant) on an MLX-format
+    kv_b and q_b at DeepSeek-V3's head widths, against the float64 oracle with the budget of the
+    variant that ran (test_mla_decode.py: the CUDA matrix variants' TF32 model)."""
+    from kernel_oracle import random_mlx_qtensor
+    from moe_mla_oracle import assert_mla_close
+    from test_mla_decode import assert_attention_close
+
+    H, nope, v, R, rope, T = 16, 128, 128, 512, 64, 300
+    args = _mla_args(kv_fmt, B=1, H=H, L=1, T=T, nope=nope, v=v, R=R, rope=rope, seed=7)
+    args = (*args[:2], args[2].astype(mx.bfloat16), args[3].astype(mx.bfloat16), *args[4:])
+    dispatch.reset_counters()
+    out = kernels.mla_decode(*args)
+    mx.eval(out)
+    c = dispatch.counters()
+    assert c["calls"].get(f"mla_decode/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    variant = mla.choose_variant(R, rope, backend=dispatch.backend(), dtype=args[0].dtype, cache_dtype=args[2].dtype)
+    assert_attention_close(out, *args, variant=variant, label=str(kv_fmt[:3]))
+    # q_b in the same format, folded into the first launch (float32 queries: the simt variant)
+    q_b = random_mlx_qtensor(*kv_fmt[:3], H * (nope + rope), 1536, kv_fmt[3], seed=8)
+    q_latent = mx.array(np.random.default_rng(9).standard_normal((1, 1, 1536)).astype(np.float32))
+    dispatch.reset_counters()
+    out = kernels.mla_decode(None, None, args[2], args[3], args[4], args[5], None, nope, v, q_proj=(q_latent, q_b))
+    mx.eval(out)
+    c = dispatch.counters()
+    assert c["calls"].get(f"mla_qb_qabs/{dispatch.backend()}") == 1 and not c["fallbacks"], c
+    with kernels.force_reference():
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, H, nope)
+    assert_mla_close(out, q_nope, q_rope, args[2], args[3], args[4], args[5], None, nope, v, extra_rel=1e-4)

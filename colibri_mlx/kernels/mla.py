@@ -1,7 +1,7 @@
 """mla_decode: folded (absorbed) MLA for a few query rows over the latent cache.
 
 ``out[b, h, l] = W_UV^h · softmax_t((q'·latent_t + q_rope·k_rope_t) · scale) latent_t`` with
-``q' = W_UK^hᵀ q_nope``; ``kv_b`` (``[H*(nope+v), R]``, fmt 1-5 QTensor or float) is read
+``q' = W_UK^hᵀ q_nope``; ``kv_b`` (``[H*(nope+v), R]``, fmt 1-5 or MLX-format (fmt 7-10) QTensor, or float) is read
 directly. Three launches (metal_kernels/mla_decode.metal): ``mla_qabs``, the attention
 (split-K online softmax over cache tiles, any cache length) and ``mla_out`` (merge of the
 tiles + W_UV). ``selected`` (DSA) restricts each query row to a list of cache positions.
@@ -37,8 +37,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.qtensor import QTensor
-from . import dispatch
-from .moe import UNIT_WEIGHTS, Projection, kernel_header, read_kernel_sections, weight_format
+from . import dispatch, mlx_formats
+from .moe import Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 
 MAX_QUERY_ROWS = 4
@@ -102,7 +102,7 @@ OUT_WARPS = 8
 # DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone:
 # 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
 # q_b's GEMV 12.4 + mla_qabs 6.8. Metal keeps 8 x 8: 16 SIMD groups' partial sums (32 KB)
-# would fill its threadgroup memory. q_b in fmt 1-5 (fmt 6 rotates its input first, a float
+# would fill its threadgroup memory. q_b in fmt 1-5 or an MLX format (fmt 6 rotates its input first, a float
 # q_b has no units).
 QB_SETTINGS = {dispatch.METAL: (8, 8), dispatch.CUDA: (16, 4)}
 QB_FMTS = (1, 2, 3, 4, 5)
@@ -122,7 +122,9 @@ def kv_b_projection(kv_b) -> Projection:
     if hit is not None and hit[0] is kv_b:
         return hit[1]
     fmt, gs = weight_format(kv_b)
-    if isinstance(kv_b, QTensor):
+    if isinstance(kv_b, QTensor) and mlx_formats.is_mlx(kv_b):
+        proj = Projection(fmt, gs, kv_b.O, kv_b.I, mlx_formats.kernel_weights(kv_b), mlx_formats.kernel_scales(kv_b))
+    elif isinstance(kv_b, QTensor):
         O, I = kv_b.O, kv_b.I
         packed = kv_b.packed if isinstance(kv_b.packed, mx.array) else mx.array(np.ascontiguousarray(kv_b.packed))
         scales = kv_b.scales if isinstance(kv_b.scales, mx.array) else mx.array(np.ascontiguousarray(kv_b.scales, np.float32))
@@ -154,11 +156,13 @@ def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
 
 def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     """decline_reason for ``L`` query rows a sequence."""
-    if isinstance(kv_b, QTensor) and kv_b.fmt >= 7:
-        return f"kv_b fmt {kv_b.fmt} ({_mlx_name(kv_b)}): mla_decode has no MLX-format decode"
+    if isinstance(kv_b, QTensor) and mlx_formats.is_mlx(kv_b):
+        why = mlx_formats.decline_reason(kv_b)
+        if why:
+            return f"kv_b {_mlx_name(kv_b)}: {why}"
     fmt, gs = weight_format(kv_b)
-    if fmt not in KV_B_FMTS:
-        return f"kv_b fmt {fmt} (fmt 0-5 only)"
+    if fmt not in KV_B_FMTS and not mlx_formats.is_mlx(kv_b):
+        return f"kv_b fmt {fmt} (fmt 0-5 and the MLX formats only)"
     if fmt == 4 and (not gs or gs % 16):
         return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
     if L > MAX_QUERY_ROWS:
@@ -183,11 +187,11 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
     if not isinstance(q_b, QTensor):
         return "q_b is a float weight"
-    if q_b.fmt >= 7:
-        return f"q_b fmt {q_b.fmt} ({_mlx_name(q_b)}): mla_qb_qabs has no MLX-format decode"
+    if mlx_formats.is_mlx(q_b) and mlx_formats.decline_reason(q_b):
+        return f"q_b {_mlx_name(q_b)}: {mlx_formats.decline_reason(q_b)}"
     fmt, gs = weight_format(q_b)
-    if fmt not in QB_FMTS:
-        return f"q_b fmt {fmt} (fmt 1-5: fmt 6 rotates its input first)"
+    if fmt not in QB_FMTS and not mlx_formats.is_mlx(q_b):
+        return f"q_b fmt {fmt} (fmt 1-5 and the MLX formats: fmt 6 rotates its input first)"
     if fmt == 4 and (not gs or gs % 16):
         return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
     rows = q_latent.size // q_latent.shape[-1]
@@ -234,7 +238,12 @@ def qabs_parts(n_units: int, parts: int) -> tuple:
 
 def _template(p: Projection, **extra) -> list:
     return [(k, v) for k, v in extra.items()] + [
-        ("FMT", p.fmt), ("GS", int(p.gs) if p.fmt == 4 else 16), ("VEC", p.vec)]
+        ("FMT", p.fmt), ("GS", _gs(p)), ("VEC", p.vec)]
+
+
+def _gs(p: Projection) -> int:
+    """The GS template value: fmt 4's and the MLX formats' group size (16 where unused)."""
+    return int(p.gs) if p.fmt == 4 or p.mlx else 16
 
 
 def default_tile(P: int) -> int:
@@ -293,7 +302,7 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
 
 
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp, joint) -> mx.array:
-    n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
+    n_units = p.n_units
     return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp, int(joint))
 
 
@@ -349,7 +358,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
     BL = B * L
     header = kernel_header("mla_decode", backend)
     bodies = read_kernel_sections("mla_decode", backend)[1]
-    n_units = _ceil_div(R, UNIT_WEIGHTS[p.fmt])
+    n_units = p.n_units
     LW, NU, RU = unit_lanes(n_units)
     UPP, parts = qabs_parts(n_units, qabs_parts_asked)
     LWq, NUq, RUq = unit_lanes(UPP)
@@ -576,13 +585,13 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
     key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr)
     hit = _qb_statics.get(key)
     if hit is None or hit[0] is not q_b:
-        n_units = _ceil_div(st.p.I, UNIT_WEIGHTS[st.p.fmt])
+        n_units = st.p.n_units
         LW, NU, RU = unit_lanes(n_units)
-        whole = pb.I % UNIT_WEIGHTS[pb.fmt] == 0
+        whole = pb.I % pb.unit == 0
         x_vec = (2 if whole else 1) if pb.I * q_latent.dtype.size % 16 == 0 else 0
         template = _template(st.p, NSG=nsg, LW=LW, NU=NU, RU=RU, UPP=n_units, TQ=q_latent.dtype,
                              ROPEQ=int(rotate), QMAX=nope + rope, QR=qr, NUB=_ceil_div(pb.n_units, SIMD),
-                             FMTB=pb.fmt, GSB=int(pb.gs) if pb.fmt == 4 else 16, VECB=pb.vec, XVB=x_vec,
+                             FMTB=pb.fmt, GSB=_gs(pb), VECB=pb.vec, XVB=x_vec,
                              NIB=DEFAULT_NIB[backend])
         header = st.header
         if backend == dispatch.CUDA and SIMD * nsg > CUDA_MAX_THREADS_AT_FULL_REGS:

@@ -317,6 +317,7 @@ __device__ __forceinline__ void qabs_columns(QP qh, const uint8_t* w, const floa
         const int u = u0 + ul + LW * j;
         if (n < nope && ul + LW * j < UPP && u < n_units) {
           colibri_qd::load<FMT, VEC, false>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          colibri_qd::load_aux<FMT, GS>(scales, row, ng, u, raw[i][j]);
           #pragma unroll
           for (int g = 0; g < NSEG; ++g) {
             scl[i][j][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;
@@ -447,6 +448,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         #pragma unroll
         for (int r = 0; r < QR; ++r) {
           colibri_qd::load<FMT, VEC, W16>(wqb + size_t(rows[r]) * size_t(rb), rb, u, raw[j][r]);
+          colibri_qd::load_aux<FMT, GS>(sqb, rows[r], ng, u, raw[j][r]);
           #pragma unroll
           for (int g = 0; g < NSEG; ++g) {
             scl[j][r][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(sqb, rows[r], ng, u, g, raw[j][r]) : 1.0f;
@@ -1297,6 +1299,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         const int u = ul + LW * j;
         if (vi < v && u < n_units) {
           colibri_qd::load<FMT, VEC, false>(w + size_t(row) * size_t(rb), rb, u, raw[i][j]);
+          colibri_qd::load_aux<FMT, GS>(scales, row, ng, u, raw[i][j]);
           #pragma unroll
           for (int g = 0; g < NSEG; ++g) {
             scl[i][j][g] = colibri_qd::scales_in_memory(FMT) ? colibri_qd::seg_scale<FMT, GS>(scales, row, ng, u, g, raw[i][j]) : 1.0f;

@@ -85,6 +85,7 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     res["ours_ms"] = E.decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
     tokens = greedy(ours, prompt, args.greedy)
     res["counters"] = kernels.counters()
+    res["declines"] = sum(res["counters"]["fallbacks"].values())
     with kernels.force_reference():
         reference = greedy(ours, prompt, args.greedy)
     res["greedy_identical"] = tokens == reference
@@ -106,7 +107,8 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     mx.clear_cache()
     shutil.rmtree(path)
     print(f"{name:12s} ours {res['ours_ms']:7.2f} ms/token  mlx-lm {res['mlxlm_ms']:7.2f}  x{res['speedup']:.2f}  "
-          f"{args.greedy} greedy tokens kernels vs reference: {'identical' if res['greedy_identical'] else 'DIFFER at ' + str(res['greedy_first_difference'])}",
+          f"{args.greedy} greedy tokens kernels vs reference: {'identical' if res['greedy_identical'] else 'DIFFER at ' + str(res['greedy_first_difference'])}"
+          f"  kernel declines {res['declines']}",
           flush=True)
     return res
 
@@ -117,7 +119,7 @@ def main():
     ap.add_argument("--formats", default="affine4g64,affine3g64,mxfp4")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--greedy", type=int, default=64)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", "--json", dest="out", default=None, help="write the rows as JSON here")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
     args = ap.parse_args()
     cfg = E.model_config(args)
@@ -129,9 +131,9 @@ def main():
             out["rows"].append(run_format(name, cfg, prompt, args, Path(tmp)))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"\n{'format':12s} {'ours ms':>8s} {'mlx-lm ms':>9s} {'mlx-lm/ours':>11s}  greedy kernels = reference")
+    print(f"\n{'format':12s} {'ours ms':>8s} {'mlx-lm ms':>9s} {'mlx-lm/ours':>11s}  greedy kernels = reference  declines")
     for r in out["rows"]:
-        print(f"{r['format']:12s} {r['ours_ms']:8.2f} {r['mlxlm_ms']:9.2f} {r['speedup']:11.2f}  {r['greedy_identical']}")
+        print(f"{r['format']:12s} {r['ours_ms']:8.2f} {r['mlxlm_ms']:9.2f} {r['speedup']:11.2f}  {str(r['greedy_identical']):25s}  {r['declines']}")
     print(f"backend {out['backend']}; ms/token: median of --steps synchronized decode steps (bench_e2e.py)")
 
 

@@ -96,6 +96,10 @@ for s in "${steps[@]}"; do
                    # float64, then GEMV against mx.quantized_matmul on the same arrays
                    step mlx_quant_tests 300 python3 -m pytest -q -m device $(xdist_args) tests/test_mlx_quant.py; reap
                    step bench_mlx_quant 200 python3 scripts/bench/bench_mlx_quant.py --all --json "$out/bench_mlx_quant.json" ;;
+    mlx_e2e)       # mlx-lm checkpoints of bench_e2e's model (affine 4-bit g64, 3-bit g64, mxfp4, written by
+                   # mlx-lm): ours vs mlx-lm ms/token on the same files, 64 greedy tokens kernels vs reference
+                   step mlx_e2e 240 python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
+                       --out "$out/mlx_lm_e2e.json" ${MLX_E2E_ARGS:-} ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench/bench_mla_parts.py --iters 10 ;;
