@@ -90,9 +90,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=DEMO_DIR)
     ap.add_argument("--data", type=Path, default=Path(".demo-data"))
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
