@@ -100,6 +100,10 @@ ARGS_DOC = """    Args:
             seed per call. Greedy decoding ignores it.
         cache: ``model.make_cache()`` to continue a conversation over several calls: ``prompt``
             is then only the new tokens (the cache holds the earlier ones).
+        draft: speculative decoding (docs/speculative.md): "mtp" (the model's multi-token-prediction
+            layer), "ngram" (prompt lookup) or "none". Default: "mtp" when the model has an MTP
+            layer, except for seeded sampling; else "none". Greedy output is the same either way.
+        num_draft: tokens drafted per step (1..7, default 3).
 
     Raises:
         ValueError: a bad sampling value (the message names it), an empty prompt, a prompt

@@ -38,8 +38,12 @@ def tensor_shapes(config: dict) -> dict[str, tuple]:
     shapes = dict(expected_shapes(config))
     D, n = config["hidden_size"], config["num_hidden_layers"]
     dsa = config["model_type"] in ("deepseek_v32", "glm_moe_dsa")
-    for i in range(n):
+    mtp = config.get("num_nextn_predict_layers") or 0
+    for i in range(n + mtp):
         p = f"model.layers.{i}."
+        if i >= n:  # an MTP layer: its norms besides the decoder layer's
+            for name in ("enorm", "hnorm", "shared_head.norm"):
+                shapes[p + name + ".weight"] = (D,)
         shapes[p + "input_layernorm.weight"] = (D,)
         shapes[p + "post_attention_layernorm.weight"] = (D,)
         shapes[p + "self_attn.q_a_layernorm.weight"] = (config["q_lora_rank"],)

@@ -770,8 +770,8 @@ class DecoderLayer:
 
 
 class MTPLayer:
-    """Multi-token-prediction head (layer index ≥ num_hidden_layers): loaded and kept for
-    speculative decoding; the forward pass does not use it yet."""
+    """Multi-token-prediction head (layer index ≥ num_hidden_layers): the draft model of
+    speculative decoding (its forward pass: models/mtp.py)."""
 
     def __init__(self, args: ModelArgs, w: WeightTable, layer_idx: int):
         p = f"model.layers.{layer_idx}."
@@ -830,6 +830,11 @@ class Model:
         return LatentCache(len(self.layers), self.max_length)
 
     def __call__(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
+        x = self.hidden_states(tokens, cache, left_padding)
+        return self._compiled_head(x) if x.shape[1] == 1 else self.head(x)
+
+    def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
+        """The last decoder layer's output ``[B, L, D]`` (before the final norm); advances ``cache``."""
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -855,7 +860,7 @@ class Model:
                 # The GPU starts on this layer while the next one is built (commits_layers).
                 mx.async_eval(x, *layer_cache.buffers.values())
         cache.advance(L)
-        return self._compiled_head(x) if L == 1 else self.head(x)
+        return x
 
     def head(self, x):
         """float32 logits: the GEMV writes them as float32 (no rounding to bf16, no cast launch)."""
