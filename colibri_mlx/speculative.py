@@ -100,8 +100,9 @@ class MTPDraft:
         """The main model's normed hidden states of the rows it kept, and the tokens after them."""
         self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)]), self.cache)
 
-    def propose(self, k: int, choose) -> tuple[list[int], list]:
-        """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)``, their q's."""
+    def propose(self, k: int, choose) -> tuple[list, list]:
+        """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
+        scalar arrays), their q's."""
         start = self.cache.offset
         drafts, qs = [], []
         logits, x = self.logits[0, -1], self.x[:, -1:]
@@ -110,7 +111,7 @@ class MTPDraft:
             drafts.append(token)
             qs.append(q)
             if j + 1 < k:
-                step_logits, x = self.head(x, mx.array([[token]]), self.cache)
+                step_logits, x = self.head(x, mx.array(token).reshape(1, 1), self.cache)
                 logits = step_logits[0, -1]
         self.cache.offset = start   # the drafts' rows are rewritten by the next observe
         return drafts, qs
@@ -152,10 +153,11 @@ class Acceptor:
     def sample(self, p: np.ndarray) -> int:
         return int(self.rng.choice(p.size, p=p))
 
-    def choose(self, logits: mx.array, drafts: Sequence[int]) -> tuple[int, Optional[np.ndarray]]:
-        """A draft token from draft logits and its q (None when greedy)."""
+    def choose(self, logits: mx.array, drafts: Sequence) -> tuple:
+        """A draft token from draft logits and its q. Greedy: a lazy token (an ``mx.array``,
+        read with the verify step's logits: no device round trip per draft) and q None."""
         if self.greedy:
-            return int(mx.argmax(logits).item()), None
+            return mx.argmax(logits), None
         q = self.probs(logits, drafts)
         return self.sample(q), q
 
@@ -206,7 +208,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     eps = model.args.rms_norm_eps
 
     def verify(rows, last_only=False):
-        x = model.hidden_states(mx.array([rows]), cache)
+        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows]), cache)
         h = rms_norm(x, model.norm, eps)
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
@@ -244,7 +246,13 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
             qs = [None] * len(drafts)
         else:
             drafts, qs = [], []
-        h, logits = verify([out[-1]] + drafts)
+        if drafts and isinstance(drafts[0], mx.array):    # lazy greedy drafts: read with the logits
+            lazy = mx.stack([d.astype(mx.int32) for d in drafts])
+            h, logits = verify(mx.concatenate([mx.array([out[-1]], dtype=mx.int32), lazy])[None])
+            mx.eval(logits, lazy)
+            drafts = np.array(lazy).tolist()
+        else:
+            h, logits = verify([out[-1]] + drafts)
         out = acceptor.accept(logits, drafts, qs)
         counts.steps += 1
         counts.proposed += len(drafts)
