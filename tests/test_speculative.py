@@ -291,7 +291,7 @@ def test_acceptance_rule_gives_the_model_distribution(deterministic_drafts):
     """Drafts from q (or fixed, as ngram's), the rule applied to p: the first token is
     distributed as p0, the second (after an accepted draft a) as p1 after a; penalty, temperature
     and top-k applied to both p and q."""
-    V, N = 6, 3000
+    V, N = 6, 2000
     rng = np.random.default_rng(0)
     p_logits = rng.standard_normal((3, V)) * 1.5
     q_logits = p_logits[:2] + rng.standard_normal((2, V))
@@ -416,7 +416,7 @@ def test_serve_request_draft_fields(models):
 
 
 @pytest.mark.msl
-@pytest.mark.parametrize("name", ["v3", "glm"])
+@pytest.mark.parametrize("name", [pytest.param("v3", marks=pytest.mark.slow), "glm"])
 def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkeypatch, name):
     """Every hot-path launch in the MSL simulator, as on a Mac: the verify steps (multi-row
     qgemv, moe_block, mla_decode) keep greedy output identical to single-row decoding."""
