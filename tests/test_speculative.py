@@ -394,9 +394,41 @@ def test_cli_draft_flags_and_stats_line(tmp_path):
     assert plain.output.split("prompt:")[0] == result.output.split("prompt:")[0]   # same text
     bad = runner.invoke(main, args + ["--num-draft", "9"])
     assert bad.exit_code == 2 and "--num-draft" in bad.output
+    chat = runner.invoke(main, ["chat", "-m", path, "--draft", "ngram", "--num-draft", "2", "--max-tokens", "6"],
+                         input="abab abab\nabab\n/exit\n")
+    assert chat.exit_code == 0 and chat.output.count("% accepted") == 2, chat.output
+    for command in ("serve", "chat"):
+        assert "--num-draft" in runner.invoke(main, [command, "--help"]).output
     no_mtp = write_tiny_container(tmp_path / "plain")
     bad = runner.invoke(main, ["generate", "-m", no_mtp, "-p", "ab", "--no-chat-template", "--draft", "mtp"])
     assert bad.exit_code == 2 and "multi-token-prediction" in bad.output
+
+
+def test_package_api_takes_draft(models):
+    import colibri_mlx
+
+    model = models["v3"]
+
+    class Ids:   # a tokenizer of token ids as text
+        eos_token_ids = ()
+
+        def encode(self, text):
+            return [int(t) for t in text.split()]
+
+        def detokenizer(self):
+            class D:
+                def add(self, t):
+                    return f"{t} "
+
+                def flush(self):
+                    return ""
+            return D()
+
+    want = colibri_mlx.generate(model, Ids(), "5 9 5 9 5", max_tokens=12, draft="none")
+    responses = list(colibri_mlx.stream_generate(model, Ids(), "5 9 5 9 5", max_tokens=12, draft="ngram",
+                                                 num_draft=2))
+    assert "".join(r.text for r in responses) == want
+    assert responses[-1].draft_stats["draft_steps"] > 0
 
 
 def test_serve_request_draft_fields(models):
