@@ -474,3 +474,31 @@ def test_bench_script_runs_on_cpu(tmp_path):
     assert "verify step of 1+3 rows" in out and "greedy identity with drafts: ok" in out, out
     report = json.loads((tmp_path / "spec.json").read_text())
     assert report["greedy_identity"]["ok"] and report["verify"]["ratio"] > 0
+
+
+def test_server_request_draft(tmp_path):
+    import threading
+
+    import colibri_mlx
+    from colibri_mlx.serve import ModelServer
+    from test_serve import post
+
+    replies = {}
+    for name, config in (("mtp", MODELS["v3"]), ("plain", CONFIG)):
+        model, tokenizer = colibri_mlx.load(write_tiny_container(tmp_path / name, config, seed=4), dtype="float32")
+        srv = ModelServer(("127.0.0.1", 0), model, tokenizer, name, log=None)
+        thread = threading.Thread(target=srv.serve_forever, daemon=True)
+        thread.start()
+        try:
+            for draft in ("none", "ngram", "mtp"):
+                replies[name, draft] = post(srv, "/v1/completions", {"prompt": "abab abab", "max_tokens": 10,
+                                                                     "draft": draft, "num_draft": 2})
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            thread.join(5)
+    texts = {key: body["choices"][0]["text"] for key, (status, body) in replies.items() if status == 200}
+    assert texts[("mtp", "ngram")] == texts[("mtp", "mtp")] == texts[("mtp", "none")]
+    assert texts[("plain", "ngram")] == texts[("plain", "none")]
+    status, body = replies["plain", "mtp"]
+    assert status == 400 and "multi-token-prediction" in body["error"]["message"], body
