@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from unittest.mock import ANY
 
 import mlx.core as mx
 import numpy as np
@@ -188,6 +190,24 @@ def test_mtp_cache_rollback_is_exact(models):
 
 
 # ----------------------------------------------------------------------------- MTP formula
+
+
+def test_mtp_layer_from_out_mtp_shard(tmp_path, models):
+    """A container whose MTP layer is in ``out-mtp-*`` (the converter's --mtp pass) loads it, and
+    drafts as the one with the layer in the main shards; without the shard there is no MTP."""
+    path = write_tiny_container(tmp_path / "c", MODELS["v3"], seed=4, mtp_shard=True)
+    assert sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[-1] == "out-mtp-00000.safetensors"
+    model = load_model(path, dtype="float32")
+    assert len(model.mtp_layers) == 1
+    got, want = (run(m, PROMPTS[3], 12, draft="mtp") for m in (model, models["v3"]))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert got[-1][1] == dict(want[-1][1], prompt_time=ANY, generation_time=ANY)   # the same draft counts
+    os.remove(os.path.join(path, "out-mtp-00000.safetensors"))
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    config["num_nextn_predict_layers"] = 0
+    open(os.path.join(path, "config.json"), "w").write(json.dumps(config))
+    plain = load_model(path, dtype="float32")
+    assert plain.mtp_layers == [] and speculative.resolve_draft(plain, None) == "none"
 
 
 def test_mtp_logits_match_float64_formula(tmp_path):
