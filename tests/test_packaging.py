@@ -39,7 +39,7 @@ def test_wheel_holds_the_kernel_sources_and_the_demo_model(wheel):
         if src.is_file():
             assert f"colibri_mlx/{src.relative_to(ROOT).as_posix()}" in names, f"{src.name} is not in the wheel"
     assert {"colibri_mlx/demo/config.json", "colibri_mlx/demo/tokenizer.json",
-            "colibri_mlx/formats/_e8_encode.c"} <= names
+            "colibri_mlx/demo/out-mtp-00000.safetensors", "colibri_mlx/formats/_e8_encode.c"} <= names
 
 
 def test_wheel_generates_from_a_fresh_venv_outside_the_checkout(wheel, tmp_path):

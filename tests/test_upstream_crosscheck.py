@@ -130,7 +130,13 @@ def test_checkpoint_has_the_edge_cases(checkpoints):
         assert str(f.get_slice("model.layers.1.self_attn.o_proj.weight").get_dtype()) == "F8_E4M3"
         assert f.get_tensor("model.layers.1.self_attn.o_proj.weight_scale_inv").shape == (2, 2)
     with safe_open(os.path.join(checkpoints["fp8"], files[2]), framework="pt") as f:
-        assert all(n.startswith(f"model.layers.{cc.N_LAYERS}.") for n in f.keys())
+        mtp = set(f.keys())
+    p = f"model.layers.{cc.N_LAYERS}."
+    assert all(n.startswith(p) for n in mtp)
+    # a whole MTP layer, with the tensors --mtp must skip (indexer) and keep (embedding copy)
+    assert {p + n for n in ("eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight",
+                            "self_attn.kv_b_proj.weight", "mlp.gate.e_score_correction_bias",
+                            "mlp.experts.3.down_proj.weight", "self_attn.indexer.wq_b.weight")} <= mtp
     with safe_open(os.path.join(checkpoints["bf16"], files[0]), framework="pt") as f:
         w = f.get_tensor("model.layers.0.self_attn.q_a_proj.weight").float().numpy()
     assert not w[0].any() and w[1, :8].tolist() == cc.TIE_ROW_INT4 and w[2, :8].tolist() == cc.TIE_ROW_INT8

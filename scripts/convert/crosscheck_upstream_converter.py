@@ -53,6 +53,10 @@ E8_SETS = {"--xbits e8"}
 
 # Tiny DeepSeek-V3/GLM-shaped checkpoint: 2 main layers (0 dense, 1 MoE) + MTP layer 2.
 HIDDEN, VOCAB, MOE_INTER, N_EXPERTS, N_LAYERS = 256, 300, 256, 4, 2
+# The tensors are shaped for the converters' edges (odd widths), not as a model the engine runs,
+# so config.json names a model type the engine does not validate: both converters then take
+# every shape as stored, as upstream does for any checkpoint.
+CONFIG_MODEL_TYPE = "crosscheck_tiny"
 TIE_ROW_INT4 = [7.0, 2.5, -3.5, 0.5, -0.5, 1.5, -6.5, 4.5]   # s = 1 per row and per g64 group
 TIE_ROW_INT8 = [127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -6.5, 4.5]  # s = 1 for int8 per-row
 TIE_ROW_INT2 = [1.0, 0.5, -0.5, -1.5, 0.5, -1.0, 0.5, -0.5]   # s = 1 for int2 per-row
@@ -69,22 +73,25 @@ def _shapes() -> list[dict[str, tuple]]:
                 p + "self_attn.o_proj.weight": (HIDDEN, 131)}
     dense = {f"model.layers.0.mlp.{n}.weight": s for n, s in
              (("gate_proj", (300, HIDDEN)), ("up_proj", (300, HIDDEN)), ("down_proj", (HIDDEN, 301)))}
-    moe = {"model.layers.1.mlp.gate.weight": (N_EXPERTS, HIDDEN),
-           "model.layers.1.mlp.gate.e_score_correction_bias": (N_EXPERTS,),
-           "model.layers.1.mlp.shared_experts.gate_proj.weight": (96, HIDDEN),
-           "model.layers.1.mlp.shared_experts.up_proj.weight": (96, HIDDEN),
-           "model.layers.1.mlp.shared_experts.down_proj.weight": (HIDDEN, 96),
-           "model.layers.1.self_attn.indexer.wq_b.weight": (64, 96),
-           "model.layers.1.self_attn.indexer.k_norm.weight": (64,)}
-    for e in range(N_EXPERTS):
-        p = f"model.layers.1.mlp.experts.{e}."
-        moe.update({p + "gate_proj.weight": (MOE_INTER, HIDDEN), p + "up_proj.weight": (MOE_INTER, HIDDEN),
-                    p + "down_proj.weight": (HIDDEN, MOE_INTER)})
-    mtp = {"model.layers.2.eh_proj.weight": (HIDDEN, 2 * HIDDEN), "model.layers.2.enorm.weight": (HIDDEN,),
-           "model.layers.2.hnorm.weight": (HIDDEN,), "model.layers.2.shared_head.head.weight": (VOCAB, HIDDEN),
-           "model.layers.2.mlp.experts.0.up_proj.weight": (MOE_INTER, HIDDEN)}
+    def moe(i):
+        p = f"model.layers.{i}."
+        out = {p + "mlp.gate.weight": (N_EXPERTS, HIDDEN), p + "mlp.gate.e_score_correction_bias": (N_EXPERTS,),
+               p + "mlp.shared_experts.gate_proj.weight": (96, HIDDEN),
+               p + "mlp.shared_experts.up_proj.weight": (96, HIDDEN),
+               p + "mlp.shared_experts.down_proj.weight": (HIDDEN, 96),
+               p + "self_attn.indexer.wq_b.weight": (64, 96), p + "self_attn.indexer.k_norm.weight": (64,)}
+        for e in range(N_EXPERTS):
+            out.update({f"{p}mlp.experts.{e}.{proj}.weight": shape for proj, shape in (
+                ("gate_proj", (MOE_INTER, HIDDEN)), ("up_proj", (MOE_INTER, HIDDEN)), ("down_proj", (HIDDEN, MOE_INTER)))})
+        return out
+    # A whole DeepSeek-V3 MTP layer: attention, MoE (with an indexer, which --mtp skips), the
+    # eh_proj/enorm/hnorm input, shared_head and the layer's own embedding copy.
+    p = f"model.layers.{N_LAYERS}."
+    mtp = {**attn(N_LAYERS), **moe(N_LAYERS), p + "eh_proj.weight": (HIDDEN, 2 * HIDDEN), p + "enorm.weight": (HIDDEN,),
+           p + "hnorm.weight": (HIDDEN,), p + "shared_head.norm.weight": (HIDDEN,),
+           p + "shared_head.head.weight": (VOCAB, HIDDEN), p + "embed_tokens.weight": (VOCAB, HIDDEN)}
     return [{"model.embed_tokens.weight": (VOCAB, HIDDEN), **attn(0), **dense},
-            {**attn(1), **moe, "model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)},
+            {**attn(1), **moe(1), "model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)},
             mtp]
 
 
@@ -130,8 +137,9 @@ def build_checkpoint(path: str, fp8: bool, seed: int = 0) -> str:
         weight_map.update({n: fname for n in out})
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-              "num_hidden_layers": N_LAYERS, "hidden_size": HIDDEN, "vocab_size": VOCAB}
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": CONFIG_MODEL_TYPE,
+              "num_hidden_layers": N_LAYERS, "num_nextn_predict_layers": 1, "hidden_size": HIDDEN,
+              "vocab_size": VOCAB}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path

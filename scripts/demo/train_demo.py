@@ -174,7 +174,8 @@ def split_validation(train: np.ndarray, eos_id: int, every: int):
 
 
 # Keys of the released DeepSeek-V3 config.json that other readers (mlx-lm, colibri) look
-# for and that transformers 5 does not write; no MTP head is trained.
+# for and that transformers 5 does not write. The MTP head is trained afterwards on the frozen
+# model (train_mtp.py), which sets num_nextn_predict_layers to 1.
 CONFIG_EXTRAS = {
     "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     "rope_theta": 10000.0, "rope_scaling": None,
