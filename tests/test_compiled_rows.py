@@ -95,3 +95,36 @@ def test_greedy_speculation_with_compiled_blocks(models, monkeypatch, draft):
     got = tokens(draft=draft, num_draft=3)
     assert got == want
     assert all(layer._compiled_rows_step._deltas for layer in model.layers)
+
+
+def _rows_step(model, start, L):
+    """``L`` rows through the first layer's DecoderLayer._rows_step (what the compiled graph
+    traces), plain: the output and the written cache buffer."""
+    from colibri_mlx.models.cache import LayerCache
+
+    layer = model.layers[0]
+    attn = layer.self_attn
+    rng = np.random.default_rng(2)
+    x = mx.array(rng.standard_normal((1, L, model.args.hidden_size)).astype(np.float32))
+    cache = LayerCache()
+    width = attn.kv_lora_rank + attn.rope_dim
+    cache.append("kv", mx.array(rng.standard_normal((1, start, width)).astype(np.float32)), 0)
+    kv, params = attn.step_inputs(x, cache, start, {})
+    return layer._rows_step(x, mx.array(start, dtype=mx.int32), kv, params)
+
+
+@pytest.mark.msl
+@pytest.mark.parametrize("L", [2, 4])
+def test_rows_step_kernel_path_equals_reference(models, monkeypatch, L):
+    """The verify step's graph with every launch in the MSL simulator, as on a Mac: multi-row
+    qgemv and mla_decode reading the causal mask over the fixed buffer (step_params' masked)."""
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    simulator = simulator_or_skip()
+    model = models["dense"]
+    want, want_kv = _rows_step(model, 7, L)
+    launched = route_launches_to_simulator(monkeypatch, simulator)
+    got, got_kv = _rows_step(model, 7, L)
+    assert "qgemv" in launched and any(name.startswith("mla_attn") for name in launched), launched
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4 * np.abs(np.array(want)).max())
+    np.testing.assert_allclose(np.array(got_kv), np.array(want_kv), rtol=0, atol=1e-5 * np.abs(np.array(want_kv)).max())
