@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Speculative decoding: what a verify step costs, and what drafting gains end to end.
 
-    PYTHONPATH=$PWD python3 scripts/bench/bench_speculative.py [--out spec.json] [--tiny]
+    PYTHONPATH=$PWD python3 scripts/bench/bench_speculative.py [--out spec.json] [--tiny] [--parts verify]
+
+``COLIBRI_COMPILE`` (kernels/compiled.py) picks compiled decode blocks: ``auto`` on GPUs, ``1``
+also on the CPU (every layer whose routing stays off the host: dense layers there), ``0`` never.
 
 1. verify step: on the 4-layer DeepSeek-V3-shaped model of bench_e2e.py (random weights, fmt 4
    g64, kernels on), the median time of one forward step of 1 + K rows (K = 3: what a verify
@@ -157,11 +160,16 @@ def main():
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--model", default=None, help="model for the decode runs (default: the bundled demo)")
     ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--parts", default="verify,decode", help="which of verify, decode to run (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    res = {"backend": kernels.backend()}
-    bench_verify(args, res)
-    ok = bench_decode(args, res)
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"verify", "decode"}:
+        ap.error(f"--parts: expected verify and/or decode, got {args.parts!r}")
+    res = {"backend": kernels.backend(), "compile": kernels.compiled.policy()}
+    if "verify" in parts:
+        bench_verify(args, res)
+    ok = bench_decode(args, res) if "decode" in parts else True
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     sys.exit(0 if ok else 1)
