@@ -97,12 +97,12 @@ def test_greedy_speculation_with_compiled_blocks(models, monkeypatch, draft):
     assert all(layer._compiled_rows_step._deltas for layer in model.layers)
 
 
-def _rows_step(model, start, L):
-    """``L`` rows through the first layer's DecoderLayer._rows_step (what the compiled graph
+def _rows_step(model, start, L, index=0):
+    """``L`` rows through layer ``index``'s DecoderLayer._rows_step (what the compiled graph
     traces), plain: the output and the written cache buffer."""
     from colibri_mlx.models.cache import LayerCache
 
-    layer = model.layers[0]
+    layer = model.layers[index]
     attn = layer.self_attn
     rng = np.random.default_rng(2)
     x = mx.array(rng.standard_normal((1, L, model.args.hidden_size)).astype(np.float32))
@@ -114,17 +114,21 @@ def _rows_step(model, start, L):
 
 
 @pytest.mark.msl
-@pytest.mark.parametrize("L", [2, 4])
-def test_rows_step_kernel_path_equals_reference(models, monkeypatch, L):
+@pytest.mark.parametrize("kind, L", [("dense", 2), ("dense", 4), ("moe", 4)])
+def test_rows_step_kernel_path_equals_reference(models, monkeypatch, kind, L):
     """The verify step's graph with every launch in the MSL simulator, as on a Mac: multi-row
-    qgemv and mla_decode reading the causal mask over the fixed buffer (step_params' masked)."""
+    qgemv and mla_decode reading the causal mask over the fixed buffer (step_params' masked),
+    the MoE block's rows with the residual added in its last launch."""
     from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
 
     simulator = simulator_or_skip()
-    model = models["dense"]
-    want, want_kv = _rows_step(model, 7, L)
+    model = models[kind]
+    index = 1 if kind == "moe" else 0
+    want, want_kv = _rows_step(model, 7, L, index)
     launched = route_launches_to_simulator(monkeypatch, simulator)
-    got, got_kv = _rows_step(model, 7, L)
+    got, got_kv = _rows_step(model, 7, L, index)
     assert "qgemv" in launched and any(name.startswith("mla_attn") for name in launched), launched
+    if kind == "moe":
+        assert {"moe_gate_up", "moe_down"} <= set(launched), launched
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4 * np.abs(np.array(want)).max())
     np.testing.assert_allclose(np.array(got_kv), np.array(want_kv), rtol=0, atol=1e-5 * np.abs(np.array(want_kv)).max())
