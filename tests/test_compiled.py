@@ -100,8 +100,7 @@ def test_compiled_decode_equals_plain(containers, monkeypatch, kind):
             assert not layer._compiled_out._deltas
         reason = "declined: reference path groups tokens by expert on the host"
         assert declined == {f"compiled/layer_out/{reason}": len(moe_layers) * 12,   # decode rows
-                            f"compiled/moe/{reason}": len(moe_layers),             # the 4-row prompt
-                            f"compiled/layer_rows_step/{reason}": len(moe_layers)}, declined
+                            f"compiled/moe/{reason}": len(moe_layers)}, declined   # the 4-row prompt
 
 
 def test_compiled_decode_across_cache_growth(containers, monkeypatch):

@@ -912,10 +912,10 @@ class Model:
             # One decode row of one sequence (DecoderLayer.decode): its position is its slot;
             # no mask, and no cos/sin (mx.fast.rope takes the offset).
             return None, None, None, mx.array(start, dtype=mx.int32)
-        if 1 < L <= DECODE_ROWS and not padded and left_padding.shape[0] == 1 and not self.args.dsa \
-                and kernels.compiled.enabled(kernels.backend()):
-            # A few rows of one sequence (a verify step): compiled per layer at this slot
-            # (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
+        if 1 < L <= DECODE_ROWS and start > 0 and not padded and left_padding.shape[0] == 1 \
+                and not self.args.dsa and kernels.compiled.enabled(kernels.backend()):
+            # A few rows of one sequence after its prompt (a verify step): compiled per layer at
+            # this slot (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
             rows_offset = mx.array(start, dtype=mx.int32)
         else:
             rows_offset = None
