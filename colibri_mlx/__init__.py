@@ -44,7 +44,7 @@ def load(path=None, **options) -> tuple[Model, Tokenizer]:
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             seed: Optional[int] = None, cache=None) -> str:
+             seed: Optional[int] = None, cache=None, draft: Optional[str] = None, num_draft: int = 3) -> str:
     """Generate text for ``prompt`` and return it (the end-of-sequence token not included).
 
     Returns:
@@ -55,13 +55,13 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: in
     from .generate import generate as _generate
 
     return _generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-                     seed, cache)
+                     seed, cache, draft, num_draft)
 
 
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    repetition_penalty: float = 1.0, seed: Optional[int] = None,
-                    cache=None) -> Iterator[GenerationResponse]:
+                    repetition_penalty: float = 1.0, seed: Optional[int] = None, cache=None,
+                    draft: Optional[str] = None, num_draft: int = 3) -> Iterator[GenerationResponse]:
     """Generate text for ``prompt``, yielding one ``GenerationResponse`` per token as it is made.
 
     Each response has ``text`` (the text this token adds; join them for the reply), ``token``
@@ -69,13 +69,14 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
     ``peak_memory_gb``, and ``finish_reason``: None until the last response, then "stop" (an
     end-of-sequence token, whose text is not included) or "length" (``max_tokens`` reached, or
     the context limit: then ``generation_tokens < max_tokens``). With streamed experts,
-    ``expert_stats`` (docs/streaming.md).
+    ``expert_stats`` (docs/streaming.md). With speculative decoding, ``draft_stats``
+    (docs/speculative.md).
 
     """
     from .generate import stream_generate as _stream_generate
 
     return _stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k, min_p,
-                            repetition_penalty, seed, cache)
+                            repetition_penalty, seed, cache, draft, num_draft)
 
 
 # The arguments of generate / stream_generate, here and in colibri_mlx.generate alike.
@@ -100,6 +101,10 @@ ARGS_DOC = """    Args:
             seed per call. Greedy decoding ignores it.
         cache: ``model.make_cache()`` to continue a conversation over several calls: ``prompt``
             is then only the new tokens (the cache holds the earlier ones).
+        draft: speculative decoding (docs/speculative.md): "mtp" (the model's multi-token-prediction
+            layer), "ngram" (prompt lookup) or "none". Default: "mtp" when the model has an MTP
+            layer, except for seeded sampling; else "none". Greedy output is the same either way.
+        num_draft: tokens drafted per step (1..7, default 3).
 
     Raises:
         ValueError: a bad sampling value (the message names it), an empty prompt, a prompt

@@ -108,6 +108,30 @@ def _check_model_files(directory) -> None:
 
 # --- generate / chat -----------------------------------------------------------------------
 
+_DRAFT_OPTIONS = [
+    click.option("--draft", type=click.Choice(["mtp", "ngram", "none"]), default=None,
+                 help="Speculative decoding (docs/speculative.md): the model's MTP layer, prompt lookup, or off. "
+                      "Default: mtp when the model has an MTP layer (except seeded sampling), else none."),
+    click.option("--num-draft", default=3, show_default=True, type=click.IntRange(1, 7),
+                 help="Tokens drafted per step."),
+]
+
+
+def _draft_options(f):
+    for option in reversed(_DRAFT_OPTIONS):
+        f = option(f)
+    return f
+
+
+def _check_draft(model, draft) -> None:
+    from .speculative import resolve_draft
+
+    try:
+        resolve_draft(model, draft)
+    except ValueError as e:
+        raise click.UsageError(f"--draft {draft}: {e}") from None
+
+
 def _sampling_options(f):
     options = [
         click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
@@ -272,6 +296,10 @@ def _stats_line(last, max_tokens=None, context=None) -> str:
     if last.finish_reason == "length" and max_tokens is not None and last.generation_tokens < max_tokens:
         line += (f" | stopped: context limit of {context} tokens reached (max_position_embeddings in "
                  "config.json)" if context else " | stopped: context limit reached")
+    if getattr(last, "draft_stats", None):
+        from .speculative import acceptance_summary
+
+        line += f" | {acceptance_summary(last.draft_stats)}"
     if getattr(last, "expert_stats", None) is not None:
         from .experts import format_stats
 
@@ -372,7 +400,9 @@ def _stream_reply(model, tokenizer, prompt_ids, opts, cache=None):
 @_sampling_options
 @click.option("-p", "--prompt", required=True, help="The prompt ('-' reads it from stdin).")
 @click.option("--no-chat-template", is_flag=True, help="Feed the prompt as is, without the chat template.")
-def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template):
+@_draft_options
+def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, seed, system, no_chat_template, draft,
+             num_draft):
     """Generate text for one prompt; the stats line goes to stderr.
 
     The prompt goes through the model's chat template (as a user message, after --system)
@@ -394,7 +424,9 @@ def generate(model_path, prompt, max_tokens, temperature, top_p, top_k, min_p, s
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = _encode_chat(tokenizer, opened, messages)
     model = _build_for_cli(opened)
-    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    _check_draft(model, draft)
+    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                draft=draft, num_draft=num_draft)
     _, _, last = _stream_reply(model, tokenizer, ids, opts)
     click.echo(_stats_line(last, max_tokens, model.max_length), err=True)
 
@@ -413,7 +445,8 @@ PLAIN_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}\
 
 @main.command()
 @_sampling_options
-def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system):
+@_draft_options
+def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system, draft, num_draft):
     """Multi-turn chat that keeps the latent cache between turns. /reset clears it, /exit quits.
 
     A model without a chat template gets the conversation as plain text, one message a line."""
@@ -429,7 +462,9 @@ def chat(model_path, max_tokens, temperature, top_p, top_k, min_p, seed, system)
     probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello"}]
     _encode_chat(tokenizer, opened, probe)
     model = _build_for_cli(opened)
-    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    _check_draft(model, draft)
+    opts = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                draft=draft, num_draft=num_draft)
     session = _ChatSession(model, tokenizer, system)
     from .container import ContainerError
     # A strict decoder would fail on a bad byte and drop the rest of its buffer (the next lines):
@@ -560,8 +595,9 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--top-p", default=1.0, show_default=True, type=_Finite(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
 @click.option("--min-p", default=0.0, show_default=True, type=_Finite(0, 1))
+@_draft_options
 @_with_streaming_options
-def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p):
+def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
     from .serve import SamplingDefaults, model_id_for, serve as run_server
 
@@ -570,8 +606,9 @@ def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p):
     if tokenizer.chat_template:  # /v1/chat/completions would fail on every request: say so now
         tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
     model = _build_for_cli(opened)
+    _check_draft(model, draft)
     defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p)
+                                min_p=min_p, draft=draft, num_draft=num_draft)
     try:
         run_server(model, tokenizer, host, port, model_id_for(model_path), defaults)
     except OSError as e:  # address in use, host not found

@@ -21,6 +21,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
+DRAFT_STATS = ("draft_steps", "draft_proposed", "draft_accepted")
 SEED_MODULUS = 1 << 64  # mx.random.key takes 64 bits; larger and negative seeds are reduced mod 2**64
 
 import mlx.core as mx
@@ -63,6 +64,7 @@ class GenerationResponse:
     peak_memory_gb: float
     finish_reason: Optional[str] = None  # "stop" (end-of-sequence token), "length", or None
     expert_stats: Optional[dict] = None  # streamed experts only: ExpertStore.report() (docs/streaming.md)
+    draft_stats: Optional[dict] = None  # speculation only: draft_steps, draft_proposed, draft_accepted
 
 
 def _number(name: str, value) -> float:
@@ -168,7 +170,8 @@ def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
                     seed: Optional[int] = None, cache=None, stop_ids: Sequence[int] = (),
-                    pipelined: Optional[bool] = None) -> Iterator[tuple[int, dict]]:
+                    pipelined: Optional[bool] = None, draft: Optional[str] = None,
+                    num_draft: int = 3) -> Iterator[tuple[int, dict]]:
     """Yield ``(token, stats)`` per generated token; ``stats`` has prompt/generation timing.
 
     ``cache`` continues a conversation: ``prompt_ids`` are the new tokens only. Generation ends
@@ -179,6 +182,11 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     step n+1's graph and queues it while step n still runs on the device, as mlx-lm does, so
     Python graph building overlaps the GPU. The tokens are the same either way; a step fed with a
     stop token is taken back out of the cache.
+
+    ``draft`` ("mtp", "ngram", "none"; default :func:`speculative.resolve_draft`) and
+    ``num_draft`` (tokens drafted per step) turn on speculative decoding (docs/speculative.md):
+    the same tokens when greedy, the same distribution when sampling; ``stats`` then has
+    ``draft_steps``, ``draft_proposed`` and ``draft_accepted``.
     """
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
@@ -197,6 +205,13 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     pipelined = not penalty if pipelined is None else pipelined
     if pipelined and penalty:
         raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
+    from .speculative import check_num_draft, resolve_draft, speculative_tokens
+
+    draft = resolve_draft(model, draft, seeded_sampling=params.temperature > 0 and seed is not None)
+    if draft != "none":
+        yield from speculative_tokens(model, prompt_ids, max_tokens, params, seed, cache, stop_ids, draft,
+                                      check_num_draft(num_draft))
+        return
     sampler = make_sampler(params, seed)
     stop = set(int(s) for s in stop_ids)
     seen = list(prompt_ids)
@@ -264,7 +279,7 @@ def _stop_ids(model, tokenizer) -> set[int]:
 def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     repetition_penalty: float = 1.0, seed: Optional[int] = None,
-                    cache=None) -> Iterator[GenerationResponse]:
+                    cache=None, draft: Optional[str] = None, num_draft: int = 3) -> Iterator[GenerationResponse]:
     """Generate text for ``prompt``, one :class:`GenerationResponse` per token as it is made.
 
     Join the ``text`` of the responses for the reply; the last response has ``finish_reason``
@@ -276,7 +291,7 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
     detok = tokenizer.detokenizer()
     store = getattr(model, "expert_store", None)
     for token, s in generate_tokens(model, _prompt_ids(tokenizer, prompt), max_tokens, params, seed, cache,
-                                    _stop_ids(model, tokenizer)):
+                                    _stop_ids(model, tokenizer), draft=draft, num_draft=num_draft):
         finished = s["finish_reason"] is not None
         if s["finish_reason"] == "stop":
             text = detok.flush()
@@ -290,14 +305,15 @@ def stream_generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tok
             generation_tokens=s["generation_tokens"],
             generation_tps=s["generation_tokens"] / max(s["generation_time"], 1e-9),
             peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=s["finish_reason"],
-            expert_stats=store.report() if store is not None else None)
+            expert_stats=store.report() if store is not None else None,
+            draft_stats={k: s[k] for k in DRAFT_STATS} if "draft_steps" in s else None)
         if finished and store is not None:
             store.save_usage()  # upstream rewrites .coli_usage after every turn
 
 
 def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: int = 256, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             seed: Optional[int] = None, cache=None) -> str:
+             seed: Optional[int] = None, cache=None, draft: Optional[str] = None, num_draft: int = 3) -> str:
     """Generate text for ``prompt`` and return it (the end-of-sequence token not included).
 
     ``colibri_mlx.generate(model, tokenizer, "Hello")`` continues the text "Hello"; it does not
@@ -305,7 +321,7 @@ def generate(model, tokenizer, prompt: Union[str, Sequence[int]], max_tokens: in
     statistics).
     """
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens, temperature, top_p, top_k,
-                                                   min_p, repetition_penalty, seed, cache))
+                                                   min_p, repetition_penalty, seed, cache, draft, num_draft))
 
 
 if stream_generate.__doc__ and generate.__doc__:  # python -OO drops docstrings

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 
 from .generate import SamplingParams
+from .speculative import DRAFT_KINDS
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -37,13 +38,16 @@ class SamplingDefaults(SamplingParams):
     """Server-wide defaults (the command line); each request may override them."""
 
     max_tokens: int = 256
+    draft: Optional[str] = None   # speculative decoding (docs/speculative.md); None: the model's default
+    num_draft: int = 3
 
 
 @dataclass
 class CompletionRequest:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict  # stream_generate keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed
+    sampling: dict  # stream_generate keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed,
+    #                 draft, num_draft
     stop: list[str] = field(default_factory=list)
     stream: bool = False
 
@@ -91,6 +95,9 @@ def parse_sampling(body: dict, defaults: SamplingDefaults) -> tuple[int, dict, l
         repetition_penalty=float(_field(body, "repetition_penalty", number, defaults.repetition_penalty,
                                         lambda v: v > 0, "a number > 0")),
         seed=_field(body, "seed", (int,), None, lambda v: v >= 0, "an integer >= 0"),
+        draft=_field(body, "draft", (str,), defaults.draft, lambda v: v in DRAFT_KINDS,
+                     "one of " + ", ".join(map(repr, DRAFT_KINDS))),
+        num_draft=_field(body, "num_draft", (int,), defaults.num_draft, lambda v: 1 <= v <= 7, "an integer in 1..7"),
     )
     stream = _field(body, "stream", (bool,), False)
     return max_tokens, sampling, _stop_strings(body), stream
@@ -413,8 +420,15 @@ class RequestHandler(BaseHTTPRequestHandler):
         r = outcome.last
         if r is not None and self.server.log is not None:
             print(f"  prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | generation: "
-                  f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {outcome.finish_reason}",
-                  file=self.server.log, flush=True)
+                  f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {outcome.finish_reason}"
+                  + _draft_note(r), file=self.server.log, flush=True)
+
+
+def _draft_note(r) -> str:
+    from .speculative import acceptance_summary
+
+    summary = acceptance_summary(r.draft_stats or {})
+    return f" | {summary}" if summary else ""
 
 
 def model_id_for(path: Optional[str]) -> str:

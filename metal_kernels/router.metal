@@ -50,9 +50,10 @@ inline float router_group_score(const threadgroup float* c, int g, int gsz) {
 }
 
 // Selected slot k's weight: its unbiased score, divided by the K selected scores' sum (in
-// selection order, + 1e-20) when norm, times scale.
-inline float router_slot_weight(const device float* scores, const threadgroup int* sel, int K, int k, int norm,
-                                float scale) {
+// selection order, + 1e-20) when norm, times scale. A template over the scores' pointer: MLX
+// binds an input of fewer than 8 elements (one row of < 8 experts) in the constant address space.
+template <typename ScoresPtr>
+inline float router_slot_weight(ScoresPtr scores, const threadgroup int* sel, int K, int k, int norm, float scale) {
   float sum = 0.0f;
   for (int j = 0; j < K; ++j) {
     sum += scores[sel[j]];

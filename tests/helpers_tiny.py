@@ -38,8 +38,12 @@ def tensor_shapes(config: dict) -> dict[str, tuple]:
     shapes = dict(expected_shapes(config))
     D, n = config["hidden_size"], config["num_hidden_layers"]
     dsa = config["model_type"] in ("deepseek_v32", "glm_moe_dsa")
-    for i in range(n):
+    mtp = config.get("num_nextn_predict_layers") or 0
+    for i in range(n + mtp):
         p = f"model.layers.{i}."
+        if i >= n:  # an MTP layer: its norms besides the decoder layer's
+            for name in ("enorm", "hnorm", "shared_head.norm"):
+                shapes[p + name + ".weight"] = (D,)
         shapes[p + "input_layernorm.weight"] = (D,)
         shapes[p + "post_attention_layernorm.weight"] = (D,)
         shapes[p + "self_attn.q_a_layernorm.weight"] = (config["q_lora_rank"],)
@@ -61,16 +65,19 @@ def _format(name: str, shape: tuple):
     return (4, 16)
 
 
-def write_tiny_container(path, config: dict = CONFIG, seed: int = 0, indexer: bool = True) -> str:
+def write_tiny_container(path, config: dict = CONFIG, seed: int = 0, indexer: bool = True,
+                         mtp_shard: bool = False) -> str:
     """Write the container to ``path`` (created); returns it. ``indexer=False`` leaves a DSA
-    model's indexer weights out, as the converter's main pass does."""
+    model's indexer weights out, as the converter's main pass does; ``mtp_shard=True`` puts the
+    MTP layer's tensors in ``out-mtp-00000.safetensors``, as the converter's --mtp pass does."""
     from colibri_mlx.container import write_shard
     from colibri_mlx.formats import QTensor, encode
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed)
-    shards: list[dict] = [{}, {}]
+    shards: list[dict] = [{}, {}, {}]
+    mtp_prefix = f"model.layers.{config['num_hidden_layers']}."
     for name, shape in sorted(tensor_shapes(config).items()):
         if not indexer and ".indexer." in name:
             continue
@@ -84,9 +91,11 @@ def write_tiny_container(path, config: dict = CONFIG, seed: int = 0, indexer: bo
         if choice is not None:
             packed, scales = encode(choice[0], w, choice[1])
             w = QTensor(packed, scales, choice[0], shape[0], shape[1], choice[1], name)
-        shards[1 if ".mlp.experts." in name else 0][name] = w
-    for i, tensors in enumerate(shards):
+        shards[2 if mtp_shard and name.startswith(mtp_prefix) else 1 if ".mlp.experts." in name else 0][name] = w
+    for i, tensors in enumerate(shards[:2]):
         write_shard(os.path.join(path, f"out-{i:05d}.safetensors"), tensors)
+    if shards[2]:
+        write_shard(os.path.join(path, "out-mtp-00000.safetensors"), shards[2])
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -115,3 +115,19 @@ def test_mtp_head_drafts_the_main_models_next_next_token():
     head = eval_mtp.load_head(main, Path(DEMO_MODEL_DIR))
     result = eval_mtp.heldout_acceptance(head, main, np.load(HELDOUT)[:1025], 256)
     assert result["top1_acceptance"] > 0.3, result
+
+
+def test_demo_drafts_with_its_mtp_layer_by_default(demo):
+    """Greedy decoding of the demo speculates with its MTP layer (the default draft) and gives the
+    tokens of decoding without it; seeded sampling keeps to plain decoding."""
+    from colibri_mlx import speculative
+    from colibri_mlx.generate import SamplingParams, generate_tokens
+
+    model, tokenizer = demo
+    assert speculative.resolve_draft(model, None) == "mtp"
+    assert speculative.resolve_draft(model, None, seeded_sampling=True) == "none"
+    ids = tokenizer.encode("And the LORD said unto Moses,")
+    plain = list(generate_tokens(model, ids, 24, SamplingParams(), draft="none"))
+    default = list(generate_tokens(model, ids, 24, SamplingParams()))
+    assert [t for t, _ in default] == [t for t, _ in plain]
+    assert default[-1][1]["draft_steps"] > 0 and default[-1][1]["draft_accepted"] > 0, default[-1][1]

@@ -429,25 +429,27 @@ def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int], backend:
 
 def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, length: int,
                 backend: Optional[str] = None, joint: bool = False, variant: Optional[str] = None,
-                tile: Optional[int] = None) -> mx.array:
+                tile: Optional[int] = None, rows: int = 1, masked: bool = False) -> mx.array:
     """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
     (``latent`` its whole buffer, ``[B, capacity, R]``, or with ``joint`` the whole joint buffer
     ``[B, capacity, R + rope]``; positions ``0..length-1`` attended, no mask, no list): the
     launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them while
     ``length`` grows and only this array changes per step. Made on the host, once per distinct
     value (layers of one format share it). ``variant`` / ``tile``: for launches made with them
-    (:func:`launch_specs`; default: its defaults)."""
+    (:func:`launch_specs`; default: its defaults). ``rows`` query rows a sequence with
+    ``masked``: the launches read a mask ``[B, 1, rows, capacity]`` (a verify step of
+    speculative decoding: row i attends to the first ``length - rows + i + 1`` positions)."""
     backend = backend or dispatch.backend()
     if backend == dispatch.REFERENCE:
         backend = dispatch.METAL                  # the reference reads only P (index 6)
     B, T, R = latent.shape
     R -= rope if joint else 0
-    L = 1
+    L = rows
     variant = choose_variant(R, rope, variant, backend, q_dtype, latent.dtype)
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, None, variant))
     TT, NT = _tiles(T, variant, st.Hp // st.HT, tile, backend)
-    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, 0, 0, st.Hp, joint)
+    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, int(masked), 0, st.Hp, joint)
 
 
 def params_signature(kv_b) -> tuple:
@@ -497,8 +499,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     has_mask, has_sel = int(mask is not None), int(selected is not None)
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
-    elif has_mask or has_sel:
-        raise ValueError("mla_decode: step params are for an unmasked cache without a position list")
+    elif has_sel:
+        # A mask goes with params made masked (step_params' ``masked``): the kernels read it then.
+        raise ValueError("mla_decode: step params are for a cache without a position list")
     fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
     # row per head (padding heads zero), so no cast or pad launch runs per layer.

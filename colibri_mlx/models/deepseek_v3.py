@@ -330,6 +330,7 @@ class Attention:
         self._params_signature = None      # step_inputs: what this layer's params depend on
         self._compiled_rows = kernels.compiled.CompiledBlock(self._decode_rows, "attention_rows")
         self._compiled_step = kernels.compiled.CompiledBlock(self.step, "attention_step")
+        self._compiled_rows_step = kernels.compiled.CompiledBlock(self.rows_step, "attention_rows_step")
 
     def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
         """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
@@ -495,7 +496,7 @@ class Attention:
         ``slot`` the same as an int32 array) as one compiled graph (``compiled``: a caller's
         graph around :meth:`step`, default this block's) over the cache's fixed-capacity
         buffers: shapes change only when they grow; slot and attended length are inputs."""
-        step = compiled or self._compiled_step
+        step = compiled or (self._compiled_step if x.shape[1] == 1 else self._compiled_rows_step)
         y, layer_cache.buffers[CACHE_STREAM] = step(x, slot, *self.step_inputs(x, layer_cache, start))
         return y
 
@@ -504,16 +505,17 @@ class Attention:
         to hold it, and the attended length as kernels.mla.step_params.
         ``made``: the params arrays other layers made this step, by what they depend on (layers
         alike share one)."""
-        B, end = x.shape[0], start + 1
+        B, L = x.shape[:2]
+        end = start + L
         kv = layer_cache.reserve(CACHE_STREAM, B, self.kv_lora_rank + self.rope_dim, x.dtype, end)
         if self._params_signature is None:
             self._params_signature = (kernels.mla.params_signature(self.kv_b_proj), self.n_heads, self.nope,
                                       self.rope_dim, self.v_dim)
-        key = (self._params_signature, kv.shape, kv.dtype, x.dtype, end)
+        key = (self._params_signature, kv.shape, kv.dtype, x.dtype, end, L)
         params = made.get(key) if made is not None else None
         if params is None:
             params = kernels.mla.step_params(self.kv_b_proj, kv, self.n_heads, self.nope, self.rope_dim,
-                                             self.v_dim, x.dtype, end, joint=True)
+                                             self.v_dim, x.dtype, end, joint=True, rows=L, masked=L > 1)
             if made is not None:
                 made[key] = params
         return kv, params
@@ -533,6 +535,26 @@ class Attention:
         # shape itself, with no reshape nodes around the kernel.
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
         return self.output(attn, residual), kv
+
+    def rows_step(self, x, slot, kv, params, residual=None):
+        """:meth:`step` of ``L`` rows of one sequence ``x [1, L, D]`` at slots ``slot .. slot+L-1``
+        (a verify step of speculative decoding): the L cache rows written there, row i attending
+        to the first ``slot + i + 1`` positions (a causal mask over the buffer, made in the graph
+        from ``slot``: kernels.mla.step_params with ``masked``)."""
+        B, L, D = x.shape
+        q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)
+        q, _ = self.queries(q_x)
+        rows = self.rope.apply_fast(k_rope, slot)          # [B, L, rope] at slot + l
+        rows = mx.concatenate([rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS), rows], axis=-1)
+        positions = slot + mx.arange(L, dtype=mx.int32)
+        kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), rows.astype(kv.dtype), axis=1)
+        H = self.n_heads
+        q_nope = self._heads(q[..., : H * self.nope], B, L, self.nope)
+        q_rope = self.rope.apply_fast(self._heads(q[..., H * self.nope:], B, L, self.rope_dim), slot)
+        mask = (mx.arange(kv.shape[1], dtype=mx.int32)[None] <= positions[:, None])[None, None]
+        attn = self.attend(q_nope, q_rope, kv, mask, params)
+        out = self.output(attn, None if residual is None else residual.reshape(B * L, D))
+        return out.reshape(B, L, D), kv
 
     def cached(self, kv, layer_cache, start):
         """This step's cache rows (latent, rope key) written to the cache; the whole cache so far."""
@@ -740,8 +762,14 @@ class DecoderLayer:
         self._compiled_in = kernels.compiled.CompiledBlock(self._decode_in, "layer_in")
         self._compiled_out = kernels.compiled.CompiledBlock(self._decode_out, "layer_out")
         self._compiled_step = kernels.compiled.CompiledBlock(self._step, "layer_step")
+        self._compiled_rows_step = kernels.compiled.CompiledBlock(self._rows_step, "layer_rows_step")
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
+        if rope_offset is not None and x.shape[1] > 1:
+            reason = self.rows_reason(x, layer_cache, shared_selection)
+            if reason is None:
+                return self.self_attn.decode_step(x, layer_cache, start, rope_offset, self._compiled_rows_step), None
+            kernels.dispatch.record_call("compiled/layer_rows_step", f"declined: {reason}")
         if rope_offset is not None and x.shape[1] == 1 and self.self_attn.indexer is None and shared_selection is None:
             return self.decode(x, mask, layer_cache, start, rope_offset), None
         h, selection = self.self_attn(rms_norm(x, self.input_norm, self.eps), cos, sin, mask, layer_cache, start,
@@ -765,6 +793,19 @@ class DecoderLayer:
         attn = self.self_attn.attend(q_nope, q_rope, kv, mask, q_offset=rope_offset, q_proj=q_proj)
         return self._compiled_out(x, attn, static=reason)
 
+    def rows_reason(self, x, layer_cache, shared_selection):
+        """Why the rows of one sequence (:meth:`Model._positions_and_mask` gives them a
+        ``rope_offset``) do not run as one compiled graph (:meth:`Attention.rows_step`), or None."""
+        if layer_cache is None:
+            return "no cache"
+        if self.self_attn.indexer is not None or shared_selection is not None:
+            return "DSA selection"
+        return self.mlp.host_reason(x)
+
+    def _rows_step(self, x, slot, kv, params):
+        x, kv = self.self_attn.rows_step(stream_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
+        return self._feed_forward(x), kv
+
     def _step(self, x, slot, kv, params):
         x, kv = self.self_attn.step(stream_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
         return self._feed_forward(x), kv
@@ -781,8 +822,8 @@ class DecoderLayer:
 
 
 class MTPLayer:
-    """Multi-token-prediction head (layer index ≥ num_hidden_layers): loaded and kept for
-    speculative decoding; the forward pass does not use it yet."""
+    """Multi-token-prediction head (layer index ≥ num_hidden_layers): the draft model of
+    speculative decoding (its forward pass: models/mtp.py)."""
 
     def __init__(self, args: ModelArgs, w: WeightTable, layer_idx: int):
         p = f"model.layers.{layer_idx}."
@@ -843,6 +884,11 @@ class Model:
         return LatentCache(len(self.layers), self.max_length)
 
     def __call__(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
+        x = self.hidden_states(tokens, cache, left_padding)
+        return self._compiled_head(x) if x.shape[1] == 1 else self.head(x)
+
+    def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
+        """The last decoder layer's output ``[B, L, D]`` (before the final norm); advances ``cache``."""
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -868,7 +914,7 @@ class Model:
                 # The GPU starts on this layer while the next one is built (commits_layers).
                 mx.async_eval(x, *layer_cache.buffers.values())
         cache.advance(L)
-        return self._compiled_head(x) if L == 1 else self.head(x)
+        return x
 
     def head(self, x):
         """float32 logits: the GEMV writes them as float32 (no rounding to bf16, no cast launch)."""
@@ -879,6 +925,13 @@ class Model:
             # One decode row of one sequence (DecoderLayer.decode): its position is its slot;
             # no mask, and no cos/sin (mx.fast.rope takes the offset).
             return None, None, None, mx.array(start, dtype=mx.int32)
+        if 1 < L <= DECODE_ROWS and start > 0 and not padded and left_padding.shape[0] == 1 \
+                and not self.args.dsa and kernels.compiled.enabled(kernels.backend()):
+            # A few rows of one sequence after its prompt (a verify step): compiled per layer at
+            # this slot (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
+            rows_offset = mx.array(start, dtype=mx.int32)
+        else:
+            rows_offset = None
         slots = mx.arange(start, start + L)
         pad = left_padding[:, None]
         positions = mx.maximum(slots[None, :] - pad, 0)  # [B, L]
@@ -890,7 +943,7 @@ class Model:
             mask = ((keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None]))[:, None]
         # One decode row of one sequence: attention rotates with mx.fast.rope at this position
         # (a scalar offset: every MLX backend takes it; batches keep cos/sin).
-        rope_offset = positions.reshape(()) if positions.size == 1 else None
+        rope_offset = positions.reshape(()) if positions.size == 1 else rows_offset
         return cos, sin, mask, rope_offset  # mask [B, 1, L, T] or None
 
 

@@ -1,0 +1,272 @@
+"""Lossless speculative decoding: draft k tokens cheaply, verify them in one step of the model.
+
+A draft proposes ``d_1 .. d_k`` after the pending token ``t``; the model runs ``[t, d_1 .. d_k]``
+as k + 1 rows of one step (the multi-row decode paths of qgemv, moe_block and mla_decode), which
+gives its next-token distribution after each prefix. The longest prefix of drafts the model
+agrees with is kept, plus one token of the model's own; the caches are rolled back to the kept
+tokens (every cache writes rows at its offset and reads up to it, so setting the offset back is
+an exact rollback: the latent KV, the DSA indexer keys and the MTP layer's cache alike).
+
+* Greedy (``temperature == 0``): a draft is kept when it is the model's argmax, so the output is
+  the output without speculation, token for token.
+* Sampling: the speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023): with ``p``
+  the model's and ``q`` the draft's distribution, both after the sampler's repetition penalty,
+  temperature, top-k, top-p and min-p (:func:`generate.filter_logits`), a draft ``d`` is kept
+  with probability ``min(1, p(d) / q(d))``; on rejection the token is drawn from
+  ``max(0, p - q)`` renormalized; after k kept drafts one more is drawn from ``p``. Every token
+  is then distributed exactly as without speculation; the random stream differs, so a seeded
+  run gives other (equally distributed) text than a seeded run without speculation.
+
+Drafts:
+
+* ``mtp``: the model's multi-token-prediction layer (models/mtp.py), applied recurrently.
+* ``ngram``: prompt lookup: the tokens that followed the latest earlier occurrence of the
+  context's last n tokens (n = 3, 2, 1), for models without an MTP layer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import kernels
+
+DRAFT_KINDS = ("mtp", "ngram", "none")
+DEFAULT_NUM_DRAFT = 3
+NGRAM_MAX = 3
+
+
+def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) -> str:
+    """``draft`` checked against the model. None (the default) is "mtp" when the model has an
+    MTP layer, else "none"; and "none" for seeded sampling, whose text then stays the same
+    whether the model has an MTP layer or not (speculation draws other random numbers)."""
+    has_mtp = bool(getattr(model, "mtp_layers", None))
+    if draft is None:
+        return "mtp" if has_mtp and not seeded_sampling else "none"
+    if draft not in DRAFT_KINDS:
+        raise ValueError(f"draft must be one of {DRAFT_KINDS}, got {draft!r}")
+    if draft == "mtp" and not has_mtp:
+        raise ValueError("draft='mtp' needs the model's multi-token-prediction layer (model.layers."
+                         f"{model.args.num_hidden_layers}.*: out-mtp-* shards of a container, see "
+                         "`colibri convert --mtp`); this model has none: use draft='ngram' or 'none'")
+    return draft
+
+
+def check_num_draft(num_draft) -> int:
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= 7:
+        raise ValueError(f"num_draft must be an integer in 1..7 (rows of a verify step: 1 + num_draft <= 8), "
+                         f"got {num_draft!r}")
+    return num_draft
+
+
+# ----------------------------------------------------------------------------- drafts
+
+
+def ngram_drafts(history: Sequence[int], k: int, max_n: int = NGRAM_MAX) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens."""
+    seq = list(history)
+    for n in range(min(max_n, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i:i + n] == tail:
+                return seq[i + n:i + n + k]
+    return []
+
+
+class MTPDraft:
+    """The MTP layer's state: its cache (one row per position the main model has seen) and its
+    prediction for the token after the pending one."""
+
+    def __init__(self, model, cache):
+        from .models.mtp import mtp_head
+
+        self.head = mtp_head(model)
+        self.cache = getattr(cache, "mtp_cache", None)
+        if self.cache is None:
+            self.cache = cache.mtp_cache = self.head.make_cache()
+        if self.cache.offset != cache.offset:
+            # A cache extended without the MTP layer: the rows it lacks stay zero, which only
+            # lowers the acceptance rate (drafts are verified).
+            if self.cache.left_padding is None:
+                self.cache.set_left_padding(None, 1)
+            self.cache.offset = cache.offset
+        self.logits = self.x = None
+
+    def observe(self, hidden: mx.array, next_tokens: Sequence[int]) -> None:
+        """The main model's normed hidden states of the rows it kept, and the tokens after them."""
+        self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)]), self.cache)
+
+    def propose(self, k: int, choose) -> tuple[list, list]:
+        """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
+        scalar arrays), their q's."""
+        start = self.cache.offset
+        drafts, qs = [], []
+        logits, x = self.logits[0, -1], self.x[:, -1:]
+        for j in range(k):
+            token, q = choose(logits, drafts)
+            drafts.append(token)
+            qs.append(q)
+            if j + 1 < k:
+                step_logits, x = self.head(x, mx.array(token).reshape(1, 1), self.cache)
+                logits = step_logits[0, -1]
+        self.cache.offset = start   # the drafts' rows are rewritten by the next observe
+        return drafts, qs
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+@dataclass
+class DraftStats:
+    steps: int = 0       # verify steps
+    proposed: int = 0    # draft tokens proposed
+    accepted: int = 0    # draft tokens kept
+
+    def as_dict(self) -> dict:
+        return {"draft_steps": self.steps, "draft_proposed": self.proposed, "draft_accepted": self.accepted}
+
+
+class Acceptor:
+    """Chooses drafts and accepts them: greedy, or the speculative-sampling rule."""
+
+    def __init__(self, params, seed: Optional[int], seen: list[int]):
+        from .generate import reduce_seed
+
+        self.params, self.seen = params, seen
+        self.greedy = params.temperature == 0
+        seed = reduce_seed(seed)
+        self.rng = np.random.default_rng(seed if seed is not None else time.time_ns())
+
+    def probs(self, logits: mx.array, extra: Sequence[int]) -> np.ndarray:
+        """The sampler's distribution (float64) of ``logits [V]`` after ``seen + extra``."""
+        from .generate import apply_repetition_penalty, filter_logits
+
+        logits = apply_repetition_penalty(logits, self.seen + list(extra), self.params.repetition_penalty)
+        z = np.array(filter_logits(logits, self.params).astype(mx.float32), dtype=np.float64)
+        z = np.exp(z - z.max())
+        return z / z.sum()
+
+    def sample(self, p: np.ndarray) -> int:
+        return int(self.rng.choice(p.size, p=p))
+
+    def choose(self, logits: mx.array, drafts: Sequence) -> tuple:
+        """A draft token from draft logits and its q. Greedy: a lazy token (an ``mx.array``,
+        read with the verify step's logits: no device round trip per draft) and q None."""
+        if self.greedy:
+            return mx.argmax(logits), None
+        q = self.probs(logits, drafts)
+        return self.sample(q), q
+
+    def accept(self, logits: mx.array, drafts: Sequence[int], qs: Sequence) -> list[int]:
+        """Kept drafts plus the model's own token, from the verify logits ``[k + 1, V]``.
+        ``qs[j]`` None means a deterministic draft (one-hot q)."""
+        if self.greedy:
+            targets = np.array(mx.argmax(logits, axis=-1)).tolist()
+            m = 0
+            while m < len(drafts) and drafts[m] == targets[m]:
+                m += 1
+            return list(drafts[:m]) + [targets[m]]
+        out: list[int] = []
+        for j, d in enumerate(drafts):
+            p = self.probs(logits[j], out)
+            q = qs[j]
+            qd = 1.0 if q is None else q[d]
+            if self.rng.random() < min(1.0, p[d] / qd):
+                out.append(d)
+                continue
+            if q is None:
+                residual = p.copy()
+                residual[d] = 0.0
+            else:
+                residual = np.maximum(p - q, 0.0)
+            total = residual.sum()
+            out.append(self.sample(residual / total) if total > 0 else self.sample(p))
+            return out
+        out.append(self.sample(self.probs(logits[len(drafts)], out)))
+        return out
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, seed, cache, stop_ids,
+                       draft: str, num_draft: int) -> Iterator[tuple[int, dict]]:
+    """:func:`generate.generate_tokens` with speculation (same tokens when greedy, same
+    distribution when sampling; same stats plus ``draft_*`` counts and the cache left holding
+    the prompt and every generated token but the last)."""
+    from .models.deepseek_v3 import rms_norm
+
+    limit = model.max_length
+    stop = set(int(s) for s in stop_ids)
+    seen = list(prompt_ids)
+    acceptor = Acceptor(params, seed, seen)
+    counts = DraftStats()
+    eps = model.args.rms_norm_eps
+
+    def verify(rows, last_only=False):
+        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows]), cache)
+        h = rms_norm(x, model.norm, eps)
+        return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
+
+    mtp = MTPDraft(model, cache) if draft == "mtp" else None
+    t0 = time.perf_counter()
+    h, logits = verify(prompt_ids, last_only=True)
+    out = acceptor.accept(logits, [], [])
+    if mtp is not None:
+        mtp.observe(h, prompt_ids[1:] + out)
+    stats = {"prompt_tokens": len(prompt_ids), "prompt_time": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    n = 0
+    base = cache.offset   # the position of out[0]; out[-1] is the one token not fed
+    while True:
+        for i, token in enumerate(out):
+            n += 1
+            seen.append(token)
+            continues = n < max_tokens and base + i < limit
+            reason = "stop" if token in stop else (None if continues else "length")
+            stats.update(generation_tokens=n, generation_time=time.perf_counter() - t1, finish_reason=reason,
+                         **counts.as_dict())
+            yield token, dict(stats)
+            if reason is not None:
+                cache.offset = base + i   # the tokens before this one
+                if mtp is not None:
+                    mtp.cache.offset = min(mtp.cache.offset, cache.offset)
+                return
+        P = cache.offset   # out[-1]'s position
+        room = min(max_tokens - n, limit - P)   # rows this step may feed (>= 1)
+        k = min(num_draft, room - 1)
+        if draft == "mtp" and k > 0:
+            drafts, qs = mtp.propose(k, acceptor.choose)
+        elif draft == "ngram" and k > 0:
+            drafts = ngram_drafts(seen, k)
+            qs = [None] * len(drafts)
+        else:
+            drafts, qs = [], []
+        if drafts and isinstance(drafts[0], mx.array):    # lazy greedy drafts: read with the logits
+            lazy = mx.stack([d.astype(mx.int32) for d in drafts])
+            h, logits = verify(mx.concatenate([mx.array([out[-1]], dtype=mx.int32), lazy])[None])
+            mx.eval(logits, lazy)
+            drafts = np.array(lazy).tolist()
+        else:
+            h, logits = verify([out[-1]] + drafts)
+        out = acceptor.accept(logits, drafts, qs)
+        counts.steps += 1
+        counts.proposed += len(drafts)
+        counts.accepted += len(out) - 1
+        cache.offset = P + len(out)     # out[-1] and the kept drafts; rejected rows are rolled back
+        base = P + 1
+        if mtp is not None:
+            mtp.observe(h[:, :len(out)], out)
+
+
+def acceptance_summary(stats: dict) -> str:
+    """``draft: 71% accepted, 3.1 tokens/step`` from a stats dict (empty without verify steps)."""
+    steps = stats.get("draft_steps", 0)
+    if not steps:
+        return ""
+    rate = stats["draft_accepted"] / max(stats["draft_proposed"], 1)
+    return f"draft: {100 * rate:.0f}% accepted, {(stats['draft_accepted'] + steps) / steps:.2f} tokens/step"

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Speculative decoding: what a verify step costs, and what drafting gains end to end.
+
+    PYTHONPATH=$PWD python3 scripts/bench/bench_speculative.py [--out spec.json] [--tiny] [--parts verify]
+
+``COLIBRI_COMPILE`` (kernels/compiled.py) picks compiled decode blocks: ``auto`` on GPUs, ``1``
+also on the CPU (every layer whose routing stays off the host: dense layers there), ``0`` never.
+
+1. verify step: on the 4-layer DeepSeek-V3-shaped model of bench_e2e.py (random weights, fmt 4
+   g64, kernels on), the median time of one forward step of 1 + K rows (K = 3: what a verify
+   step of 3 drafts feeds) against a 1-row decode step, both after a 16-token prompt, each
+   step evaluated and synchronized and its rows rolled back (the context stays 16 + rows).
+2. decode tok/s of a model (the bundled demo model unless --model): greedy generation of
+   --gen-tokens tokens with --draft none, mtp (when the model has an MTP layer) and ngram,
+   warm-up run first, generation tok/s from generate_tokens' own timing; acceptance rate and
+   tokens per verify step for the drafts. The prompts: an opening text (mtp and none), and a
+   summarisation-style prompt (a passage, then a request to repeat its gist) for ngram.
+3. greedy identity: every run of 2. gives the same tokens as --draft none (kernels on). A
+   mismatch is printed and the script exits 1.
+
+Prints a summary; --out writes every number as JSON. On the CPU the ratios are what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from colibri_mlx import kernels  # noqa: E402
+
+OPENING = "In the beginning God created the heaven and the earth."
+PASSAGE = ("And it came to pass, when men began to multiply on the face of the earth, and daughters were born "
+           "unto them, that the sons of God saw the daughters of men that they were fair; and they took them "
+           "wives of all which they chose. And the LORD said, My spirit shall not always strive with man, for "
+           "that he also is flesh: yet his days shall be an hundred and twenty years.")
+SUMMARY_PROMPT = f"{PASSAGE}\n\nTell it again in short: {PASSAGE[:60]}"
+
+
+def step_time(model, cache, rows: mx.array, steps: int) -> float:
+    """Median seconds of a forward step of ``rows`` at a fixed context (rolled back each time)."""
+    start = cache.offset
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(rows, cache)
+        mx.eval(logits)
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+        cache.offset = start
+    return statistics.median(times[2:] if len(times) > 4 else times)
+
+
+def bench_verify(args, res):
+    import bench_e2e as E
+
+    cfg = E.model_config(argparse.Namespace(layers=args.layers, experts=args.experts, vocab=args.vocab,
+                                            tiny=args.tiny))
+    model = E.our_model(cfg)
+    rng = np.random.default_rng(0)
+    prompt = mx.array(rng.integers(0, cfg["vocab_size"], (1, 16)).astype(np.int32))
+    cache = model.make_cache()
+    mx.eval(model(prompt, cache))
+    one = mx.array([[5]])
+    many = mx.array([[5] + list(range(6, 6 + args.num_draft))])
+    step_time(model, cache, one, 4)            # warm-up: traces, kernel compiles
+    step_time(model, cache, many, 4)
+    t1 = step_time(model, cache, one, args.steps)
+    tk = step_time(model, cache, many, args.steps)
+    res["verify"] = {"layers": args.layers, "rows": 1 + args.num_draft, "one_row_ms": t1 * 1e3,
+                     "verify_ms": tk * 1e3, "ratio": tk / t1, "counters": kernels.counters()}
+    print(f"verify step of 1+{args.num_draft} rows: {tk * 1e3:.2f} ms, 1-row step {t1 * 1e3:.2f} ms: "
+          f"{tk / t1:.2f}x (target <= 1.3x on GPU)", flush=True)
+    del model, cache
+    kernels.moe.clear_banks()
+    mx.clear_cache()
+
+
+def generation(model, ids, n, draft, num_draft):
+    from colibri_mlx.generate import generate_tokens
+
+    tokens, stats = [], {}
+    for t, stats in generate_tokens(model, ids, n, draft=draft, num_draft=num_draft):
+        tokens.append(t)
+    return tokens, stats
+
+
+def bench_decode(args, res):
+    import colibri_mlx
+    from colibri_mlx.models import DEMO_MODEL_DIR
+
+    path = args.model or DEMO_MODEL_DIR
+    model, tokenizer = colibri_mlx.load(path)
+    has_mtp = bool(model.mtp_layers)
+    runs = [("opening", OPENING, "none"), ("opening", OPENING, "mtp"), ("opening", OPENING, "ngram"),
+            ("summary", SUMMARY_PROMPT, "none"), ("summary", SUMMARY_PROMPT, "ngram"),
+            ("summary", SUMMARY_PROMPT, "mtp")]
+    out, mismatches, reference = {}, [], {}
+    for prompt_name, text, draft in runs:
+        if draft == "mtp" and not has_mtp:
+            out[f"{prompt_name}/{draft}"] = {"skipped": f"{path} has no MTP layer"}
+            continue
+        ids = tokenizer.encode(text)
+        n = min(args.gen_tokens, model.max_length - len(ids))
+        generation(model, ids, min(n, 16), draft, args.num_draft)        # warm-up
+        tokens, stats = generation(model, ids, n, draft, args.num_draft)
+        tps = stats["generation_tokens"] / max(stats["generation_time"], 1e-9)
+        row = {"tokens": len(tokens), "tok_s": tps}
+        if draft != "none":
+            steps = max(stats["draft_steps"], 1)
+            row.update(acceptance=stats["draft_accepted"] / max(stats["draft_proposed"], 1),
+                       tokens_per_step=(stats["draft_accepted"] + stats["draft_steps"]) / steps)
+            same = tokens == reference[prompt_name]
+            row["identical_to_none"] = same
+            if not same:
+                first = next(i for i, (a, b) in enumerate(zip(tokens, reference[prompt_name])) if a != b) \
+                    if any(a != b for a, b in zip(tokens, reference[prompt_name])) else min(len(tokens), len(reference[prompt_name]))
+                mismatches.append(f"{prompt_name}/{draft}: first differs at token {first}")
+        else:
+            reference[prompt_name] = tokens
+        out[f"{prompt_name}/{draft}"] = row
+    for prompt_name in ("opening", "summary"):
+        base = out[f"{prompt_name}/none"]["tok_s"]
+        for draft in ("mtp", "ngram"):
+            row = out[f"{prompt_name}/{draft}"]
+            if "tok_s" in row:
+                row["speedup"] = row["tok_s"] / base
+    res["decode"] = {"model": path, "num_draft": args.num_draft, "runs": out}
+    res["greedy_identity"] = {"ok": not mismatches, "mismatches": mismatches}
+    print(f"decode, {path} (greedy, {args.gen_tokens} tokens, num_draft {args.num_draft}):")
+    for key, row in out.items():
+        if "skipped" in row:
+            print(f"  {key:16s} skipped: {row['skipped']}")
+            continue
+        extra = (f"  {row['speedup']:.2f}x none, {100 * row['acceptance']:.0f}% accepted, "
+                 f"{row['tokens_per_step']:.2f} tokens/step, identical: {row['identical_to_none']}"
+                 if "speedup" in row else "")
+        print(f"  {key:16s} {row['tok_s']:8.1f} tok/s{extra}")
+    print("greedy identity with drafts:", "ok" if not mismatches else "; ".join(mismatches), flush=True)
+    return not mismatches
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes for the verify-step model (a CPU run)")
+    ap.add_argument("--steps", type=int, default=24, help="timed steps per verify-step row")
+    ap.add_argument("--num-draft", type=int, default=3)
+    ap.add_argument("--model", default=None, help="model for the decode runs (default: the bundled demo)")
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--parts", default="verify,decode", help="which of verify, decode to run (comma-separated)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"verify", "decode"}:
+        ap.error(f"--parts: expected verify and/or decode, got {args.parts!r}")
+    res = {"backend": kernels.backend(), "compile": kernels.compiled.policy()}
+    if "verify" in parts:
+        bench_verify(args, res)
+    ok = bench_decode(args, res) if "decode" in parts else True
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
