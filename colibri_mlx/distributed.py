@@ -263,6 +263,13 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
     dtype = resolve_dtype(dtype)
     opened = open_model_dir(path)
     container, args = opened.container, ModelArgs.from_config(opened.config)
+    from .models.mlx_lm_checkpoint import is_mlx_lm_checkpoint
+
+    if is_mlx_lm_checkpoint(opened.config, container.names()):
+        # The rank planners and restricted loading read per-expert tensor names; mlx-lm stacks
+        # the experts of a layer in one switch_mlp tensor.
+        raise DistributedError(f"{container.path}: an mlx-lm checkpoint; --parallel runs colibri containers and "
+                               f"Hugging Face checkpoints (convert it, or run it in one process)")
     usage_file = usage_path or os.path.join(container.path, ".coli_usage")
     usage = read_usage(usage_file) if os.path.exists(usage_file) and mode == "expert" else None
     load, held = plan_rank(container, args, group.rank(), group.size(), mode, usage)
