@@ -49,6 +49,12 @@ def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) ->
         return "mtp" if has_mtp and not seeded_sampling else "none"
     if draft not in DRAFT_KINDS:
         raise ValueError(f"draft must be one of {DRAFT_KINDS}, got {draft!r}")
+    from .distributed import DistributedModel
+
+    if isinstance(model, DistributedModel) and draft != "none":
+        # The other ranks mirror rank 0's forward steps; a rejected draft rewinds rank 0's cache
+        # outside them.
+        raise ValueError("speculative decoding runs in one process, not under mlx.launch: use draft='none'")
     if draft == "mtp" and not has_mtp:
         raise ValueError("draft='mtp' needs the model's multi-token-prediction layer (model.layers."
                          f"{model.args.num_hidden_layers}.*: out-mtp-* shards of a container, see "

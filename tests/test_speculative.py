@@ -522,3 +522,17 @@ def test_server_request_draft(tmp_path):
     assert texts[("plain", "ngram")] == texts[("plain", "none")]
     status, body = replies["plain", "mtp"]
     assert status == 400 and "multi-token-prediction" in body["error"]["message"], body
+
+
+def test_drafts_refused_under_several_ranks():
+    """Rank 0 rewinds its cache on a rejected draft, outside the steps the other ranks mirror."""
+    from colibri_mlx.distributed import DistributedModel
+    from colibri_mlx.speculative import resolve_draft
+
+    from types import SimpleNamespace
+
+    model = DistributedModel(SimpleNamespace(mtp_layers=[]), comm=None, load=None)
+    for draft in ("ngram", "mtp"):
+        with pytest.raises(ValueError, match="one process"):
+            resolve_draft(model, draft)
+    assert resolve_draft(model, None) == "none" and resolve_draft(model, "none") == "none"
