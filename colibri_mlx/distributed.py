@@ -187,18 +187,24 @@ class RankLoad:
     replicated_bytes: int = 0   # stored bytes every rank reads
 
 
-def plan_rank(container, args, rank: int, world: int, mode: str, usage=None) -> tuple[RankLoad, set]:
-    """This rank's load plan and the weight names it holds."""
+def plan_rank(container, args, rank: int, world: int, mode: str, usage=None,
+              stored_bytes=None) -> tuple[RankLoad, set]:
+    """This rank's load plan and the weight names it holds. ``stored_bytes``: the model tensor
+    names of an mlx-lm checkpoint (``MlxLmWeights.names``, one per expert) -> the stored bytes a
+    fetch of each reads; None: the container's own tensor names (:func:`tensor_bytes`)."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"--parallel {mode!r}: expected one of {', '.join(PARALLEL_MODES)}")
     from .models.loading import SCALE_INV_SUFFIX
 
-    names = [n for n in container.weight_names() if not n.endswith(SCALE_INV_SUFFIX)]
+    if stored_bytes is None:
+        names = [n for n in container.weight_names() if not n.endswith(SCALE_INV_SUFFIX)]
+    else:
+        names = sorted(stored_bytes)
     n_layers = args.num_hidden_layers
     # MTP layers (index >= num_hidden_layers) are not used by the forward pass: no rank loads them.
     names = [n for n in names if (_layer_of(n) is None or _layer_of(n) < n_layers)]
     load = RankLoad(rank, world, mode)
-    size = {n: tensor_bytes(container, n) for n in names}
+    size = {n: tensor_bytes(container, n) if stored_bytes is None else stored_bytes[n] for n in names}
     if mode == "expert":
         by_layer: dict[str, dict[int, int]] = {}
         for n in names:
@@ -263,18 +269,26 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
     dtype = resolve_dtype(dtype)
     opened = open_model_dir(path)
     container, args = opened.container, ModelArgs.from_config(opened.config)
-    from .models.mlx_lm_checkpoint import is_mlx_lm_checkpoint
+    from .models.mlx_lm_checkpoint import MlxLmWeights, is_mlx_lm_checkpoint
 
+    mlx_lm = None
     if is_mlx_lm_checkpoint(opened.config, container.names()):
-        # The rank planners and restricted loading read per-expert tensor names; mlx-lm stacks
-        # the experts of a layer in one switch_mlp tensor.
-        raise DistributedError(f"{container.path}: an mlx-lm checkpoint; --parallel runs colibri containers and "
-                               f"Hugging Face checkpoints (convert it, or run it in one process)")
+        if shard_attention:
+            raise ValueError(f"{container.path}: --shard-attention is not available for an mlx-lm checkpoint "
+                             "(its attention weights are not split by rows); use --parallel expert or pipeline "
+                             "alone")
+        # The model's per-expert names over the stacked switch_mlp tensors: expert e is row e.
+        mlx_lm = MlxLmWeights(container, opened.config)
+        sizes = {n: mlx_lm.stored_bytes(n) for n in mlx_lm.names}
     usage_file = usage_path or os.path.join(container.path, ".coli_usage")
     usage = read_usage(usage_file) if os.path.exists(usage_file) and mode == "expert" else None
-    load, held = plan_rank(container, args, group.rank(), group.size(), mode, usage)
+    load, held = plan_rank(container, args, group.rank(), group.size(), mode, usage,
+                           None if mlx_lm is None else sizes)
 
     def fetch(name, shape):
+        if mlx_lm is not None:
+            load.read_bytes += sizes[name]
+            return mlx_lm.fetch(name, shape)
         load.read_bytes += tensor_bytes(container, name)
         return _fetch(container, name, shape)
 

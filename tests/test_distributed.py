@@ -107,8 +107,29 @@ def _header_parts(path, mode):
     return units, replicated
 
 
-def _check_bytes(path, mode, world, stats):
-    units, replicated = _header_parts(path, mode)
+def _mlx_lm_header_parts(path, mode):
+    """:func:`_header_parts` of an mlx-lm checkpoint: an expert is row e of each stacked
+    ``switch_mlp`` tensor (weight, scales, biases). Only stored bytes (the kept column is 0: its
+    ``kv_b_proj`` is kept widened from the split halves)."""
+    from colibri_mlx.container import Container
+
+    c = Container(path)
+    units, replicated = {}, np.zeros(2)
+    for name in c.names():
+        info = c.info(name)
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is None or (mode == "expert" and ".switch_mlp." not in name):
+            replicated[0] += info.nbytes
+        elif mode == "pipeline":
+            units.setdefault(int(m.group(1)), np.zeros(2))[0] += info.nbytes
+        else:
+            for e in range(info.shape[0]):
+                units.setdefault((int(m.group(1)), e), np.zeros(2))[0] += info.nbytes // info.shape[0]
+    return units, replicated
+
+
+def _check_bytes(path, mode, world, stats, parts=_header_parts, resident=True):
+    units, replicated = parts(path, mode)
     sharded = sum(units.values())
     if mode == "expert":
         # The planner's imbalance: at most one expert per MoE layer more than an even share.
@@ -124,12 +145,15 @@ def _check_bytes(path, mode, world, stats):
     bound = sharded / world + replicated + slack
     for s in stats:
         assert s["read_bytes"] <= bound[0], (s, bound)
+    if not resident:
+        return
+    for s in stats:
         assert s["resident_bytes"] <= bound[1] + RESIDENT_OVERHEAD, (s, bound)
     kept = sum(s["resident_bytes"] for s in stats)
     assert abs(kept - (sharded[1] + world * replicated[1])) <= world * RESIDENT_OVERHEAD
 
 
-def _check_against_one(tmp_path, model, mode, world):
+def _check_against_one(tmp_path, model, mode, world, **bytes_check):
     ref = _reference(tmp_path, model)
     got = _run(tmp_path, model, mode, world)
     assert len(ref["tokens"]) == N_TOKENS
@@ -138,7 +162,7 @@ def _check_against_one(tmp_path, model, mode, world):
     assert a.shape == b.shape and np.isfinite(a).all()
     assert np.abs(a - b).max() <= LOGIT_TOL
     assert [s["rank"] for s in got["stats"]] == list(range(world))
-    _check_bytes(model, mode, world, got["stats"])
+    _check_bytes(model, mode, world, got["stats"], **bytes_check)
     return got
 
 
@@ -163,6 +187,56 @@ def models(tmp_path_factory):
 ])
 def test_parallel_matches_one_process(tmp_path, models, name, mode, world):
     _check_against_one(tmp_path, models[name], mode, world)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_model(tmp_path_factory):
+    """``mlx_lm.convert`` of a tiny DeepSeek-V3 (affine 4-bit g64, as tests/test_mlx_lm_checkpoint.py)."""
+    mlx_lm = pytest.importorskip("mlx_lm")
+    pytest.importorskip("transformers")
+    from test_mlx_lm_checkpoint import WIDE
+
+    root = tmp_path_factory.mktemp("dist_mlx_lm")
+    hf = helpers_models.save_checkpoint(helpers_models.build_hf_model("deepseek_v3", seed=3, **WIDE),
+                                        str(root / "hf"))
+    mlx_lm.convert(hf, str(root / "q"), quantize=True, q_bits=4, q_group_size=64)
+    return str(root / "q")
+
+
+@pytest.mark.parametrize("mode", ["expert", "pipeline"])
+def test_mlx_lm_checkpoint_parallel(tmp_path, mlx_lm_model, mode):
+    """Stacked switch_mlp experts: each rank reads its experts' rows (or its layers) and the rest."""
+    got = _check_against_one(tmp_path, mlx_lm_model, mode, 2, parts=_mlx_lm_header_parts, resident=False)
+    if mode == "expert":
+        assert all(0 < s["experts_held"] for s in got["stats"])
+
+
+def test_mlx_lm_checkpoint_streamed_per_rank(tmp_path, mlx_lm_model):
+    """--ram-gb under --parallel expert: each rank streams rows of its own experts only; nothing
+    of a routed expert is read at load."""
+    ref = _reference(tmp_path, mlx_lm_model)
+    got = _run(tmp_path, mlx_lm_model, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    units, replicated = _mlx_lm_header_parts(mlx_lm_model, "expert")
+    for s in got["stats"]:
+        assert s["read_bytes"] == replicated[0]
+        mine = int(s["experts_held"]) * max(v[0] for v in units.values())
+        assert 0 < s["streamed_bytes"] <= 2 * (1 + N_TOKENS) * mine, s
+
+
+def test_mlx_lm_checkpoint_refuses_sharded_attention(mlx_lm_model):
+    from colibri_mlx.distributed import load_rank_model
+
+    class TwoRanks:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="--shard-attention is not available for an mlx-lm checkpoint"):
+        load_rank_model(mlx_lm_model, TwoRanks(), shard_attention=True)
 
 
 @pytest.mark.slow

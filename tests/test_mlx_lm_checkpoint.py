@@ -309,18 +309,3 @@ def test_cli_generate_streams_an_mlx_lm_checkpoint(hf_dirs, tmp_path_factory):
     assert result.exit_code == 0, result.output
     assert "generation: 4 tokens" in result.output and "expert hit rate" in result.output
     assert "fallback 0" in result.output
-
-
-def test_distributed_loading_refuses_an_mlx_lm_checkpoint(hf_dirs, tmp_path_factory):
-    from colibri_mlx.distributed import DistributedError, load_rank_model
-
-    class TwoRanks:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
-
-    path = converted(hf_dirs, tmp_path_factory, FAST[0])
-    with pytest.raises(DistributedError, match="mlx-lm checkpoint"):
-        load_rank_model(path, TwoRanks())

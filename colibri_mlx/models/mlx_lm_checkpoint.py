@@ -171,6 +171,20 @@ class MlxLmWeights:
                 continue
             self.names[name] = ("plain", name)
 
+    def stored_bytes(self, name: str) -> int:
+        """Stored bytes a fetch of model tensor ``name`` reads: its weight with the scales and biases
+        (one row of each for an expert of a stacked tensor), both halves of a split ``kv_b_proj``."""
+        kind, *rest = self.names[name]
+        if kind == "kv_b":
+            return sum(self._with_companions(f"{rest[0]}.{part}.weight") for part in ("embed_q", "unembed_out"))
+        if kind == "expert":
+            return self._with_companions(rest[0], rows=self.container.info(rest[0]).shape[0])
+        return self._with_companions(rest[0])
+
+    def _with_companions(self, stored: str, rows: int = 1) -> int:
+        names = [stored] + [stored[:-len(".weight")] + c for c in COMPANIONS if stored.endswith(".weight")]
+        return sum(self.container.info(n).nbytes // rows for n in names if n in self.stored)
+
     def fetch(self, name: str, shape: tuple):
         kind, *rest = self.names[name]
         if kind == "expert":
