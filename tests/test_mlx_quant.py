@@ -298,6 +298,23 @@ def test_moe_block_msl(metal_sim, gu, down):
     assert_moe_close(y, x, experts, ids, w, f"moe {gu[:3]} / {down[:3]}")
 
 
+@needs_simulator
+@pytest.mark.parametrize("mode,bits,gs", [("mxfp4", 4, 32), ("nvfp4", 4, 16)])
+def test_moe_block_msl_fp_scale_rows_padded(metal_sim, mode, bits, gs):
+    """fp-mode scale rows whose bytes are not whole words (D = 160: 5 or 10 scale bytes, inter
+    = 96: 3 or 6): each expert's rows are padded to words, and moe_down's per-expert scale
+    offsets are counted in those words."""
+    from moe_mla_oracle import assert_moe_close
+
+    fmt = (mode, bits, gs, mx.bfloat16)
+    experts, ids, w, x = _moe_case(fmt, fmt, D=160, inter=96, E=5, N=2, K=3, seed=7)
+    dispatch.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w)
+    c = dispatch.counters()
+    assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
+    assert_moe_close(y, x, experts, ids, w, f"moe {mode} D=160 inter=96")
+
+
 # ---------------------------------------------------------------------------------------
 # mla_decode in the MSL simulator: MLX-format kv_b (mla_qabs' W_UK columns, mla_out's W_UV rows)
 # and q_b (mla_qb_qabs). The oracle and its budget are test_mla_decode.py's

@@ -98,3 +98,4 @@ def test_bench_mlx_lm_checkpoint_rows():
     out = run_script("scripts/bench/bench_mlx_lm_checkpoint.py", "--tiny", "--formats", "affine3g64", "--steps", "2",
                      "--greedy", "4", "--experts", "16", "--vocab", "512")
     assert "affine3g64" in out and "4 greedy tokens kernels vs reference: identical" in out, out
+    assert "token 0 prefill  kernels vs reference" in out and "token 0 stepwise kernels vs reference" in out, out

@@ -69,6 +69,34 @@ def greedy(model, prompt, n):
     return out
 
 
+def first_logits(model, prompt, stepwise: bool) -> np.ndarray:
+    """float32 logits of the token after ``prompt``: one prefill call, or (``stepwise``) the prompt
+    fed one token at a time, so that only the decode (S = 1) paths run."""
+    cache = model.make_cache()
+    if not stepwise:
+        return np.array(model(prompt, cache)[0, -1].astype(mx.float32))
+    for i in range(prompt.shape[1]):
+        out = model(prompt[:, i:i + 1], cache)
+    return np.array(out[0, -1].astype(mx.float32))
+
+
+def token0_report(model, prompt) -> dict:
+    """Token 0 kernels-on vs reference, through prefill and through decode steps: the largest logit
+    difference over the largest |logit| and the reference's top-2 margin (a flip needs a difference
+    of about the margin). Prefill (S > qgemv's rows) runs no kernel of ours: on a GPU it dequantizes
+    to x's dtype for the matmul, the reference in float32, so a prefill flip is that dtype's rounding."""
+    out = {}
+    for name, stepwise in (("prefill", False), ("stepwise", True)):
+        mine = first_logits(model, prompt, stepwise)
+        with kernels.force_reference():
+            ref = first_logits(model, prompt, stepwise)
+        top2 = np.sort(ref)[-2:]
+        out[name] = {"rel": float(np.abs(mine - ref).max() / np.abs(ref).max()),
+                     "max_abs_diff": float(np.abs(mine - ref).max()), "ref_top2_margin": float(top2[1] - top2[0]),
+                     "same_argmax": bool(mine.argmax() == ref.argmax())}
+    return out
+
+
 def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     from colibri_mlx.models.loading import load_model
 
@@ -90,6 +118,7 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
         reference = greedy(ours, prompt, args.greedy)
     res["greedy_identical"] = tokens == reference
     res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    res["token0"] = token0_report(ours, prompt)
     del ours, cache
     kernels.moe.clear_banks()
     mx.clear_cache()
@@ -110,6 +139,10 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
           f"{args.greedy} greedy tokens kernels vs reference: {'identical' if res['greedy_identical'] else 'DIFFER at ' + str(res['greedy_first_difference'])}"
           f"  kernel declines {res['declines']}",
           flush=True)
+    for how, t in res["token0"].items():
+        print(f"{'':12s} token 0 {how:8s} kernels vs reference: max |diff| {t['max_abs_diff']:.3g} "
+              f"(rel {t['rel']:.2e}), reference top-2 margin {t['ref_top2_margin']:.3g}, same argmax {t['same_argmax']}",
+              flush=True)
     return res
 
 
