@@ -394,8 +394,9 @@ class Attention:
         [B,L,R+rope] (the cache rows: the normed latent, then the roped key), q_latent
         [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
 
-        ``rope_offset`` (int32 scalar array: the position of a single query row of a single
-        sequence) rotates with ``mx.fast.rope``, one op; without it cos/sin are used.
+        ``rope_offset`` (int32 scalar array: the position of the first query row of a single
+        sequence, the rows following it) rotates with ``mx.fast.rope``, one op; without it
+        cos/sin are used.
         ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate.
         ``cache`` (the joint cache's buffer, with ``rope_offset`` the row's slot): the kernel
         path writes the row into it in place (kernels.mla_rows) and ``kv`` is None.
@@ -404,8 +405,8 @@ class Attention:
         are None and q_latent is returned."""
         B, L, D = x.shape
         H = self.n_heads
-        fast = rope_offset is not None and L == 1
-        if fast and self.folds_queries(B):
+        fast = rope_offset is not None
+        if fast and L == 1 and self.folds_queries(B):
             # One decode row: both norms and the rope key from the stacked projection in one op.
             # Rows stay [1, 1, width] throughout (the kernels take any leading shape): every
             # reshape would be a graph node of the compiled step.
@@ -542,15 +543,9 @@ class Attention:
         to the first ``slot + i + 1`` positions (a causal mask over the buffer, made in the graph
         from ``slot``: kernels.mla.step_params with ``masked``)."""
         B, L, D = x.shape
-        q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)
-        q, _ = self.queries(q_x)
-        rows = self.rope.apply_fast(k_rope, slot)          # [B, L, rope] at slot + l
-        rows = mx.concatenate([rms_norm(latent, self.kv_a_norm, LATENT_NORM_EPS), rows], axis=-1)
+        q_nope, q_rope, rows, _ = self.rows(x, rope_offset=slot)   # rows l rotated at slot + l
         positions = slot + mx.arange(L, dtype=mx.int32)
         kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), rows.astype(kv.dtype), axis=1)
-        H = self.n_heads
-        q_nope = self._heads(q[..., : H * self.nope], B, L, self.nope)
-        q_rope = self.rope.apply_fast(self._heads(q[..., H * self.nope:], B, L, self.rope_dim), slot)
         mask = (mx.arange(kv.shape[1], dtype=mx.int32)[None] <= positions[:, None])[None, None]
         attn = self.attend(q_nope, q_rope, kv, mask, params)
         out = self.output(attn, None if residual is None else residual.reshape(B * L, D))
