@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 
 from .generate import SamplingParams
-from .speculative import DRAFT_KINDS
+from .speculative import DEFAULT_NUM_DRAFT, DRAFT_KINDS, MAX_NUM_DRAFT
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -39,7 +39,7 @@ class SamplingDefaults(SamplingParams):
 
     max_tokens: int = 256
     draft: Optional[str] = None   # speculative decoding (docs/speculative.md); None: the model's default
-    num_draft: int = 3
+    num_draft: int = DEFAULT_NUM_DRAFT
 
 
 @dataclass
@@ -97,7 +97,8 @@ def parse_sampling(body: dict, defaults: SamplingDefaults) -> tuple[int, dict, l
         seed=_field(body, "seed", (int,), None, lambda v: v >= 0, "an integer >= 0"),
         draft=_field(body, "draft", (str,), defaults.draft, lambda v: v in DRAFT_KINDS,
                      "one of " + ", ".join(map(repr, DRAFT_KINDS))),
-        num_draft=_field(body, "num_draft", (int,), defaults.num_draft, lambda v: 1 <= v <= 7, "an integer in 1..7"),
+        num_draft=_field(body, "num_draft", (int,), defaults.num_draft, lambda v: 1 <= v <= MAX_NUM_DRAFT,
+                         f"an integer in 1..{MAX_NUM_DRAFT}"),
     )
     stream = _field(body, "stream", (bool,), False)
     return max_tokens, sampling, _stop_strings(body), stream

@@ -37,6 +37,7 @@ from . import kernels
 
 DRAFT_KINDS = ("mtp", "ngram", "none")
 DEFAULT_NUM_DRAFT = 3
+MAX_NUM_DRAFT = 7        # a verify step feeds 1 + num_draft rows; the decode paths take 8
 NGRAM_MAX = 3
 
 
@@ -63,9 +64,9 @@ def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) ->
 
 
 def check_num_draft(num_draft) -> int:
-    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= 7:
-        raise ValueError(f"num_draft must be an integer in 1..7 (rows of a verify step: 1 + num_draft <= 8), "
-                         f"got {num_draft!r}")
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= MAX_NUM_DRAFT:
+        raise ValueError(f"num_draft must be an integer in 1..{MAX_NUM_DRAFT} (rows of a verify step: "
+                         f"1 + num_draft <= {MAX_NUM_DRAFT + 1}), got {num_draft!r}")
     return num_draft
 
 
