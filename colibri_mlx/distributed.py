@@ -444,16 +444,19 @@ class ExpertParallel:
         self.comm = comm
         self.n_experts = n_experts
 
+    def attach(self, moe) -> None:
+        """``moe`` runs through this hook, with its global -> local expert index."""
+        table = np.full(self.n_experts, -1, np.int32)
+        table[moe.expert_ids] = np.arange(len(moe.expert_ids), dtype=np.int32)
+        moe.local_index = mx.array(table)
+        moe.parallel = self
+
     def __call__(self, moe, x, residual=None):
         from .kernels.dispatch import record_call
         from .models.deepseek_v3 import routed_experts
 
         record_call("moe_parallel", "all_sum")
         flat = x.reshape(-1, x.shape[-1])
-        if not hasattr(moe, "local_index"):
-            table = np.full(self.n_experts, -1, np.int32)
-            table[moe.expert_ids] = np.arange(len(moe.expert_ids), dtype=np.int32)
-            moe.local_index = mx.array(table)
         ids, weights = moe.router(flat)                     # global ids [N, K]
         local = moe.local_index[ids]
         held = local >= 0
@@ -492,24 +495,9 @@ class _Prepared:
 
 def pipeline_forward(model, comm: Comm, tokens: mx.array, cache, left_padding=None):
     """One forward call of this rank's pipeline stage; logits on rank 0, None elsewhere."""
-    from .models.deepseek_v3 import embedding_rows
-
-    B, L = tokens.shape
-    if cache.offset == 0:
-        cache.set_left_padding(left_padding, B)
-    start = cache.offset
-    if start + L > model.max_length:
-        raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={model.max_length}")
-    cos, sin, mask, rope_offset = model._positions_and_mask(cache.left_padding, start, L, cache.padded)
-    shape = (B, L, model.args.hidden_size)
-    if comm.rank == 0:
-        x = embedding_rows(model.embed_tokens, tokens).astype(model.dtype)
-    else:
-        x = comm.recv_like(mx.zeros(shape, model.dtype), comm.rank - 1, "pipeline recv")
-    selection = None
-    for layer, layer_cache in zip(model.layers, cache.layers):
-        x, selection = layer(x, cos, sin, mask, layer_cache, start, selection, rope_offset)
-    cache.advance(L)
+    shape = (*tokens.shape, model.args.hidden_size)
+    x = None if comm.rank == 0 else comm.recv_like(mx.zeros(shape, model.dtype), comm.rank - 1, "pipeline recv")
+    x = model.hidden_states(tokens, cache, left_padding, x=x)
     comm.send(x, (comm.rank + 1) % comm.size, "pipeline send")
     if comm.rank != 0:
         return None
@@ -534,9 +522,6 @@ class DistributedModel:
 
     def __getattr__(self, name):
         return getattr(self._model, name)
-
-    def make_cache(self):
-        return self._model.make_cache()
 
     def _cache_id(self, cache) -> int:
         if cache not in self._cache_ids:
@@ -648,7 +633,7 @@ def setup(path: str, mode: str = "expert", dtype=None, expert_top_p: float | Non
         hook = ExpertParallel(comm, model.args.n_routed_experts)
         for layer in model.layers:
             if hasattr(layer.mlp, "expert_ids"):
-                layer.mlp.parallel = hook
+                hook.attach(layer.mlp)
     if shard_attention:
         from . import tensor_parallel
 

@@ -132,15 +132,12 @@ def head_shape_hook(table, args, rank: int, world: int) -> None:
 def install(model, comm, args) -> None:
     """Replace attention's output projection and the head with their sharded forms (the partial
     sums crossing processes: never inside a compiled graph)."""
-    from . import kernels
-    from .models.deepseek_v3 import linear, rms_norm
-
     reason = "tensor-parallel attention: o_proj's partial sums cross processes (all_sum)"
     for layer in model.layers:
         attn = layer.self_attn
 
-        def output(out, residual=None, attn=attn):
-            y = comm.all_sum(linear(out, attn.o_proj, attn.o_bias), "attention all_sum")
+        def output(out, residual=None, local_output=attn.output):
+            y = comm.all_sum(local_output(out), "attention all_sum")
             return y if residual is None else residual + y
 
         attn.output = output
@@ -152,8 +149,10 @@ def install(model, comm, args) -> None:
     V = args.vocab_size
     v0, v1 = vocab_range(V, comm.rank, comm.size)
 
+    local_head = model.head
+
     def head(x):
-        local = kernels.qmatmul(rms_norm(x, model.norm, args.rms_norm_eps), model.lm_head, out_dtype=mx.float32)
+        local = local_head(x)
         lead = local.shape[:-1]
         placed = mx.concatenate([mx.zeros((*lead, v0), mx.float32), local,
                                  mx.zeros((*lead, V - v1), mx.float32)], axis=-1)

@@ -882,8 +882,11 @@ class Model:
         x = self.hidden_states(tokens, cache, left_padding)
         return self._compiled_head(x) if x.shape[1] == 1 else self.head(x)
 
-    def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
-        """The last decoder layer's output ``[B, L, D]`` (before the final norm); advances ``cache``."""
+    def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None,
+                      x: mx.array | None = None) -> mx.array:
+        """The last decoder layer's output ``[B, L, D]`` (before the final norm); advances ``cache``.
+        ``x``: the first layer's input in place of the tokens' embeddings (a pipeline stage's
+        received hidden state, distributed.pipeline_forward)."""
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -900,7 +903,8 @@ class Model:
         if start + L > self.max_length:
             raise ValueError(f"context of {start + L} tokens exceeds max_position_embeddings={self.max_length}")
         cos, sin, mask, rope_offset = self._positions_and_mask(cache.left_padding, start, L, cache.padded)
-        x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
+        if x is None:
+            x = embedding_rows(self.embed_tokens, tokens).astype(self.dtype)
         commit = commits_layers(L)
         selection = None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
