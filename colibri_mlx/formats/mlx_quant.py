@@ -18,7 +18,6 @@ bfloat16 scales/biases are held as their raw uint16 bits in numpy (numpy has no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -87,10 +86,6 @@ def mlx_mode(mode: str) -> MlxMode:
         raise FormatError(f"unknown MLX quantization mode {mode!r}; expected one of {sorted(MLX_MODES)}") from None
 
 
-def is_mlx_fmt(fmt: int) -> bool:
-    return fmt in MLX_FMTS
-
-
 def check_params(mode: str, bits: int, group_size: int, name: str = "") -> MlxMode:
     m = mlx_mode(mode)
     where = f"{name}: " if name else ""
@@ -99,10 +94,6 @@ def check_params(mode: str, bits: int, group_size: int, name: str = "") -> MlxMo
     if group_size not in m.group_sizes:
         raise FormatError(f"{where}MLX mode {mode!r} takes group_size in {m.group_sizes}, got {group_size!r}")
     return m
-
-
-def words_per_row(I: int, bits: int) -> int:
-    return I * bits // 32
 
 
 def _to_numpy(a):
@@ -248,16 +239,6 @@ def decode_mlx(qt: QTensor, *, exact: bool = False) -> np.ndarray:
     return out
 
 
-def mlx_nbytes(qt: QTensor) -> int:
-    n = int(qt.packed.nbytes) + int(qt.scales.nbytes)
-    return n + (int(qt.biases.nbytes) if qt.biases is not None else 0)
-
-
 def describe(qt: QTensor) -> str:
     m = MLX_FMTS[qt.fmt]
     return f"{m.mode} {qt.bits}-bit g{qt.gs}" if m.mode == "affine" else f"{m.mode} g{qt.gs}"
-
-
-def mode_of(fmt: int) -> Optional[str]:
-    m = MLX_FMTS.get(fmt)
-    return m.mode if m else None

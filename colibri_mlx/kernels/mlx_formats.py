@@ -20,7 +20,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from ..formats.mlx_quant import E2M1_VALUES, E4M3_VALUES, E8M0_VALUES, MLX_FMTS
+from ..formats.mlx_quant import CODE_TABLES, MLX_FMTS, SCALE_TABLES
 
 MLX_FMT_MIN = 7
 UNIT = 32             # weights per kernel unit, every MLX format
@@ -183,10 +183,10 @@ def dequantize_rows(qt, r0: int, r1: int, *, stored_dtype: bool = False) -> mx.a
             s, b = s.astype(mx.float32), b.astype(mx.float32)
         w = (c.astype(s.dtype) * s + b).astype(mx.float32)
     else:
-        table = {"e2m1": ("e2m1", E2M1_VALUES), "e4m3": ("e4m3", E4M3_VALUES)}[m.code_kind]
-        stable = {"e8m0": ("e8m0", E8M0_VALUES), "e4m3": ("e4m3", E4M3_VALUES)}[m.scale_kind]
+        codes_f = _table(m.code_kind, CODE_TABLES[m.code_kind])
+        scales_f = _table(m.scale_kind, SCALE_TABLES[m.scale_kind])
         sc = _mx(qt.scales).reshape(qt.O, ng)[r0:r1].astype(mx.uint32)
-        w = mx.take(_table(*table), c) * mx.take(_table(*stable), sc)[..., None]
+        w = mx.take(codes_f, c) * mx.take(scales_f, sc)[..., None]
     return w.reshape(R, qt.I)
 
 

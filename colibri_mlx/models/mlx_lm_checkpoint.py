@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -244,6 +245,8 @@ class MlxLmWeights:
 
     def _kv_b(self, attn: str, shape: tuple):
         """``kv_b_proj.weight`` from ``embed_q`` and ``unembed_out`` (module docstring)."""
+        from ..kernels.reference import dequantize
+
         parts = {}
         for part in ("embed_q", "unembed_out"):
             name = f"{attn}.{part}.weight"
@@ -261,7 +264,8 @@ class MlxLmWeights:
                     raise self._marked_unquantized(f"{attn}.{part}", f"{attn}.{part}.scales")
                 I = words_or_in * 32 // params.bits
                 qt = self._linear_3d(name, params, H * O, I)
-                parts[part] = dequantize_as_float32(qt).reshape(H, O, I)
+                # float32, widened scales, as mlx-lm's quantized_matmul reads it
+                parts[part] = dequantize(qt).reshape(H, O, I)
             else:
                 parts[part] = stored_array(self.container, name).astype(mx.float32)
         wk, wv = parts["embed_q"], parts["unembed_out"]   # [H, kv_lora, nope], [H, v, kv_lora]
@@ -285,16 +289,6 @@ class MlxLmWeights:
                                     bits=params.bits, group_size=params.group_size, name=name)
         except ValueError as e:
             raise MlxLmCheckpointError(f"{self.container.info(name).path}: {e}") from None
-
-
-def dequantize_as_float32(qt) -> mx.array:
-    """``W`` as mlx-lm's float32 ``quantized_matmul`` reads it: 16-bit scales and biases widened to
-    float32 first, ``q * s + b`` in float32 (``mx.dequantize`` would round it to the scales' dtype)."""
-    from ..formats.mlx_quant import mode_of
-
-    wide = (lambda a: None if a is None else a.astype(mx.float32)) if qt.fmt == 7 else (lambda a: a)
-    return mx.dequantize(qt.packed, wide(qt.scales), wide(qt.biases), group_size=qt.gs, bits=qt.bits,
-                         mode=mode_of(qt.fmt), dtype=mx.float32)
 
 
 def weight_table(container, config: Mapping) -> WeightTable:
@@ -326,12 +320,24 @@ class _Range:
     nbytes: int
 
 
+_quantizations: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def container_quantization(container) -> "Quantization":
+    """The container's config.json quantization settings, parsed once per container (the
+    expert store plans every expert of every layer with them)."""
+    quant = _quantizations.get(container)
+    if quant is None:
+        quant = _quantizations[container] = Quantization(container.config, f"{container.path}/config.json")
+    return quant
+
+
 def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
     """Where expert ``expert`` of an mlx-lm ``switch_mlp`` layer lies: its row of each stacked
     tensor (weight, scales, biases of gate, up, down), one read each (adjacent rows merged)."""
     from ..experts.store import PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, _coalesce
 
-    quant = Quantization(container.config, f"{container.path}/config.json")
+    quant = container_quantization(container)
     ranges, projections = [], []
     for proj in PROJECTIONS:
         O, I = shapes[proj]
