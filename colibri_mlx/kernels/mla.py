@@ -36,6 +36,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
 from . import dispatch, mlx_formats
 from .moe import Projection, kernel_header, read_kernel_sections, weight_format
@@ -156,10 +157,9 @@ def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
 
 def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     """decline_reason for ``L`` query rows a sequence."""
-    if isinstance(kv_b, QTensor) and mlx_formats.is_mlx(kv_b):
-        why = mlx_formats.decline_reason(kv_b)
-        if why:
-            return f"kv_b {_mlx_name(kv_b)}: {why}"
+    why = isinstance(kv_b, QTensor) and mlx_formats.decline_reason(kv_b)
+    if why:
+        return f"kv_b {describe(kv_b)}: {why}"
     fmt, gs = weight_format(kv_b)
     if fmt not in KV_B_FMTS and not mlx_formats.is_mlx(kv_b):
         return f"kv_b fmt {fmt} (fmt 0-5 and the MLX formats only)"
@@ -172,12 +172,6 @@ def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     return None
 
 
-def _mlx_name(qt) -> str:
-    from ..formats.mlx_quant import describe
-
-    return describe(qt)
-
-
 def heads_of(kv_b, nope: int, v: int) -> int:
     """Attention heads of a layer from its kv_b (``H * (nope + v)`` rows)."""
     return (kv_b.O if isinstance(kv_b, QTensor) else kv_b.shape[0]) // (nope + v)
@@ -187,8 +181,9 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
     if not isinstance(q_b, QTensor):
         return "q_b is a float weight"
-    if mlx_formats.is_mlx(q_b) and mlx_formats.decline_reason(q_b):
-        return f"q_b {_mlx_name(q_b)}: {mlx_formats.decline_reason(q_b)}"
+    why = mlx_formats.decline_reason(q_b)
+    if why:
+        return f"q_b {describe(q_b)}: {why}"
     fmt, gs = weight_format(q_b)
     if fmt not in QB_FMTS and not mlx_formats.is_mlx(q_b):
         return f"q_b fmt {fmt} (fmt 1-5 and the MLX formats: fmt 6 rotates its input first)"

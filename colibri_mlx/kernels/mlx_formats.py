@@ -70,7 +70,9 @@ def kernel_scale_words(kfmt: int, I: int, gs: int) -> int:
 
 
 def decline_reason(qt):
-    """Why the kernels cannot read this MLX-format weight, or None."""
+    """Why the kernels cannot read this MLX-format weight, or None (also for the other formats)."""
+    if not is_mlx(qt):
+        return None
     if qt.I % UNIT:
         return f"fmt {qt.fmt} with I={qt.I} (needs a multiple of {UNIT})"
     if qt.fmt == 7 and _dtype_name(qt.scales) not in ("bfloat16", "uint16", "float16", "float32"):

@@ -185,8 +185,9 @@ def _decline_expert(gate, up, down) -> Optional[str]:
         return f"gate fmt {fg} != up fmt {fu}"
     fmt, gs = fg
     for w in (gate, down):
-        if isinstance(w, QTensor) and mlx_formats.is_mlx(w) and mlx_formats.decline_reason(w):
-            return mlx_formats.decline_reason(w)
+        why = isinstance(w, QTensor) and mlx_formats.decline_reason(w)
+        if why:
+            return why
     if fmt == 4 and (not gs or gs % 16):
         return f"fmt 4 gs={gs} (needs a multiple of 16)"
     if weight_format(down)[0] == 4 and (weight_format(down)[1] or 1) % 16:

@@ -99,8 +99,9 @@ def _decline(qt, S: int, dtype) -> Optional[str]:
         return f"x dtype {dtype} not float32/float16/bfloat16"
     if qt.fmt == 4 and (not qt.gs or qt.gs % 16):
         return f"fmt 4 with gs={qt.gs} (needs a multiple of 16)"
-    if mlx_formats.is_mlx(qt) and mlx_formats.decline_reason(qt):
-        return mlx_formats.decline_reason(qt)
+    why = mlx_formats.decline_reason(qt)
+    if why:
+        return why
     if SIMD * MAX_SIMDGROUPS * qt.O >= 2**31 or S * max(qt.I, qt.O) >= 2**31:
         return f"shape {qt.O}x{qt.I} too large for 32-bit indexing"
     return None
