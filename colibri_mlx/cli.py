@@ -117,10 +117,16 @@ _DRAFT_OPTIONS = [
 ]
 
 
-def _draft_options(f):
-    for option in reversed(_DRAFT_OPTIONS):
-        f = option(f)
-    return f
+def _options(options):
+    """A decorator applying click ``options`` in their listed order."""
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
+_draft_options = _options(_DRAFT_OPTIONS)
 
 
 def _check_draft(model, draft) -> None:
@@ -548,10 +554,7 @@ _MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=c
                                   "(mlx-community/...). Default: the bundled demo model.")
 
 
-def _with_streaming_options(f):
-    for option in reversed(_STREAMING_OPTIONS):
-        f = option(f)
-    return f
+_with_streaming_options = _options(_STREAMING_OPTIONS)
 
 
 @main.command()

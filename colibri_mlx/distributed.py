@@ -262,7 +262,7 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
     ``shard_attention``: this rank's attention heads and vocabulary rows (:mod:`.tensor_parallel`)."""
     from .experts.usage import read_usage
     from .models.deepseek_v3 import Model, ModelArgs, resolve_dtype
-    from .models.loading import _fetch
+    from .models.loading import _fetch, check_finite_scales
     from .models.modeldir import open_model_dir
     from .models.weights import WeightTable
 
@@ -341,15 +341,12 @@ def _fetch_rows(container, name: str, shape: tuple, r0: int, r1: int):
     rows and its whole ``.qs``, a float tensor's rows. FP8 weights (block scales span 128 rows)
     are read whole and cut."""
     from . import tensor_parallel
-    from .models.loading import _fetch
+    from .models.loading import _fetch, check_finite_scales
 
     info = container.info(name)
     if container.is_quantized(name):
         whole = container.tensor(name, shape)                  # memory-mapped: nothing read yet
-        part = tensor_parallel.row_slice(whole, r0, r1)
-        if part.fmt != 6 and not np.isfinite(np.array(part.scales)).all():
-            raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
-                             "scales (a damaged shard?)")
+        part = check_finite_scales(container, name, tensor_parallel.row_slice(whole, r0, r1))
         return part, int(part.packed.nbytes) + container.info(name + ".qs").nbytes
     if info.dtype not in ("F32", "BF16", "F16"):
         # FP8 (its block scales span 128 rows) and stored types _fetch refuses: whole, then cut.

@@ -597,11 +597,11 @@ def _projection(p: ProjectionLayout, buffers: list[np.ndarray], layout: Optional
     """One projection's arrays from the read buffers: exactly one copy (``mx.array`` copies).
     Quantized scales are checked to be finite, as the resident loader checks them at load: a
     damaged expert is an error naming its shard and tensor, not NaN logits."""
-    raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
     if p.bits is not None:
         from ..models.mlx_lm_checkpoint import stacked_projection
 
         return stacked_projection(p, buffers)
+    raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
     if p.scales is None:
         return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))
     s = p.scales

@@ -112,16 +112,20 @@ def table_from_dict(weights: dict, source: str = "weights") -> WeightTable:
     return WeightTable(weights, lambda name, shape: weights[name], source)
 
 
+def check_finite_scales(container: Container, name: str, qt):
+    """``qt`` (tensor ``name`` or rows of it), refused when its ``.qs`` scales hold NaN or inf."""
+    if qt.fmt != 6 and not np.isfinite(np.asarray(qt.scales)).all():  # fmt 6's .qs is a tag
+        raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
+                         "scales (a damaged shard?)")
+    return qt
+
+
 def _fetch(container: Container, name: str, shape: tuple):
     if container.is_quantized(name):
         if len(shape) != 2:
             raise ValueError(f"{container.path}: tensor {name!r} is quantized but config.json implies a "
                              f"{len(shape)}-D tensor of shape {shape}")
-        qt = container.tensor(name, shape)
-        if qt.fmt != 6 and not np.isfinite(np.asarray(qt.scales)).all():  # fmt 6's .qs is a tag
-            raise ValueError(f"{container.info(name + '.qs').path}: tensor {name + '.qs'!r} holds NaN or infinite "
-                             "scales (a damaged shard?)")
-        return qt.to_mlx()
+        return check_finite_scales(container, name, container.tensor(name, shape)).to_mlx()
     container.tensor(name, shape)  # header shape check, names the shard on mismatch
     info = container.info(name)
     if info.dtype not in VALUE_DTYPES or (info.dtype in FP8_DTYPES and len(shape) != 2):
