@@ -2,8 +2,6 @@
 quantized by llama.cpp's own quantizer (tests/data/gguf_quants.npz, scripts/gguf/make_quant_fixtures.py)
 and on random blocks; the IQ tables against gguf's; QTensor construction and its errors."""
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
@@ -12,18 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from colibri_mlx.formats import FormatError
 from colibri_mlx.formats import gguf_quant as gq
 from colibri_mlx.formats.gguf_quant import GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
-
-FIXTURES = Path(__file__).parent / "data" / "gguf_quants.npz"
-
-
-def fixtures() -> dict:
-    with np.load(FIXTURES) as f:
-        return {k: f[k] for k in f.files}
-
-
-def fixture_keys() -> list:
-    with np.load(FIXTURES) as f:
-        return [k for k in f.files if k not in ("x", "imatrix")]
+from helpers_gguf import fixture_keys, fixtures, random_gguf_raw
 
 
 def assert_bits_equal(mine, ref):
@@ -67,6 +54,14 @@ def test_decode_bit_exact_on_random_blocks(name):
         mine = dequantize_gguf(t.fmt, raw)
     assert np.isfinite(ref).mean() > 0.8
     assert_bits_equal(mine, ref)
+
+
+@pytest.mark.parametrize("name", list(GGUF_TYPES))
+def test_decode_bit_exact_on_random_blocks_with_finite_scales(name):
+    raw = random_gguf_raw(name, 4, 512, seed=GGUF_TYPES[name].fmt)
+    ref = gguf_dequantize(raw, gguf.GGMLQuantizationType[name])
+    assert np.isfinite(ref).all() and 0.02 < np.sqrt(np.mean(ref.astype(np.float64) ** 2)) < 0.1
+    assert_bits_equal(dequantize_gguf(name, raw), ref)
 
 
 def test_decode_in_chunks_matches_one_pass(monkeypatch):
