@@ -29,7 +29,7 @@ FP_KERNEL_FMT = {8: 8, 9: 9, 10: 10}
 
 
 def is_mlx(qt) -> bool:
-    return qt.fmt >= MLX_FMT_MIN
+    return qt.fmt in MLX_FMTS
 
 
 def _dtype_name(a) -> str:
