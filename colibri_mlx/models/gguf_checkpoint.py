@@ -229,6 +229,11 @@ def float_values(raw: np.ndarray, dtype: str) -> np.ndarray:
 # ----------------------------------------------------------------------------------- config
 
 
+def _f32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
 def config_from_metadata(model: GgufModel) -> dict:
     """The Hugging Face config.json of a deepseek2 GGUF model, from its metadata."""
     a = model.arch_value
@@ -256,14 +261,14 @@ def config_from_metadata(model: GgufModel) -> dict:
                                                                                         required=True),
         "n_shared_experts": a("expert_shared_count", 0), "n_group": a("expert_group_count", 1) or 1,
         "topk_group": a("expert_group_used_count", 1) or 1,
-        "routed_scaling_factor": float(a("expert_weights_scale", 1.0) or 1.0),
+        "routed_scaling_factor": _f32(a("expert_weights_scale", 1.0) or 1.0),
         "norm_topk_prob": bool(a("expert_weights_norm", False)), "scoring_func": GATING_FUNCS[gating],
         "topk_method": "noaux_tc" if "blk.%d.exp_probs_b.bias" % (n_layers - 1) in model else "greedy",
         "kv_lora_rank": a("attention.kv_lora_rank", required=True), "q_lora_rank": a("attention.q_lora_rank"),
         "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key_len - rope_dim, "v_head_dim": value_len,
         "first_k_dense_replace": a("leading_dense_block_count", 0),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": a("context_length", 4096), "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": a("context_length", 4096), "rope_theta": _f32(a("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(model), "hidden_act": "silu", "attention_bias": False,
         "tie_word_embeddings": "output.weight" not in model, "num_nextn_predict_layers": 0,
     }
@@ -280,14 +285,14 @@ def _rope_scaling(model: GgufModel) -> Optional[dict]:
         return None
     if kind != "yarn":
         raise GgufError(f"{model.path}: {model.arch}.rope.scaling.type is {kind!r}; colibri reads none or yarn")
-    scaling = {"type": "yarn", "factor": float(a("rope.scaling.factor", required=True)),
+    scaling = {"type": "yarn", "factor": _f32(a("rope.scaling.factor", required=True)),
                "original_max_position_embeddings": a("rope.scaling.original_context_length", required=True),
-               "beta_fast": float(a("rope.scaling.yarn_beta_fast", 32.0)),
-               "beta_slow": float(a("rope.scaling.yarn_beta_slow", 1.0))}
+               "beta_fast": _f32(a("rope.scaling.yarn_beta_fast", 32.0)),
+               "beta_slow": _f32(a("rope.scaling.yarn_beta_slow", 1.0))}
     log_mul = a("rope.scaling.yarn_log_multiplier")
     if log_mul:
         # llama.cpp takes mscale == mscale_all_dim (their ratio scales cos/sin: 1 then)
-        m = round(float(log_mul) / YARN_LOG_MUL_PER_MSCALE, 6)
+        m = _f32(float(np.float32(log_mul)) / YARN_LOG_MUL_PER_MSCALE)
         scaling.update(mscale=m, mscale_all_dim=m)
     return scaling
 
