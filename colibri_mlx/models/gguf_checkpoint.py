@@ -263,7 +263,7 @@ def config_from_metadata(model: GgufModel) -> dict:
         "topk_group": a("expert_group_used_count", 1) or 1,
         "routed_scaling_factor": _f32(a("expert_weights_scale", 1.0) or 1.0),
         "norm_topk_prob": bool(a("expert_weights_norm", False)), "scoring_func": GATING_FUNCS[gating],
-        "topk_method": "noaux_tc" if "blk.%d.exp_probs_b.bias" % (n_layers - 1) in model else "greedy",
+        "topk_method": "noaux_tc",   # DeepSeek-V3's: the exp_probs_b bias chooses, the scores weight
         "kv_lora_rank": a("attention.kv_lora_rank", required=True), "q_lora_rank": a("attention.q_lora_rank"),
         "qk_rope_head_dim": rope_dim, "qk_nope_head_dim": key_len - rope_dim, "v_head_dim": value_len,
         "first_k_dense_replace": a("leading_dense_block_count", 0),
@@ -394,7 +394,33 @@ def open_gguf(path) -> "GgufModelDir":
     gives a model directory."""
     model = GgufModel(path)
     model_args(model)
+    check_tensors(model)
     return GgufModelDir(model.path, model.config, model)
+
+
+def check_tensors(model: GgufModel) -> None:
+    """Every tensor the metadata implies is in the file (the first missing one named, by its
+    GGUF name), before any weight is read."""
+    c = model.config
+    need = ["token_embd.weight", "output_norm.weight"]
+    for i in range(c["num_hidden_layers"]):
+        p = f"blk.{i}."
+        need += [p + n for n in ("attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight",
+                                 "attn_kv_a_norm.weight", "attn_output.weight")]
+        need += [p + n for n in (("attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight")
+                                 if c["q_lora_rank"] else ("attn_q.weight",))]
+        if p + "attn_kv_b.weight" not in model:
+            need += [p + n for n in SPLIT_KV_B]
+        if i < c["first_k_dense_replace"]:
+            need += [p + f"ffn_{n}.weight" for n in ("gate", "up", "down")]
+        else:
+            need += [p + "ffn_gate_inp.weight"] + [p + n for n in EXPERT_TENSORS]
+            need += [p + f"ffn_{n}_shexp.weight" for n in ("gate", "up", "down") if c["n_shared_experts"]]
+            need += [p + "exp_probs_b.bias"]
+    for name in need:
+        if name not in model:
+            raise GgufError(f"{model.path}: missing tensor {name!r} (the metadata describes "
+                            f"{c['num_hidden_layers']} layers, the first {c['first_k_dense_replace']} dense)")
 
 
 @dataclass
