@@ -197,6 +197,27 @@ def test_tokenizer_from_metadata():
     assert chat == "<｜begin▁of▁sentence｜><user>hi<assistant>"
 
 
+def test_tokenizer_splits_as_llama_cpp():
+    """llama.cpp's own tokenization of a probe text (digits, CJK, punctuation runs, whitespace,
+    a control token), saved by the fixture script."""
+    from colibri_mlx.tokenizer import load_tokenizer
+
+    with open(os.path.join(DATA, "prompt.json")) as f:
+        prompt = json.load(f)
+    tok = load_tokenizer(fixture("tiny-f32"))
+    assert tok.encode(prompt["probe"], add_special_tokens=False) == prompt["probe_llama_ids"]
+
+
+def test_kimi_k2_pre_tokenizer_splits():
+    from tokenizers import Regex, pre_tokenizers
+
+    from colibri_mlx.gguf_tokenizer import PRE_TOKENIZERS
+
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZERS["kimi-k2"][0]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("Hello World's 12345 我想在apple工作")]
+    assert pieces == ["Hello", " World's", " ", "123", "45", " ", "我想在", "apple", "工作"]
+
+
 # --------------------------------------------------------------------------------------- inspect
 
 

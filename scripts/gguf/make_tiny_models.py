@@ -15,7 +15,8 @@
    given (every column weight 1: what llama.cpp's quantizer assumes for a column it has no
    statistics for).
 4. llama.cpp's logits on a fixed prompt (every position, CPU, F32 KV cache) are saved beside each
-   file as ``<name>.llama_logits.npy`` with the prompt in ``prompt.json``.
+   file as ``<name>.llama_logits.npy`` with the prompt in ``prompt.json``, and llama.cpp's own
+   tokenization of a probe text (the tokenizer's oracle).
 
 Two shapes, small enough that every file together stays under 2 MB: ``float`` (hidden 64, a
 leading dense layer and a MoE layer, tied embeddings: no ``output`` tensor) and ``quant`` (one MoE
@@ -37,6 +38,10 @@ import numpy as np
 
 DEFAULT_LLAMA_CPP = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"
 PROMPT = "The quick brown fox jumps over the lazy dog. 123 + 456"
+# Text llama.cpp's own tokenizer splits (digits, CJK, punctuation runs, spaces, newlines): its ids
+# are saved for the tokenizer built from the GGUF metadata to match.
+PROBE = ("Hello World's 12345 3.14 我想在apple工作1314151天～ ------======= \n\n  \t 'RE you sure? "
+         "<｜end▁of▁sentence｜> ok!!")
 
 COMMON = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_hidden_layers=2, first_k_dense_replace=1,
@@ -231,8 +236,13 @@ def main():
         from tokenizers import Tokenizer
 
         ids = [0] + Tokenizer.from_file(os.path.join(tmp, "float", "tokenizer.json")).encode(PROMPT).ids
+        import llama_cpp
+
+        llm = llama_cpp.Llama(made[0], n_ctx=64, vocab_only=True, verbose=False)
+        probe_ids = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
         with open(os.path.join(args.out, "prompt.json"), "w") as f:
-            json.dump({"text": PROMPT, "ids": ids}, f)
+            json.dump({"text": PROMPT, "ids": ids, "probe": PROBE, "probe_llama_ids": probe_ids}, f,
+                      ensure_ascii=False)
         for out in made:
             np.save(out[:-len(".gguf")] + ".llama_logits.npy", llama_logits(out, ids))
             print(f"{out}: {os.path.getsize(out)} bytes")
