@@ -42,7 +42,7 @@ def gguf_tokenizer(path) -> Tokenizer:
     """The :class:`tokenizer.Tokenizer` of the GGUF model at ``path`` (module docstring)."""
     from .models.gguf_checkpoint import GgufModel
 
-    return tokenizer_from_metadata(GgufModel(path))
+    return tokenizer_from_metadata(GgufModel.open(path))
 
 
 def tokenizer_from_metadata(model) -> Tokenizer:

@@ -127,6 +127,9 @@ class GgufTensorInfo:
     data: object        # the reader's memory-mapped view
 
 
+_opened: dict = {}
+
+
 class GgufModel:
     """The tensors and metadata of one GGUF model (one file or its split parts), the container
     the loader, the expert store and ``inspect`` read it through."""
@@ -167,6 +170,20 @@ class GgufModel:
         self.config = config_from_metadata(self)
         n_layers = self.config["num_hidden_layers"]
         self.n_layers = n_layers
+
+    @classmethod
+    def open(cls, path) -> "GgufModel":
+        """``GgufModel(path)``, parsed once per process while its files are unchanged: the gguf
+        reader takes seconds over the metadata of a large vocabulary, and the loader, the
+        tokenizer and ``inspect`` each open the model."""
+        files = gguf_files(path)
+        key = tuple((os.path.realpath(f), os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files)
+        model = _opened.get(key)
+        if model is None:
+            model = cls(files[0])
+            _opened.clear()   # one model at a time: the memory maps of another are released
+            _opened[key] = model
+        return model
 
     # -- metadata
     def value(self, key: str, default=None):
@@ -392,7 +409,7 @@ class GgufWeights:
 def open_gguf(path) -> "GgufModelDir":
     """The checked GGUF model at ``path`` (every header and the metadata), as ``open_model_dir``
     gives a model directory."""
-    model = GgufModel(path)
+    model = GgufModel.open(path)
     model_args(model)
     check_tensors(model)
     return GgufModelDir(model.path, model.config, model)
@@ -491,7 +508,7 @@ def streamed_projection(p, buffers):
 def inspect_gguf(path) -> dict:
     """``colibri inspect`` of a GGUF model: every tensor with its ggml type, numpy shape, bytes
     and the model tensor it maps to, the metadata's ModelArgs, the tokenizer's summary."""
-    model = GgufModel(path)
+    model = GgufModel.open(path)
     args = model_args(model)
     rows = []
     for name, info in model.tensors.items():
