@@ -172,9 +172,10 @@ def test_split_files(tmp_path):
         our_logits(str(folder / parts[0]))
 
 
-def test_streamed_experts_match_resident(tmp_path):
+@pytest.mark.parametrize("name", ("tiny-bf16", "tiny-iq2_xxs"))
+def test_streamed_experts_match_resident(tmp_path, name):
     path = str(tmp_path / "m.gguf")
-    shutil.copy(fixture("tiny-iq2_xxs"), path)
+    shutil.copy(fixture(name), path)
     resident = our_logits(path)
     streamed = our_logits(path, ram_gb=0.0001, record_usage=False)
     assert np.array_equal(streamed, resident)
