@@ -35,6 +35,10 @@ PRE_TOKENIZERS = {
     "gpt2": [r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"],
 }
 PRE_TOKENIZERS["default"] = PRE_TOKENIZERS["gpt2"]
+PRE_TOKENIZERS["glm4"] = PRE_TOKENIZERS["glm5"] = PRE_TOKENIZERS["llama3"]
+# llama.cpp takes a word found whole in the vocabulary as one token (no merges), and adds no
+# BOS, for these (its CHATGLM4 pre-tokenizer).
+WHOLE_WORDS_NO_BOS = ("glm4", "glm5")
 CONTROL, USER_DEFINED = 3, 4
 
 
@@ -78,7 +82,7 @@ def tokenizer_from_metadata(model) -> Tokenizer:
         if not sep:
             raise TokenizerError(f"{model.path}: tokenizer.ggml.merges entry {m!r} is not two tokens")
         pairs.append((left, right))
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in WHOLE_WORDS_NO_BOS))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -93,7 +97,7 @@ def tokenizer_from_metadata(model) -> Tokenizer:
             if not 0 <= int(i) < len(tokens):
                 raise TokenizerError(f"{model.path}: tokenizer.ggml.{key}_id {i} is outside the {len(tokens)} tokens")
             config[key] = tokens[int(i)]
-    if bos is not None and model.value("tokenizer.ggml.add_bos_token", False):
+    if bos is not None and model.value("tokenizer.ggml.add_bos_token", False) and pre not in WHOLE_WORDS_NO_BOS:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{config['bos_token']} $A", pair=f"{config['bos_token']} $A $B",
             special_tokens=[(config["bos_token"], int(bos))])

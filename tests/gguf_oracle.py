@@ -23,8 +23,9 @@ class GgufOracle:
         self.reader = reader = gguf.GGUFReader(path)
         self.fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
         self.tensors = {t.name: t for t in reader.tensors}
-        a = lambda k, d=None: self.fields.get(f"deepseek2.{k}", d)   # noqa: E731
-        self.n_layers = a("block_count")
+        arch = self.fields["general.architecture"]
+        a = lambda k, d=None: self.fields.get(f"{arch}.{k}", d)   # noqa: E731
+        self.n_layers = a("block_count") - a("nextn_predict_layers", 0)   # NextN layers are not in the forward
         self.H = a("attention.head_count")
         self.rope = a("rope.dimension_count")
         self.kv_lora = a("attention.kv_lora_rank")
@@ -32,6 +33,8 @@ class GgufOracle:
         self.v = a("attention.value_length_mla")
         self.eps = float(a("attention.layer_norm_rms_epsilon"))
         self.n_dense = a("leading_dense_block_count", 0)
+        self.index_topk = a("attention.indexer.top_k")
+        self.index_heads, self.index_dim = a("attention.indexer.head_count"), a("attention.indexer.key_length")
         self.k = a("expert_used_count")
         self.n_group, self.topk_group = a("expert_group_count", 1), a("expert_group_used_count", 1)
         self.scale_w = float(a("expert_weights_scale", 1.0))
@@ -86,9 +89,12 @@ class GgufOracle:
     def attention(self, x, i):
         p = f"blk.{i}."
         T, H, nope, rope = x.shape[0], self.H, self.nope, self.rope
+        selected = np.tril(np.ones((T, T), bool))
         if p + "attn_q_a.weight" in self.tensors:
-            q = self.norm(x @ self.w(p + "attn_q_a.weight").T, p + "attn_q_a_norm.weight") @ self.w(
-                p + "attn_q_b.weight").T
+            q_latent = self.norm(x @ self.w(p + "attn_q_a.weight").T, p + "attn_q_a_norm.weight")
+            q = q_latent @ self.w(p + "attn_q_b.weight").T
+            if p + "indexer.attn_q_b.weight" in self.tensors:
+                selected = self.indexer(x, q_latent, i)
         else:
             q = x @ self.w(p + "attn_q.weight").T
         q = q.reshape(T, H, nope + rope)
@@ -105,11 +111,34 @@ class GgufOracle:
             v = np.einsum("tl,hvl->thv", latent, v_b)
         scores = (np.einsum("thn,shn->hts", q[..., :nope], k_nope) + np.einsum("thr,sr->hts", q_pe, k_pe)) \
             * self.softmax_scale
-        scores = np.where(np.tril(np.ones((T, T), bool))[None], scores, -np.inf)
+        scores = np.where(selected[None], scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out = np.einsum("hts,shv->thv", probs, v).reshape(T, H * self.v)
         return out @ self.w(p + "attn_output.weight").T
+
+    def indexer(self, x, q_latent, i):
+        """The DSA lightning indexer's choice, ``[T, T]`` bool (transformers' GlmMoeDsaIndexer):
+        per query the ``top_k`` keys of highest sum_h w_h relu(q_h . k) among the causal ones;
+        rope on the first ``rope`` dims of each head (pairs), k LayerNorm with bias."""
+        p = f"blk.{i}."
+        T, nh, hd = x.shape[0], self.index_heads, self.index_dim
+        pos = np.arange(T, dtype=np.float64)
+        q = (q_latent @ self.w(p + "indexer.attn_q_b.weight").T).reshape(T, nh, hd)
+        k = x @ self.w(p + "indexer.attn_k.weight").T
+        k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
+        k = k * self.w(p + "indexer.k_norm.weight") + self.w(p + "indexer.k_norm.bias")
+        q = np.concatenate([self.rotate(q[..., :self.rope], pos), q[..., self.rope:]], -1)
+        k = np.concatenate([self.rotate(k[:, :self.rope], pos), k[:, self.rope:]], -1)
+        scores = np.maximum(np.einsum("thd,sd->ths", q, k) * hd ** -0.5, 0)
+        weights = (x @ self.w(p + "indexer.proj.weight").T) * nh ** -0.5
+        index = np.einsum("th,ths->ts", weights, scores)
+        causal = np.tril(np.ones((T, T), bool))
+        index = np.where(causal, index, -np.inf)
+        order = np.argsort(-index, axis=-1, kind="stable")[:, :self.index_topk]
+        selected = np.zeros((T, T), bool)
+        np.put_along_axis(selected, order, True, axis=-1)
+        return selected & causal
 
     def mlp(self, x, gate, up, down):
         g, u = x @ gate.T, x @ up.T

@@ -35,7 +35,15 @@ from ..formats.gguf_quant import GGUF_FLOAT_TYPES, GGUF_TYPES, dequantize_gguf, 
 from .weights import WeightTable
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-SUPPORTED_ARCHITECTURES = ("deepseek2",)
+# general.architecture -> (model_type, Hugging Face architecture, default expert_gating_func)
+ARCHITECTURES = {
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM", 1),   # llama.cpp: softmax (DeepSeek-V2) when absent
+    "glm-dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM", 2),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# llama.cpp's GLM-5 files before 5.2 (context < 1M) have full indexers in every layer when
+# attention.indexer.types is absent (its glm-dsa loader).
+GLM_5_2_CONTEXT = 1048576
 # llama.cpp's expert_gating_func values (llama-hparams.h: LLAMA_EXPERT_GATING_FUNC_TYPE_*).
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 # llama.cpp writes yarn_log_multiplier = 0.1 * mscale_all_dim for deepseek2 (its converter).
@@ -67,6 +75,19 @@ LAYER_TENSORS = {
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    # the DSA lightning indexer (GLM-5)
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
+    # a multi-token-prediction (NextN) layer, appended after the decoder layers
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
 }
 EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
 SPLIT_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
@@ -166,7 +187,7 @@ class GgufModel:
         self.arch = self.value("general.architecture")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise GgufError(f"{self.path}: general.architecture is {self.arch!r}; colibri reads "
-                            f"{', '.join(SUPPORTED_ARCHITECTURES)} (DeepSeek-V3/R1, Kimi-K2)")
+                            f"{', '.join(SUPPORTED_ARCHITECTURES)} (DeepSeek-V3/R1, Kimi-K2; GLM-5)")
         self.config = config_from_metadata(self)
         n_layers = self.config["num_hidden_layers"]
         self.n_layers = n_layers
@@ -254,13 +275,15 @@ def _f32(value) -> float:
 def config_from_metadata(model: GgufModel) -> dict:
     """The Hugging Face config.json of a deepseek2 GGUF model, from its metadata."""
     a = model.arch_value
-    n_layers = a("block_count", required=True)
+    model_type, hf_arch, default_gating = ARCHITECTURES[model.arch]
+    n_mtp = a("nextn_predict_layers", 0) or 0
+    n_layers = a("block_count", required=True) - n_mtp   # NextN layers come after the decoder layers
     rope_dim = a("rope.dimension_count", required=True)
     key_mla, value_mla = a("attention.key_length_mla"), a("attention.value_length_mla")
     # Files written before llama.cpp's absorbed MLA give the per-head dims as key/value_length.
     key_len = key_mla if key_mla is not None else a("attention.key_length", required=True)
     value_len = value_mla if value_mla is not None else a("attention.value_length", required=True)
-    gating = a("expert_gating_func", 1)
+    gating = a("expert_gating_func", default_gating) or default_gating
     if gating not in GATING_FUNCS:
         raise GgufError(f"{model.path}: {model.arch}.expert_gating_func is {gating}; known: {GATING_FUNCS}")
     vocab = a("vocab_size")
@@ -268,7 +291,7 @@ def config_from_metadata(model: GgufModel) -> dict:
         tokens = model.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else model.info("token_embd.weight").shape[0]
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "architectures": [hf_arch], "model_type": model_type,
         "vocab_size": vocab, "hidden_size": a("embedding_length", required=True),
         "intermediate_size": a("feed_forward_length", required=True),
         "moe_intermediate_size": a("expert_feed_forward_length", required=True),
@@ -287,8 +310,17 @@ def config_from_metadata(model: GgufModel) -> dict:
         "rms_norm_eps": _f32(a("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": a("context_length", 4096), "rope_theta": _f32(a("rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(model), "hidden_act": "silu", "attention_bias": False,
-        "tie_word_embeddings": "output.weight" not in model, "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": "output.weight" not in model, "num_nextn_predict_layers": n_mtp,
     }
+    if model_type == "glm_moe_dsa":
+        config.update(index_n_heads=a("attention.indexer.head_count", required=True),
+                      index_head_dim=a("attention.indexer.key_length", required=True),
+                      index_topk=a("attention.indexer.top_k", required=True))
+        types = a("attention.indexer.types")
+        if types is None and config["max_position_embeddings"] >= GLM_5_2_CONTEXT:
+            raise GgufError(f"{model.path}: {model.arch}.attention.indexer.types is missing (a GLM-5.2 file "
+                            "names its full and shared indexer layers)")
+        config["indexer_types"] = ["full" if t else "shared" for t in (types or [True] * n_layers)][:n_layers]
     for key, field in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if model.value(field) is not None:
             config[key] = int(model.value(field))
@@ -420,7 +452,7 @@ def check_tensors(model: GgufModel) -> None:
     GGUF name), before any weight is read."""
     c = model.config
     need = ["token_embd.weight", "output_norm.weight"]
-    for i in range(c["num_hidden_layers"]):
+    for i in range(c["num_hidden_layers"]):   # NextN layers are checked by the model as it loads them
         p = f"blk.{i}."
         need += [p + n for n in ("attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight",
                                  "attn_kv_a_norm.weight", "attn_output.weight")]

@@ -18,10 +18,11 @@
    file as ``<name>.llama_logits.npy`` with the prompt in ``prompt.json``, and llama.cpp's own
    tokenization of a probe text (the tokenizer's oracle).
 
-Two shapes, small enough that every file together stays under 2 MB: ``float`` (hidden 64, a
-leading dense layer and a MoE layer, tied embeddings: no ``output`` tensor) and ``quant`` (one MoE
+Three shapes, small enough that every file together stays under 2 MB: ``float`` (hidden 32, a
+leading dense layer and a MoE layer, tied embeddings: no ``output`` tensor), ``quant`` (one MoE
 layer; hidden, intermediate, q_lora and kv_lora 256: llama.cpp writes K- and IQ-quants only for
-rows that are a multiple of 256).
+rows that are a multiple of 256) and ``glm`` (GLM-5, ``glm-dsa``: ``float`` with the DSA indexer
+and a NextN layer; BF16 only; its pre-tokenizer mapped to "glm4").
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ COMMON = dict(
     tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0, torch_dtype="float32",
 )
 SHAPES = {
-    "float": dict(COMMON, tie_word_embeddings=True, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, q_lora_rank=48,
-                  kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+    "float": dict(COMMON, tie_word_embeddings=True, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                  q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
     "quant": dict(COMMON, num_hidden_layers=1, first_k_dense_replace=0, hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256,
                   kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, rope_scaling=None),
 }
+# GLM-5: the DSA indexer choosing index_topk keys (fewer than the prompt's tokens, so it matters;
+# llama.cpp rotates indexer heads with a Hadamard matrix of 64 or more), a NextN layer.
+SHAPES["glm"] = dict(SHAPES["float"], architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+                     rope_scaling=None, index_topk=16, index_n_heads=2, index_head_dim=64,
+                     num_nextn_predict_layers=1)
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"]   # what llama.cpp's GLM vocab looks up
 # llama_ftype values (llama.h)
 FTYPES = {"Q4_K_M": 15, "IQ2_XXS": 19}
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
@@ -83,9 +90,18 @@ def hf_shapes(config: dict) -> dict[str, tuple]:
     shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (V, D)
-    for i in range(config["num_hidden_layers"]):
+    n_mtp = config["num_nextn_predict_layers"]
+    for i in range(config["num_hidden_layers"] + n_mtp):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        if i >= config["num_hidden_layers"]:
+            shapes.update({p + "enorm.weight": (D,), p + "hnorm.weight": (D,), p + "eh_proj.weight": (D, 2 * D),
+                           p + "shared_head.norm.weight": (D,)})
+        if config["model_type"] == "glm_moe_dsa":
+            nh, hd = config["index_n_heads"], config["index_head_dim"]
+            shapes.update({a + "indexer.wq_b.weight": (nh * hd, q_lora), a + "indexer.wk.weight": (hd, D),
+                           a + "indexer.k_norm.weight": (hd,), a + "indexer.k_norm.bias": (hd,),
+                           a + "indexer.weights_proj.weight": (nh, D)})
         shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
                        a + "kv_a_proj_with_mqa.weight": (kv_lora + rope, D), a + "kv_a_layernorm.weight": (kv_lora,),
                        a + "kv_b_proj.weight": (H * (nope + v), kv_lora), a + "o_proj.weight": (D, H * v)})
@@ -110,7 +126,7 @@ def hf_shapes(config: dict) -> dict[str, tuple]:
     return shapes
 
 
-def write_tokenizer(path: str) -> int:
+def write_tokenizer(path: str, extra_specials=()) -> int:
     """A byte-level BPE trained on a few sentences (deterministic), DeepSeek-V3's pre-tokenizer;
     returns its vocabulary size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -123,6 +139,7 @@ def write_tokenizer(path: str) -> int:
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TRAINING_TEXT], trainer)
+    tok.add_special_tokens(list(extra_specials))
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
@@ -134,7 +151,7 @@ def write_checkpoint(path: str, shape: str, seed: int) -> dict:
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    vocab = write_tokenizer(path)
+    vocab = write_tokenizer(path, GLM_SPECIALS if shape == "glm" else ())
     config = dict(SHAPES[shape], vocab_size=vocab, bos_token_id=0, eos_token_id=1)
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -160,14 +177,14 @@ sys.path.insert(0, {root!r})
 sys.argv = ["convert_hf_to_gguf.py"] + {args!r}
 import convert_hf_to_gguf as convert
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "deepseek-v3"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
 convert.main()
 """
 
 
-def convert(llama_cpp: str, hf_dir: str, out: str, outtype: str) -> None:
+def convert(llama_cpp: str, hf_dir: str, out: str, outtype: str, pre: str = "deepseek-v3") -> None:
     env = dict(os.environ, PYTHONPATH=os.path.join(llama_cpp, "gguf-py"))
-    code = CONVERT.format(root=llama_cpp, args=[hf_dir, "--outfile", out, "--outtype", outtype])
+    code = CONVERT.format(root=llama_cpp, args=[hf_dir, "--outfile", out, "--outtype", outtype], pre=pre)
     subprocess.run([sys.executable, "-c", code], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -218,10 +235,14 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         made = []
-        for shape, seed in (("float", 1), ("quant", 2)):
+        for shape, seed in (("float", 1), ("quant", 2), ("glm", 3)):
             hf = os.path.join(tmp, shape)
             write_checkpoint(hf, shape, seed)
-            if shape == "float":
+            if shape == "glm":
+                out = os.path.join(args.out, "tiny-glm-bf16.gguf")
+                convert(args.llama_cpp, hf, out, "bf16", pre="glm4")
+                made.append(out)
+            elif shape == "float":
                 for outtype in ("f32", "bf16"):
                     out = os.path.join(args.out, f"tiny-{outtype}.gguf")
                     convert(args.llama_cpp, hf, out, outtype)
@@ -238,8 +259,11 @@ def main():
         ids = [0] + Tokenizer.from_file(os.path.join(tmp, "float", "tokenizer.json")).encode(PROMPT).ids
         import llama_cpp
 
-        llm = llama_cpp.Llama(made[0], n_ctx=64, vocab_only=True, verbose=False)
-        probe_ids = llm.tokenize(PROBE.encode(), add_bos=False, special=True)
+        probe_ids = {}
+        for out in (made[0], made[-1]):   # the DeepSeek-V3 and the GLM-5 pre-tokenizers
+            llm = llama_cpp.Llama(out, n_ctx=64, vocab_only=True, verbose=False)
+            probe_ids[os.path.basename(out)[:-len(".gguf")]] = llm.tokenize(PROBE.encode(), add_bos=False,
+                                                                            special=True)
         with open(os.path.join(args.out, "prompt.json"), "w") as f:
             json.dump({"text": PROMPT, "ids": ids, "probe": PROBE, "probe_llama_ids": probe_ids}, f,
                       ensure_ascii=False)
