@@ -2,10 +2,11 @@
 
 A model is one ``.gguf`` file, or a set of split files ``<name>-0000N-of-0000M.gguf`` (given as
 their directory or as any one of them: metadata lives in the first, tensors in all), read with the
-``gguf`` package's memory-mapped ``GGUFReader``. llama.cpp's ``deepseek2`` architecture
-(DeepSeek-V3/R1, Kimi-K2) is supported; its metadata is mapped onto the Hugging Face config.json
-keys :class:`ModelArgs` reads (:func:`config_from_metadata`), its tensors onto the Hugging Face
-names the model takes (:data:`LAYER_TENSORS`).
+``gguf`` package's memory-mapped ``GGUFReader``. llama.cpp's ``deepseek2`` (DeepSeek-V3/R1,
+Kimi-K2) and ``glm-dsa`` (GLM-5: the DSA indexer, NextN layers) architectures are supported; their
+metadata is mapped onto the Hugging Face config.json keys :class:`ModelArgs` reads
+(:func:`config_from_metadata`), their tensors onto the Hugging Face names the model takes
+(:data:`LAYER_TENSORS`).
 
 GGUF lists a tensor's dimensions innermost first (``ne0`` is the row length); shapes here are
 numpy's, row length last. A quantized tensor stays a QTensor of its GGUF fmt
@@ -273,7 +274,7 @@ def _f32(value) -> float:
 
 
 def config_from_metadata(model: GgufModel) -> dict:
-    """The Hugging Face config.json of a deepseek2 GGUF model, from its metadata."""
+    """The Hugging Face config.json of a GGUF model, from its metadata."""
     a = model.arch_value
     model_type, hf_arch, default_gating = ARCHITECTURES[model.arch]
     n_mtp = a("nextn_predict_layers", 0) or 0
