@@ -302,3 +302,21 @@ def test_missing_tensor_named(tmp_path):
     rewrite(fixture("tiny-f32"), path, lambda t: {k: v for k, v in t.items() if k != "blk.1.ffn_up_exps.weight"})
     with pytest.raises(GgufError, match="missing tensor 'blk.1.ffn_up_exps.weight'"):
         our_logits(path)
+
+
+def test_reader_reads_what_gguf_reads():
+    """The loader's reader (a plain-array view of the memory map) against ``gguf.GGUFReader``."""
+    import gguf
+
+    from colibri_mlx.models.gguf_checkpoint import reader_class
+
+    for name in ("tiny-glm-bf16", "tiny-iq2_xxs"):
+        ours, theirs = reader_class()(fixture(name)), gguf.GGUFReader(fixture(name))
+        assert list(ours.fields) == list(theirs.fields)
+        for key, field in theirs.fields.items():
+            assert ours.fields[key].contents() == field.contents(), key
+            assert ours.fields[key].types == field.types, key
+        assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in ours.tensors] == \
+            [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)), a.name

@@ -138,6 +138,37 @@ def gguf_files(path) -> list[str]:
     return files
 
 
+_reader_class = None
+
+
+def reader_class():
+    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map: slicing an
+    ``np.memmap`` builds a memmap object per slice, and the reader slices twice per string of the
+    vocabulary and merges arrays (four times faster on a 130k-token vocabulary, the same
+    fields and tensors)."""
+    global _reader_class
+    if _reader_class is None:
+        import gguf
+
+        itemsizes: dict = {}
+
+        class Reader(gguf.GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                plain = self.__dict__.get("_plain")
+                if plain is None:
+                    plain = self._plain = self.data.view(np.ndarray)
+                count = int(count)
+                size = itemsizes.get(dtype)
+                if size is None:
+                    size = itemsizes[dtype] = np.dtype(dtype).itemsize
+                arr = plain[offset:offset + size * count].view(dtype)[:count]
+                order = self.byte_order if override_order is None else override_order
+                return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+        _reader_class = Reader
+    return _reader_class
+
+
 @dataclass(frozen=True)
 class GgufTensorInfo:
     name: str
@@ -157,8 +188,6 @@ class GgufModel:
     the loader, the expert store and ``inspect`` read it through."""
 
     def __init__(self, path):
-        import gguf
-
         self.files = gguf_files(path)
         self.path = self.files[0]
         self.usage_path = self.path + ".coli_usage"
@@ -166,7 +195,7 @@ class GgufModel:
         self.tensors: dict[str, GgufTensorInfo] = {}
         for i, file in enumerate(self.files):
             try:
-                reader = gguf.GGUFReader(file, "r")
+                reader = reader_class()(file, "r")
             except Exception as e:   # the reader's struct / numpy errors on a damaged header
                 detail = " ".join(str(e).split())[:160]
                 raise GgufError(f"{file}: not a readable GGUF file ({type(e).__name__}: {detail}); a truncated "
