@@ -11,10 +11,15 @@ from colibri_mlx import kernels
 from colibri_mlx.formats import QTensor
 from colibri_mlx.formats.gguf_quant import GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
 from colibri_mlx.kernels import dispatch, gguf_formats
-from helpers_gguf import fixtures, random_gguf_qtensor, random_gguf_raw
-from test_gguf_quant import assert_bits_equal
+from helpers_gguf import assert_bits_equal, fixtures, random_gguf_qtensor, random_gguf_raw
 
-mx.set_default_device(mx.cpu)   # bit-equality to numpy holds for MLX's CPU float32 arithmetic
+
+@pytest.fixture(autouse=True)
+def cpu():
+    """Bit-equality to numpy is a property of MLX's CPU float32 arithmetic (a GPU may contract
+    ``a * b - c`` into one rounding)."""
+    with mx.stream(mx.cpu):
+        yield
 
 
 @pytest.fixture
