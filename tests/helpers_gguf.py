@@ -26,6 +26,14 @@ FP16_FIELDS = {
 }
 
 
+def assert_bits_equal(mine, ref):
+    """float32 arrays equal bit for bit (any NaN matches any NaN)."""
+    mine, ref = np.asarray(mine), np.asarray(ref)
+    assert mine.dtype == np.float32 and ref.dtype == np.float32 and mine.shape == ref.shape
+    same = (mine.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(mine) & np.isnan(ref))
+    assert same.all(), f"{(~same).sum()} of {same.size} values differ, first at {np.argwhere(~same)[0]}"
+
+
 def fixtures() -> dict:
     with np.load(FIXTURES) as f:
         return {k: f[k] for k in f.files}

@@ -10,14 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from colibri_mlx.formats import FormatError
 from colibri_mlx.formats import gguf_quant as gq
 from colibri_mlx.formats.gguf_quant import GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
-from helpers_gguf import fixture_keys, fixtures, random_gguf_raw
-
-
-def assert_bits_equal(mine, ref):
-    mine, ref = np.asarray(mine), np.asarray(ref)
-    assert mine.dtype == np.float32 and ref.dtype == np.float32 and mine.shape == ref.shape
-    same = (mine.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(mine) & np.isnan(ref))
-    assert same.all(), f"{(~same).sum()} of {same.size} values differ, first at {np.argwhere(~same)[0]}"
+from helpers_gguf import assert_bits_equal, fixture_keys, fixtures, random_gguf_raw
 
 
 def random_rows(t, rows=6, blocks=3, seed=0):

@@ -64,6 +64,16 @@ def _rows_2d(qt) -> mx.array:
     return _mx(qt.packed).reshape(qt.O, -1)
 
 
+def _packed_rows(qt, idx) -> mx.array:
+    """Byte rows ``idx`` (a slice or an index array) of ``qt``. Weights held in numpy (memory-mapped
+    from the file) are indexed there first, so only those rows are read and copied."""
+    if isinstance(qt.packed, mx.array):
+        return qt.packed.reshape(qt.O, -1)[idx]
+    if isinstance(idx, mx.array):
+        idx = np.array(idx)
+    return mx.array(np.ascontiguousarray(np.asarray(qt.packed).reshape(qt.O, -1)[idx]))
+
+
 def kernel_weights(qt) -> mx.array:
     """The stored blocks as one flat uint8 array (a view, no copy)."""
     return _mx(qt.packed).reshape(-1)
@@ -73,7 +83,7 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
     """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of a GGUF QTensor (MLX ops; on the CPU
     bit-equal to ggml's dequantization)."""
     t = gguf_type(qt)
-    blocks = _rows_2d(qt)[r0:r1].reshape(-1, t.type_size)
+    blocks = _packed_rows(qt, slice(r0, r1)).reshape(-1, t.type_size)
     return DECODERS[t.name].dequantize_blocks(blocks, MLX).reshape(r1 - r0, qt.I)
 
 
@@ -85,7 +95,7 @@ def _with_packed(qt, packed: mx.array, O: int, name: str):
 
 def take_rows_lazy(qt, idx: mx.array):
     """Rows ``idx`` of ``qt`` (repeats allowed), not evaluated."""
-    return _with_packed(qt, _rows_2d(qt)[idx], int(idx.size), qt.name)
+    return _with_packed(qt, _packed_rows(qt, idx), int(idx.size), qt.name)
 
 
 def take_rows(qt, idx: mx.array):
@@ -97,7 +107,8 @@ def take_rows(qt, idx: mx.array):
 
 def rows(qt, r0: int, r1: int):
     """Rows ``r0:r1`` of ``qt`` (a slice, no copy)."""
-    return _with_packed(qt, _rows_2d(qt)[r0:r1], r1 - r0, qt.name)
+    packed = qt.packed if isinstance(qt.packed, mx.array) else np.asarray(qt.packed)
+    return _with_packed(qt, packed.reshape(qt.O, -1)[r0:r1], r1 - r0, qt.name)
 
 
 def concat_rows(weights):

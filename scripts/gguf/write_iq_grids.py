@@ -11,9 +11,9 @@ to the byte tables ggml reads at import.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
-import sys
 import textwrap
 
 GRIDS = {   # name: (word bytes, levels in ggml's byte encoding, dtype of the expanded table)
@@ -34,7 +34,9 @@ def read_table(header: str, name: str) -> list[int]:
 
 
 def main() -> None:
-    header = open(sys.argv[1]).read()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("header", help="llama.cpp's ggml/src/ggml-common.h")
+    header = open(ap.parse_args().header).read()
     out = [
         '"""The IQ types\' grids, from llama.cpp\'s ggml-common.h (written by scripts/gguf/write_iq_grids.py).',
         "",
