@@ -116,9 +116,11 @@ def test_quantized_files_against_llama_cpp(name):
 # ------------------------------------------------------------------------------ rewritten files
 
 
-def rewrite(src: str, dst: str, transform=None, split_max_tensors: int = 0, arch: str | None = None) -> None:
+def rewrite(src: str, dst: str, transform=None, split_max_tensors: int = 0, arch: str | None = None,
+            fields: dict | None = None) -> None:
     """Write the F32 GGUF ``src`` again (to ``dst``) with gguf's writer: ``transform(tensors)``
-    edits the ``{name: float32 array}`` dict; ``split_max_tensors`` splits the file."""
+    edits the ``{name: float32 array}`` dict; ``split_max_tensors`` splits the file; ``fields``
+    replaces metadata values."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -133,7 +135,7 @@ def rewrite(src: str, dst: str, transform=None, split_max_tensors: int = 0, arch
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
+        value = (fields or {}).get(key, field.contents())
         if arch is not None and key.startswith("deepseek2."):
             key = arch + key[len("deepseek2"):]
         writer.add_key_value(key, value, vtype, sub)
@@ -293,6 +295,21 @@ def test_unknown_architecture(tmp_path):
     rewrite(fixture("tiny-f32"), path, arch="llama")
     with pytest.raises(GgufError, match="general.architecture is 'llama'; colibri reads deepseek2"):
         our_logits(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("deepseek2.expert_gating_func", 1, "expert_gating_func is 1 .softmax routing: DeepSeek-V2.; colibri runs sigmoid"),
+    ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'; colibri knows"),
+    ("tokenizer.ggml.model", "llama", "tokenizer.ggml.model is 'llama'"),
+])
+def test_unsupported_metadata_named(tmp_path, key, value, message):
+    import colibri_mlx
+
+    path = str(tmp_path / "m.gguf")
+    rewrite(fixture("tiny-f32"), path, fields={key: value})
+    with pytest.raises(ValueError, match=message) as e:
+        colibri_mlx.load(path)
+    assert path in str(e.value)
 
 
 def test_missing_tensor_named(tmp_path):

@@ -314,8 +314,12 @@ def config_from_metadata(model: GgufModel) -> dict:
     key_len = key_mla if key_mla is not None else a("attention.key_length", required=True)
     value_len = value_mla if value_mla is not None else a("attention.value_length", required=True)
     gating = a("expert_gating_func", default_gating) or default_gating
-    if gating not in GATING_FUNCS:
-        raise GgufError(f"{model.path}: {model.arch}.expert_gating_func is {gating}; known: {GATING_FUNCS}")
+    if GATING_FUNCS.get(gating) != "sigmoid":
+        what = "softmax routing: DeepSeek-V2" if gating == 1 else "unknown"
+        raise GgufError(f"{model.path}: {model.arch}.expert_gating_func is {gating} ({what}); colibri runs sigmoid "
+                        "routing (DeepSeek-V3/R1, Kimi-K2, GLM-5)" + ("" if model.value(
+                            f"{model.arch}.expert_gating_func") is not None else " (the key is absent: llama.cpp "
+                            "reads softmax)"))
     vocab = a("vocab_size")
     if vocab is None:
         tokens = model.fields.get("tokenizer.ggml.tokens")
@@ -382,7 +386,8 @@ def model_args(model: GgufModel):
     try:
         return ModelArgs.from_config(model.config)
     except (ValueError, ConfigError) as e:
-        raise GgufError(f"{model.path}: its metadata does not describe a model colibri runs: {e}") from None
+        detail = str(e).removeprefix("config.json: ")
+        raise GgufError(f"{model.path}: its metadata does not describe a model colibri runs: {detail}") from None
 
 
 # ----------------------------------------------------------------------------------- weights
