@@ -74,9 +74,9 @@ def test_rows_step_params_and_mask():
     model_kv = mx.zeros((1, 16, 48))
     kv_b = mx.zeros((2 * 32, 32))
     one = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 9, joint=True))
-    four = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 12, joint=True, rows=4, masked=True))
+    four = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 12, joint=True, rows=4, causal=True))
     assert (one[5], one[6], one[9], one[13]) == (16, 9, 1, 0)
-    assert (four[5], four[6], four[9], four[13]) == (16, 12, 4, 1)
+    assert (four[5], four[6], four[9], four[13]) == (16, 12, 4, mla.CAUSAL)
 
 
 @pytest.mark.parametrize("draft", ["mtp", "ngram"])
@@ -111,7 +111,7 @@ def _rows_step(model, start, L, index=0):
     width = attn.kv_lora_rank + attn.rope_dim
     cache.append("kv", mx.array(rng.standard_normal((1, start, width)).astype(np.float32)), 0)
     kv, params = attn.step_inputs(x, cache, start, {})
-    return layer._rows_step(x, mx.array(start, dtype=mx.int32), kv, params)
+    return layer._rows_step(x, mx.arange(start, start + L, dtype=mx.int32), kv, params)
 
 
 @pytest.mark.msl

@@ -1227,16 +1227,16 @@ def test_mla_decode_with_q_proj_equals_projected_queries(metal, variant):
 
 
 def test_mla_qb_qabs_declines_visibly(metal):
-    """q_b in fmt 6 (its input is rotated first) or two query rows: q_b's GEMV and mla_qabs
-    run, counted under the reason."""
+    """q_b in fmt 6 (its input is rotated first) or more query rows than a verify step's: q_b's
+    GEMV and mla_qabs run, counted under the reason."""
     args, q_b6, q_latent = qb_case(qfmt=6, q_lora=256, seed=4)
     _, _, latent, k_rope, kv_b, scale, _, nope, v = args
     kernels.reset_counters()
     mla.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b6))
     assert any("q_b fmt 6" in k for k in kernels.counters()["fallbacks"]), kernels.counters()
     args, q_b, _ = qb_case(seed=5)
-    two = mx.zeros((2, 1, 96), mx.float32)
-    assert "2 query rows" in mla.qb_decline_reason(two, q_b, 4, 16)
+    nine = mx.zeros((1, 9, 96), mx.float32)
+    assert "9 query rows" in mla.qb_decline_reason(nine, q_b, 4, 16)
 
 
 MLA_QB_DEFECTS = {
