@@ -105,7 +105,8 @@ class MTPDraft:
 
     def observe(self, hidden: mx.array, next_tokens: Sequence[int]) -> None:
         """The main model's normed hidden states of the rows it kept, and the tokens after them."""
-        self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)]), self.cache)
+        self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)], dtype=mx.int32), self.cache,
+                                        last_only=True)
 
     def propose(self, k: int, choose) -> tuple[list, list]:
         """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
@@ -118,7 +119,8 @@ class MTPDraft:
             drafts.append(token)
             qs.append(q)
             if j + 1 < k:
-                step_logits, x = self.head(x, mx.array(token).reshape(1, 1), self.cache)
+                token = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], dtype=mx.int32)
+                step_logits, x = self.head(x, token, self.cache, last_only=True)
                 logits = step_logits[0, -1]
         self.cache.offset = start   # the drafts' rows are rewritten by the next observe
         return drafts, qs
@@ -172,11 +174,7 @@ class Acceptor:
         """Kept drafts plus the model's own token, from the verify logits ``[k + 1, V]``.
         ``qs[j]`` None means a deterministic draft (one-hot q)."""
         if self.greedy:
-            targets = np.array(mx.argmax(logits, axis=-1)).tolist()
-            m = 0
-            while m < len(drafts) and drafts[m] == targets[m]:
-                m += 1
-            return list(drafts[:m]) + [targets[m]]
+            return greedy_accept(np.array(mx.argmax(logits, axis=-1)).tolist(), drafts)
         out: list[int] = []
         for j, d in enumerate(drafts):
             p = self.probs(logits[j], out)
@@ -197,7 +195,34 @@ class Acceptor:
         return out
 
 
+def greedy_accept(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The drafts that equal the model's argmax ``targets`` (one a row of the verify step), up to
+    the first that does not, then the model's own token."""
+    m = 0
+    while m < len(drafts) and drafts[m] == targets[m]:
+        m += 1
+    return list(drafts[:m]) + [targets[m]]
+
+
 # ----------------------------------------------------------------------------- generation
+
+
+def verify_head(model):
+    """The final norm and the head of a verify step's rows as one compiled graph (kernels.compiled,
+    per row count): ``x [1, L, D] -> (normed x, float32 logits [1, L, V])``. Kept on the model."""
+    block = getattr(model, "verify_head", None)
+    if block is None:
+        from .models.deepseek_v3 import stream_norm
+
+        eps = model.args.rms_norm_eps
+
+        def head(x):
+            h = stream_norm(x, model.norm, eps)
+            return h, kernels.qmatmul(h, model.lm_head, out_dtype=mx.float32)
+
+        block = model.verify_head = kernels.compiled.CompiledBlock(head, "verify_head")
+    return block
+
 
 
 def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, seed, cache, stop_ids,
@@ -205,7 +230,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     """:func:`generate.generate_tokens` with speculation (same tokens when greedy, same
     distribution when sampling; same stats plus ``draft_*`` counts and the cache left holding
     the prompt and every generated token but the last)."""
-    from .models.deepseek_v3 import rms_norm
+    from .models.deepseek_v3 import DECODE_ROWS, rms_norm
 
     limit = model.max_length
     stop = set(int(s) for s in stop_ids)
@@ -214,8 +239,13 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     counts = DraftStats()
     eps = model.args.rms_norm_eps
 
+    head = verify_head(model)
+
     def verify(rows, last_only=False):
-        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows]), cache)
+        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows], dtype=mx.int32), cache)
+        if not last_only and x.shape[1] <= DECODE_ROWS:
+            h, logits = head(x)
+            return h, logits[0]
         h = rms_norm(x, model.norm, eps)
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
@@ -253,14 +283,17 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
             qs = [None] * len(drafts)
         else:
             drafts, qs = [], []
-        if drafts and isinstance(drafts[0], mx.array):    # lazy greedy drafts: read with the logits
+        if drafts and isinstance(drafts[0], mx.array):
+            # Lazy greedy drafts: drafted, verified and the model's argmax taken in one graph,
+            # read in one host round trip (drafts and targets together).
             lazy = mx.stack([d.astype(mx.int32) for d in drafts])
             h, logits = verify(mx.concatenate([mx.array([out[-1]], dtype=mx.int32), lazy])[None])
-            mx.eval(logits, lazy)
-            drafts = np.array(lazy).tolist()
+            both = np.array(mx.concatenate([lazy, mx.argmax(logits, axis=-1).astype(mx.int32)])).tolist()
+            drafts = both[:len(drafts)]
+            out = greedy_accept(both[len(drafts):], drafts)
         else:
             h, logits = verify([out[-1]] + drafts)
-        out = acceptor.accept(logits, drafts, qs)
+            out = acceptor.accept(logits, drafts, qs)
         counts.steps += 1
         counts.proposed += len(drafts)
         counts.accepted += len(out) - 1

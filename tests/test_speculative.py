@@ -536,3 +536,41 @@ def test_drafts_refused_under_several_ranks():
         with pytest.raises(ValueError, match="one process"):
             resolve_draft(model, draft)
     assert resolve_draft(model, None) == "none" and resolve_draft(model, "none") == "none"
+
+
+@pytest.mark.msl
+@pytest.mark.parametrize("L", [1, 3])
+def test_mtp_step_graph_kernel_path_equals_reference(models, monkeypatch, L):
+    """The MTP layer's compiled draft step (MTPHead._step: embedding gathered on the device,
+    eh_proj, the layer's 1-row or verify-rows step, the head of the last row) with every launch
+    in the MSL simulator equals the reference path's op-by-op call, cache rows included."""
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    simulator = simulator_or_skip()
+    model = models["v3"]
+    head = mtp_head(model)
+    D = model.args.hidden_size
+    rng = np.random.default_rng(1)
+    seen_h = mx.array(rng.standard_normal((1, 6, D)).astype(np.float32))
+    h = mx.array(rng.standard_normal((1, L, D)).astype(np.float32))
+    tokens = mx.array([[7, 8, 9][:L]], dtype=mx.int32)
+
+    def draft_step(kernel_graph):
+        cache = head.make_cache()
+        head(seen_h, mx.array([[1, 2, 3, 4, 5, 6]]), cache)
+        if not kernel_graph:
+            logits, x = head(h, tokens, cache, last_only=True)
+            return logits, x, cache.layers[0].buffers["kv"][:, :6 + L]
+        kv, params = head.layer.layer.self_attn.step_inputs(h, cache.layers[0], 6)
+        slots = mx.array(6, dtype=mx.int32) if L == 1 else mx.arange(6, 6 + L, dtype=mx.int32)
+        logits, x, kv = head._step(h, tokens, slots, kv, params)
+        return logits, x, kv[:, :6 + L]
+
+    want = [np.array(a) for a in draft_step(False)]
+    launched = route_launches_to_simulator(monkeypatch, simulator)
+    got = [np.array(a) for a in draft_step(True)]
+    assert {"qgemv", "mla_rows_into", "mla_qb_qabs", "moe_gate_up"} <= set(launched), launched
+    assert got[0].shape == want[0].shape == (1, 1, model.args.vocab_size)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max())
+    assert (got[0].argmax(-1) == want[0].argmax(-1)).all()

@@ -223,6 +223,9 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
         return mlx_embedding_rows(table, ids)
     if table.fmt == 6:
         raise ValueError(f"{table.name}: an fmt 6 (rotated) embedding table cannot be looked up by row")
+    if isinstance(ids, mx.array) and table.fmt in kernels.reference.GATHER_FMTS:
+        # On the device: a speculative draft's token is looked up without a host round trip.
+        return kernels.reference.dequantize_take(table, ids)
     row_bytes = weight_nbytes(table.fmt, 1, table.I, table.gs)
     row_scales = scale_nbytes(table.fmt, 1, table.I, table.gs) // 4
     flat = np.array(ids).reshape(-1)
