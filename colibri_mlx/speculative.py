@@ -39,6 +39,7 @@ DRAFT_KINDS = ("mtp", "ngram", "none")
 DEFAULT_NUM_DRAFT = 3
 MAX_NUM_DRAFT = 7        # a verify step feeds 1 + num_draft rows; the decode paths take 8
 NGRAM_MAX = 3
+ADAPTIVE_VAR = "COLIBRI_ADAPTIVE_DRAFT"   # 1 (default): MTP drafts per step follow acceptance; 0: always num_draft
 
 
 def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) -> str:
@@ -124,6 +125,31 @@ class MTPDraft:
                 logits = step_logits[0, -1]
         self.cache.offset = start   # the drafts' rows are rewritten by the next observe
         return drafts, qs
+
+
+class DraftLength:
+    """MTP drafts per step, between 1 and ``num_draft``: one more after a step that kept every
+    draft, one fewer after a step that did not (the schedule of Hugging Face's assisted
+    generation, by ones). Each MTP draft costs a step of the MTP layer whether it is kept or
+    not, so while few are kept fewer are drafted. Verification is exact for any count, so greedy
+    output stays token for token and sampling stays in distribution."""
+
+    def __init__(self, num_draft: int, adaptive: bool = True):
+        self.max = num_draft
+        self.adaptive = adaptive
+        self.k = num_draft
+
+    def update(self, proposed: int, kept: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        self.k = min(self.k + 1, self.max) if kept == proposed else max(self.k - 1, 1)
+
+
+def adaptive_drafts() -> bool:
+    value = (kernels.dispatch.getenv(ADAPTIVE_VAR) or "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ADAPTIVE_VAR}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -250,6 +276,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
     mtp = MTPDraft(model, cache) if draft == "mtp" else None
+    length = DraftLength(num_draft, adaptive=draft == "mtp" and adaptive_drafts())
     t0 = time.perf_counter()
     h, logits = verify(prompt_ids, last_only=True)
     out = acceptor.accept(logits, [], [])
@@ -275,7 +302,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
                 return
         P = cache.offset   # out[-1]'s position
         room = min(max_tokens - n, limit - P)   # rows this step may feed (>= 1)
-        k = min(num_draft, room - 1)
+        k = min(length.k, room - 1)
         if draft == "mtp" and k > 0:
             drafts, qs = mtp.propose(k, acceptor.choose)
         elif draft == "ngram" and k > 0:
@@ -297,6 +324,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         counts.steps += 1
         counts.proposed += len(drafts)
         counts.accepted += len(out) - 1
+        length.update(len(drafts), len(out) - 1)
         cache.offset = P + len(out)     # out[-1] and the kept drafts; rejected rows are rolled back
         base = P + 1
         if mtp is not None:

@@ -848,11 +848,11 @@ class MTPLayer:
 def commits_layers(L: int) -> bool:
     """Whether a forward pass of ``L`` rows hands each decode layer to the device as soon as it is
     built (``mx.async_eval`` of its output and cache buffers), so the GPU runs layer i while
-    Python builds layer i + 1: one decode row on a GPU backend. On the H200 that was faster than
-    one compiled graph for the whole step (every layer and the head) in two independent runs:
-    1.36 against 1.64 ms/token, and 1.65 against 1.85. On the CPU the step is built whole and
-    evaluated by the caller."""
-    return L == 1 and kernels.dispatch.gpu_backend() is not None
+    Python builds layer i + 1: decode rows (one, or a verify step's up to DECODE_ROWS) on a GPU
+    backend. For one row on the H200 that was faster than one compiled graph for the whole step
+    (every layer and the head) in two independent runs: 1.36 against 1.64 ms/token, and 1.65
+    against 1.85. On the CPU the step is built whole and evaluated by the caller."""
+    return L <= DECODE_ROWS and kernels.dispatch.gpu_backend() is not None
 
 
 class Model:
@@ -893,7 +893,8 @@ class Model:
 
     def __call__(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
         x = self.hidden_states(tokens, cache, left_padding)
-        return self._compiled_head(x) if x.shape[1] == 1 else self.head(x)
+        # Decode rows (one, or a verify step's): the head's graph compiled per row count.
+        return self._compiled_head(x) if x.shape[1] <= DECODE_ROWS else self.head(x)
 
     def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None,
                       x: mx.array | None = None) -> mx.array:

@@ -47,6 +47,17 @@ PASSAGE = ("And it came to pass, when men began to multiply on the face of the e
 SUMMARY_PROMPT = f"{PASSAGE}\n\nTell it again in short: {PASSAGE[:60]}"
 
 
+def step_counts(model, cache, rows: mx.array) -> dict:
+    """The dispatch counters of one forward step of ``rows`` (rolled back): calls per
+    path/implementation, compiled replays included, and fallbacks."""
+    start = cache.offset
+    kernels.reset_counters()
+    mx.eval(model(rows, cache))
+    cache.offset = start
+    counts = kernels.counters()
+    return {"calls": counts["calls"], "fallbacks": counts["fallbacks"]}
+
+
 def step_time(model, cache, rows: mx.array, steps: int) -> float:
     """Median seconds of a forward step of ``rows`` at a fixed context (rolled back each time)."""
     start = cache.offset
@@ -77,10 +88,15 @@ def bench_verify(args, res):
     step_time(model, cache, many, 4)
     t1 = step_time(model, cache, one, args.steps)
     tk = step_time(model, cache, many, args.steps)
+    counts_one, counts_many = step_counts(model, cache, one), step_counts(model, cache, many)
     res["verify"] = {"layers": args.layers, "rows": 1 + args.num_draft, "one_row_ms": t1 * 1e3,
-                     "verify_ms": tk * 1e3, "ratio": tk / t1, "counters": kernels.counters()}
+                     "verify_ms": tk * 1e3, "ratio": tk / t1, "one_row_counts": counts_one,
+                     "verify_counts": counts_many}
     print(f"verify step of 1+{args.num_draft} rows: {tk * 1e3:.2f} ms, 1-row step {t1 * 1e3:.2f} ms: "
           f"{tk / t1:.2f}x (target <= 1.3x on GPU)", flush=True)
+    for name, counts in (("1-row step", counts_one), (f"1+{args.num_draft} verify step", counts_many)):
+        calls = ", ".join(f"{k} {n}" for k, n in counts["calls"].items())
+        print(f"  {name} calls: {calls}; fallbacks: {counts['fallbacks'] or 'none'}", flush=True)
     del model, cache
     kernels.moe.clear_banks()
     mx.clear_cache()
