@@ -211,8 +211,9 @@ def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
     return mx.put_along_axis(buffer, slot.reshape(1, 1, 1), row, axis=1)
 
 
-def embedding_rows(table, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32)."""
+def embedding_rows(table, ids: mx.array, compiled_block: bool = True) -> mx.array:
+    """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32).
+    ``compiled_block`` False: inside a caller's compiled graph (kernels.gather_rows)."""
     if not isinstance(table, QTensor):
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
@@ -225,7 +226,7 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
         raise ValueError(f"{table.name}: an fmt 6 (rotated) embedding table cannot be looked up by row")
     if isinstance(ids, mx.array) and table.fmt in kernels.reference.GATHER_FMTS:
         # On the device: a speculative draft's token is looked up without a host round trip.
-        return kernels.reference.dequantize_take(table, ids)
+        return kernels.gather_rows(table, ids, compiled_block)
     row_bytes = weight_nbytes(table.fmt, 1, table.I, table.gs)
     row_scales = scale_nbytes(table.fmt, 1, table.I, table.gs) // 4
     flat = np.array(ids).reshape(-1)

@@ -53,7 +53,7 @@ class MTPHead:
     def _inputs(self, hidden, next_tokens):
         """``x`` of the decoder layer: eh_proj of the normed embedding and hidden state."""
         layer, dtype = self.layer, self.model.dtype
-        e = embedding_rows(self.embed_tokens, next_tokens).astype(dtype)
+        e = embedding_rows(self.embed_tokens, next_tokens, compiled_block=False).astype(dtype)
         x = mx.concatenate([stream_norm(e, layer.enorm, self.eps),
                             stream_norm(hidden.astype(dtype), layer.hnorm, self.eps)], axis=-1)
         return kernels.qmatmul(x, layer.eh_proj)
