@@ -399,8 +399,9 @@ class Attention:
         [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of the first query row of a single
-        sequence, the rows following it) rotates with ``mx.fast.rope``, one op; without it
-        cos/sin are used.
+        sequence, the rows following it; or int32 ``[L]``, each row's position, consecutive)
+        rotates with ``mx.fast.rope``, one op; without it cos/sin are used. Rows of one sequence
+        with a position each take the decode rows' fast path (mla_rows) as one row does.
         ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate.
         ``cache`` (the joint cache's buffer, with ``rope_offset`` the row's slot): the kernel
         path writes the row into it in place (kernels.mla_rows) and ``kv`` is None.
