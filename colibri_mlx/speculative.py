@@ -108,6 +108,16 @@ class MTPDraft:
         """The main model's normed hidden states of the rows it kept, and the tokens after them."""
         self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)], dtype=mx.int32), self.cache,
                                         last_only=True)
+        self._commit(self.logits)
+
+    @staticmethod
+    def _commit(*arrays) -> None:
+        """On a GPU the device starts on an MTP step while the next one is built (as a decode
+        step's layers are handed over: deepseek_v3.commits_layers)."""
+        from .models.deepseek_v3 import commits_layers
+
+        if commits_layers(1):
+            mx.async_eval(*arrays)
 
     def propose(self, k: int, choose) -> tuple[list, list]:
         """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
@@ -119,6 +129,8 @@ class MTPDraft:
             token, q = choose(logits, drafts)
             drafts.append(token)
             qs.append(q)
+            if isinstance(token, mx.array):
+                self._commit(token)
             if j + 1 < k:
                 token = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], dtype=mx.int32)
                 step_logits, x = self.head(x, token, self.cache, last_only=True)

@@ -602,3 +602,19 @@ def test_greedy_identity_fixed_and_adaptive_draft_length(models, monkeypatch, ad
     model = models["v3"]
     for prompt in PROMPTS[:3]:
         assert tokens_of(model, prompt, 14, draft="mtp", num_draft=4) == tokens_of(model, prompt, 14, draft="none")
+
+
+def test_greedy_identity_with_steps_handed_over_early(models, monkeypatch):
+    """As on a GPU: each decode layer and each MTP step handed to the device as soon as it is
+    built (mx.async_eval, deepseek_v3.commits_layers, here forced on the CPU): the same tokens."""
+    from colibri_mlx.models import deepseek_v3
+
+    model = models["v3"]
+    prompt = PROMPTS[1]
+    want = tokens_of(model, prompt, 12, draft="none")
+    submitted = []
+    real = mx.async_eval
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: L <= deepseek_v3.DECODE_ROWS)
+    monkeypatch.setattr(mx, "async_eval", lambda *a: submitted.append(len(a)) or real(*a))
+    assert tokens_of(model, prompt, 12, draft="mtp", num_draft=3) == want
+    assert submitted
