@@ -490,7 +490,7 @@ def test_bench_script_runs_on_cpu(tmp_path):
     from test_scripts import run_script
 
     out = run_script("scripts/bench/bench_speculative.py", "--tiny", "--experts", "16", "--vocab", "4096", "--steps",
-                     "3", "--gen-tokens", "12", "--out", str(tmp_path / "spec.json"))
+                     "3", "--gen-tokens", "12", "--repeats", "1", "--out", str(tmp_path / "spec.json"))
     assert "verify step of 1+3 rows" in out and "greedy identity with drafts: ok" in out, out
     report = json.loads((tmp_path / "spec.json").read_text())
     assert report["greedy_identity"]["ok"] and report["verify"]["ratio"] > 0
