@@ -262,7 +262,6 @@ def verify_head(model):
     return block
 
 
-
 def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, seed, cache, stop_ids,
                        draft: str, num_draft: int) -> Iterator[tuple[int, dict]]:
     """:func:`generate.generate_tokens` with speculation (same tokens when greedy, same

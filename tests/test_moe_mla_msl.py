@@ -687,7 +687,8 @@ MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
     "chunk staged without a barrier": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (active) {", "    if (active) {"),
     "reduce-scatter keeps the wrong half": ("const float keep = upper ? v[k + w] : v[k];", "const float keep = upper ? v[k] : v[k + w];"),
     "chunk sum misses half the head's lanes": ("psum += simd_shuffle_xor(psum, ushort(4));", ""),
-    "mask ignored in the chunk": ("keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;", "keep = 1;"),
+    "mask ignored in the chunk": ("keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) "
+                                  "? 1 : 0;", "keep = 1;"),
     "positions past the tile end scored": ("      int keep = -1;", "      int keep = 1;"),
 }
 
@@ -727,7 +728,8 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
                                                      "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
     "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
                                            "      const float m_new"),
-    "mask ignored in the chunk": ("        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;\n      }\n      const float sv",
+    "mask ignored in the chunk": ("        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] "
+                                  "!= 0) ? 1 : 0;\n      }\n      const float sv",
                                   "        keep = 1;\n      }\n      const float sv"),
     "write-out tile read before all lanes stored it": (
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",

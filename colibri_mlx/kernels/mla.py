@@ -550,7 +550,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
             source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
-            output_shapes=[(B, L, H * v) if causal else (B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_dtype],
+            output_shapes=[(B, L, H * v) if causal else (B, H, L, v) if L == 1 else (BL, H, v)],
+            output_dtypes=[q_dtype],
             grid=(st.out_threads, H, BL), threadgroup=(st.out_threads, 1, 1), template=st.out_template)
 
     def run(launch):

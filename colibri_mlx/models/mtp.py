@@ -19,7 +19,6 @@ feeds the layer its own output ``x`` as ``h`` (vLLM's recurrent MTP drafting).
 from __future__ import annotations
 
 import mlx.core as mx
-
 import numpy as np
 
 from .. import kernels

@@ -158,7 +158,8 @@ def bench_decode(args, res):
                 same = all(t == want for t, _ in timed)
                 row["identical_to_none"] = same
                 if not same:
-                    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+                    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b),
+                                 min(len(tokens), len(want)))
                     mismatches.append(f"{key}: first differs at token {first}")
             else:
                 reference[prompt_name] = tokens
