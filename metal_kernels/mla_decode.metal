@@ -428,7 +428,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
                                   ROPEQ ? float(qpos[q]) : 0.0f, invf, tid);
   }
 // ==== kernel body: mla_qb_qabs ====
-  // mla_qabs with the q_b projection folded in (one decode row, mla.py): this head's q_nope and
+  // mla_qabs with the q_b projection folded in (decode rows, mla.py): this head's q_nope and
   // q_rope rows of q_b against the q_a row first (mla_qb_head_rows, into threadgroup memory),
   // then q' over all of kv_b's units (one threadgroup a head) and q_rope, as mla_qabs. One
   // launch and q's round trip through memory fewer than q_b's GEMV followed by mla_qabs.

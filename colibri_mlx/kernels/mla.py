@@ -99,7 +99,7 @@ QABS_PARTS = 4
 # more warps take the merge in fewer dependent batches. H200, kernel alone at a 4096 cache:
 # 4 warps 16.6 us, 8 15.1, 16 15.5.
 OUT_WARPS = 8
-# mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
+# mla_qb_qabs (decode rows: the q_b projection folded into mla_qabs, one threadgroup a head and row):
 # its (SIMD groups, q_b rows a SIMD group pass), every unit of a pass loaded before any math;
 # DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone:
 # 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
@@ -638,7 +638,7 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     which the first ``params[6]`` rows are attended. ``rope`` (models/rope.RoPE) and
     ``rope_offset`` (int32 array, the position of a single query row): ``q_rope`` arrives
     unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers).
-    ``q_proj``: ``(q_latent, q_b)`` of one decode row, q_nope / q_rope None: the queries are
+    ``q_proj``: ``(q_latent, q_b)`` of decode rows, q_nope / q_rope None: the queries are
     q_b's projection of q_latent, rows ``[H x nope | H x rope]`` (:func:`project_queries`),
     which the first launch (mla_qb_qabs) computes itself; where it declines (counted) or on the
     reference path, q_b's GEMV runs first.
