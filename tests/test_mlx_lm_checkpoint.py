@@ -212,6 +212,8 @@ def _edit_config(path, edit):
     (lambda c: c["quantization"].update(bits="4"), "integer bits"),
     (lambda c: c["quantization"].update(bits=8), "does not match affine bits=8"),
     (lambda c: c["quantization"].update({"model.layers.0.self_attn.o_proj": False}), "quantization says it is not"),
+    (lambda c: c["quantization"].update({"model.layers.1.mlp.switch_mlp.gate_proj": dict(
+        group_size=16, bits=4, mode="nvfp4", global_scale=True)}), "global_scale is not supported"),
 ])
 def test_bad_quantization_dict_names_the_problem(hf_dirs, tmp_path_factory, tmp_path, edit, message):
     path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
@@ -231,6 +233,28 @@ def test_missing_scales_names_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
     save_file(tensors, shard, metadata={"format": "mlx"})
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'.*"
                                          r"'model\.layers\.0\.self_attn\.o_proj\.scales' is missing"):
+        _ours(path)
+
+
+def test_nvfp4_global_scale_is_refused_naming_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
+    """mlx-lm's per-expert nvfp4 global scale multiplies every weight (as mx.dequantize applies it:
+    checked here), so a checkpoint holding one is refused, not decoded without it."""
+    from safetensors.numpy import load_file, save_file
+
+    w = mx.random.normal((4, 64), key=mx.random.key(1))
+    g = mx.max(mx.abs(w)).astype(mx.float32)
+    q, s = mx.quantize(w, 16, 4, mode="nvfp4", global_scale=g)
+    with_g = mx.dequantize(q, s, None, 16, 4, mode="nvfp4", global_scale=g, dtype=mx.float32)
+    without = mx.dequantize(q, s, None, 16, 4, mode="nvfp4", dtype=mx.float32)
+    assert not mx.allclose(with_g, without)
+
+    path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
+    shard = os.path.join(path, "model.safetensors")
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.switch_mlp.gate_proj.global_scale"
+    tensors[name] = np.ones((tensors["model.layers.1.mlp.switch_mlp.gate_proj.weight"].shape[0],), np.float32)
+    save_file(tensors, shard, metadata={"format": "mlx"})
+    with pytest.raises(ValueError, match=re.escape(repr(name)) + ".*global_scale is not supported"):
         _ours(path)
 
 
