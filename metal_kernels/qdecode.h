@@ -394,7 +394,7 @@ inline void qd_xs8(const device T* xs, int I, int u, int k0, thread float* o) {
 // fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
 // is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
 // 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
-// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); qd_seg_dots_nib applies 2^24, 1/16 and -8.
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); qd_seg_dots_sum_x applies 2^24, 1/16 and -8.
 inline void qd_nib8_sub(uint b, thread float* q) {
   const uint b8 = b >> 8;
   const float2 f04 = float2(as_type<half2>(b & 0x000F000Fu));
@@ -405,15 +405,21 @@ inline void qd_nib8_sub(uint b, thread float* q) {
   q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
 }
 
-// qd_seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
-// the even / odd weights of q * x (two independent FMA chains), sum x once per segment for
-// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
-// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
-                            uint xmask, int I, int u, int g, thread float (*d)[S]) {
+// qd_seg_dots over exact unscaled codes q and sum x, once per segment for all ROWS rows, then
+// d = s (sum q x) + b (sum x) a row:
+// * fmt 2/4 (NIB 1): sum (n - 8) x, s = 1, b = -8, nibble codes n from qd_nib8_sub;
+// * the MLX affine formats: sum (q s + b) x over a segment (one unit, inside one group), s and b
+//   the group's; with NIB 1 4-bit codes from qd_nib8_sub (MLX packs nibbles LSB-first as fmt 4),
+//   else from qd_affine_codes8: two FMAs a segment for scale and bias instead of one a weight.
+// qd_nib8_sub's codes are n 2^-24 (even k) and 16 n 2^-24 (odd k): two FMA chains, lo / hi,
+// scaled by 2^24 and 2^20 at the end. Each product is one rounding; the b sum x step adds an
+// error of a few 2^-24 of |b| sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB, int XP = 0>
+inline void qd_seg_dots_sum_x(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
+                              uint xmask, int I, int u, int g, thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
+  constexpr bool NIBBLES = !qd_affine(FMT) || (NIB && qd_mlx_bits(FMT) == 4);
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -428,55 +434,7 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
     const int k0 = SEG * g + c;
     float q[ROWS][8];
     for (int r = 0; r < ROWS; ++r) {
-      qd_nib8_sub(raw[r][k0 >> 3], q[r]);
-    }
-    for (int s = 0; s < S; ++s) {
-      if ((xmask >> s) & 1u) {
-        float xf[8];
-        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
-        sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
-        for (int r = 0; r < ROWS; ++r) {
-          for (int k = 0; k < 8; k += 2) {
-            lo[r][s] += q[r][k] * xf[k];
-            hi[r][s] += q[r][k + 1] * xf[k + 1];
-          }
-        }
-      }
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int s = 0; s < S; ++s) {
-      d[r][s] = fma(-8.0f, sx[s], fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
-    }
-  }
-}
-
-// qd_seg_dots for the MLX affine formats: sum (q s + b) x = s sum q x + b sum x over a segment
-// (one unit, inside one group), with the codes q exact and unscaled (4-bit: qd_nib8_sub's fp16
-// subnormals, two FMA chains as qd_seg_dots_nib; other widths: qd_affine_codes8) and sum x once
-// per segment for all ROWS rows: two FMAs a segment instead of one a weight for the scale and
-// bias. d is the scaled dot (qd_seg_scale is 1 for these formats).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-inline void qd_seg_dots_affine(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
-                               uint xmask, int I, int u, int g, thread float (*d)[S]) {
-  constexpr int WPU = qd_wpu(FMT);
-  constexpr int SEG = qd_seg(FMT, GS);
-  constexpr int B = qd_mlx_bits(FMT);
-  float lo[ROWS][S];
-  float hi[ROWS][S];
-  float sx[S];
-  for (int s = 0; s < S; ++s) {
-    sx[s] = 0.0f;
-    for (int r = 0; r < ROWS; ++r) {
-      lo[r][s] = 0.0f;
-      hi[r][s] = 0.0f;
-    }
-  }
-  for (int c = 0; c < SEG; c += 8) {
-    const int k0 = SEG * g + c;
-    float q[ROWS][8];
-    for (int r = 0; r < ROWS; ++r) {
-      if (B == 4) {
+      if (NIBBLES) {
         qd_nib8_sub(raw[r][k0 >> 3], q[r]);
       } else {
         qd_affine_codes8<FMT>(raw[r], k0, q[r]);
@@ -497,10 +455,13 @@ inline void qd_seg_dots_affine(thread const uint (*raw)[W], const device T* x, t
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    float sc, bi;
-    qd_affine_scale_bias<FMT>(raw[r], sc, bi);
+    float sc = 1.0f;
+    float bi = -8.0f;
+    if (qd_affine(FMT)) {
+      qd_affine_scale_bias<FMT>(raw[r], sc, bi);
+    }
     for (int s = 0; s < S; ++s) {
-      const float qx = B == 4 ? fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
+      const float qx = NIBBLES ? fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
       d[r][s] = fma(bi, sx[s], qx * sc);
     }
   }
@@ -509,7 +470,7 @@ inline void qd_seg_dots_affine(thread const uint (*raw)[W], const device T* x, t
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.
-// NIB 1: fmt 2/4 via qd_seg_dots_nib (fp16 subnormal codes, one bias per segment); NIB 0:
+// NIB 1: fmt 2/4 via qd_seg_dots_sum_x (fp16 subnormal codes, one bias per segment); NIB 0:
 // qd_decode8's magic-number codes. XP 1: x rows in qd_xp_index's layout (float).
 template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0, int XP = 0>
 inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
@@ -517,12 +478,8 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
                         thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
-  if (NIB && (FMT == 2 || FMT == 4)) {
-    qd_seg_dots_nib<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
-    return;
-  }
-  if (qd_affine(FMT)) {
-    qd_seg_dots_affine<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
+  if ((NIB && (FMT == 2 || FMT == 4)) || qd_affine(FMT)) {
+    qd_seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
     return;
   }
   for (int r = 0; r < ROWS; ++r) {

@@ -401,7 +401,7 @@ __device__ __forceinline__ void xs8(const T* xs, int I, int u, int k0, float* o)
 // fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
 // is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
 // 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
-// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); seg_dots_nib applies 2^24, 1/16 and -8.
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); seg_dots_sum_x applies 2^24, 1/16 and -8.
 __device__ __forceinline__ void nib8_sub(uint32_t b, float* q) {
   const uint32_t b8 = b >> 8;
   const float2 f04 = __half22float2(as_half2(b & 0x000F000Fu));
@@ -412,16 +412,22 @@ __device__ __forceinline__ void nib8_sub(uint32_t b, float* q) {
   q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
 }
 
-// seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
-// the even / odd weights of q * x (two independent FFMA chains), sum x once per segment for
-// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
-// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-__device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* x,
-                                             const int* xoff, uint32_t xmask, int I, int u,
-                                             int g, float (*d)[S]) {
+// seg_dots over exact unscaled codes q and sum x, once per segment for all ROWS rows, then
+// d = s (sum q x) + b (sum x) a row:
+// * fmt 2/4 (NIB 1): sum (n - 8) x, s = 1, b = -8, nibble codes n from nib8_sub;
+// * the MLX affine formats: sum (q s + b) x over a segment (one unit, inside one group), s and b
+//   the group's; with NIB 1 4-bit codes from nib8_sub (MLX packs nibbles LSB-first as fmt 4), else
+//   from affine_codes8: two FFMAs a segment for scale and bias instead of one a weight.
+// nib8_sub's codes are n 2^-24 (even k) and 16 n 2^-24 (odd k): two FFMA chains, lo / hi, scaled
+// by 2^24 and 2^20 at the end. Each product is one rounding; the b sum x step adds an error of a
+// few 2^-24 of |b| sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB, int XP = 0>
+__device__ __forceinline__ void seg_dots_sum_x(const uint32_t (*raw)[W], const T* x,
+                                               const int* xoff, uint32_t xmask, int I, int u,
+                                               int g, float (*d)[S]) {
   constexpr int WPU = wpu(FMT);
   constexpr int SEG = seg(FMT, GS);
+  constexpr bool NIBBLES = !affine(FMT) || (NIB && mlx_bits(FMT) == 4);
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -440,65 +446,7 @@ __device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* 
     float q[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      nib8_sub(raw[r][k0 >> 3], q[r]);
-    }
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if ((xmask >> s) & 1u) {
-        float xf[8];
-        xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
-        sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-          for (int k = 0; k < 8; k += 2) {
-            lo[r][s] += q[r][k] * xf[k];
-            hi[r][s] += q[r][k + 1] * xf[k + 1];
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      d[r][s] = fmaf(-8.0f, sx[s], fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
-    }
-  }
-}
-
-// seg_dots for the MLX affine formats: sum (q s + b) x = s sum q x + b sum x over a segment
-// (one unit, inside one group), with the codes q exact and unscaled (4-bit: nib8_sub's fp16
-// subnormals, two FFMA chains as seg_dots_nib; other widths: affine_codes8) and sum x once per
-// segment for all ROWS rows: two FFMAs a segment instead of one a weight for the scale and bias.
-// d is the scaled dot (seg_scale is 1 for these formats).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-__device__ __forceinline__ void seg_dots_affine(const uint32_t (*raw)[W], const T* x,
-                                                const int* xoff, uint32_t xmask, int I, int u,
-                                                int g, float (*d)[S]) {
-  constexpr int WPU = wpu(FMT);
-  constexpr int SEG = seg(FMT, GS);
-  constexpr int B = mlx_bits(FMT);
-  float lo[ROWS][S];
-  float hi[ROWS][S];
-  float sx[S];
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    sx[s] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      lo[r][s] = 0.0f;
-      hi[r][s] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < SEG; c += 8) {
-    const int k0 = SEG * g + c;
-    float q[ROWS][8];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (B == 4) {
+      if (NIBBLES) {
         nib8_sub(raw[r][k0 >> 3], q[r]);
       } else {
         affine_codes8<FMT>(raw[r], k0, q[r]);
@@ -523,18 +471,21 @@ __device__ __forceinline__ void seg_dots_affine(const uint32_t (*raw)[W], const 
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    float sc, bi;
-    affine_scale_bias<FMT>(raw[r], sc, bi);
+    float sc = 1.0f;
+    float bi = -8.0f;
+    if (affine(FMT)) {
+      affine_scale_bias<FMT>(raw[r], sc, bi);
+    }
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      const float qx = B == 4 ? fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
+      const float qx = NIBBLES ? fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
       d[r][s] = fmaf(bi, sx[s], qx * sc);
     }
   }
 }
 
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
-// rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_nib
+// rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_sum_x
 // (fp16 subnormal codes, one bias per segment); NIB 0: decode8's magic-number codes. XP 1: x
 // rows in xp_index's layout (float).
 template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0, int XP = 0>
@@ -543,12 +494,8 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
                                          const uint32_t* e8grid, float (*d)[S]) {
   constexpr int WPU = wpu(FMT);
   constexpr int SEG = seg(FMT, GS);
-  if (NIB && (FMT == 2 || FMT == 4)) {
-    seg_dots_nib<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
-    return;
-  }
-  if (affine(FMT)) {
-    seg_dots_affine<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
+  if ((NIB && (FMT == 2 || FMT == 4)) || affine(FMT)) {
+    seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
     return;
   }
 #pragma unroll
