@@ -117,6 +117,10 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
             x = random_x(S, 4096, dtype=dtype)
             yield f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S{S}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+            if S == 1 and bits <= 4:   # the persistent grid of six-row blocks, shape compiled in (qgemv.cuda_tuned)
+                yield (f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S1_pers_rows{qgemv.CUDA_PERSISTENT_ROWS}",
+                       qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
+                                         shape_in=True))
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
@@ -270,6 +274,8 @@ def moe_specs(full: bool):
             x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
             h = mx.zeros((S * K, inter), mx.float32)
             yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            if S == 1 and bits <= 4:   # the shared resident blocks (qgemv.cuda_tuned formats)
+                yield f"gate_up_mlx_{label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
             yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
