@@ -1,0 +1,219 @@
+"""Continuous batching (colibri_mlx.batch_engine), the batched decode step
+(models.batch_decode) and the prompt cache, on the bundled demo model.
+
+The oracle is the one-request path, ``generate_tokens`` (its own prefill and decode step, no
+speculation): every request of a batch must give its tokens, token for token, whatever else
+runs beside it, and the batched step's logits must equal each sequence's own step's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import colibri_mlx
+from colibri_mlx import kernels
+from colibri_mlx.batch_engine import BatchEngine
+from colibri_mlx.generate import SamplingParams, generate_tokens
+from colibri_mlx.models.batch_decode import decode_rows
+from colibri_mlx.models.cache import LatentCache
+from colibri_mlx.prompt_cache import PromptCache, copy_prefix
+
+
+@pytest.fixture(scope="module")
+def demo():
+    model, tokenizer = colibri_mlx.load()
+    return model, tokenizer
+
+
+def prompts(*lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(v) for v in rng.integers(4, 4000, n)] for n in lengths]
+
+
+def alone(model, prompt, n, params=SamplingParams(), seed=None):
+    return [t for t, _ in generate_tokens(model, prompt, n, params, seed, stop_ids=(), draft="none")]
+
+
+def tokens(handle):
+    events = list(handle)
+    assert events[-1].finish_reason is not None and all(e.finish_reason is None for e in events[:-1])
+    return [e.token for e in events]
+
+
+def test_decode_rows_equal_each_sequence_alone(demo):
+    """Nine sequences of ragged lengths (two row groups, 5 + 4): the batched step's logits equal
+    each sequence's own decode step's, and every cache advances by one."""
+    model, _ = demo
+    ps = prompts(3, 11, 5, 8, 2, 13, 6, 4, 9)
+    caches, own = [], []
+    for p in ps:
+        c = model.make_cache()
+        mx.eval(model(mx.array([p]), c))
+        caches.append(c)
+        o = copy_prefix(c, c.offset)
+        own.append(model(mx.array([[p[-1]]]), o)[0, -1])
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/rows", 0)
+    batched = decode_rows(model, [p[-1] for p in ps], caches)
+    got, want = np.array(batched), np.array(mx.stack(own))
+    assert got.shape == (9, model.args.vocab_size)
+    # float32 on the CPU: the same sums in a different grouping of rows; logits are O(10)
+    assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert [c.offset for c in caches] == [len(p) + 1 for p in ps]
+    assert kernels.dispatch.counters()["calls"]["batch_decode/rows"] == before + 1
+
+
+def test_batch_greedy_equals_each_request_alone(demo):
+    """Requests join at different times, leave at different max_tokens, prefill in chunks of 3
+    interleaved with the running decode; each gives exactly its tokens alone."""
+    model, tok = demo
+    ps = prompts(7, 4, 10, 5, 8)
+    lengths = [6, 3, 5, 2, 4]
+    engine = BatchEngine(model, tok, decode_concurrency=4, prompt_concurrency=2, prefill_step_size=3, stop_ids=())
+    try:
+        first = [engine.submit(p, max_tokens=n) for p, n in zip(ps[:2], lengths[:2])]
+        it = iter(first[0])
+        head = [next(it).token, next(it).token]           # the batch is running: the others join it
+        later = [engine.submit(p, max_tokens=n) for p, n in zip(ps[2:], lengths[2:])]
+        got = [head + [e.token for e in it]] + [tokens(h) for h in first[1:] + later]
+        assert engine.stats["prefill_chunks"] > len(ps)    # some prompt took several chunks
+        assert engine.stats["decode_rows"] > max(lengths)  # and rows ran together
+    finally:
+        engine.shutdown()
+    want = [alone(model, p, n) for p, n in zip(ps, lengths)]
+    assert got == want
+
+
+def test_seeded_sampling_independent_of_batch(demo):
+    model, tok = demo
+    ps = prompts(6, 9, 5, seed=1)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    want = alone(model, ps[0], 5, params, seed=1234)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        solo = tokens(engine.submit(ps[0], params, 5, seed=1234))
+        company = [engine.submit(ps[1], SamplingParams(temperature=0.7), 5, seed=9),
+                   engine.submit(ps[0], params, 5, seed=1234),
+                   engine.submit(ps[2], SamplingParams(), 4)]
+        in_batch = tokens(company[1])
+        other = tokens(company[0])
+    finally:
+        engine.shutdown()
+    assert solo == want and in_batch == want
+    assert other != want or ps[1] == ps[0]
+
+
+def test_cancel_ends_request_and_leaves_others(demo):
+    model, tok = demo
+    ps = prompts(5, 6, seed=2)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        long = engine.submit(ps[0], max_tokens=200)
+        other = engine.submit(ps[1], max_tokens=4)
+        it = iter(long)
+        next(it)
+        long.cancel()
+        rest = list(it)
+        assert rest[-1].finish_reason == "cancelled" and rest[-1].token is None
+        assert len(rest) < 100
+        assert tokens(other) == alone(model, ps[1], 4)
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            engine.submit([model.args.vocab_size], max_tokens=1)
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.submit(ps[0], max_tokens=0)
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(ps[0], max_tokens=1)
+
+
+def test_shutdown_cancels_running_requests(demo):
+    model, tok = demo
+    engine = BatchEngine(model, tok, stop_ids=())
+    h = engine.submit(prompts(4, seed=3)[0], max_tokens=500)
+    next(iter(h))
+    engine.shutdown(cancel=True, timeout=30)
+    assert not engine._thread.is_alive()
+    assert list(h)[-1].finish_reason == "cancelled"
+
+
+def test_prompt_cache_hit_equals_miss(demo):
+    """A second turn resends the first turn's prompt and reply: it starts from the cache (all
+    of the history but what differs) and gives the tokens a cold run gives."""
+    model, tok = demo
+    p, = prompts(9, seed=4)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        h1 = engine.submit(p, max_tokens=4)
+        reply = tokens(h1)
+        assert h1.cached_tokens == 0
+        turn2 = p + reply + [17, 23]
+        h2 = engine.submit(turn2, max_tokens=4)
+        got = tokens(h2)
+        assert h2.cached_tokens == len(p) + len(reply) - 1   # the cache held all but the last reply token
+        h3 = engine.submit(p, max_tokens=4)                  # the same prompt again: all but one token reused
+        again = tokens(h3)
+        assert h3.cached_tokens == len(p) - 1
+    finally:
+        engine.shutdown()
+    assert got == alone(model, turn2, 4)
+    assert again == reply
+
+
+def test_logprobs_are_log_softmax_of_the_logits(demo):
+    model, tok = demo
+    p, = prompts(6, seed=5)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        ev = next(iter(engine.submit(p, max_tokens=1, logprobs=3)))
+        ev0 = next(iter(engine.submit(p, max_tokens=1, logprobs=0)))
+    finally:
+        engine.shutdown()
+    logits = np.array(model(mx.array([p]))[0, -1]).astype(np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+    top = np.argsort(-logp)[:3]
+    assert ev.token == int(top[0]) and abs(ev.logprob - logp[top[0]]) < 1e-4
+    assert [t for t, _ in ev.top_logprobs] == [int(t) for t in top]
+    assert np.allclose([v for _, v in ev.top_logprobs], logp[top], atol=1e-4)
+    assert ev0.top_logprobs is None and abs(ev0.logprob - ev.logprob) < 1e-6
+
+
+def fake_cache(n_tokens, width=8, layers=2, value=1.0):
+    c = LatentCache(layers)
+    c.set_left_padding(None, 1)
+    for layer in c.layers:
+        layer.append("kv", mx.full((1, n_tokens, width), value), 0)
+    c.advance(n_tokens)
+    return c
+
+
+def test_prompt_cache_longest_prefix_and_copy():
+    pc = PromptCache()
+    short, long = fake_cache(3, value=1.0), fake_cache(6, value=2.0)
+    pc.insert([1, 2, 3], short)
+    pc.insert([1, 2, 9, 9, 9, 9], long)
+    cache, n = pc.fetch([1, 2, 9, 9, 5])
+    assert n == 4 and cache.offset == 4
+    assert float(cache.layers[0].read("kv", 4).sum()) == 2.0 * 4 * 8
+    cache.layers[0].buffers["kv"][:, 0] = 0                   # the copy owns its buffers
+    assert float(long.layers[0].read("kv", 6).sum()) == 2.0 * 6 * 8
+    cache, n = pc.fetch([1, 2, 3])                              # one token is left to prefill
+    assert n == 2
+    assert pc.fetch([7, 7]) == (None, 0)
+    assert (pc.hits, pc.misses) == (2, 1)
+
+
+def test_prompt_cache_byte_bound_evicts_least_recently_used():
+    one = fake_cache(4).nbytes
+    pc = PromptCache(max_bytes=2 * one + 1)
+    pc.insert([1, 1, 1, 1], fake_cache(4))
+    pc.insert([2, 2, 2, 2], fake_cache(4))
+    pc.fetch([1, 1, 1, 1, 5])                                   # [1,...] is now the most recent
+    pc.insert([3, 3, 3, 3], fake_cache(4))
+    assert pc.keys() == [(1, 1, 1, 1), (3, 3, 3, 3)] and pc.nbytes == 2 * one and pc.evictions == 1
+    assert not pc.insert([4] * 12, fake_cache(12, width=24))              # larger than the whole bound
+    assert pc.insert([3, 3, 3, 3, 8], fake_cache(5))            # replaces its own prefix entry
+    assert (3, 3, 3, 3) not in pc.keys() and pc.nbytes <= 2 * one
+    pc0 = PromptCache(max_entries=0)
+    assert not pc0.insert([1], fake_cache(1)) and len(pc0) == 0
