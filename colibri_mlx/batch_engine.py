@@ -42,7 +42,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from .generate import SamplingParams, apply_repetition_penalty, make_sampler
-from .models.batch_decode import decode_rows
+from .models.batch_decode import DecodeBatch
 from .prompt_cache import PromptCache
 
 DECODE_CONCURRENCY = 32        # mlx-lm's server defaults (--decode-concurrency, --prompt-concurrency,
@@ -139,7 +139,8 @@ class BatchEngine:
         self._inbox: deque = deque()
         self._waiting: deque = deque()
         self._prefilling: list = []
-        self._running: list = []
+        self._running: list = []     # in the order of the decode batch's sequences
+        self._batch = DecodeBatch(model)
         self._stopping = False
         self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="colibri-batch-engine", daemon=True)
@@ -251,6 +252,8 @@ class BatchEngine:
                 self._prefilling.remove(r)
                 self._emit([r], [logits])
                 if not r.done:
+                    self._batch.add(r.cache)
+                    r.cache = None
                     self._running.append(r)
             except Exception as e:  # noqa: BLE001
                 self._fail([r], e)
@@ -258,10 +261,12 @@ class BatchEngine:
     def _decode_step(self) -> None:
         rows = list(self._running)
         try:
-            logits = decode_rows(self.model, [r.generated[-1] for r in rows], [r.cache for r in rows])
+            logits = self._batch.step([r.generated[-1] for r in rows])
             self.stats["decode_rows"] += len(rows)
             self._emit(rows, [logits[i] for i in range(len(rows))])
         except Exception as e:  # noqa: BLE001
+            self._batch = DecodeBatch(self.model)      # its rows may be half written: start afresh
+            self._running = []
             self._fail(rows, e)
 
     def _emit(self, rows: list, logits: list) -> None:
@@ -295,7 +300,7 @@ class BatchEngine:
                     ev.top_logprobs = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
             if token in self.stop_ids:
                 ev.finish_reason = "stop"
-            elif len(r.generated) >= r.max_tokens or r.cache.offset >= self.model.max_length:
+            elif len(r.generated) >= r.max_tokens or len(r.prompt) + len(r.generated) > self.model.max_length:
                 ev.finish_reason = "length"
             if ev.finish_reason is None:
                 r.events.put(ev)
@@ -304,14 +309,18 @@ class BatchEngine:
 
     def _finish(self, r: _Request, last: Event) -> None:
         """End ``r`` with ``last`` and leave its cache to the prompt cache."""
-        for group in (self._prefilling, self._running):
-            if r in group:
-                group.remove(r)
+        cache, r.cache = r.cache, None
+        if r in self._running:
+            i = self._running.index(r)
+            cache = self._batch.remove(i)
+            self._running[i] = self._running[-1]
+            self._running.pop()
+        if r in self._prefilling:
+            self._prefilling.remove(r)
         if r in self._waiting:
             self._waiting.remove(r)
         r.done = True
         r.events.put(last)
-        cache, r.cache = r.cache, None
         if cache is None or cache.offset == 0:
             return
         held = r.prompt[: r.prefilled] if r.prefilled < len(r.prompt) else r.prompt + r.generated[:-1]

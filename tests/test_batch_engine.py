@@ -15,7 +15,7 @@ import colibri_mlx
 from colibri_mlx import kernels
 from colibri_mlx.batch_engine import BatchEngine
 from colibri_mlx.generate import SamplingParams, generate_tokens
-from colibri_mlx.models.batch_decode import decode_rows
+from colibri_mlx.models.batch_decode import DecodeBatch, decode_rows
 from colibri_mlx.models.cache import LatentCache
 from colibri_mlx.prompt_cache import PromptCache, copy_prefix
 
@@ -62,6 +62,66 @@ def test_decode_rows_equal_each_sequence_alone(demo):
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert [c.offset for c in caches] == [len(p) + 1 for p in ps]
     assert kernels.dispatch.counters()["calls"]["batch_decode/rows"] == before + 1
+
+
+def test_pooled_batch_joins_and_leaves(demo):
+    """The pooled layout (every sequence's rows in one buffer a layer, one masked attention
+    launch a step) against one cache per sequence stepped alone, while sequences join, leave
+    (the last slot moving into the freed one, stale rows left behind) and the batch falls back
+    to a lone sequence: logits each step, and the rows a leaving sequence takes with it."""
+    model, _ = demo
+    ps = prompts(3, 11, 5, 8, 2, 13, 6, 4, 9, 7, seed=6)
+
+    def prefilled(p):
+        c = model.make_cache()
+        mx.eval(model(mx.array([p[:-1]]), c))
+        return c
+
+    batch, own, slots = DecodeBatch(model), {}, []        # slots: [prompt index, next token]
+    assert batch.pooled
+
+    def join(*ks):
+        for k in ks:
+            batch.add(prefilled(ps[k]))
+            own[k] = prefilled(ps[k])
+            slots.append([k, ps[k][-1]])
+
+    def leave(i):
+        k = slots[i][0]
+        taken = batch.remove(i)
+        last = slots.pop()
+        if i < len(slots):
+            slots[i] = last
+        n = own[k].offset
+        assert taken.offset == n
+        for mine, theirs in zip(taken.layers, own[k].layers):
+            assert np.array_equal(np.array(mine.read("kv", n)), np.array(theirs.read("kv", n)))
+
+    def step():
+        got = np.array(batch.step([t for _, t in slots]))
+        for row, s in zip(got, slots):
+            want = np.array(model(mx.array([[s[1]]]), own[s[0]])[0, -1])
+            assert np.max(np.abs(row - want)) <= 1e-4 * np.max(np.abs(want))
+            s[1] = int(want.argmax())
+
+    pooled = kernels.dispatch.counters()["calls"].get("batch_decode/pooled", 0)
+    join(0)
+    step()
+    assert batch.single is not None                      # alone: the model's own step
+    join(1, 2)
+    step()
+    join(3, 4, 5, 6, 7, 8, 9)                            # ten rows: two row groups
+    step()
+    leave(2)
+    leave(0)
+    step()
+    for _ in range(6):
+        leave(0)
+    step()
+    leave(1)
+    assert len(batch) == 1 and batch.single is not None
+    step()
+    assert kernels.dispatch.counters()["calls"]["batch_decode/pooled"] == pooled + 4
 
 
 def test_batch_greedy_equals_each_request_alone(demo):

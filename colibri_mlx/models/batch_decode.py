@@ -20,8 +20,8 @@ import mlx.core as mx
 
 from .. import kernels
 from ..kernels import qgemv
-from .cache import LatentCache
-from .deepseek_v3 import embedding_rows, stream_norm
+from .cache import LatentCache, capacity_for
+from .deepseek_v3 import CACHE_STREAM, embedding_rows, stream_norm
 
 ROW_GROUP = qgemv.MAX_ROWS     # rows a GEMV / moe_block launch takes as decode rows
 
@@ -79,3 +79,167 @@ def _group(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.ar
     for c in caches:
         c.advance(1)
     return model.head(x)[:, -1]
+
+
+def row_groups(n: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of ``n`` rows in groups of at most :data:`ROW_GROUP`, sizes balanced
+    (9 rows: 5 + 4) so that no group is a single row when ``n > 1``."""
+    count = -(-n // ROW_GROUP)
+    bounds = [n * g // count for g in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+class DecodeBatch:
+    """The running sequences of a continuously batched decode, in one of two layouts.
+
+    Pooled (the default): their cache rows live in one buffer per layer ``[slots, capacity,
+    R + rope]``, sequence ``i`` in slot ``i``. A step writes every sequence's new row with one
+    scatter and runs attention once over the first ``n`` slots (``kernels.mla_decode`` with a
+    mask: sequence ``i`` attends to its own ``length_i + 1`` rows), so a step's launches do not
+    grow with the batch. Slots stay dense: a sequence that leaves takes its rows out (as a
+    :class:`LatentCache`) and the last slot moves into its place. A lone sequence runs in its
+    own cache through the model's single-sequence decode step (compiled on GPUs).
+
+    Separate (:func:`batch_reason` of the model declines pooling: DSA selection): one cache per
+    sequence and :func:`decode_rows`.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.pooled = model_batch_reason(model) is None
+        if not self.pooled:
+            kernels.dispatch.record_call("batch_decode", f"separate caches: {model_batch_reason(model)}")
+        self.single: LatentCache | None = None       # a lone sequence's own cache
+        self.caches: list[LatentCache] = []          # separate layout
+        self.buffers: list[dict] = []                # pooled: per layer, stream -> [slots, capacity, W]
+        self.lengths: list[int] = []                 # pooled: rows each slot holds
+
+    def __len__(self) -> int:
+        if not self.pooled:
+            return len(self.caches)
+        return 1 if self.single is not None else len(self.lengths)
+
+    def add(self, cache: LatentCache) -> None:
+        """Append a sequence whose rows are ``cache``'s (prefilled: offset > 0)."""
+        if cache.offset == 0 or cache.batch_size != 1 or cache.padded:
+            raise ValueError("DecodeBatch.add: a cache of one unpadded, prefilled sequence is expected")
+        if not self.pooled:
+            self.caches.append(cache)
+        elif len(self) == 0:
+            self.single = cache
+        else:
+            if self.single is not None:
+                lone, self.single = self.single, None
+                self._pool_add(lone)
+            self._pool_add(cache)
+
+    def remove(self, i: int) -> LatentCache:
+        """Take sequence ``i`` out; the last sequence becomes sequence ``i``. Returns its cache."""
+        if not self.pooled:
+            last = self.caches.pop()
+            if i == len(self.caches):
+                return last
+            out, self.caches[i] = self.caches[i], last
+            return out
+        if self.single is not None:
+            out, self.single = self.single, None
+            return out
+        out = self._pool_take(i)
+        if len(self.lengths) == 1:                   # the one left runs in its own cache
+            self.single = self._pool_take(0)
+            self.buffers = []
+        return out
+
+    def step(self, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Logits ``[n, vocab]`` (float32) of one new token per sequence, in slot order."""
+        if not self.pooled:
+            return decode_rows(self.model, [int(t) for t in _ints(tokens)], self.caches)
+        if self.single is not None:
+            ids = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array([[int(tokens[0])]])
+            return self.model(ids, self.single)[:, -1]
+        return self._pool_step(tokens)
+
+    # ------------------------------------------------------------------ pooled layout
+
+    def _reserve(self, slots: int, end: int) -> None:
+        """Grow every pooled buffer to hold ``slots`` slots of ``end`` rows."""
+        for layer in self.buffers:
+            for stream, buf in layer.items():
+                S, T, W = buf.shape
+                if S >= slots and T >= end:
+                    continue
+                grown = mx.zeros((max(S, 1 << (slots - 1).bit_length()), max(T, capacity_for(end)), W), buf.dtype)
+                grown[:S, :T] = buf
+                layer[stream] = grown
+
+    def _pool_add(self, cache: LatentCache) -> None:
+        i, n = len(self.lengths), cache.offset
+        if not self.buffers:
+            self.buffers = [{s: mx.zeros((2, capacity_for(n + 1), b.shape[2]), b.dtype) for s, b in lc.buffers.items()}
+                            for lc in cache.layers]
+        self._reserve(i + 1, n + 1)
+        for layer, lc in zip(self.buffers, cache.layers):
+            for stream, buf in layer.items():
+                buf[i: i + 1, :n] = lc.buffers[stream][:, :n]
+        self.lengths.append(n)
+
+    def _pool_take(self, i: int) -> LatentCache:
+        n, last = self.lengths[i], len(self.lengths) - 1
+        out = LatentCache(len(self.buffers), self.model.max_length)
+        out.set_left_padding(None, 1)
+        for layer, lc in zip(self.buffers, out.layers):
+            for stream, buf in layer.items():
+                rows = mx.zeros((1, capacity_for(n), buf.shape[2]), buf.dtype)
+                rows[:, :n] = buf[i: i + 1, :n]
+                lc.buffers[stream] = rows
+                if i != last:
+                    buf[i: i + 1, : self.lengths[last]] = buf[last: last + 1, : self.lengths[last]]
+            lc.length = n
+        out.offset = n
+        mx.eval([b for lc in out.layers for b in lc.buffers.values()], [b for la in self.buffers for b in la.values()])
+        self.lengths[i] = self.lengths[last]
+        self.lengths.pop()
+        return out
+
+    def _pool_step(self, tokens) -> mx.array:
+        model = self.model
+        n, D = len(self.lengths), model.args.hidden_size
+        end = max(self.lengths) + 1
+        if end > model.max_length:
+            raise ValueError(f"context of {end} tokens exceeds max_position_embeddings={model.max_length}")
+        self._reserve(n, end)
+        kernels.dispatch.record_call("batch_decode", "pooled")
+        positions = mx.array(self.lengths, dtype=mx.int32)           # each new row's position and slot
+        slots = mx.arange(n, dtype=mx.int32)
+        mask = (mx.arange(end, dtype=mx.int32)[None] <= positions[:, None])[:, None, None]   # [n, 1, 1, end]
+        ids = tokens.reshape(n, 1) if isinstance(tokens, mx.array) else mx.array([[int(t)] for t in tokens])
+        x = embedding_rows(model.embed_tokens, ids.astype(mx.int32)).astype(model.dtype)   # [n, 1, D]
+        groups = row_groups(n)
+        xs = [x[a:b] for a, b in groups]
+        for layer, buffers in zip(model.layers, self.buffers):
+            attn = layer.self_attn
+            parts = [layer._compiled_in(xg, positions[a:b]) for xg, (a, b) in zip(xs, groups)]
+            q_nope, q_rope, kv = (p[0] if len(parts) == 1 else mx.concatenate(p) for p in zip(*parts))
+            q_rope = attn.rope.apply_fast(q_rope, positions)
+            buf = buffers[CACHE_STREAM]
+            buf[slots, positions] = kv[:, 0].astype(buf.dtype)
+            buffers[CACHE_STREAM] = buf
+            core = attn.attend(q_nope, q_rope, buf[:n, :end], mask)     # [n, H * v]
+            xs = [layer._compiled_out(xg, core[a:b], static=layer.mlp.host_reason(xg))
+                  for xg, (a, b) in zip(xs, groups)]
+        self.lengths = [t + 1 for t in self.lengths]
+        logits = [model._compiled_head(xg) for xg in xs]
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits))[:, -1]
+
+
+def model_batch_reason(model) -> str | None:
+    """Why ``model`` cannot pool its sequences' caches (:class:`DecodeBatch`), or None."""
+    if model.args.dsa:
+        return "DSA indexer selects over each cache"
+    if len(model.layers) != model.args.num_hidden_layers:
+        return "pipeline stage holds a part of the layers"
+    return None
+
+
+def _ints(tokens):
+    return tokens.tolist() if isinstance(tokens, mx.array) else tokens
