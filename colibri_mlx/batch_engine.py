@@ -250,7 +250,7 @@ class BatchEngine:
                     continue
                 logits = self.model.head(x[:, -1:])[0, -1]       # the last row only
                 self._prefilling.remove(r)
-                self._emit([r], [logits])
+                self._emit([r], logits[None])
                 if not r.done:
                     self._batch.add(r.cache)
                     r.cache = None
@@ -263,34 +263,39 @@ class BatchEngine:
         try:
             logits = self._batch.step([r.generated[-1] for r in rows])
             self.stats["decode_rows"] += len(rows)
-            self._emit(rows, [logits[i] for i in range(len(rows))])
+            self._emit(rows, logits)
         except Exception as e:  # noqa: BLE001
             self._batch = DecodeBatch(self.model)      # its rows may be half written: start afresh
             self._running = []
             self._fail(rows, e)
 
-    def _emit(self, rows: list, logits: list) -> None:
-        """Sample one token per request from its ``logits [V]`` and hand out the events."""
+    def _emit(self, rows: list, logits: mx.array) -> None:
+        """Sample one token per request from its row of ``logits [n, V]`` and hand out the events.
+        Greedy rows share one argmax, and every token is read in one transfer."""
+        greedy = mx.argmax(logits, axis=-1)
+        logp = None
+        if any(r.logprobs is not None for r in rows):
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens, extras = [], []
-        for r, raw in zip(rows, logits):
-            row = raw
-            if r.params.repetition_penalty != 1.0:
-                row = apply_repetition_penalty(mx.array(raw), r.prompt + r.generated, r.params.repetition_penalty)
-            tok = r.sampler(row)
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.temperature == 0 and p.repetition_penalty == 1.0:
+                tok = greedy[i]
+            elif p.repetition_penalty != 1.0:
+                tok = r.sampler(apply_repetition_penalty(logits[i], r.prompt + r.generated, p.repetition_penalty))
+            else:
+                tok = r.sampler(logits[i])
             tokens.append(tok)
             if r.logprobs is None:
                 extras.append(())
-                continue
-            logp = raw - mx.logsumexp(raw)
-            chosen = logp[tok]
-            if r.logprobs > 0:
-                top = mx.argpartition(-logp, r.logprobs - 1)[: r.logprobs]
-                extras.append((chosen, top, logp[top]))
+            elif r.logprobs == 0:
+                extras.append((logp[i][tok],))
             else:
-                extras.append((chosen,))
-        mx.eval(tokens, [a for e in extras for a in e])
-        for r, tok, extra in zip(rows, tokens, extras):
-            token = int(tok.item())
+                top = mx.argpartition(-logp[i], r.logprobs - 1)[: r.logprobs]
+                extras.append((logp[i][tok], top, logp[i][top]))
+        values = mx.stack(tokens).tolist()
+        mx.eval([a for e in extras for a in e])
+        for r, token, extra in zip(rows, values, extras):
             r.generated.append(token)
             ev = Event(token)
             if extra:
