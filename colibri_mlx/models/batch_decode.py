@@ -14,6 +14,8 @@ pass per sequence; :func:`batch_reason` says why, and the decline is counted.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Sequence
 
 import mlx.core as mx
@@ -210,26 +212,47 @@ class DecodeBatch:
         self._reserve(n, end)
         kernels.dispatch.record_call("batch_decode", "pooled")
         positions = mx.array(self.lengths, dtype=mx.int32)           # each new row's position and slot
-        slots = mx.arange(n, dtype=mx.int32)
-        mask = (mx.arange(end, dtype=mx.int32)[None] <= positions[:, None])[:, None, None]   # [n, 1, 1, end]
         ids = tokens.reshape(n, 1) if isinstance(tokens, mx.array) else mx.array([[int(t)] for t in tokens])
         x = embedding_rows(model.embed_tokens, ids.astype(mx.int32)).astype(model.dtype)   # [n, 1, D]
-        groups = row_groups(n)
-        xs = [x[a:b] for a, b in groups]
-        for layer, buffers in zip(model.layers, self.buffers):
-            attn = layer.self_attn
-            parts = [layer._compiled_in(xg, positions[a:b]) for xg, (a, b) in zip(xs, groups)]
-            q_nope, q_rope, kv = (p[0] if len(parts) == 1 else mx.concatenate(p) for p in zip(*parts))
-            q_rope = attn.rope.apply_fast(q_rope, positions)
-            buf = buffers[CACHE_STREAM]
-            buf[slots, positions] = kv[:, 0].astype(buf.dtype)
-            buffers[CACHE_STREAM] = buf
-            core = attn.attend(q_nope, q_rope, buf[:n, :end], mask)     # [n, H * v]
-            xs = [layer._compiled_out(xg, core[a:b], static=layer.mlp.host_reason(xg))
-                  for xg, (a, b) in zip(xs, groups)]
+        blocks = _pooled_blocks(model)
+        for layer, block, buffers in zip(model.layers, blocks, self.buffers):
+            x, buffers[CACHE_STREAM] = block(x, positions, buffers[CACHE_STREAM],
+                                             static=layer.mlp.host_reason(x[: ROW_GROUP]))
         self.lengths = [t + 1 for t in self.lengths]
-        logits = [model._compiled_head(xg) for xg in xs]
+        logits = [model._compiled_head(x[a:b]) for a, b in row_groups(n)]
         return (logits[0] if len(logits) == 1 else mx.concatenate(logits))[:, -1]
+
+
+def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array) -> tuple[mx.array, mx.array]:
+    """One decoder layer over ``n`` pooled sequences (:class:`DecodeBatch`): ``x [n, 1, D]``,
+    ``positions [n]`` (each new row's position and cache slot), ``buf [slots, capacity, W]``.
+    Returns the layer's output and the buffer with the new rows. Attention reads the whole
+    capacity of the first ``n`` slots under a mask (row ``i`` sees its first ``positions[i] + 1``
+    rows), so the graph's shapes change only when the pool grows: compiled on GPUs, one trace
+    per batch size and pool shape."""
+    n = x.shape[0]
+    attn = layer.self_attn
+    groups = row_groups(n)
+    parts = [layer._decode_in(x[a:b], positions[a:b]) for a, b in groups]   # q_rope left unrotated
+    q_nope, q_rope, kv = (p[0] if len(p) == 1 else mx.concatenate(p) for p in zip(*parts))
+    q_rope = attn.rope.apply_fast(q_rope, positions)
+    buf[mx.arange(n), positions] = kv[:, 0].astype(buf.dtype)
+    mask = (mx.arange(buf.shape[1], dtype=mx.int32)[None] <= positions[:, None])[:, None, None]
+    core = attn.attend(q_nope, q_rope, buf[:n], mask)                         # [n, H * v]
+    out = [layer._decode_out(x[a:b], core[a:b]) for a, b in groups]
+    return (out[0] if len(out) == 1 else mx.concatenate(out)), buf
+
+
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pooled_blocks(model) -> list:
+    """The compiled :func:`pooled_layer` of each layer of ``model`` (made once per model)."""
+    blocks = _BLOCKS.get(model)
+    if blocks is None:
+        blocks = _BLOCKS[model] = [kernels.compiled.CompiledBlock(functools.partial(pooled_layer, layer),
+                                                                  "pooled_layer") for layer in model.layers]
+    return blocks
 
 
 def model_batch_reason(model) -> str | None:
