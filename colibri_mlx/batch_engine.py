@@ -64,7 +64,7 @@ class Event:
     finish_reason: Optional[str] = None
 
 
-@dataclass
+@dataclass(eq=False)             # compared by identity (two requests may be alike)
 class _Request:
     prompt: list
     params: SamplingParams
@@ -134,13 +134,15 @@ class BatchEngine:
             stop_ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(model.args.eos_token_id)
         self.stop_ids = frozenset(int(s) for s in stop_ids)
         self.vocab_size = model.args.vocab_size
-        self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "prefill_tokens": 0, "cached_tokens": 0}
+        self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "prefill_tokens": 0, "cached_tokens": 0,
+                      "steps_ahead": 0}
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._waiting: deque = deque()
         self._prefilling: list = []
         self._running: list = []     # in the order of the decode batch's sequences
         self._batch = DecodeBatch(model)
+        self._ahead = None           # (logits, rows): the next step, built before this one's tokens were read
         self._stopping = False
         self._cancel_all = False
         self._thread = threading.Thread(target=self._loop, name="colibri-batch-engine", daemon=True)
@@ -204,8 +206,11 @@ class BatchEngine:
             self._leave_cancelled()
             if self._stopping and idle:
                 return
-            self._admit()
-            self._prefill_step()
+            if not self._running:
+                self._ahead = None
+            if self._ahead is None:      # a step queued ahead holds the batch's composition
+                self._admit()
+                self._prefill_step()
             if self._running:
                 self._decode_step()
             self.stats["steps"] += 1
@@ -250,7 +255,7 @@ class BatchEngine:
                     continue
                 logits = self.model.head(x[:, -1:])[0, -1]       # the last row only
                 self._prefilling.remove(r)
-                self._emit([r], logits[None])
+                self._emit([r], *self._sample([r], logits[None]))
                 if not r.done:
                     self._batch.add(r.cache)
                     r.cache = None
@@ -259,19 +264,45 @@ class BatchEngine:
                 self._fail([r], e)
 
     def _decode_step(self) -> None:
+        """One token for every running request. The next step is built and queued (fed with
+        this step's tokens, still on the device) before this step's tokens are read, so the
+        host builds step n + 1 while the device runs step n, as mlx-lm's generate loop does;
+        a request that ends takes its fed-ahead row back (DecodeBatch.take_back)."""
         rows = list(self._running)
         try:
-            logits = self._batch.step([r.generated[-1] for r in rows])
+            if self._ahead is not None:
+                logits, ahead_rows = self._ahead
+                self._ahead = None
+                if ahead_rows != rows:                      # some left (finished or cancelled)
+                    logits = logits[mx.array([ahead_rows.index(r) for r in rows])]
+            else:
+                logits = self._batch.step([r.generated[-1] for r in rows])
             self.stats["decode_rows"] += len(rows)
-            self._emit(rows, logits)
+            tokens, extras = self._sample(rows, logits)
+            if self._runs_ahead(rows):
+                mx.async_eval(tokens, extras)
+                self._ahead = (self._batch.step(tokens), rows)
+                self.stats["steps_ahead"] += 1
+                mx.async_eval(self._ahead[0])
+            self._emit(rows, tokens, extras)
         except Exception as e:  # noqa: BLE001
             self._batch = DecodeBatch(self.model)      # its rows may be half written: start afresh
-            self._running = []
+            self._running, self._ahead = [], None
             self._fail(rows, e)
 
-    def _emit(self, rows: list, logits: mx.array) -> None:
-        """Sample one token per request from its row of ``logits [n, V]`` and hand out the events.
-        Greedy rows share one argmax, and every token is read in one transfer."""
+    def _runs_ahead(self, rows: list) -> bool:
+        """Whether to queue the next step before reading this one's tokens: the batch stays as
+        it is (no prompt waits to join), the pooled layout takes lazy tokens, some request
+        continues, and no row can reach the context limit."""
+        if not self._batch.pooled or self._waiting or self._prefilling or self._inbox:
+            return False
+        limit = self.model.max_length
+        return (any(len(r.generated) + 1 < r.max_tokens for r in rows)
+                and all(len(r.prompt) + len(r.generated) + 2 < limit for r in rows))
+
+    def _sample(self, rows: list, logits: mx.array) -> tuple[mx.array, list]:
+        """One token per request from its row of ``logits [n, V]`` (lazy ``[n]`` int32), and
+        the logprob arrays asked for. Greedy rows share one argmax."""
         greedy = mx.argmax(logits, axis=-1)
         logp = None
         if any(r.logprobs is not None for r in rows):
@@ -293,7 +324,11 @@ class BatchEngine:
             else:
                 top = mx.argpartition(-logp[i], r.logprobs - 1)[: r.logprobs]
                 extras.append((logp[i][tok], top, logp[i][top]))
-        values = mx.stack(tokens).tolist()
+        return mx.stack(tokens).astype(mx.int32), extras
+
+    def _emit(self, rows: list, tokens: mx.array, extras: list) -> None:
+        """Read the tokens (one transfer) and hand out the events."""
+        values = tokens.tolist()
         mx.eval([a for e in extras for a in e])
         for r, token, extra in zip(rows, values, extras):
             r.generated.append(token)
@@ -317,6 +352,8 @@ class BatchEngine:
         cache, r.cache = r.cache, None
         if r in self._running:
             i = self._running.index(r)
+            if self._ahead is not None:          # its next row was fed ahead: not part of its history
+                self._batch.take_back(i)
             cache = self._batch.remove(i)
             self._running[i] = self._running[-1]
             self._running.pop()

@@ -139,6 +139,7 @@ def test_batch_greedy_equals_each_request_alone(demo):
         got = [head + [e.token for e in it]] + [tokens(h) for h in first[1:] + later]
         assert engine.stats["prefill_chunks"] > len(ps)    # some prompt took several chunks
         assert engine.stats["decode_rows"] > max(lengths)  # and rows ran together
+        assert engine.stats["steps_ahead"] > 0             # queued before the last step's tokens were read
     finally:
         engine.shutdown()
     want = [alone(model, p, n) for p, n in zip(ps, lengths)]
@@ -277,3 +278,27 @@ def test_prompt_cache_byte_bound_evicts_least_recently_used():
     assert (3, 3, 3, 3) not in pc.keys() and pc.nbytes <= 2 * one
     pc0 = PromptCache(max_entries=0)
     assert not pc0.insert([1], fake_cache(1)) and len(pc0) == 0
+
+
+def test_stop_token_ends_request_and_its_cache_is_reused(demo):
+    """A request ending at a stop token while the next step was already queued with it: the
+    stop token is its last event, the row fed ahead is taken back (the prompt cache gets
+    exactly the prompt and the reply but the stop token), and a follow-up reuses it."""
+    model, tok = demo
+    p, q = prompts(8, 6, seed=7)
+    ref = alone(model, p, 8)
+    k = next(i for i in range(2, 8) if ref[i] not in ref[:i])
+    engine = BatchEngine(model, tok, stop_ids=[ref[k]])
+    try:
+        h, other = engine.submit(p, max_tokens=8), engine.submit(q, max_tokens=8)
+        events = list(h)
+        list(other)
+        assert [e.token for e in events] == ref[: k + 1] and events[-1].finish_reason == "stop"
+        follow = p + ref[:k] + [31]
+        h2 = engine.submit(follow, max_tokens=3)
+        got = tokens(h2)
+        assert h2.cached_tokens == len(p) + k            # the prompt and the reply before the stop token
+        assert engine.stats["steps_ahead"] > 0
+    finally:
+        engine.shutdown()
+    assert got == [t for t, _ in generate_tokens(model, follow, 3, stop_ids=[ref[k]], draft="none")]

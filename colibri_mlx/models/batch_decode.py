@@ -152,6 +152,15 @@ class DecodeBatch:
             self.buffers = []
         return out
 
+    def take_back(self, i: int) -> None:
+        """Forget sequence ``i``'s last row (a row fed ahead of a token that ended it)."""
+        if not self.pooled:
+            self.caches[i].offset -= 1
+        elif self.single is not None:
+            self.single.offset -= 1
+        else:
+            self.lengths[i] -= 1
+
     def step(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Logits ``[n, vocab]`` (float32) of one new token per sequence, in slot order."""
         if not self.pooled:
