@@ -304,3 +304,45 @@ def test_stop_token_ends_request_and_its_cache_is_reused(demo):
     finally:
         engine.shutdown()
     assert got == [t for t, _ in generate_tokens(model, follow, 3, stop_ids=[ref[k]], draft="none")]
+
+
+@pytest.fixture
+def metal(monkeypatch):
+    """Every hot-path launch goes to the MSL simulator, as on a Mac (tests/msl)."""
+    simulator = pytest.importorskip("msl.simulator")
+    if simulator.unavailable_reason():
+        pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}")
+    from moe_mla_oracle import route_launches_to_simulator
+
+    yield route_launches_to_simulator(monkeypatch, simulator)
+    kernels.moe.clear_banks()
+
+
+def test_pooled_step_metal_kernels(metal, tmp_path):
+    """A pooled step of three ragged sequences with the Metal kernels (in the simulator): one
+    masked attention launch a layer over the three caches, rows of 3 through the GEMV and MoE
+    kernels; logits equal each sequence's reference step."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+    from colibri_mlx.models.loading import load_model
+
+    hf = build_hf_model("deepseek_v3", seed=2, first_k_dense_replace=1)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
+    model = load_model(tmp_path / "c", dtype="float32")
+    ps = prompts(3, 6, 4, seed=8)
+    ps = [[t % model.args.vocab_size for t in p] for p in ps]
+    batch, want = DecodeBatch(model), []
+    with kernels.dispatch.force_reference():
+        for p in ps:
+            c = model.make_cache()
+            mx.eval(model(mx.array([p[:-1]]), c))
+            own = copy_prefix(c, c.offset)
+            want.append(np.array(model(mx.array([[p[-1]]]), own)[0, -1]))
+            batch.add(c)
+    metal.clear()
+    got = np.array(batch.step([p[-1] for p in ps]))
+    attention = [name for name in metal if name.startswith("mla_attn")]
+    assert len(attention) == len(model.layers), metal
+    assert not kernels.dispatch.counters()["fallbacks"].get("mla_decode")
+    for row, w in zip(got, want):
+        assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
