@@ -231,6 +231,7 @@ def test_logprobs_are_log_softmax_of_the_logits(demo):
     try:
         ev = next(iter(engine.submit(p, max_tokens=1, logprobs=3)))
         ev0 = next(iter(engine.submit(p, max_tokens=1, logprobs=0)))
+        run = list(engine.submit(p, max_tokens=4, logprobs=2))     # later steps queued ahead
     finally:
         engine.shutdown()
     logits = np.array(model(mx.array([p]))[0, -1]).astype(np.float64)
@@ -240,6 +241,10 @@ def test_logprobs_are_log_softmax_of_the_logits(demo):
     assert [t for t, _ in ev.top_logprobs] == [int(t) for t in top]
     assert np.allclose([v for _, v in ev.top_logprobs], logp[top], atol=1e-4)
     assert ev0.top_logprobs is None and abs(ev0.logprob - ev.logprob) < 1e-6
+    assert [e.token for e in run] == alone(model, p, 4)
+    for e in run:   # greedy: the chosen token is the best alternative, with the same logprob
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0] == (e.token, e.logprob)
+        assert e.top_logprobs[1][1] <= e.logprob
 
 
 def fake_cache(n_tokens, width=8, layers=2, value=1.0):

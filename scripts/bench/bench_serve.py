@@ -13,8 +13,9 @@ the bundled demo model (ours only: mlx-lm cannot read its container).
 
 Method, per engine and concurrency c: c requests with distinct random prompts of ``--prompt``
 tokens are submitted at once, each asking for ``--tokens`` tokens (no stop tokens). A first
-unrecorded round at every concurrency warms kernels and allocators. Per request the time of
-each token is recorded on arrival.
+unrecorded round at every concurrency, the same but for the prompts, warms kernels, compiled
+graphs (one per batch size) and allocators. Per request the time of each token is recorded on
+arrival (ours: by a thread per request reading its events, as a server's connections would).
   ttft: median over the c requests of (first token - submit);
   decode tok/s: tokens that arrive while all c streams decode (from the last first token to
     the first last token) / that window: the batch's steady aggregate;
@@ -139,7 +140,7 @@ def main():
         res["model"] = {k: cfg[k] for k in ("num_hidden_layers", "n_routed_experts", "hidden_size", "vocab_size")}
     engine = BatchEngine(ours, None, decode_concurrency=max(streams), stop_ids=(), prompt_cache_entries=0)
     for c in streams:            # warm-up round: every row count's kernels built once
-        run_ours(engine, make_prompts(c, args.prompt, vocab, seed=100 + c), min(args.tokens, 8))
+        run_ours(engine, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens)
     res["ours"] = []
     for c in streams:
         r = run_ours(engine, make_prompts(c, args.prompt, vocab, seed=c), args.tokens)
@@ -157,7 +158,7 @@ def main():
         t0 = time.perf_counter()
         lm = bench_e2e.lm_model(cfg)
         for c in streams:
-            run_mlx_lm(lm, make_prompts(c, args.prompt, vocab, seed=100 + c), min(args.tokens, 8), c)
+            run_mlx_lm(lm, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens, c)
         res["mlx_lm"] = []
         for c in streams:
             r = run_mlx_lm(lm, make_prompts(c, args.prompt, vocab, seed=c), args.tokens, c)
