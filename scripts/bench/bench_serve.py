@@ -57,22 +57,33 @@ def summarize(submit: float, times: list[list[float]]) -> dict:
             "total_tok_s": sum(len(t) for t in times) / (max(lasts) - submit)}
 
 
+ROUND_TIMEOUT = 120      # seconds a round may take before the engine is reported stuck
+
+
 def run_ours(engine, prompts: list, n_tokens: int) -> dict:
     from colibri_mlx.generate import SamplingParams
 
     times = [[] for _ in prompts]
+    errors = []
     submit = time.perf_counter()
     handles = [engine.submit(p, SamplingParams(), n_tokens) for p in prompts]
 
     def consume(i, h):
-        for _ in h:
-            times[i].append(time.perf_counter())
+        try:
+            for _ in h:
+                times[i].append(time.perf_counter())
+        except Exception as e:  # noqa: BLE001 (reported by the round)
+            errors.append(e)
 
-    threads = [threading.Thread(target=consume, args=(i, h)) for i, h in enumerate(handles)]
+    threads = [threading.Thread(target=consume, args=(i, h), daemon=True) for i, h in enumerate(handles)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(max(ROUND_TIMEOUT - (time.perf_counter() - submit), 0))
+    if errors:
+        raise RuntimeError(f"a request failed: {errors[0]!r}") from errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"{len(prompts)} streams not done after {ROUND_TIMEOUT} s")
     return summarize(submit, times)
 
 
@@ -139,17 +150,24 @@ def main():
         vocab = cfg["vocab_size"]
         res["model"] = {k: cfg[k] for k in ("num_hidden_layers", "n_routed_experts", "hidden_size", "vocab_size")}
     engine = BatchEngine(ours, None, decode_concurrency=max(streams), stop_ids=(), prompt_cache_entries=0)
-    for c in streams:            # warm-up round: every row count's kernels built once
-        run_ours(engine, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens)
     res["ours"] = []
-    for c in streams:
-        r = run_ours(engine, make_prompts(c, args.prompt, vocab, seed=c), args.tokens)
-        res["ours"].append(r)
-        print(f"ours {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms", flush=True)
-    engine.shutdown()
+    try:
+        for c in streams:            # warm-up round: every row count's kernels built once
+            run_ours(engine, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens)
+        for c in streams:
+            r = run_ours(engine, make_prompts(c, args.prompt, vocab, seed=c), args.tokens)
+            res["ours"].append(r)
+            print(f"ours {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
+                  flush=True)
+    except Exception as e:  # noqa: BLE001 (mlx-lm's rows still run)
+        res["ours_error"] = repr(e)
+        print(f"ours FAILED: {e!r}", flush=True)
+    engine.shutdown(timeout=10)
     res["ours_engine_stats"] = dict(engine.stats)
     res["counters"] = kernels.dispatch.counters()
     print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
+    if args.out:                  # ours kept even if mlx-lm's rows fail
+        Path(args.out).write_text(json.dumps(res, indent=1))
     del ours, engine
     kernels.moe.clear_banks()
     mx.clear_cache()
@@ -170,12 +188,17 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print()
-    print(table(res["ours"], f"colibri BatchEngine ({res['backend']}, {args.prompt}-token prompts, "
-                             f"{args.tokens} tokens each)"))
+    if res["ours"]:
+        print(table(res["ours"], f"colibri BatchEngine ({res['backend']}, {args.prompt}-token prompts, "
+                                 f"{args.tokens} tokens each)"))
     if "mlx_lm" in res:
         print(table(res["mlx_lm"], "mlx-lm BatchGenerator"))
         print("ours / mlx-lm decode: " + ", ".join(
             f"{o['streams']}: {o['decode_tok_s'] / m['decode_tok_s']:.2f}" for o, m in zip(res["ours"], res["mlx_lm"])))
+    if res["ours"]:
+        one = {r["streams"]: r["decode_tok_s"] for r in res["ours"]}
+        if 1 in one and 8 in one:
+            print(f"ours 8 streams / 1 stream: {one[8] / one[1]:.2f} (target >= 4)")
 
 
 if __name__ == "__main__":
