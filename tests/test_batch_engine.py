@@ -336,18 +336,25 @@ def test_pooled_step_metal_kernels(metal, tmp_path):
     model = load_model(tmp_path / "c", dtype="float32")
     ps = prompts(3, 6, 4, seed=8)
     ps = [[t % model.args.vocab_size for t in p] for p in ps]
-    batch, want = DecodeBatch(model), []
+    batch, want, own = DecodeBatch(model), [], []
     with kernels.dispatch.force_reference():
         for p in ps:
             c = model.make_cache()
             mx.eval(model(mx.array([p[:-1]]), c))
-            own = copy_prefix(c, c.offset)
-            want.append(np.array(model(mx.array([[p[-1]]]), own)[0, -1]))
+            own.append(copy_prefix(c, c.offset))
+            want.append(np.array(model(mx.array([[p[-1]]]), own[-1])[0, -1]))
             batch.add(c)
     metal.clear()
     got = np.array(batch.step([p[-1] for p in ps]))
     attention = [name for name in metal if name.startswith("mla_attn")]
     assert len(attention) == len(model.layers), metal
     assert not kernels.dispatch.counters()["fallbacks"].get("mla_decode")
+    for row, w in zip(got, want):
+        assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
+    # a second step, over the rows the first one wrote
+    nxt = [int(w.argmax()) for w in want]
+    got = np.array(batch.step(nxt))
+    with kernels.dispatch.force_reference():
+        want = [np.array(model(mx.array([[t]]), c)[0, -1]) for t, c in zip(nxt, own)]
     for row, w in zip(got, want):
         assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
