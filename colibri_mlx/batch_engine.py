@@ -153,6 +153,22 @@ class BatchEngine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
                seed: Optional[int] = None, logprobs: Optional[int] = None) -> RequestHandle:
         """Queue a request; raises ValueError for a bad one (nothing is queued then)."""
+        return self.submit_all([dict(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, seed=seed,
+                                     logprobs=logprobs)])[0]
+
+    def submit_all(self, requests: Sequence[dict]) -> list[RequestHandle]:
+        """Queue several requests (each a dict of :meth:`submit`'s arguments) at once: the engine
+        sees them together. All are checked first; a bad one raises and none is queued."""
+        made = [self._request(**r) for r in requests]
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the batch engine is shut down")
+            self._inbox.extend(made)
+            self._cond.notify()
+        return [RequestHandle(self, r) for r in made]
+
+    def _request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
+                 seed: Optional[int] = None, logprobs: Optional[int] = None) -> _Request:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -169,13 +185,7 @@ class BatchEngine:
             raise ValueError(f"logprobs must be an integer in 0..{self.vocab_size} or None, got {logprobs!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request = _Request(prompt, params, max_tokens, seed, logprobs)
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError("the batch engine is shut down")
-            self._inbox.append(request)
-            self._cond.notify()
-        return RequestHandle(self, request)
+        return _Request(prompt, params, max_tokens, seed, logprobs)
 
     def shutdown(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
         """Stop the model thread: with ``cancel`` every request not finished ends with a

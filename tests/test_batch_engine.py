@@ -137,7 +137,7 @@ def test_batch_greedy_equals_each_request_alone(demo):
         first = [engine.submit(p, max_tokens=n) for p, n in zip(ps[:2], lengths[:2])]
         it = iter(first[0])
         head = [next(it).token, next(it).token]           # the batch is running: the others join it
-        later = [engine.submit(p, max_tokens=n) for p, n in zip(ps[2:], lengths[2:])]
+        later = engine.submit_all([dict(prompt_ids=p, max_tokens=n) for p, n in zip(ps[2:], lengths[2:])])
         got = [head + [e.token for e in it]] + [tokens(h) for h in first[1:] + later]
         assert engine.stats["prefill_chunks"] > len(ps)    # some prompt took several chunks
         assert engine.stats["decode_rows"] > max(lengths)  # and rows ran together
@@ -185,6 +185,9 @@ def test_cancel_ends_request_and_leaves_others(demo):
             engine.submit([model.args.vocab_size], max_tokens=1)
         with pytest.raises(ValueError, match="max_tokens"):
             engine.submit(ps[0], max_tokens=0)
+        with pytest.raises(ValueError, match="empty prompt"):     # one bad request: none is queued
+            engine.submit_all([dict(prompt_ids=ps[0], max_tokens=1), dict(prompt_ids=[], max_tokens=1)])
+        assert not engine._inbox
     finally:
         engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
