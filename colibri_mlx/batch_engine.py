@@ -213,17 +213,26 @@ class BatchEngine:
                     for r in self._all():
                         r.cancelled = True
                 idle = not (self._waiting or self._prefilling or self._running)
-            self._leave_cancelled()
             if self._stopping and idle:
                 return
-            if not self._running:
-                self._ahead = None
-            if self._ahead is None:      # a step queued ahead holds the batch's composition
-                self._admit()
-                self._prefill_step()
-            if self._running:
-                self._decode_step()
-            self.stats["steps"] += 1
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 (an engine fault: every request hears of it, none hangs)
+                everyone = self._all()
+                self._batch, self._running, self._prefilling, self._ahead = DecodeBatch(self.model), [], [], None
+                self._waiting.clear()
+                self._fail(everyone, e)
+
+    def _step(self) -> None:
+        self._leave_cancelled()
+        if not self._running:
+            self._ahead = None
+        if self._ahead is None:          # a step queued ahead holds the batch's composition
+            self._admit()
+            self._prefill_step()
+        if self._running:
+            self._decode_step()
+        self.stats["steps"] += 1
 
     def _all(self):
         return list(self._waiting) + self._prefilling + self._running

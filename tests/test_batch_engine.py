@@ -194,6 +194,37 @@ def test_cancel_ends_request_and_leaves_others(demo):
         engine.submit(ps[0], max_tokens=1)
 
 
+def test_faults_reach_their_requests_and_the_engine_goes_on(demo, monkeypatch):
+    model, tok = demo
+    p, q = prompts(5, 7, seed=9)
+    engine = BatchEngine(model, tok, stop_ids=())
+    faults = {"admit": 1, "step": 1}
+    real_admit, real_step = engine._admit, DecodeBatch.step
+
+    def admit():
+        if faults["admit"]:
+            faults["admit"] -= 1
+            raise RuntimeError("admission fault")
+        real_admit()
+
+    def step(self, tokens):
+        if faults["step"]:
+            faults["step"] -= 1
+            raise RuntimeError("decode fault")
+        return real_step(self, tokens)
+
+    engine._admit = admit
+    monkeypatch.setattr(DecodeBatch, "step", step)
+    try:
+        with pytest.raises(RuntimeError, match="admission fault"):
+            list(engine.submit(p, max_tokens=3))
+        with pytest.raises(RuntimeError, match="decode fault"):   # its first token came from the prefill
+            list(engine.submit(p, max_tokens=3))
+        assert tokens(engine.submit(q, max_tokens=3)) == alone(model, q, 3)
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_cancels_running_requests(demo):
     model, tok = demo
     engine = BatchEngine(model, tok, stop_ids=())
