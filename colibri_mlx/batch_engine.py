@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -74,7 +73,6 @@ class _Request:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     cached_tokens: int = 0
-    submitted: float = field(default_factory=time.perf_counter)
     cache: object = None
     sampler: object = None
     prefilled: int = 0           # prompt tokens in the cache

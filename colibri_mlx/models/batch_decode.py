@@ -1,15 +1,15 @@
-"""One decode step of several independent sequences, each with its own :class:`LatentCache`.
+"""One decode step of several independent sequences at their own positions (ragged lengths),
+as a continuously batched server needs (colibri_mlx.batch_engine).
 
-``decode_rows(model, tokens, caches)`` feeds token ``tokens[b]`` to sequence ``b`` at its own
-position (its cache's offset) and returns the next-token logits ``[B, vocab]`` (float32). The
-caches may hold different lengths (ragged), and sequences join or leave between steps, as a
-continuously batched server needs (colibri_mlx.batch_engine).
+:class:`DecodeBatch` holds the running sequences, which join and leave between steps; its
+pooled layout keeps their cache rows in one buffer a layer, so that a step's launches do not
+grow with the batch. :func:`decode_rows` steps sequences that each keep their own
+:class:`LatentCache` (attention then runs per sequence).
 
 Rows run in groups of at most :data:`ROW_GROUP` (the GEMV and MoE kernels' decode rows: every
-projection reads its weights once per group, and ``moe_block`` groups the rows by expert).
-Attention runs per sequence over its own cache with ``kernels.mla_decode``. A model with a DSA
-indexer (selection over each cache) or a single sequence goes through the model's own forward
-pass per sequence; :func:`batch_reason` says why, and the decline is counted.
+projection reads its weights once per group, and ``moe_block`` groups the rows by expert). A
+model with a DSA indexer (selection over each cache) or a single sequence goes through the
+model's own forward pass per sequence; :func:`batch_reason` says why, and it is counted.
 """
 
 from __future__ import annotations
@@ -54,11 +54,7 @@ def decode_rows(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> 
         kernels.dispatch.record_call("batch_decode", f"declined: {reason}")
         return mx.concatenate([model(mx.array([[int(t)]]), c)[:, -1] for t, c in zip(tokens, caches)])
     kernels.dispatch.record_call("batch_decode", "rows")
-    # Groups of balanced sizes (9 rows: 5 + 4), never a single row, which the layers would take
-    # down their one-sequence path.
-    n_groups = -(-len(tokens) // ROW_GROUP)
-    bounds = [len(tokens) * g // n_groups for g in range(n_groups + 1)]
-    out = [_group(model, tokens[a:b], caches[a:b]) for a, b in zip(bounds, bounds[1:])]
+    out = [_group(model, tokens[a:b], caches[a:b]) for a, b in row_groups(len(tokens))]
     return out[0] if len(out) == 1 else mx.concatenate(out)
 
 
@@ -85,7 +81,8 @@ def _group(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.ar
 
 def row_groups(n: int) -> list[tuple[int, int]]:
     """``[(start, end)]`` of ``n`` rows in groups of at most :data:`ROW_GROUP`, sizes balanced
-    (9 rows: 5 + 4) so that no group is a single row when ``n > 1``."""
+    (9 rows: 5 + 4) so that no group is a single row when ``n > 1`` (the layers would take a
+    single row down their one-sequence path)."""
     count = -(-n // ROW_GROUP)
     bounds = [n * g // count for g in range(count + 1)]
     return list(zip(bounds, bounds[1:]))
