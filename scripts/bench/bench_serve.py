@@ -167,6 +167,9 @@ def main():
     engine.shutdown(timeout=10)
     res["ours_engine_stats"] = dict(engine.stats)
     res["counters"] = kernels.dispatch.counters()
+    pooled = {k: v for k, v in res["counters"]["calls"].items() if k.startswith(("batch_decode", "compiled"))}
+    print(f"ours engine: {res['ours_engine_stats']}; {pooled}; fallbacks: {res['counters']['fallbacks'] or 'none'}",
+          flush=True)
     print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
     if args.out:                  # ours kept even if mlx-lm's rows fail
         Path(args.out).write_text(json.dumps(res, indent=1))
