@@ -32,6 +32,13 @@ def test_bench_e2e_rows():
         assert row in out, out
 
 
+def test_bench_serve_rows():
+    out = run_script("scripts/bench/bench_serve.py", "--tiny", "--streams", "1,2", "--tokens", "3", "--prompt", "4",
+                     "--experts", "16", "--vocab", "4096")
+    for row in ("colibri BatchEngine", "mlx-lm BatchGenerator", "ours / mlx-lm decode: 1: "):
+        assert row in out, out
+
+
 def test_bench_moe_rows():
     out = run_script("scripts/bench/bench_moe_mla.py", "--tiny", "--only", "moe", "--iters", "1")
     for row in ("moe_routed ", "moe_routed_compiled", "moe_block"):

@@ -112,6 +112,11 @@ for s in "${steps[@]}"; do
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench/bench_moe_parts.py ;;
     bench_long_context) # decode at 4096 / 32768 positions: the row written in place vs the scatter
                    step bench_long_context 200 python3 scripts/bench/bench_long_context.py --context 4096 32768 ;;
+    batch_tests)   # continuous batching with the kernels on: every request of a batch equal to it alone
+                   step batch_tests 240 python3 -m pytest -q tests/test_batch_engine.py; reap ;;
+    bench_serve)   # decode tok/s and time to first token at 1-32 streams: BatchEngine against mlx-lm's
+                   # BatchGenerator on bench_e2e's model
+                   step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
     profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ;;
