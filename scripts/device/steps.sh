@@ -104,7 +104,7 @@ for s in "${steps[@]}"; do
                      tests/test_speculative.py tests/test_mla_decode.py -m "not msl and not slow"; reap ;;
     mlx_e2e)       # mlx-lm checkpoints of bench_e2e's model (affine 4-bit g64, 3-bit g64, mxfp4, written by
                    # mlx-lm): ours vs mlx-lm ms/token on the same files, 64 greedy tokens kernels vs reference
-                   step mlx_e2e 240 python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
+                   step mlx_e2e ${MLX_E2E_LIMIT:-240} python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
                        --out "$out/mlx_lm_e2e.json" ${MLX_E2E_ARGS:-} ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
@@ -119,7 +119,7 @@ for s in "${steps[@]}"; do
                    step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
-    profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ;;
+    profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ${PS_ARGS:-} ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/bench/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     mla_tests)     # every mla_decode GPU test (the TF32 model's budget for the matrix variants, the planted
                    # defects, the opt-in knobs' edges); a call of its own: the float64 model of the 40000-
