@@ -61,7 +61,7 @@ class ModelServer(ThreadingHTTPServer):
         self.max_connections, self.read_timeout = max_connections, read_timeout
         self.api_key, self.allow_origin = api_key, allow_origin
         self.slots = threading.BoundedSemaphore(max_connections)
-        self.connections: set[threading.Thread] = set()
+        self.connections: dict[threading.Thread, socket.socket] = {}
         self.connections_lock = threading.Lock()
         self.stopping = threading.Event()
         self.refused = 0
@@ -81,7 +81,7 @@ class ModelServer(ThreadingHTTPServer):
             return
         t = threading.Thread(target=self._serve_connection, args=(request, client_address), daemon=True)
         with self.connections_lock:
-            self.connections.add(t)
+            self.connections[t] = request
         t.start()
 
     def _serve_connection(self, request, client_address):
@@ -93,7 +93,7 @@ class ModelServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             self.slots.release()
             with self.connections_lock:
-                self.connections.discard(threading.current_thread())
+                self.connections.pop(threading.current_thread(), None)
 
     def handle_error(self, request, client_address):
         if self.log is not None:
@@ -107,6 +107,13 @@ class ModelServer(ThreadingHTTPServer):
         chunk), wait for the connection threads, then close the engine (no MLX work left)."""
         self.stopping.set()
         self.engine.cancel_all()
+        with self.connections_lock:
+            sockets = list(self.connections.values())
+        for sock in sockets:  # an idle keep-alive connection reads end-of-file and ends; answers still go out
+            try:
+                sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.connections_lock:
@@ -171,6 +178,8 @@ class RequestHandler(BaseHTTPRequestHandler):
         except KeyError:
             short, long = "error", ""
         self.log_error("code %d, message %s", code, message)
+        if self.request_version == "HTTP/0.9":  # the request line did not parse: answer in HTTP/1.1 anyway
+            self.request_version = "HTTP/1.1"
         self.close_connection = True
         self._send_json(code, error_body(message or explain or long or short, code), close=True)
 
@@ -358,6 +367,8 @@ class RequestHandler(BaseHTTPRequestHandler):
         """Cancel the request when the client closes its connection while it waits for a whole answer."""
         sock = self.connection
         while not done.wait(0.1):
+            if self.server.stopping.is_set():  # drain() shut the reading side: not the client leaving
+                return
             try:
                 if not select.select([sock], [], [], 0)[0]:
                     continue

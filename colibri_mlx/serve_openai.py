@@ -33,7 +33,7 @@ class RequestError(ValueError):
 
 
 def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = "server_error" if status in (500, 502, 503, 504) else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
