@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from .serve_engine import ENGINE_OPTIONS, SerialEngine
+from .serve_reader import ConnectionReader, RequestReader
 from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
                            StopStringFilter, error_body, model_card, parse_completion, usage)
 
@@ -39,9 +40,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 class ModelServer(ThreadingHTTPServer):
     """The HTTP server holding the engine, the tokenizer and the sampling defaults.
 
-    At most ``max_connections`` connections are served at once (one thread each); one more is
-    answered 503 with ``Retry-After``. A connection that sends nothing for ``read_timeout``
-    seconds (an idle keep-alive, a half-sent request) is closed (408 mid-body).
+    Connections wait for their next request on one reader thread (:mod:`serve_reader`); a
+    request that has arrived gets a thread, at most ``max_connections`` at once: one more is
+    answered 503 with ``Retry-After``. A request (head, and a body of up to 1 MiB) must arrive
+    within ``read_timeout`` seconds: otherwise 408, or the connection is closed when it sent
+    nothing (an idle keep-alive).
     """
 
     daemon_threads = True
@@ -65,6 +68,7 @@ class ModelServer(ThreadingHTTPServer):
         self.connections_lock = threading.Lock()
         self.stopping = threading.Event()
         self.refused = 0
+        self.reader = RequestReader(self._dispatch, read_timeout, log)
 
     @property
     def url(self) -> str:
@@ -74,23 +78,34 @@ class ModelServer(ThreadingHTTPServer):
     # -- the bounded pool --
 
     def process_request(self, request, client_address):
+        """From the accepting thread: the connection waits for its request on the reader."""
+        self.reader.add(request, client_address)
+
+    def _dispatch(self, sock, client_address, data: bytes) -> None:
+        """From the reader: a whole request (or a head too long to be one) is in ``data``."""
         if self.stopping.is_set() or not self.slots.acquire(blocking=False):
             self.refused += 1
-            _refuse_busy(request)
-            self.shutdown_request(request)
+            _refuse_busy(sock)
+            self.shutdown_request(sock)
             return
-        t = threading.Thread(target=self._serve_connection, args=(request, client_address), daemon=True)
+        t = threading.Thread(target=self._serve_connection, args=(sock, client_address, data), daemon=True)
         with self.connections_lock:
-            self.connections[t] = request
+            self.connections[t] = sock
         t.start()
 
-    def _serve_connection(self, request, client_address):
+    def _serve_connection(self, sock, client_address, data: bytes):
+        keep = False
         try:
-            self.finish_request(request, client_address)
+            sock.settimeout(self.read_timeout)
+            handler = self.RequestHandlerClass(sock, client_address, self, data)
+            keep = not handler.close_connection and not self.stopping.is_set()
+            if keep:  # the next request of a keep-alive connection waits on the reader, not on a thread
+                self.reader.add(sock, client_address, handler.rfile.leftover())
         except Exception:
-            self.handle_error(request, client_address)
+            self.handle_error(sock, client_address)
         finally:
-            self.shutdown_request(request)
+            if not keep:
+                self.shutdown_request(sock)
             self.slots.release()
             with self.connections_lock:
                 self.connections.pop(threading.current_thread(), None)
@@ -106,6 +121,7 @@ class ModelServer(ThreadingHTTPServer):
         """Stop taking requests, cancel the running generations (their streams end with a final
         chunk), wait for the connection threads, then close the engine (no MLX work left)."""
         self.stopping.set()
+        self.reader.close()  # closes the connections waiting for a request
         self.engine.cancel_all()
         with self.connections_lock:
             sockets = list(self.connections.values())
@@ -131,15 +147,9 @@ class ModelServer(ThreadingHTTPServer):
 
 
 def _refuse_busy(sock) -> None:
-    """503 on the accepting thread, without waiting for the client: read what it already sent
-    (closing on unread data would reset the connection before the client reads the answer)."""
-    body = json.dumps(error_body("the server is busy: too many connections; retry later",
+    body = json.dumps(error_body("the server is busy: too many requests at once; retry later",
                                  HTTPStatus.SERVICE_UNAVAILABLE)).encode()
     try:
-        sock.setblocking(False)
-        if select.select([sock], [], [], 0.05)[0]:
-            sock.recv(65536)
-        sock.setblocking(True)
         sock.settimeout(0.5)
         sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -153,9 +163,19 @@ class RequestHandler(BaseHTTPRequestHandler):
     server_version = "colibri"
     error_content_type = "application/json"
 
+    def __init__(self, request, client_address, server, data: bytes = b""):
+        self.received = data
+        super().__init__(request, client_address, server)
+
     def setup(self):
-        self.timeout = self.server.read_timeout
         super().setup()
+        self.rfile.close()
+        self.rfile = ConnectionReader(self.received, self.connection)
+
+    def handle(self):
+        """One request: the server hands the connection back to the reader between requests."""
+        self.close_connection = True
+        self.handle_one_request()
 
     def log_message(self, format, *args):
         if self.server.log is not None:

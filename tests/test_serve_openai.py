@@ -422,22 +422,43 @@ def test_64_concurrent_clients_all_answered(scripted):
     assert not errors and results == [srv.tokenizer.decode([65, 66, 67])] * 64
 
 
-def test_full_pool_is_503_with_retry_after_and_half_sent_requests_time_out(scripted):
+def test_half_sent_requests_hold_no_thread_and_time_out(scripted):
     srv = scripted(max_connections=2, read_timeout=0.5)
-    held = [socket.create_connection(srv.server_address[:2]) for _ in range(2)]
-    held[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")                        # half-sent headers
-    held[1].sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pro")  # half-sent body
+    silent = [socket.create_connection(srv.server_address[:2]) for _ in range(50)]
+    heads = [socket.create_connection(srv.server_address[:2]) for _ in range(50)]
+    bodies = [socket.create_connection(srv.server_address[:2]) for _ in range(50)]
+    for s in heads:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    for s in bodies:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pro")
     time.sleep(0.1)
-    status, headers, body = raw(srv, b"GET /health HTTP/1.1\r\n\r\n")
+    before = threading.active_count()
+    # 150 connections wait, but only for bytes: a whole request is served at once.
+    status, _, body = raw(srv, post_raw(b'{"prompt": "a", "max_tokens": 2}'))
+    assert status == 200 and json.loads(body)["choices"][0]["text"]
+    assert threading.active_count() <= before + 2
+    for group, expected in ((silent, None), (heads, 408), (bodies, 408)):
+        for s in group:
+            s.settimeout(5)
+            answer = s.recv(65536)
+            if expected is None:
+                assert answer == b""  # closed without a word: it never asked anything
+            else:
+                assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 0.5 s" in answer
+            s.close()
+
+
+def test_full_pool_is_503_with_retry_after(scripted):
+    srv = scripted(ids=list(range(65, 85)), delay=0.05, max_connections=2)  # 1 s per request
+    slow = [threading.Thread(target=raw, args=(srv, post_raw(b'{"prompt": "a", "max_tokens": 20}')))
+            for _ in range(2)]
+    for t in slow:
+        t.start()
+    time.sleep(0.3)
+    status, headers, body = raw(srv, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
     assert status == 503 and headers["Retry-After"] == "1" and json.loads(body)["error"]["type"] == "server_error"
-    held[1].settimeout(5)
-    answer = held[1].recv(65536)
-    assert b" 408 " in answer.split(b"\r\n")[0] and b"did not arrive within 0.5 s" in answer
-    held[0].settimeout(5)
-    assert held[0].recv(65536) == b""  # closed
-    for s in held:
-        s.close()
-    time.sleep(0.1)
+    for t in slow:
+        t.join(10)
     assert raw(srv, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0] == 200
 
 
