@@ -143,17 +143,19 @@ def test_usage_chunk_only_when_asked(server):
 
 
 def penalized_greedy(demo, prompt_ids, n, presence=0.0, frequency=0.0, bias=None):
-    """The oracle: full forwards, OpenAI's penalty rule in float64 numpy, argmax."""
-    gen = []
+    """The oracle: full forwards, OpenAI's penalty rule in float64 numpy, argmax; the tokens and
+    their log-probabilities under the penalized logits."""
+    gen, lps = [], []
     for _ in range(n):
-        logits = forward_logprobs(demo, prompt_ids + gen)[-1]  # log-softmax: the argmax is the same
+        logits = forward_logprobs(demo, prompt_ids + gen)[-1]  # a log-softmax: logits up to a constant
         if bias:
             for t, b in bias.items():
                 logits[t] += b
         for t in set(gen):
             logits[t] -= gen.count(t) * frequency + presence
         gen.append(int(np.argmax(logits)))
-    return gen
+        lps.append(logits[gen[-1]] - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
+    return gen, lps
 
 
 def test_presence_frequency_penalties_and_logit_bias(server, demo):
@@ -163,13 +165,16 @@ def test_presence_frequency_penalties_and_logit_bias(server, demo):
     prompt_ids = tok.encode(prompt)
     n = 10
     plain = greedy_ids(demo, prompt_ids, n)
-    expected = penalized_greedy(demo, prompt_ids, n, presence=1.5, frequency=2.0)
+    expected, lps = penalized_greedy(demo, prompt_ids, n, presence=1.5, frequency=0.75)
     assert expected != plain  # the premise: the penalties change the greedy text
-    r = c.completions.create(model="x", prompt=prompt, max_tokens=n, presence_penalty=1.5, frequency_penalty=2.0)
+    r = c.completions.create(model="x", prompt=prompt, max_tokens=n, presence_penalty=1.5, frequency_penalty=0.75,
+                             logprobs=0)
     assert r.choices[0].text == tok.decode(expected)
+    # The log-probabilities are those of the penalized logits: each penalty's size shows in them.
+    np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs, lps, atol=2e-3)
     # -100 on the greedy first token: the runner-up comes first.
     bias = {plain[0]: -100.0}
-    expected = penalized_greedy(demo, prompt_ids, 3, bias=bias)
+    expected, _ = penalized_greedy(demo, prompt_ids, 3, bias=bias)
     assert expected[0] != plain[0]
     r = c.completions.create(model="x", prompt=prompt, max_tokens=3, logit_bias={str(plain[0]): -100})
     assert r.choices[0].text == tok.decode(expected)
@@ -533,3 +538,19 @@ def test_sigint_mid_stream_ends_the_stream_and_exits_0():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_abandoned_whole_request_does_not_block_the_next(server):
+    # A 300-token request (about 30 s of the demo model here) whose client leaves: the next one
+    # must not wait for it.
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 300}).encode()
+    before = len(re.findall(r"generation: (\d+) tokens", server.log.getvalue()))
+    with socket.create_connection(server.server_address[:2]) as s:
+        s.sendall(post_raw(body))
+        time.sleep(0.5)
+    t0 = time.perf_counter()
+    r = client(server).completions.create(model="x", prompt=PROMPT, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert time.perf_counter() - t0 < 5
+    abandoned, last = [int(n) for n in re.findall(r"generation: (\d+) tokens", server.log.getvalue())][before:]
+    assert abandoned < 300 and last == 2
