@@ -480,7 +480,8 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGTERM, interrupt), signal.signal(signal.SIGINT, interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -492,5 +493,5 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
             server.socket.close()  # stop accepting
             server.drain()
         finally:
-            signal.signal(signal.SIGTERM, previous)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])

@@ -19,6 +19,7 @@ MAX_HEAD_BYTES = 70 << 10     # past it the handler answers 414 / 431 (http.serv
 BODY_WAIT_BYTES = 1 << 20     # bodies up to this size are read here; larger ones by the worker
 BUFFER_BUDGET = 256 << 20     # all connections' buffers together; over it requests go on without their body
 _CONTENT_LENGTH = re.compile(rb"\ncontent-length:[ \t]*([^\r\n]*)", re.IGNORECASE)
+_EXPECT_CONTINUE = re.compile(rb"\nexpect:[ \t]*100-continue", re.IGNORECASE)
 
 
 def request_ready(buf: bytes, wait_for_body: bool) -> bool:
@@ -30,8 +31,8 @@ def request_ready(buf: bytes, wait_for_body: bool) -> bool:
         end, sep = buf.find(b"\n\n"), 2
     if end < 0:
         return len(buf) > MAX_HEAD_BYTES
-    if not wait_for_body:
-        return True
+    if not wait_for_body or _EXPECT_CONTINUE.search(buf, 0, end + 1):
+        return True  # (a client that expects "100 Continue" sends its body after the handler's answer)
     m = _CONTENT_LENGTH.search(buf, 0, end + 1)
     try:
         n = int(m.group(1)) if m else 0
