@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 from . import __version__
 from .generate import SamplingParams
 from .serve_engine import MAX_TOP_LOGPROBS
-from .serve_tools import ToolCallFilter
+from .serve_tools import HeldBackText, ToolCallFilter
 from .speculative import DEFAULT_NUM_DRAFT, DRAFT_KINDS, MAX_NUM_DRAFT
 
 MAX_JSON_DEPTH = 64
@@ -333,15 +333,14 @@ def parse_completion(body, tokenizer, defaults: SamplingDefaults, chat: bool, li
 
 # --- engine events to text -------------------------------------------------------------------
 
-class StopStringFilter:
+class StopStringFilter(HeldBackText):
     """Cuts the text at the first stop string. Holds back a tail that could still become one,
     so that streamed deltas never contain text that a later token turns into a stop."""
 
     def __init__(self, stops: list[str]):
+        super().__init__()
         self.stops = stops
         self.longest = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.sent = 0
 
     def add(self, delta: str) -> tuple[str, bool]:
         """``(text safe to send, stopped)``."""
@@ -351,22 +350,10 @@ class StopStringFilter:
         if hits:
             self.text = self.text[:min(hits)]
             return self._send(len(self.text)), True
-        return self._send(len(self.text) - self._pending_prefix()), False
+        return self._send(len(self.text) - self._partial(self.stops, self.longest)), False
 
     def flush(self) -> str:
         return self._send(len(self.text))
-
-    def _pending_prefix(self) -> int:
-        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
-
-    def _send(self, end: int) -> str:
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
 
 
 @dataclass

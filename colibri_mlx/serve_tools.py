@@ -88,13 +88,34 @@ def first_start(text: str) -> int:
     return min(found) if found else -1
 
 
-class ToolCallFilter:
-    """For streaming: passes text through until a tool-call section starts, then holds the rest
-    (and any tail that could still be the start of a marker) for :func:`parse_tool_calls`."""
+class HeldBackText:
+    """Streamed text of which a tail may be held back: ``text`` so far, ``sent`` characters out."""
 
     def __init__(self):
         self.text = ""
         self.sent = 0
+
+    def _partial(self, markers, longest: int) -> int:
+        """The length of the longest tail of the text that is a proper prefix of a marker."""
+        for k in range(min(longest - 1, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in markers):
+                return k
+        return 0
+
+    def _send(self, end: int) -> str:
+        end = max(end, self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+class ToolCallFilter(HeldBackText):
+    """For streaming: passes text through until a tool-call section starts, then holds the rest
+    (and any tail that could still be the start of a marker) for :func:`parse_tool_calls`."""
+
+    LONGEST = max(len(s) for s in STARTS)
+
+    def __init__(self):
+        super().__init__()
         self.held = False
 
     def add(self, delta: str) -> str:
@@ -105,19 +126,7 @@ class ToolCallFilter:
         if start >= 0:
             self.held = True
             return self._send(start)
-        return self._send(len(self.text) - self._partial_marker())
-
-    def _partial_marker(self) -> int:
-        longest = max(len(s) for s in STARTS)
-        for k in range(min(longest - 1, len(self.text)), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in STARTS):
-                return k
-        return 0
-
-    def _send(self, end: int) -> str:
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
+        return self._send(len(self.text) - self._partial(STARTS, self.LONGEST))
 
     def finish(self, tools: Optional[list]) -> tuple[str, list[dict]]:
         """``(text not sent yet, tool calls)`` at the end of the completion."""
