@@ -26,7 +26,7 @@ from typing import Optional
 from .serve_engine import ENGINE_OPTIONS, SerialEngine
 from .serve_reader import ConnectionReader, RequestReader
 from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
-                           StopStringFilter, error_body, model_card, parse_completion, usage)
+                           StopStringFilter, error_body, model_card, parse_completion, parse_sampling, usage)
 
 MAX_BODY_BYTES = 16 << 20
 LISTEN_BACKLOG = 512
