@@ -334,9 +334,14 @@ class RequestHandler(BaseHTTPRequestHandler):
         except Exception as e:  # a bug, not the client's fault: say so instead of dropping the connection
             handle.cancel()
             self.log_error("generation failed: %r", e)
-            if not self.stream_started:
-                self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                error_body(f"generation failed: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR), close=True)
+            error = error_body(f"generation failed: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+            try:
+                if not self.stream_started:
+                    self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, error, close=True)
+                else:  # the 200 went out: the error comes as an event, as OpenAI's streams send one
+                    self._event(error, done=True)
+            except _ClientGone:
+                pass
             self.close_connection = True
 
     def _read_json_or_none(self):
@@ -415,19 +420,20 @@ class RequestHandler(BaseHTTPRequestHandler):
                 self._event(resp.chunk(p.text, logprobs=p.logprobs))
             if text.tool_calls:
                 self._event(resp.chunk(None, tool_calls=text.tool_calls))
-            self._event(resp.chunk(None, text.finish_reason))
+            self._event(resp.chunk(None, text.finish_reason), done=not req.include_usage)
             if req.include_usage:
                 self._event(resp.usage_chunk(usage(len(req.prompt_ids), text.completion_tokens,
-                                                   getattr(handle, "cached_tokens", 0))))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (OSError, ValueError):  # the client left (broken pipe, reset, timeout): stop generating
+                                                   getattr(handle, "cached_tokens", 0))), done=True)
+        except _ClientGone:  # stop generating
             handle.cancel()
             pieces.close()
 
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+    def _event(self, obj: dict, done: bool = False) -> None:
+        try:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n" + (b"data: [DONE]\n\n" if done else b""))
+            self.wfile.flush()
+        except (OSError, ValueError):  # broken pipe, reset, write timeout; ValueError: the file is closed
+            raise _ClientGone from None
 
     def _log_stats(self, req, handle, text: CompletionText) -> None:
         if self.server.log is None:
@@ -439,6 +445,10 @@ class RequestHandler(BaseHTTPRequestHandler):
         print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps:.1f} tok/s | generation: "
               f"{text.completion_tokens} tokens, {gen_tps:.1f} tok/s | finish: {text.finish_reason}{note}",
               file=self.server.log, flush=True)
+
+
+class _ClientGone(Exception):
+    """The client of a stream left."""
 
 
 def _chain(first, rest):

@@ -240,8 +240,8 @@ def test_text_without_a_complete_call_is_content():
 class ScriptedHandle:
     cached_tokens = 0
 
-    def __init__(self, ids, delay):
-        self.ids, self.delay = ids, delay
+    def __init__(self, ids, delay, fail_at=None):
+        self.ids, self.delay, self.fail_at = ids, delay, fail_at
         self.cancelled = threading.Event()
         self.emitted = 0
 
@@ -252,6 +252,8 @@ class ScriptedHandle:
         for i, t in enumerate(self.ids):
             if self.cancelled.wait(self.delay) if self.delay else self.cancelled.is_set():
                 return
+            if i == self.fail_at:
+                raise RuntimeError("the engine broke")
             self.emitted += 1
             yield TokenEvent(t, None, None, "length" if i == len(self.ids) - 1 else None)
 
@@ -259,12 +261,12 @@ class ScriptedHandle:
 class ScriptedEngine:
     """Answers every request with the same token ids, ``delay`` seconds apart."""
 
-    def __init__(self, ids, delay=0.0):
-        self.ids, self.delay = ids, delay
+    def __init__(self, ids, delay=0.0, fail_at=None):
+        self.ids, self.delay, self.fail_at = ids, delay, fail_at
         self.handles, self.prompts = [], []
 
     def submit(self, prompt_ids, params, max_tokens, seed=None, logprobs=None):
-        h = ScriptedHandle(self.ids[:max_tokens], self.delay)
+        h = ScriptedHandle(self.ids[:max_tokens], self.delay, self.fail_at)
         self.handles.append(h)
         self.prompts.append(prompt_ids)
         return h
@@ -397,9 +399,9 @@ def test_huge_prompt_is_refused_before_it_is_tokenized(server):
 def scripted(demo):
     servers = []
 
-    def make(ids=(65, 66, 67), delay=0.0, **options):
+    def make(ids=(65, 66, 67), delay=0.0, fail_at=None, **options):
         srv = ModelServer(("127.0.0.1", 0), demo[0], demo[1], "colibri-demo", log=io.StringIO(),
-                          engine=ScriptedEngine(list(ids), delay), **options)
+                          engine=ScriptedEngine(list(ids), delay, fail_at), **options)
         servers.append((srv, start(srv)))
         return srv
 
@@ -481,6 +483,19 @@ def test_non_streaming_client_disconnect_cancels(scripted):
     handle = srv.engine.handles[-1]
     assert handle.cancelled.wait(2)
     assert handle.emitted < 100
+
+
+def test_engine_failure_is_a_500_or_an_error_event(scripted):
+    srv = scripted(fail_at=2)
+    c = client(srv)
+    with pytest.raises(openai.InternalServerError, match="the engine broke"):
+        c.completions.create(model="x", prompt="a", max_tokens=3)
+    chunks = []
+    with pytest.raises(openai.APIError, match="the engine broke"):
+        for chunk in c.completions.create(model="x", prompt="a", max_tokens=3, stream=True):
+            chunks.append(chunk)
+    assert "".join(ch.choices[0].text for ch in chunks) == srv.tokenizer.decode([65, 66])
+    assert c.completions.create(model="x", prompt="a", max_tokens=2).choices[0].text  # still serving
 
 
 def test_api_key_and_cors(scripted):
