@@ -115,7 +115,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         for pair in self.logit_bias or ():
             if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
-                    or not isinstance(pair[0], int) or pair[0] < 0 or not -100 <= _number("logit_bias", pair[1]) <= 100):
+                    or not isinstance(pair[0], int) or pair[0] < 0
+                    or not -100 <= _number("logit_bias", pair[1]) <= 100):
                 raise ValueError(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
 
     @property

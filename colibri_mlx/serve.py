@@ -2,9 +2,10 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` answers with Server-Sent Events ending in
-``data: [DONE]``). This module is the HTTP layer: a bounded pool of connection threads, read
-timeouts, API key and CORS, OpenAI-shaped errors for every failure (protocol-level ones too),
-client disconnects and a graceful shutdown. Requests are checked and shaped in
+``data: [DONE]``). This module is the HTTP layer: connections wait on one reader thread
+(:mod:`colibri_mlx.serve_reader`) and requests run on a bounded pool of threads; read timeouts,
+API key and CORS, OpenAI-shaped errors for every failure (protocol-level ones too), client
+disconnects and a graceful shutdown. Requests are checked and shaped in
 :mod:`colibri_mlx.serve_openai`; generation goes through an engine (:mod:`colibri_mlx.serve_engine`).
 docs/serve.md lists the request fields and flags.
 """
@@ -124,7 +125,7 @@ class ModelServer(ThreadingHTTPServer):
         self.engine.cancel_all()
         with self.connections_lock:
             sockets = list(self.connections.values())
-        for sock in sockets:  # an idle keep-alive connection reads end-of-file and ends; answers still go out
+        for sock in sockets:  # a handler still reading a large body reads end-of-file; answers still go out
             try:
                 sock.shutdown(socket.SHUT_RD)
             except OSError:

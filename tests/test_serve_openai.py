@@ -323,7 +323,8 @@ def test_tool_calls_end_to_end(tool_server):
 def test_tool_results_in_the_conversation(tool_server):
     messages = CHAT + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     client(tool_server).chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=1)
     # The template iterates over the arguments as a mapping: the JSON text is given as one.
@@ -357,7 +358,8 @@ def raw(srv, data: bytes, timeout=10) -> tuple[int, dict, bytes]:
 
 
 def post_raw(body: bytes) -> bytes:
-    return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+    return head % len(body) + body
 
 
 PROTOCOL_ERRORS = [
