@@ -317,8 +317,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 raise RequestError(f"no route POST {self.path}", status=HTTPStatus.NOT_FOUND)
             body = self._read_json()
             req = parse_completion(body, self.server.tokenizer, self.server.defaults, chat, self.server.context_limit)
-            handle = self.server.engine.submit(req.prompt_ids, req.params, req.max_tokens, req.seed, req.logprobs,
-                                               **req.engine_extras)
+            handle = self._submit(req)
         except RequestError as e:
             self._send_error(e)
             return
@@ -344,6 +343,13 @@ class RequestHandler(BaseHTTPRequestHandler):
             except _ClientGone:
                 pass
             self.close_connection = True
+
+    def _submit(self, req: CompletionRequest):
+        engine = self.server.engine
+        if req.engine_extras and not getattr(engine, "takes_draft", False):
+            raise RequestError(f"this server's engine ({type(engine).__name__}) does not take "
+                               f"{' or '.join(map(repr, req.engine_extras))}", next(iter(req.engine_extras)))
+        return engine.submit(req.prompt_ids, req.params, req.max_tokens, req.seed, req.logprobs, **req.engine_extras)
 
     def _read_json_or_none(self):
         if self.headers.get("Content-Length"):  # keep the connection usable

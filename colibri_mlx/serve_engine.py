@@ -21,8 +21,11 @@ fault: an HTTP 400) and returns at once. The ``handle``
 
 ``engine.close()`` cancels everything in flight and returns once no MLX work is left running
 (the process may then exit: MLX work on a thread at interpreter exit aborts the process).
-Engines are built as ``Engine(model, tokenizer, **ENGINE_OPTIONS values)``; :class:`SerialEngine`
-accepts and ignores the batching options.
+Engines are built as ``Engine(model, tokenizer, draft=..., num_draft=..., **ENGINE_OPTIONS values)``
+(the draft values: the server's defaults for speculative decoding); :class:`SerialEngine` accepts
+and ignores the batching options. An engine with ``takes_draft = True`` also takes ``draft=`` and
+``num_draft=`` keywords in ``submit`` (a request's own choice); the server refuses requests that
+name them otherwise.
 
 Log-probabilities are those of the logits the sampler saw: after ``logit_bias`` and the
 penalties, before temperature and the top-k/top-p/min-p filters (``generate_tokens``).
@@ -87,6 +90,8 @@ class SerialEngine:
     """One request at a time on one worker thread (MLX evaluation and the latent cache are not
     thread-safe), through ``generate_tokens``; requests queue in arrival order. A cancelled
     request stops between two tokens."""
+
+    takes_draft = True
 
     def __init__(self, model, tokenizer, draft: Optional[str] = None, num_draft: int = 3, **batching_options):
         unknown = set(batching_options) - set(ENGINE_OPTIONS)
