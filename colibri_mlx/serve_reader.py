@@ -63,6 +63,8 @@ class RequestReader:
         self.wake_r.setblocking(False)
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.closed = False
+        self.buffered = 0  # bytes in all the buffers of self.waiting
+        self.next_expiry_check = 0.0
         self.thread = threading.Thread(target=self._run, name="colibri-reader", daemon=True)
         self.thread.start()
 
@@ -87,9 +89,6 @@ class RequestReader:
             pass
         self.thread.join(5)
 
-    @property
-    def buffered(self) -> int:
-        return sum(len(w.buf) for w in self.waiting.values())
 
     def _run(self) -> None:
         try:
@@ -101,7 +100,10 @@ class RequestReader:
                         self._take_incoming()
                     else:
                         self._read(key.fileobj)
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                if now >= self.next_expiry_check:  # not on every event: it walks every connection
+                    self.next_expiry_check = now + 0.05
+                    self._expire(now)
         finally:
             for sock in list(self.waiting):
                 self._drop(sock)
@@ -130,6 +132,7 @@ class RequestReader:
                 _close(sock)
                 continue
             self.waiting[sock] = w
+            self.buffered += len(w.buf)
             if data and request_ready(bytes(w.buf), True):  # a pipelined request came with the last one
                 self._hand_over(sock)
 
@@ -147,6 +150,7 @@ class RequestReader:
             self._drop(sock)
             return
         w.buf += chunk
+        self.buffered += len(chunk)
         if request_ready(bytes(w.buf), self.buffered <= BUFFER_BUDGET):
             self._hand_over(sock)
 
@@ -164,6 +168,7 @@ class RequestReader:
 
     def _hand_over(self, sock) -> None:
         w = self.waiting.pop(sock)
+        self.buffered -= len(w.buf)
         self.selector.unregister(sock)
         try:
             sock.setblocking(True)
@@ -173,7 +178,9 @@ class RequestReader:
         self.dispatch(sock, w.addr, bytes(w.buf))
 
     def _drop(self, sock) -> None:
-        self.waiting.pop(sock, None)
+        w = self.waiting.pop(sock, None)
+        if w is not None:
+            self.buffered -= len(w.buf)
         try:
             self.selector.unregister(sock)
         except (KeyError, ValueError, OSError):

@@ -30,6 +30,7 @@ import mlx.core as mx  # noqa: E402
 import colibri_mlx  # noqa: E402
 from colibri_mlx.serve import ModelServer  # noqa: E402
 from colibri_mlx.serve_engine import TokenEvent  # noqa: E402
+from colibri_mlx.serve_reader import request_ready  # noqa: E402
 from colibri_mlx.serve_tools import ToolCallFilter, parse_tool_calls  # noqa: E402
 
 PROMPT = "And the LORD spake unto Moses, saying"
@@ -416,6 +417,23 @@ def scripted(demo):
     yield make
     for srv, thread in servers:
         stop(srv, thread)
+
+
+@pytest.mark.parametrize("data,wait_for_body,ready", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", True, False),                          # head not ended
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", True, True),
+    (b"GET / HTTP/1.1\nHost: x\n\n", True, True),                               # bare newlines
+    (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n1234", True, False),       # body not all there
+    (b"POST / HTTP/1.1\r\ncontent-length:5\r\n\r\n12345", True, True),
+    (b"POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\n1234", False, True),      # over the buffer budget
+    (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n", True, True),
+    (b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n", True, True),          # the handler answers 400
+    (b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n", True, True),
+    (b"POST / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n{", True, True),    # a large body: the worker reads it
+    (b"GET /" + b"a" * 80000, True, True),                                      # too long: the handler answers 414
+])
+def test_request_ready(data, wait_for_body, ready):
+    assert request_ready(data, wait_for_body) is ready
 
 
 def test_64_concurrent_clients_all_answered(scripted):
