@@ -394,6 +394,17 @@ def test_protocol_errors_are_openai_json(server, what, data, status):
     assert error["type"] == "invalid_request_error"
 
 
+def test_pipelined_requests_on_one_connection(server):
+    get = b"GET /v1/models/colibri-demo HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(server.server_address[:2], timeout=10) as s:
+        s.sendall(get + get + b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    assert out.count(b"HTTP/1.1 200 OK") == 3 and out.count(b'"id": "colibri-demo"') == 2
+    assert out.endswith(b'{"status": "ok"}')
+
+
 def test_huge_prompt_is_refused_before_it_is_tokenized(server):
     body = json.dumps({"prompt": "word " * 3_000_000, "max_tokens": 1}).encode()  # 15 MB
     t0 = time.perf_counter()
@@ -547,7 +558,8 @@ def test_api_key_and_cors(scripted):
     conn.close()
 
 
-def test_sigint_mid_stream_ends_the_stream_and_exits_0():
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_stream_ends_the_requests_and_exits_0(signum):
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "colibri_mlx", "serve", "--port", "0",
                              "--host", "0.0.0.0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -568,16 +580,29 @@ def test_sigint_mid_stream_ends_the_stream_and_exits_0():
         assert r.status == 200
         first = r.readline()
         assert first.startswith(b"data: ")
-        proc.send_signal(signal.SIGINT)
+        queued = {}  # a whole request waiting behind the stream is answered too
+
+        def whole():
+            c = http.client.HTTPConnection("127.0.0.1", int(url), timeout=30)
+            c.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 500}))
+            answer = c.getresponse()
+            queued["status"], queued["body"] = answer.status, json.loads(answer.read())
+
+        waiting = threading.Thread(target=whole)
+        waiting.start()
+        time.sleep(0.3)
+        proc.send_signal(signum)
         rest = r.read().decode()
         events = [e[len("data: "):] for e in rest.split("\n\n") if e.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        waiting.join(20)
+        assert queued["status"] == 200 and queued["body"]["choices"][0]["finish_reason"] == "length"
         try:
             code = proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
-            pytest.fail(f"still running 20 s after SIGINT:\n{proc.communicate(timeout=10)[1][-6000:]}")
+            pytest.fail(f"still running 20 s after the signal:\n{proc.communicate(timeout=10)[1][-6000:]}")
         err = proc.stderr.read()
         assert code == 0, err[-3000:]
         assert "terminate called" not in err and "shutting down" in err
