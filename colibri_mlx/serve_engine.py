@@ -176,8 +176,10 @@ class SerialEngine:
                     lp = stats["logprobs"]
                     chosen = lp[token].item()
                     if logprobs > 0:
-                        order = mx.argsort(-lp)[:logprobs]
-                        top = list(zip(order.tolist(), lp[order].tolist()))
+                        best = mx.argpartition(-lp, logprobs - 1)[:logprobs]  # not a sort of the vocabulary
+                        values = lp[best]
+                        order = mx.argsort(-values)
+                        top = list(zip(best[order].tolist(), values[order].tolist()))
                 handle.events.put(TokenEvent(token, chosen, top, stats["finish_reason"]))
                 handle.stats = stats
                 if handle.cancelled.is_set():
