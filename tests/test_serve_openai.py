@@ -302,25 +302,35 @@ def tool_server(demo):
     stop(srv, thread)
 
 
-def test_tool_calls_end_to_end(tool_server):
+@pytest.mark.parametrize("text,content,calls", [
+    (DS, "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (KIMI, None, [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (GLM, "ok", [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "CET"})]),
+], ids=["deepseek-v3", "kimi-k2", "glm"])
+def test_tool_calls_end_to_end(tool_server, text, content, calls):
     c = client(tool_server)
     engine, tok = tool_server.engine, tool_server.tokenizer
-    r = c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, max_tokens=500)
-    assert "[tool get_weather]\n[tool get_time]\n" in tok.decode(engine.prompts[-1])  # rendered by the template
-    msg = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look."
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == \
-        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
-    chunks = list(c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, max_tokens=500, stream=True))
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Let me look."
-    calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == \
-        [(i, t.function.name, t.function.arguments) for i, t in enumerate(msg.tool_calls)]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    # tool_choice "none": no tools in the prompt, the text comes back as it is.
-    r = c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=500)
-    assert r.choices[0].message.content == DS and not r.choices[0].message.tool_calls
-    assert "[tool" not in tok.decode(engine.prompts[-1])
+    engine.ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(engine.ids) == text  # the premise: the scripted tokens spell the text
+    try:
+        r = c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, max_tokens=500)
+        assert "[tool get_weather]\n[tool get_time]\n" in tok.decode(engine.prompts[-1])  # rendered by the template
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content == content
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == calls
+        chunks = list(c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, max_tokens=500,
+                                                stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (content or "")
+        streamed = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or []]
+        assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == \
+            [(i, t.function.name, t.function.arguments) for i, t in enumerate(msg.tool_calls)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # tool_choice "none": no tools in the prompt, the text comes back as it is.
+        r = c.chat.completions.create(model="x", messages=CHAT, tools=TOOLS, tool_choice="none", max_tokens=500)
+        assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+        assert "[tool" not in tok.decode(engine.prompts[-1])
+    finally:
+        engine.ids = tok.encode(DS, add_special_tokens=False)
 
 
 def test_tool_results_in_the_conversation(tool_server):
