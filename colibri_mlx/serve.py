@@ -162,6 +162,7 @@ class RequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "colibri"
     error_content_type = "application/json"
+    disable_nagle_algorithm = True  # a streamed token goes out at once, not after the client's delayed ACK
 
     def __init__(self, request, client_address, server, data: bytes = b""):
         self.received = data
