@@ -121,7 +121,7 @@ class SamplingParams:
 
     @property
     def counts_tokens(self) -> bool:
-        """Whether a step needs the previous tokens' values (no pipelining, no speculation)."""
+        """Whether a step needs the previous tokens' values (no pipelining)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
@@ -245,7 +245,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
         raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
     from .speculative import check_num_draft, resolve_draft, speculative_tokens
 
-    per_token = logprobs or params.counts_tokens or bool(params.logit_bias)
+    # Speculation applies the repetition penalty itself, not these.
+    per_token = logprobs or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 \
+        or bool(params.logit_bias)
     if per_token and draft not in (None, "none"):
         raise ValueError("logprobs, logit_bias and the presence/frequency penalties need draft='none'")
     draft = "none" if per_token else resolve_draft(model, draft, seeded_sampling=params.temperature > 0
@@ -264,9 +266,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
         logits = apply_openai_penalties(logits, seen[len(prompt_ids):], params)
         if params.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-        if logprobs:
-            logits = logits.astype(mx.float32)
-            lp = logits - mx.logsumexp(logits)
+        if logprobs:  # in float32; the sampler gets the logits as they are (the same draws as without)
+            wide = logits.astype(mx.float32)
+            lp = wide - mx.logsumexp(wide)
         return sampler(logits)
 
     t0 = time.perf_counter()
