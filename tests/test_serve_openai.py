@@ -121,6 +121,14 @@ def test_chat_logprobs_streamed_and_whole(server, demo):
     assert plain.choices[0].logprobs is None
 
 
+def test_logprobs_do_not_change_seeded_sampling(server):
+    c = client(server)
+    kw = dict(model="x", prompt=PROMPT, max_tokens=6, temperature=1.5, seed=7)
+    plain = c.completions.create(**kw).choices[0].text
+    with_lp = c.completions.create(**kw, logprobs=2).choices[0]
+    assert with_lp.text == plain and "".join(with_lp.logprobs.tokens) == plain
+
+
 def test_models_retrieve_and_unknown_is_404(server):
     c = client(server)
     assert c.models.retrieve("colibri-demo").id == "colibri-demo"
