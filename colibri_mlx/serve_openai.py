@@ -78,9 +78,9 @@ def check_json_value(body) -> None:
                                    f"({value.encode('utf-8', 'backslashreplace')[:40]!r}...)") from None
         elif isinstance(value, dict):
             stack.extend((k, depth + 1) for k in value)
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (str, dict, list)))
+        elif isinstance(value, list):  # (a prompt of token ids: numbers are not pushed)
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (str, dict, list)))
 
 
 def _field(body: dict, name: str, types, default, check=None, what=None):
