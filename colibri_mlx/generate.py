@@ -125,6 +125,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def needs_plain_decoding(params: SamplingParams, logprobs: bool = False) -> bool:
+    """Whether a request needs plain decoding: speculation applies the repetition penalty itself,
+    not logprobs, ``logit_bias`` or the presence/frequency penalties."""
+    return bool(logprobs or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.logit_bias)
+
+
 def apply_openai_penalties(logits: mx.array, generated: Sequence[int], params: SamplingParams) -> mx.array:
     """``logit_bias`` added, then OpenAI's presence and frequency penalties over ``generated``."""
     if params.logit_bias:
@@ -245,9 +251,7 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
         raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
     from .speculative import check_num_draft, resolve_draft, speculative_tokens
 
-    # Speculation applies the repetition penalty itself, not these.
-    per_token = logprobs or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 \
-        or bool(params.logit_bias)
+    per_token = needs_plain_decoding(params, logprobs)
     if per_token and draft not in (None, "none"):
         raise ValueError("logprobs, logit_bias and the presence/frequency penalties need draft='none'")
     draft = "none" if per_token else resolve_draft(model, draft, seeded_sampling=params.temperature > 0

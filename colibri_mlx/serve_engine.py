@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .generate import SamplingParams
+from .generate import SamplingParams, needs_plain_decoding
 
 # mlx_lm.server's defaults (its --decode-concurrency, --prompt-concurrency, --prefill-step-size,
 # --prompt-cache-bytes: None is unbounded).
@@ -118,8 +118,10 @@ class SerialEngine:
             raise TypeError("params must be a SamplingParams")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
-        job = (list(prompt_ids), params, max_tokens, seed, logprobs,
-               self.draft if draft is None else draft, self.num_draft if num_draft is None else num_draft)
+        if draft is None and not needs_plain_decoding(params, logprobs is not None):
+            draft = self.draft  # the server's default; a request that needs plain decoding gets it
+        job = (list(prompt_ids), params, max_tokens, seed, logprobs, draft,
+               self.num_draft if num_draft is None else num_draft)
         handle = SerialHandle(self, job)
         with self.lock:
             if self.closed:

@@ -129,6 +129,22 @@ def test_logprobs_do_not_change_seeded_sampling(server):
     assert with_lp.text == plain and "".join(with_lp.logprobs.tokens) == plain
 
 
+def test_logprobs_under_a_server_default_draft(demo):
+    from colibri_mlx.serve import SamplingDefaults
+
+    srv = ModelServer(("127.0.0.1", 0), *demo, "colibri-demo", defaults=SamplingDefaults(draft="ngram"),
+                      log=io.StringIO())
+    thread = start(srv)
+    try:
+        c = client(srv)
+        r = c.completions.create(model="x", prompt=PROMPT, max_tokens=2, logprobs=1)  # plain decoding for it
+        assert len(r.choices[0].logprobs.token_logprobs) == 2
+        with pytest.raises(openai.BadRequestError, match="need draft='none'"):
+            c.completions.create(model="x", prompt=PROMPT, max_tokens=2, logprobs=1, extra_body={"draft": "ngram"})
+    finally:
+        stop(srv, thread)
+
+
 def test_models_retrieve_and_unknown_is_404(server):
     c = client(server)
     assert c.models.retrieve("colibri-demo").id == "colibri-demo"
