@@ -625,7 +625,8 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--allow-origin", default=None,
               help="CORS: the Access-Control-Allow-Origin value to send ('*' or an origin); off by default.")
 @click.option("--max-connections", default=128, show_default=True, type=click.IntRange(min=1),
-              help="Requests served at once (a worker thread each); one more gets 503 with Retry-After.")
+              help="Requests served at once (a worker thread each); 4x as many more wait, then 503 with "
+                   "Retry-After.")
 @click.option("--read-timeout", default=30.0, show_default=True, type=_Finite(min=0, min_open=True),
               help="Seconds a request may take to arrive (a half-sent one gets 408; an idle keep-alive is closed).")
 @click.option("--decode-concurrency", default=32, show_default=True, type=click.IntRange(min=1),

@@ -12,6 +12,7 @@ docs/serve.md lists the request fields and flags.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import os
@@ -41,8 +42,9 @@ class ModelServer(ThreadingHTTPServer):
     """The HTTP server holding the engine, the tokenizer and the sampling defaults.
 
     Connections wait for their next request on one reader thread (:mod:`serve_reader`); a
-    request that has arrived gets a thread, at most ``max_connections`` at once: one more is
-    answered 503 with ``Retry-After``. A request (head, and a body of up to 1 MiB) must arrive
+    request that has arrived gets a thread, at most ``max_connections`` at once; up to
+    ``max_pending`` more (default 4 x ``max_connections``) wait for a thread in arrival order, and
+    one more is answered 503 with ``Retry-After``. A request (head, and a body of up to 1 MiB) must arrive
     within ``read_timeout`` seconds: otherwise 408, or the connection is closed when it sent
     nothing (an idle keep-alive).
     """
@@ -53,7 +55,8 @@ class ModelServer(ThreadingHTTPServer):
     def __init__(self, address, model, tokenizer, model_id: str = "colibri",
                  defaults: SamplingDefaults = SamplingDefaults(), log=sys.stderr, engine=None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, read_timeout: float = DEFAULT_READ_TIMEOUT,
-                 api_key: Optional[str] = None, allow_origin: Optional[str] = None):
+                 api_key: Optional[str] = None, allow_origin: Optional[str] = None,
+                 max_pending: Optional[int] = None):
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
         self.engine = engine if engine is not None else SerialEngine(model, tokenizer, draft=defaults.draft,
@@ -66,6 +69,8 @@ class ModelServer(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(max_connections)
         self.connections: dict[threading.Thread, socket.socket] = {}
         self.connections_lock = threading.Lock()
+        self.pending: collections.deque = collections.deque()
+        self.max_pending = max_pending if max_pending is not None else 4 * max_connections
         self.stopping = threading.Event()
         self.refused = 0
         self.reader = RequestReader(self._dispatch, read_timeout, log)
@@ -82,15 +87,23 @@ class ModelServer(ThreadingHTTPServer):
         self.reader.add(request, client_address)
 
     def _dispatch(self, sock, client_address, data: bytes) -> None:
-        """From the reader: a whole request (or a head too long to be one) is in ``data``."""
-        if self.stopping.is_set() or not self.slots.acquire(blocking=False):
-            self.refused += 1
-            _refuse_busy(sock)
-            self.shutdown_request(sock)
-            return
-        t = threading.Thread(target=self._serve_connection, args=(sock, client_address, data), daemon=True)
+        """From the reader: a whole request (or a head too long to be one) is in ``data``. It runs
+        on a free slot, or waits for one among at most ``max_pending``; past that it gets a 503."""
         with self.connections_lock:
-            self.connections[t] = sock
+            if not self.stopping.is_set():
+                if self.slots.acquire(blocking=False):
+                    self._start(sock, client_address, data)
+                    return
+                if len(self.pending) < self.max_pending:
+                    self.pending.append((sock, client_address, data))
+                    return
+        self.refused += 1
+        _refuse_busy(sock, self.allow_origin)
+        self.shutdown_request(sock)
+
+    def _start(self, sock, client_address, data: bytes) -> None:
+        t = threading.Thread(target=self._serve_connection, args=(sock, client_address, data), daemon=True)
+        self.connections[t] = sock
         t.start()
 
     def _serve_connection(self, sock, client_address, data: bytes):
@@ -106,9 +119,12 @@ class ModelServer(ThreadingHTTPServer):
         finally:
             if not keep:
                 self.shutdown_request(sock)
-            self.slots.release()
             with self.connections_lock:
                 self.connections.pop(threading.current_thread(), None)
+                if self.pending and not self.stopping.is_set():
+                    self._start(*self.pending.popleft())  # the slot passes to the oldest waiting request
+                else:
+                    self.slots.release()
 
     def handle_error(self, request, client_address):
         if self.log is not None:
@@ -120,7 +136,12 @@ class ModelServer(ThreadingHTTPServer):
     def drain(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
         """Stop taking requests, cancel the running generations (their streams end with a final
         chunk), wait for the connection threads, then close the engine (no MLX work left)."""
-        self.stopping.set()
+        with self.connections_lock:
+            self.stopping.set()
+            pending, self.pending = list(self.pending), collections.deque()
+        for sock, _, _ in pending:
+            _refuse_busy(sock, self.allow_origin, "the server is shutting down")
+            self.shutdown_request(sock)
         self.reader.close()  # closes the connections waiting for a request
         self.engine.cancel_all()
         with self.connections_lock:
@@ -146,16 +167,16 @@ class ModelServer(ThreadingHTTPServer):
             self.drain()
 
 
-def _refuse_busy(sock) -> None:
-    body = json.dumps(error_body("the server is busy: too many requests at once; retry later",
-                                 HTTPStatus.SERVICE_UNAVAILABLE)).encode()
+def _refuse_busy(sock, allow_origin: Optional[str] = None,
+                 message: str = "the server is busy: too many requests at once; retry later") -> None:
+    body = json.dumps(error_body(message, HTTPStatus.SERVICE_UNAVAILABLE)).encode()
+    cors = b"" if allow_origin is None else b"Access-Control-Allow-Origin: %s\r\n" % allow_origin.encode()
     try:
         sock.settimeout(0.5)
         sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                     b"%sConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (cors, len(body), body))
     except OSError:
         pass
-
 
 class RequestHandler(BaseHTTPRequestHandler):
     server: ModelServer
@@ -305,6 +326,8 @@ class RequestHandler(BaseHTTPRequestHandler):
                                               "model_not_found"))
         else:
             self._send_error(RequestError(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND))
+
+    do_HEAD = do_GET  # the same status and headers, no body (_send_json)
 
     def do_POST(self):
         routes = {"/v1/completions": False, "/v1/chat/completions": True}

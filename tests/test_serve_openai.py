@@ -531,18 +531,21 @@ def test_half_sent_requests_hold_no_thread_and_time_out(scripted):
             s.close()
 
 
-def test_full_pool_is_503_with_retry_after(scripted):
-    srv = scripted(ids=list(range(65, 85)), delay=0.05, max_connections=2)  # 1 s per request
-    slow = [threading.Thread(target=raw, args=(srv, post_raw(b'{"prompt": "a", "max_tokens": 20}')))
-            for _ in range(2)]
-    for t in slow:
+def test_full_pool_waits_then_is_503_with_retry_after(scripted):
+    srv = scripted(ids=list(range(65, 85)), delay=0.05, max_connections=1, max_pending=1)  # 1 s per request
+    answers = []
+    request = post_raw(b'{"prompt": "a", "max_tokens": 20}')
+    slow = [threading.Thread(target=lambda: answers.append(raw(srv, request))) for _ in range(2)]
+    for t in slow:  # one runs, one waits for the slot
         t.start()
     time.sleep(0.3)
     status, headers, body = raw(srv, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
     assert status == 503 and headers["Retry-After"] == "1" and json.loads(body)["error"]["type"] == "server_error"
     for t in slow:
         t.join(10)
-    assert raw(srv, b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")[0] == 200
+    assert [a[0] for a in answers] == [200, 200]
+    status, headers, body = raw(srv, b"HEAD /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert status == 200 and headers["Content-Type"] == "application/json" and body == b""
 
 
 def test_non_streaming_client_disconnect_cancels(scripted):
