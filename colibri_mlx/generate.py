@@ -248,7 +248,8 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     penalty = params.counts_tokens
     pipelined = not penalty if pipelined is None else pipelined
     if pipelined and penalty:
-        raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
+        raise ValueError("pipelined generation cannot apply a repetition penalty or a presence/frequency penalty "
+                         "(it needs each token first)")
     from .speculative import check_num_draft, resolve_draft, speculative_tokens
 
     per_token = needs_plain_decoding(params, logprobs)
@@ -267,7 +268,8 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
 
     def next_token(logits):
         nonlocal lp
-        logits = apply_openai_penalties(logits, seen[len(prompt_ids):], params)
+        if params.logit_bias or params.presence_penalty or params.frequency_penalty:
+            logits = apply_openai_penalties(logits, seen[len(prompt_ids):], params)
         if params.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
         if logprobs:  # in float32; the sampler gets the logits as they are (the same draws as without)
