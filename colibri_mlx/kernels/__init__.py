@@ -13,6 +13,7 @@ import mlx.core as mx
 from ..formats.qtensor import QTensor
 from . import compiled, dispatch, gguf_formats, mlx_formats, qgemv as _qgemv, reference, router
 from .mla import mla_decode
+from . import device_inputs  # noqa: F401 (kernels.device_inputs)
 from .rows import mla_rows
 from .moe import moe_block
 from .dispatch import (

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
-from . import dispatch, mlx_formats
+from . import device_inputs, dispatch, mlx_formats
 from .moe import Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 
@@ -302,9 +302,15 @@ def choose_variant(R: int, rope: int, variant: Optional[str] = None, backend: st
     return want
 
 
+PARAM_LENGTH = 6          # params' index of P, the positions attended (the cache length)
+
+
+def _param_values(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp, joint) -> tuple:
+    return (H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, p.n_units, has_mask, has_sel, Hp, int(joint))
+
+
 def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_sel, Hp, joint) -> mx.array:
-    n_units = p.n_units
-    return _int32s(H, nope, v, R, rope, T, P, TT, NT, L, p.rb, p.ng, n_units, has_mask, has_sel, Hp, int(joint))
+    return _int32s(*_param_values(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint))
 
 
 @functools.lru_cache(maxsize=256)
@@ -450,7 +456,11 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, None, variant))
     TT, NT = _tiles(T, variant, st.Hp // st.HT, tile, backend)
-    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, CAUSAL if causal else 0, 0, st.Hp, joint)
+    # The length (index 6) changes every step: on CUDA the array is made on the GPU
+    # (device_inputs: a host-made one stalls its first reader on a page fault).
+    return device_inputs.int32s_varying(
+        _param_values(H, nope, v, R, rope, T, length, TT, NT, L, st.p, CAUSAL if causal else 0, 0, st.Hp, joint),
+        PARAM_LENGTH, backend)
 
 
 def params_signature(kv_b) -> tuple:

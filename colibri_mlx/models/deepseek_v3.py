@@ -214,6 +214,7 @@ def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
 def embedding_rows(table, ids: mx.array, compiled_block: bool = True) -> mx.array:
     """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32).
     ``compiled_block`` False: inside a caller's compiled graph (kernels.gather_rows)."""
+    ids = kernels.device_inputs.device_index(ids, kernels.backend())   # CUDA: a token in device memory
     if not isinstance(table, QTensor):
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
@@ -949,7 +950,7 @@ class Model:
                 and not self.args.dsa and kernels.compiled.enabled(kernels.backend()):
             # A few rows of one sequence after its prompt (a verify step): compiled per layer at
             # these slots (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
-            rows_offset = mx.array(np.arange(start, start + L, dtype=np.int32))
+            rows_offset = kernels.device_inputs.int32_range(start, L, kernels.backend())
         else:
             rows_offset = None
         slots = mx.arange(start, start + L)

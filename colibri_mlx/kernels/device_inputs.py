@@ -1,0 +1,73 @@
+"""Small per-step int arrays written by the GPU on CUDA, not by the host.
+
+MLX's CUDA allocator keeps an array made from host data (``mx.array(values)``) in managed
+memory that the CPU writes; the first kernel to read it after that write stalls on a GPU page
+fault (a decode step's profile: ~100 us on the first reader of the step's attention params,
+and of a verify step's row positions). Arrays of at most 8 bytes all live in one managed pool
+that the host writes every step, so a kernel reading one of them reads host memory: the decode
+step's token, which MLX's embedding gather reads once per output value (~114 us a step).
+Made by an MLX op (arange, where, a copy) the array is written by the GPU into device memory
+and no kernel waits on host pages. Metal (unified memory) and the CPU keep the host arrays:
+there the op would only add a launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from . import dispatch
+
+# Device copies of an index array are made at least this many bytes: MLX's CUDA allocator puts
+# arrays of 8 bytes or fewer in its managed small-size pool.
+SMALL_POOL_BYTES = 8
+
+
+def on_device(backend: str) -> bool:
+    """Whether per-step arrays are made by GPU ops (CUDA) rather than from host data."""
+    return backend == dispatch.CUDA
+
+
+@functools.lru_cache(maxsize=64)
+def _host_int32s(values: tuple) -> mx.array:
+    return mx.array(values, dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _index_mask(n: int, index: int) -> mx.array:
+    return mx.array(np.arange(n) == index)
+
+
+def int32_range(start: int, n: int, backend: str) -> mx.array:
+    """int32 ``[start, start + n)``: mx.arange on CUDA (written by the GPU), else from host data."""
+    if on_device(backend):
+        return mx.arange(start, start + n, dtype=mx.int32)
+    return mx.array(np.arange(start, start + n, dtype=np.int32))
+
+
+def int32s_varying(values: tuple, index: int, backend: str) -> mx.array:
+    """int32 ``values`` whose entry ``index`` changes from step to step (a params array holding
+    the cache length). CUDA: the other entries as one cached array (read from device memory once
+    the GPU has migrated it) and the varying one from a device arange, joined by a where on the
+    GPU. Elsewhere: the host array, cached per distinct tuple."""
+    if not on_device(backend):
+        return _host_int32s(tuple(values))
+    n = len(values)
+    base = _host_int32s(tuple(v if i != index else 0 for i, v in enumerate(values)))
+    varying = mx.arange(values[index] - index, values[index] - index + n, dtype=mx.int32)  # [index] = value
+    return mx.where(_index_mask(n, index), varying, base)
+
+
+def device_index(ids, backend: str):
+    """``ids`` for a gather, in device memory on CUDA: an mx.array of at most 8 bytes (a decode
+    step's token) is copied by the GPU into a wider buffer and viewed back at its shape, so the
+    gather reads it from device memory instead of MLX's host-written small-size pool. Other
+    inputs (and other backends) pass through."""
+    if not on_device(backend) or not isinstance(ids, mx.array) or ids.nbytes > SMALL_POOL_BYTES or ids.size == 0:
+        return ids
+    flat = ids.reshape(-1)
+    copies = SMALL_POOL_BYTES // flat.nbytes + 1
+    wide = mx.contiguous(mx.broadcast_to(flat[None], (copies, flat.size))).reshape(-1)
+    return wide[:flat.size].reshape(ids.shape)
