@@ -69,3 +69,39 @@ def test_step_params_on_device_equal_host(rows, length, monkeypatch):
     assert made is not host and made.dtype == host.dtype == mx.int32
     np.testing.assert_array_equal(np.array(made), np.array(host))
     assert np.array(made)[mla.PARAM_LENGTH] == length and np.array(made)[9] == rows
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [0, 1, 40000])
+def test_int32_scalar(backend, value):
+    got = device_inputs.int32_scalar(value, backend)
+    assert got.shape == () and got.dtype == mx.int32 and got.item() == value
+
+
+def test_model_steps_with_device_made_inputs(tmp_path, monkeypatch):
+    """A tiny model's decode row and verify rows (compiled per layer) after a prompt give the same
+    hidden states with the positions, step params and token index made by ops as from host data."""
+    from colibri_mlx.kernels import compiled
+    from colibri_mlx.models.loading import load_model
+
+    from helpers_tiny import CONFIG, write_tiny_container
+
+    config = dict(CONFIG, first_k_dense_replace=2, num_nextn_predict_layers=1, max_position_embeddings=64)
+    model = load_model(write_tiny_container(tmp_path, config, seed=5), dtype="float32")
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5]], dtype=mx.int32)
+
+    def steps():
+        compiled.clear()
+        cache = model.make_cache()
+        model.hidden_states(prompt, cache)
+        out = []
+        for tokens in ([[7]], [[2, 7, 1, 8]], [[4]], [[3, 5]]):
+            h = model.hidden_states(mx.array(tokens, dtype=mx.uint32 if len(tokens[0]) == 1 else mx.int32), cache)
+            out.append(np.array(h))
+        return out
+
+    want = steps()
+    monkeypatch.setattr(device_inputs, "on_device", lambda backend: True)
+    for g, w in zip(steps(), want):
+        np.testing.assert_array_equal(g, w)

@@ -1,14 +1,16 @@
 """Small per-step int arrays written by the GPU on CUDA, not by the host.
 
 MLX's CUDA allocator keeps an array made from host data (``mx.array(values)``) in managed
-memory that the CPU writes; the first kernel to read it after that write stalls on a GPU page
-fault (a decode step's profile: ~100 us on the first reader of the step's attention params,
-and of a verify step's row positions). Arrays of at most 8 bytes all live in one managed pool
-that the host writes every step, so a kernel reading one of them reads host memory: the decode
-step's token, which MLX's embedding gather reads once per output value (~114 us a step).
-Made by an MLX op (arange, where, a copy) the array is written by the GPU into device memory
-and no kernel waits on host pages. Metal (unified memory) and the CPU keep the host arrays:
-there the op would only add a launch.
+memory written by the CPU, and every array of at most 8 bytes (a step's token, a position) in
+one managed small-size pool. In a decode step's CUPTI profile (scripts/bench/profile_step.py)
+the first kernel to read such an array after the host wrote it takes ~100 us where the same
+launch in the next layer takes ~10: mla_qb_qabs reading the step's attention params,
+mla_rows_into reading a verify step's row positions, and MLX's embedding gather reading the
+step's token (the pool page the host had just written the position into). Made by an MLX op
+(arange, where, a copy), the array is written by the GPU: the params and positions into device
+memory, the position into the pool without the host touching it, and a token copied out of the
+pool before the gather reads it once per output value. Metal (unified memory) and the CPU keep
+the host arrays: there the op would only add a launch.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def int32_range(start: int, n: int, backend: str) -> mx.array:
     if on_device(backend):
         return mx.arange(start, start + n, dtype=mx.int32)
     return mx.array(np.arange(start, start + n, dtype=np.int32))
+
+
+def int32_scalar(value: int, backend: str) -> mx.array:
+    """A 0-d int32 (a decode row's position): a device arange on CUDA, so that the host writes
+    nothing into MLX's small-size pool during a step (the other arrays there, the step's token
+    among them, then stay where the GPU reads them); else from host data."""
+    if on_device(backend):
+        return mx.arange(value, value + 1, dtype=mx.int32).reshape(())
+    return mx.array(value, dtype=mx.int32)
 
 
 def int32s_varying(values: tuple, index: int, backend: str) -> mx.array:

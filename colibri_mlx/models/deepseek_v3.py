@@ -945,7 +945,7 @@ class Model:
         if L == 1 and not padded and left_padding.shape[0] == 1 and not self.args.dsa:
             # One decode row of one sequence (DecoderLayer.decode): its position is its slot;
             # no mask, and no cos/sin (mx.fast.rope takes the offset).
-            return None, None, None, mx.array(start, dtype=mx.int32)
+            return None, None, None, kernels.device_inputs.int32_scalar(start, kernels.backend())
         if 1 < L <= DECODE_ROWS and start > 0 and not padded and left_padding.shape[0] == 1 \
                 and not self.args.dsa and kernels.compiled.enabled(kernels.backend()):
             # A few rows of one sequence after its prompt (a verify step): compiled per layer at
