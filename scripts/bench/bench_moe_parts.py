@@ -159,16 +159,23 @@ def sweep(part, S, configs, build, nbytes, iters, impl, best):
             best[(part, S)] = (cfg, us, detail)
 
 
-def bench_tokens(S, layers, args, impl, best):
+def token_inputs(S, layers, E, K, act):
+    """Per instance: S tokens' own K random experts of E, gate weights and x; and the distinct
+    experts of the first instance."""
     rng = np.random.default_rng(S)
-    E, K = args.experts, args.k
     D = layers[0].group.gate_up.I
     ids = [mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(S)]).astype(np.int32))
            for _ in layers]
     gw = [mx.array(rng.uniform(0.1, 1, (S, K)).astype(np.float32)) for _ in layers]
-    xs = [mx.random.normal((S, D)).astype(args.act) for _ in layers]
+    xs = [mx.random.normal((S, D)).astype(act) for _ in layers]
     mx.eval(ids, gw, xs)
-    distinct = len(np.unique(np.array(ids[0])))
+    return ids, gw, xs, len(np.unique(np.array(ids[0])))
+
+
+def bench_tokens(S, layers, args, impl, best):
+    E, K = args.experts, args.k
+    D = layers[0].group.gate_up.I
+    ids, gw, xs, distinct = token_inputs(S, layers, E, K, args.act)
     g0 = layers[0].group
     gu_bytes = distinct * proj_bytes(g0.gate_up) * 2
     d_bytes = distinct * proj_bytes(g0.down)

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +56,8 @@ def qgemv_launches(impl, S_list, settings):
             mx.eval(xs)
             keep.append(xs)
             base = f"qgemv {O}x{I}"
-            out.append((base, S, "-", nbytes, [qgemv.launch_spec(x, w, impl, out_dtype=out_dtype) for x, w in zip(xs, ws)]))
+            out.append((base, S, "-", nbytes,
+                        [qgemv.launch_spec(x, w, impl, out_dtype=out_dtype) for x, w in zip(xs, ws)]))
             for cfg in settings if S > 1 else ():
                 rows, nw, unroll, nib, pf, pb = M.parse(cfg, 6)
                 try:
@@ -77,13 +77,7 @@ def moe_launches(impl, S_list, experts, k, gate_up_settings, down_settings):
     out, keep = [], [layers]
     g = layers[0].group
     for S in S_list:
-        rng = np.random.default_rng(S)
-        ids = [mx.array(np.stack([rng.choice(experts, k, replace=False) for _ in range(S)]).astype(np.int32))
-               for _ in layers]
-        gw = [mx.array(rng.uniform(0.1, 1, (S, k)).astype(np.float32)) for _ in layers]
-        xs = [mx.random.normal((S, MOE_D)).astype(mx.bfloat16) for _ in layers]
-        mx.eval(ids, gw, xs)
-        distinct = len(np.unique(np.array(ids[0])))
+        ids, gw, xs, distinct = M.token_inputs(S, layers, experts, k, mx.bfloat16)
         hs = [dispatch.launch(impl, s)[0] for s in M.gate_up_setting("-", xs, layers, ids, k, impl)]
         mx.eval(hs)
         keep.append((ids, gw, xs, hs))
@@ -104,7 +98,8 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--qgemv", nargs="*", default=QGEMV_SETTINGS, help="ROWS:NW:UNROLL:NIB:PF[:PB] at S rows")
     ap.add_argument("--down", nargs="*", default=DOWN_SETTINGS, help="moe_down ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB]]]")
-    ap.add_argument("--gate-up", nargs="*", default=GATE_UP_SETTINGS, help="moe_gate_up ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]]")
+    ap.add_argument("--gate-up", nargs="*", default=GATE_UP_SETTINGS,
+                    help="moe_gate_up ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]]")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     impl = kernels.backend()
@@ -129,9 +124,10 @@ def main():
         if S == 1 and cfg == "-":
             one_row[name] = us
         ratio = us / one_row[name] if name in one_row else float("nan")
-        detail = M.template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB", "PF", "PERS", "MINB") + f" grid={specs[0].grid[0]}"
-        print(f"{name:<22} {S:>2} {cfg:<18} {us:>8.1f} {ratio:>7.2f} {nbytes / 1e6:>8.1f} {nbytes / us / 1e6:>6.2f}  {detail}",
-              flush=True)
+        detail = (M.template_of(specs[0], "ROWS", "NW", "UNROLL", "NIB", "PF", "PERS", "MINB")
+                  + f" grid={specs[0].grid[0]}")
+        print(f"{name:<22} {S:>2} {cfg:<18} {us:>8.1f} {ratio:>7.2f} {nbytes / 1e6:>8.1f} "
+              f"{nbytes / us / 1e6:>6.2f}  {detail}", flush=True)
         rows.append(dict(launch=name, S=S, setting=cfg, us=us, vs_one_row=ratio, bytes=nbytes, template=detail))
     best = {}
     for r in rows:
