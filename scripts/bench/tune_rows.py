@@ -93,7 +93,7 @@ def moe_launches(impl, S_list, experts, k, gate_up_settings, down_settings):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4, help="S of the multi-row launches (2..8)")
-    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=64, help="routed experts a layer (the bank; 8 instances)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--qgemv", nargs="*", default=QGEMV_SETTINGS, help="ROWS:NW:UNROLL:NIB:PF[:PB] at S rows")
