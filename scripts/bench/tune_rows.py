@@ -108,8 +108,9 @@ def main():
         return 0
     S_list = (1, args.rows)
     launches, keep = qgemv_launches(impl, S_list, args.qgemv)
-    more, keep2 = moe_launches(impl, S_list, args.experts, args.k, args.gate_up, args.down)
+    more, keep_moe = moe_launches(impl, S_list, args.experts, args.k, args.gate_up, args.down)
     launches += more
+    keep.append(keep_moe)          # the inputs stay alive while the specs run
     flat = [(f"{name} S={S} {cfg}", nbytes, specs) for name, S, cfg, nbytes, specs in launches]
     recs = P.cupti_times(impl, flat, args.iters)
     per_round = P.CHAIN * len(flat)
