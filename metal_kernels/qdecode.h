@@ -15,6 +15,9 @@
 // * fmt 1/3/5/6 build codes in the mantissa of 2^23 and subtract.
 // Products and sums are float32. Scales: fmt 4/5/6 per segment (qd_seg_scale), fmt 1-3 one
 // per row applied by the caller after its reduction (qd_row_scale).
+//
+// llama.cpp's GGUF block formats (fmt 11-28) are gguf_decode.h, which the Python side puts in
+// front of this file; the functions below hand them to its qd_gg_* loads and decoders.
 
 // MLX's quantization formats (colibri_mlx/kernels/mlx_formats.py) take FMT codes of their own:
 // affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales and biases),
@@ -23,7 +26,7 @@
 // word holding the 16-bit scale (low half) and bias (high half), or the float32 scale and bias;
 // the fp modes the unit's scale byte(s).
 constexpr bool qd_mlx(int fmt) {
-  return fmt >= 8;
+  return (fmt >= 8 && fmt <= 10) || fmt >= 70;
 }
 constexpr bool qd_affine(int fmt) {
   return fmt >= 70;
@@ -33,12 +36,12 @@ constexpr int qd_mlx_bits(int fmt) {
 }
 
 constexpr int qd_wpu(int fmt) {
-  return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return qd_gguf(fmt) ? qd_gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 // Raw 32-bit words of one unit.
 constexpr int qd_words(int fmt) {
-  return fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return qd_gguf(fmt) ? qd_gg_words(fmt) : fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 // Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
@@ -77,6 +80,8 @@ inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
     r[1] = uint(qs[2]) | (uint(qs[3]) << 16);
     r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
     r[3] = uint(dd[0]);
+  } else if (qd_gguf(FMT)) {
+    qd_gg_load<FMT>(wrow, u, r);
   } else if (qd_mlx(FMT)) {
     // `bits` whole words: rows and units start 4-byte aligned.
     const device uint* p = (const device uint*)(wrow) + qd_mlx_bits(FMT) * u;
@@ -198,7 +203,9 @@ inline float2 qd_nib_hi(uint b) {
 // unit, in weight order. k0 is a multiple of 8.
 template <int FMT>
 inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, thread float* q) {
-  if (FMT == 0) {
+  if (qd_gguf(FMT)) {
+    qd_gg_decode8<FMT>(r, k0, e8grid, q);
+  } else if (FMT == 0) {
     for (int k = 0; k < 8; ++k) {
       q[k] = as_type<float>(r[k0 + k]);
     }

@@ -8,9 +8,10 @@
 namespace colibri_qd {
 
 // MLX formats: affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales),
-// 8 mxfp4, 9 nvfp4, 10 mxfp8 (qdecode.h).
+// 8 mxfp4, 9 nvfp4, 10 mxfp8 (qdecode.h). GGUF block formats (fmt 11-28): gguf_decode.cuh, in
+// front of this file.
 __device__ constexpr bool mlx(int fmt) {
-  return fmt >= 8;
+  return (fmt >= 8 && fmt <= 10) || fmt >= 70;
 }
 __device__ constexpr bool affine(int fmt) {
   return fmt >= 70;
@@ -20,11 +21,11 @@ __device__ constexpr int mlx_bits(int fmt) {
 }
 
 __device__ constexpr int wpu(int fmt) {
-  return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return gguf(fmt) ? gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 __device__ constexpr int words(int fmt) {
-  return fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return gguf(fmt) ? gg_words(fmt) : fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 __device__ constexpr int seg(int fmt, int gs) {
@@ -57,6 +58,8 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
     r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
     r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
     r[3] = uint32_t(dd[0]);
+  } else if (gguf(FMT)) {
+    gg_load<FMT>(wrow, u, r);
   } else if (mlx(FMT)) {
     const uint32_t* p = reinterpret_cast<const uint32_t*>(wrow) + mlx_bits(FMT) * u;
 #pragma unroll
@@ -187,7 +190,9 @@ __device__ __forceinline__ float2 nib_hi(uint32_t b) {
 
 template <int FMT>
 __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_t* e8grid, float* q) {
-  if (FMT == 0) {
+  if (gguf(FMT)) {
+    gg_decode8<FMT>(r, k0, e8grid, q);
+  } else if (FMT == 0) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       q[k] = __uint_as_float(r[k0 + k]);

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
 from colibri_mlx.kernels.kernel_text import launch_text  # noqa: E402
-from kernel_oracle import MLX_KERNEL_CASES, random_mlx_qtensor, random_qtensor, random_x  # noqa: E402
+from kernel_oracle import MLX_KERNEL_CASES, random_gguf_qtensor, random_mlx_qtensor, random_qtensor, random_x  # noqa: E402
 
 ARCH = "sm_90a"
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
@@ -91,6 +91,14 @@ def mlx_cases(full: bool) -> list:
     return [c for c in MLX_KERNEL_CASES if c[0] != "affine" or c[1] in (4, 3, 6)]
 
 
+def gguf_kernel_types() -> list:
+    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS)."""
+    from colibri_mlx.formats.gguf_quant import GGUF_FMTS
+    from colibri_mlx.kernels.gguf_decode import KERNEL_FMTS
+
+    return [GGUF_FMTS[f].name for f in KERNEL_FMTS]
+
+
 def qgemv_specs(full: bool):
     """Launches covering every fmt, x dtype, S and load path the GPU check and bench use."""
     shapes = [(64, 4096), (7, 300)] if full else [(64, 4096)]
@@ -117,6 +125,11 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
             x = random_x(S, 4096, dtype=dtype)
             yield f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S{S}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+    for name in gguf_kernel_types():   # llama.cpp's GGUF block formats with a decoder
+        qt = random_gguf_qtensor(name, 64, 4096, seed=1)
+        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)):
+            x = random_x(S, 4096, dtype=dtype)
+            yield f"gguf_{name}_S{S}_{dtype}", qgemv.launch_spec(x, qt, dispatch.CUDA)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
