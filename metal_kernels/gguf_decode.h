@@ -165,7 +165,7 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
     const uint g0 = lut[QD_GG_IQ2XXS + 2 * idx];
     const uint g1 = lut[QD_GG_IQ2XXS + 2 * idx + 1];
     const uint seven = (r[1] >> (7 * l)) & 0x7Fu;
-    const uint s8 = seven | ((popcount(seven) & 1u) << 7);
+    const uint s8 = seven | ((popcount(seven) << 7) & 0x80u);   // the 8th sign: an even count of -
     for (int k = 0; k < 8; ++k) {
       const uint m = ((k < 4 ? g0 : g1) >> (8 * (k & 3))) & 0xFFu;
       const float w = db * (as_type<float>(0x4B000000u | m) - 8388608.0f);

@@ -51,8 +51,12 @@ def is_gguf(qt) -> bool:
 
 
 def row_bytes(qt) -> int:
-    t = GGUF_FMTS[qt.fmt]
-    return qt.I // t.block_size * t.type_size
+    return kernel_row_bytes(qt.fmt, qt.I)
+
+
+def kernel_row_bytes(fmt: int, I: int) -> int:
+    t = GGUF_FMTS[fmt]
+    return I // t.block_size * t.type_size
 
 
 def decline_reason(qt) -> Optional[str]:

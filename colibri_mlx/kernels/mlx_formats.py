@@ -53,6 +53,11 @@ def row_bytes(qt) -> int:
     return qt.I * qt.bits // 8
 
 
+def is_mlx_kernel_fmt(kfmt: int) -> bool:
+    """Whether a kernel FMT code is an MLX format's (qdecode.h qd_mlx): 8-10 and 70+."""
+    return 8 <= kfmt <= MLX_FMT_MAX or kfmt >= 70
+
+
 def kernel_bits(kfmt: int) -> int:
     """Code width of a kernel FMT code of the MLX formats (qdecode.h qd_mlx_bits)."""
     return kfmt % 10 if kfmt >= 70 else (8 if kfmt == 10 else 4)

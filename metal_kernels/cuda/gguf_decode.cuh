@@ -147,7 +147,7 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
     const uint32_t g0 = lut[GG_IQ2XXS + 2 * idx];
     const uint32_t g1 = lut[GG_IQ2XXS + 2 * idx + 1];
     const uint32_t seven = (r[1] >> (7 * l)) & 0x7Fu;
-    const uint32_t s8 = seven | ((uint32_t(__popc(seven)) & 1u) << 7);
+    const uint32_t s8 = seven | ((uint32_t(__popc(seven)) << 7) & 0x80u);   // the 8th sign: an even count of -
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const uint32_t m = ((k < 4 ? g0 : g1) >> (8 * (k & 3))) & 0xFFu;

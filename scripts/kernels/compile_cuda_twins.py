@@ -284,6 +284,18 @@ def moe_specs(full: bool):
             h = mx.zeros((S * K, inter), mx.float32)
             yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
             yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+    gguf = gguf_kernel_types()
+    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # every GGUF decoder as gate/up and as down
+        D, inter = 512, 256
+        experts = [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
+                     random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)]
+        (group,) = moe.build_bank(experts).groups
+        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
+            K = 2
+            x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
+            h = mx.zeros((S * K, inter), mx.float32)
+            yield f"gate_up_gguf_{gu}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            yield f"down_gguf_{dn}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
