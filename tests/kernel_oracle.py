@@ -155,9 +155,16 @@ def random_gguf_qtensor(name: str, O: int, I: int, seed: int = 0) -> QTensor:
     rb = row_nbytes(t, I)
     packed = rng.integers(0, 256, size=(O, rb), dtype=np.uint8)
     blocks = packed.reshape(O, -1, t.type_size)
-    for off in GGUF_HALF_FIELDS[name]:
+    for off in GGUF_HALF_FIELDS.get(name, ()):
         d = rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2])
         blocks[..., off:off + 2] = d.astype("<f2").view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if name == "IQ1_M":   # d is the top nibbles of the 4 scale halves (bytes 48-55), nibble k from half k
+        d = (rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2]))
+        bits = d.astype("<f2").view(np.uint16).astype(np.uint16)
+        sc = blocks[..., 48:56].copy().view("<u2")
+        for k in range(4):
+            sc[..., k] = (sc[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[..., 48:56] = sc.view(np.uint8)
     return QTensor(packed, np.zeros(0, np.float32), t.fmt, O, I, t.block_size, name=f"test.{name.lower()}")
 
 

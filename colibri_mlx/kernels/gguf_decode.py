@@ -17,13 +17,14 @@ import numpy as np
 from ..formats.gguf_quant import GGUF_FMTS, is_gguf_fmt
 from . import gguf_tables
 
-# fmt -> weights per kernel unit (gguf_decode.h qd_gg_wpu).
-KERNEL_FMTS = {11: 32, 17: 64, 19: 32, 21: 32, 24: 32}
+# fmt -> weights per kernel unit (gguf_decode.h qd_gg_wpu): every GGUF type has a decoder.
+KERNEL_FMTS = {fmt: (64 if fmt == 17 else 32) for fmt in GGUF_FMTS}
 
-# Word offsets of the tables in lookup_words() (gguf_decode.h QD_GG_*).
-IQ2XXS_OFFSET = 256
-IQ4NL_OFFSET = 768
-LOOKUP_WORDS = 784
+# Word offsets of the tables in lookup_words() (gguf_decode.h QD_GG_*): name -> (offset, words).
+LOOKUP_LAYOUT = {"iq3xxs_grid": (0, 256), "iq2xxs_grid": (256, 512), "kvalues_iq4nl": (768, 16),
+                 "iq3s_grid": (784, 512), "iq2xs_grid": (1296, 1024), "iq2s_grid": (2320, 2048),
+                 "iq1s_grid": (4368, 4096)}
+LOOKUP_WORDS = 8464
 
 
 def table(name: str) -> np.ndarray:
@@ -37,12 +38,14 @@ def table(name: str) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def lookup_words() -> np.ndarray:
-    """The kernels' lookup-table input, uint32: the fmt 6 / IQ3_XXS grid (256 words), iq2xxs_grid
-    (two words an entry), kvalues_iq4nl as float32 bits."""
+    """The kernels' lookup-table input, uint32, laid out as LOOKUP_LAYOUT: the 4-byte grids one word
+    an entry, the 8-byte grids two, kvalues_iq4nl as float32 bits."""
     out = np.zeros(LOOKUP_WORDS, np.uint32)
-    out[:256] = table("iq3xxs_grid")
-    out[IQ2XXS_OFFSET:IQ2XXS_OFFSET + 512] = table("iq2xxs_grid").view("<u4")
-    out[IQ4NL_OFFSET:IQ4NL_OFFSET + 16] = table("kvalues_iq4nl").astype(np.float32).view(np.uint32)
+    for name, (offset, n) in LOOKUP_LAYOUT.items():
+        t = table(name)
+        words = t.astype(np.float32).view(np.uint32) if name == "kvalues_iq4nl" else t.view("<u4")
+        assert words.size == n, name
+        out[offset:offset + n] = words
     return out
 
 

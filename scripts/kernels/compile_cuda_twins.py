@@ -91,12 +91,18 @@ def mlx_cases(full: bool) -> list:
     return [c for c in MLX_KERNEL_CASES if c[0] != "affine" or c[1] in (4, 3, 6)]
 
 
-def gguf_kernel_types() -> list:
-    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS)."""
+# The GGUF types of DeepSeek-V3 / Kimi-K2 mixes' hot tensors: every launch setting; the others at
+# one setting each (their decoders share the helpers and the unit plumbing) unless ``full``.
+GGUF_HOT_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q8_0")
+
+
+def gguf_kernel_types(full: bool = True) -> list:
+    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS); only the hot
+    ones unless ``full``."""
     from colibri_mlx.formats.gguf_quant import GGUF_FMTS
     from colibri_mlx.kernels.gguf_decode import KERNEL_FMTS
 
-    return [GGUF_FMTS[f].name for f in KERNEL_FMTS]
+    return [GGUF_FMTS[f].name for f in KERNEL_FMTS if full or GGUF_FMTS[f].name in GGUF_HOT_TYPES]
 
 
 def qgemv_specs(full: bool):
@@ -125,9 +131,10 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
             x = random_x(S, 4096, dtype=dtype)
             yield f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S{S}", qgemv.launch_spec(x, qt, dispatch.CUDA)
-    for name in gguf_kernel_types():   # llama.cpp's GGUF block formats with a decoder
+    for name in gguf_kernel_types():   # llama.cpp's GGUF block formats: every decoder once
         qt = random_gguf_qtensor(name, 64, 4096, seed=1)
-        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)):
+        hot = full or name in GGUF_HOT_TYPES
+        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)) if hot else ((1, mx.bfloat16),):
             x = random_x(S, 4096, dtype=dtype)
             yield f"gguf_{name}_S{S}_{dtype}", qgemv.launch_spec(x, qt, dispatch.CUDA)
     if full:
@@ -208,6 +215,17 @@ def mla_specs(full: bool):
         run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
                                nope, v, backend=dispatch.CUDA)
         yield f"mla_qabs_mlx_{label}", mla.planned_launches(run)[0]
+    for name in gguf_kernel_types(full) if full else ("Q4_K", "Q6_K"):   # GGUF kv_b and q_b
+        kv_b = random_gguf_qtensor(name, H * (nope + v), R, seed=2)
+        q_b = random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3)
+        run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
+                               q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
+        specs = mla.planned_launches(run)
+        yield f"mla_qb_qabs_gguf_{name}", specs[0]
+        yield f"mla_out_gguf_{name}", specs[-1]
+        run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
+                               nope, v, backend=dispatch.CUDA)
+        yield f"mla_qabs_gguf_{name}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
@@ -284,8 +302,8 @@ def moe_specs(full: bool):
             h = mx.zeros((S * K, inter), mx.float32)
             yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
             yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
-    gguf = gguf_kernel_types()
-    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # every GGUF decoder as gate/up and as down
+    gguf = gguf_kernel_types(full)
+    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # each GGUF decoder as gate/up and as down
         D, inter = 512, 256
         experts = [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
                      random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)]
