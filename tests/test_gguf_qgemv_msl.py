@@ -24,20 +24,18 @@ HOT_TYPES = ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q8_0"]
 
 
 def test_lookup_tables_are_ggmls():
-    """The packaged tables equal gguf-py's copies of ggml's (an independent transcription), and the
-    fmt 6 grid at word 0 of the lookup input is iq3xxs_grid."""
-    from gguf.quants import IQ2_XXS, IQ2_XS, IQ2_S, IQ3_S, IQ3_XXS, IQ4_NL, IQ1_S
+    """The kernels' lookup input holds gguf-py's copies of ggml's tables (a transcription independent
+    of the package's), and the fmt 6 grid at word 0 is iq3xxs_grid."""
+    from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL
 
-    for cls, name, nbytes in [(IQ2_XXS, "iq2xxs_grid", 8), (IQ2_XS, "iq2xs_grid", 8), (IQ2_S, "iq2s_grid", 8),
-                              (IQ3_XXS, "iq3xxs_grid", 4), (IQ3_S, "iq3s_grid", 4)]:
-        cls.init_grid()
-        ours = gguf_decode.table(name).view(np.uint8).reshape(-1, nbytes)
-        np.testing.assert_array_equal(ours, np.asarray(cls.grid).reshape(-1, nbytes).astype(np.uint8), name)
-    IQ1_S.init_grid()
-    iq1 = gguf_decode.table("iq1s_grid").view(np.int8).reshape(-1, 8)
-    np.testing.assert_array_equal(iq1, np.asarray(IQ1_S.grid).reshape(-1, 8).astype(np.int8))
-    np.testing.assert_array_equal(gguf_decode.table("kvalues_iq4nl"), np.array(IQ4_NL.kvalues, np.int8))
     words = gguf_decode.lookup_words()
+    for cls, name, nbytes, dtype in [(IQ2_XXS, "iq2xxs_grid", 8, np.uint8), (IQ2_XS, "iq2xs_grid", 8, np.uint8),
+                                     (IQ2_S, "iq2s_grid", 8, np.uint8), (IQ3_XXS, "iq3xxs_grid", 4, np.uint8),
+                                     (IQ3_S, "iq3s_grid", 4, np.uint8), (IQ1_S, "iq1s_grid", 8, np.int8)]:
+        cls.init_grid()
+        off, n = gguf_decode.LOOKUP_LAYOUT[name]
+        ours = words[off:off + n].view(dtype).reshape(-1, nbytes)
+        np.testing.assert_array_equal(ours, np.asarray(cls.grid).reshape(-1, nbytes).astype(dtype), name)
     np.testing.assert_array_equal(words[:256], e8_grid_words())
     off, _ = gguf_decode.LOOKUP_LAYOUT["kvalues_iq4nl"]
     np.testing.assert_array_equal(words[off:off + 16].view(np.float32), np.array(IQ4_NL.kvalues, np.float32))
@@ -62,6 +60,9 @@ def test_decline_reasons_name_the_type():
     assert qgemv.decline_reason_for(qt, 1, mx.float32) is None
     short = _shell(GGUF_TYPES["Q8_0"], I=48)
     assert "Q8_0 with I=48" in qgemv.decline_reason_for(short, 1, mx.float32)
+    truncated = random_gguf_qtensor("Q6_K", 3, 256)
+    truncated = type(truncated)(truncated.packed.reshape(-1)[:-2], truncated.scales, truncated.fmt, 3, 256, 256, "t")
+    assert "Q6_K" in qgemv.decline_reason_for(truncated, 1, mx.float32)
     assert set(gguf_decode.KERNEL_FMTS) == {t.fmt for t in GGUF_TYPES.values()}
 
 

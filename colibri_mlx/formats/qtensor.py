@@ -18,6 +18,9 @@ class QTensor:
     fmt 7-10 are MLX's quantization modes as mlx-lm checkpoints store them
     (:mod:`colibri_mlx.formats.mlx_quant`): ``packed`` is uint32 ``[O, I*bits/32]``, ``scales``
     ``[O, I/gs]`` in the stored dtype, ``biases`` (fmt 7 only) like ``scales``.
+
+    fmt 11-28 are llama.cpp's GGUF types (:mod:`colibri_mlx.formats.gguf_quant`): ``packed`` is
+    uint8 ``[O, I/gs * type_size]`` (the ggml blocks as stored), ``scales`` empty, ``gs`` the block size.
     """
 
     packed: Any
@@ -45,7 +48,10 @@ class QTensor:
         import numpy as np
 
         from . import decode
+        from .gguf_quant import dequantize_gguf, is_gguf_fmt
 
+        if is_gguf_fmt(self.fmt):
+            return dequantize_gguf(self.fmt, np.asarray(self.packed).reshape(self.O, -1))
         if self.fmt >= 7:
             from .mlx_quant import decode_mlx
 

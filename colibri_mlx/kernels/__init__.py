@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..formats.qtensor import QTensor
-from . import compiled, dispatch, mlx_formats, qgemv as _qgemv, reference, router
+from . import compiled, dispatch, gguf_formats, mlx_formats, qgemv as _qgemv, reference, router
 from .mla import mla_decode
 from .rows import mla_rows
 from .moe import moe_block
@@ -121,6 +121,8 @@ def concat_rows(weights) -> "mx.array | QTensor | None":
         if any(w.ndim != 2 or w.shape[1] != first.shape[1] or w.dtype != first.dtype for w in weights):
             return None
         fused = mx.concatenate(list(weights), axis=0)
+    elif all(isinstance(w, QTensor) for w in weights) and gguf_formats.is_gguf(first):
+        return gguf_formats.concat_rows(weights)
     elif all(isinstance(w, QTensor) for w in weights) and first.fmt >= 7:
         return mlx_formats.concat_rows(weights)
     elif all(isinstance(w, QTensor) for w in weights):
@@ -139,10 +141,12 @@ def concat_rows(weights) -> "mx.array | QTensor | None":
 
 
 def rows_of(w, r0: int, r1: int):
-    """Rows ``r0:r1`` of a float weight or QTensor fmt 1-5 or 7-10 as a view (no copy), e.g. one part of a
+    """Rows ``r0:r1`` of a float weight or QTensor fmt 1-5 or 7-28 as a view (no copy), e.g. one part of a
     :func:`concat_rows` weight for statistics."""
     if isinstance(w, mx.array):
         return w[r0:r1]
+    if gguf_formats.is_gguf(w):
+        return gguf_formats.rows(w, r0, r1)
     if w.fmt >= 7:
         return mlx_formats.rows(w, r0, r1)
     from .reference import row_bytes, scales_per_row
@@ -168,6 +172,8 @@ def take_rows(w, order):
         out = w[idx]
         mx.eval(out)
         return out
+    if gguf_formats.is_gguf(w):
+        return gguf_formats.take_rows(w, idx)
     if w.fmt >= 7:
         return mlx_formats.take_rows(w, idx)
     packed = _as_mx(w.packed, None)                       # any element type: rows are equal runs

@@ -30,7 +30,7 @@ FP_KERNEL_FMT = {8: 8, 9: 9, 10: 10}
 
 
 def is_mlx(qt) -> bool:
-    return MLX_FMT_MIN <= qt.fmt <= MLX_FMT_MAX
+    return qt.fmt in MLX_FMTS
 
 
 def _dtype_name(a) -> str:

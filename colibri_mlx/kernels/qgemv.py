@@ -1,5 +1,5 @@
 """qgemv: ``y = x @ W.T`` for S <= 8 rows of x against a quantized W (colibri fmt 1-6, MLX fmt 7-10,
-GGUF fmt 11-28 with a decoder in kernels/gguf_decode.py).
+GGUF fmt 11-28: kernels/gguf_decode.py).
 
 ``launch_spec(x, qt, backend)`` builds the exact launch (source, inputs, grid, template) that
 :func:`qgemv` hands to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and that the MSL
@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch, gguf_decode, mlx_formats
+from . import dispatch, gguf_decode, gguf_formats, mlx_formats
 from .reference import row_bytes, scales_per_row
 
 NAME = "qgemv"
@@ -93,7 +93,7 @@ def decline_reason_for(qt, S: int, dtype) -> Optional[str]:
 
 
 def _decline(qt, S: int, dtype) -> Optional[str]:
-    why = gguf_decode.decline_reason(qt)
+    why = gguf_formats.decline_reason(qt)
     if why:
         return why
     if qt.fmt not in UNIT_WEIGHTS:
@@ -155,8 +155,8 @@ def shape_values(qt) -> tuple:
     (or, CUDA's persistent default, its template KO, KI, KRB, KNG, KNU)."""
     if mlx_formats.is_mlx(qt):
         return qt.O, qt.I, mlx_formats.row_bytes(qt), mlx_formats.scale_words_per_row(qt), qt.I // mlx_formats.UNIT
-    if gguf_decode.is_gguf(qt):
-        return qt.O, qt.I, gguf_decode.row_bytes(qt), 0, qt.I // UNIT_WEIGHTS[qt.fmt]
+    if gguf_formats.is_gguf(qt):
+        return qt.O, qt.I, gguf_formats.row_bytes(qt), 0, qt.I // UNIT_WEIGHTS[qt.fmt]
     per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (-(-qt.I // 256) if qt.fmt == 6 else 1)
     return qt.O, qt.I, row_bytes(qt.fmt, qt.I), per_row, -(-qt.I // UNIT_WEIGHTS[qt.fmt])
 

@@ -14,6 +14,8 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from ..formats.gguf_quant import is_gguf_fmt
+
 E8_BLOCK = 256        # weights per fmt 6 super-block
 E8_BLOCK_BYTES = 98   # 64 grid indices + 8 sign/scale words + fp16 d
 I3_GROUP = 64
@@ -163,7 +165,11 @@ def _as_mx(a, dtype) -> mx.array:
 
 def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
     """float32 ``[r1 - r0, I]`` of rows ``r0 .. r1`` of a QTensor (rotated basis for fmt 6;
-    fmt 7-10, MLX's formats: kernels/mlx_formats.py)."""
+    fmt 7-10, MLX's formats: kernels/mlx_formats.py; fmt 11-28, GGUF's: kernels/gguf_formats.py)."""
+    if is_gguf_fmt(qt.fmt):
+        from . import gguf_formats
+
+        return gguf_formats.dequantize_rows(qt, r0, r1)
     if qt.fmt >= 7:
         from . import mlx_formats
 

@@ -216,7 +216,12 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
     if not isinstance(table, QTensor):
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
+    from ..formats.gguf_quant import is_gguf_fmt
 
+    if is_gguf_fmt(table.fmt):   # a GGUF table (token_embd.weight)
+        from ..kernels.gguf_formats import embedding_rows as gguf_embedding_rows
+
+        return gguf_embedding_rows(table, ids)
     if table.fmt >= 7:   # an MLX-format table (mlx-lm's QuantizedEmbedding)
         from ..kernels.mlx_formats import embedding_rows as mlx_embedding_rows
 
