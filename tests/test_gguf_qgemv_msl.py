@@ -119,10 +119,13 @@ def test_low_precision_x(name, dtype):
     run_case(name, 4, 512, 2, dtype=dtype)
 
 
+# The launch variants bench_gguf_gemv.py times (and split-K over 4 SIMD groups).
 @pytest.mark.slow
+@pytest.mark.parametrize("tuning", [dict(simdgroups=4, rows=2, unroll=1), dict(prefetch=1, unroll=1),
+                                    dict(rows=8, unroll=1), dict(simdgroups=2)], ids=str)
 @pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS"])
-def test_split_k_launch(name):
-    run_case(name, 3, 256 * 20, 1, simdgroups=4, rows=2, unroll=1)
+def test_launch_variants(name, tuning):
+    run_case(name, 9, 256 * 20, 1, **tuning)
 
 
 # Planted decoder defects, each in the branch of the type it names: each must fail the comparison.

@@ -137,6 +137,9 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)) if hot else ((1, mx.bfloat16),):
             x = random_x(S, 4096, dtype=dtype)
             yield f"gguf_{name}_S{S}_{dtype}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+        if hot:   # the prefetch loop (bench_gguf_gemv.py's variant)
+            x = random_x(1, 4096, dtype=mx.bfloat16)
+            yield f"gguf_{name}_S1_pf1", qgemv.launch_spec(x, qt, dispatch.CUDA, prefetch=1, unroll=1)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
