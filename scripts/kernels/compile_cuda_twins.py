@@ -205,30 +205,24 @@ def mla_specs(full: bool):
                                                                 mx.array([7], dtype=mx.int32)))
         label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
-    # MLX-format kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of mlx_cases
-    for mode, bits, gs, sdt in mlx_cases(full):
-        label = f"{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}"
-        kv_b = random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits)
-        q_b = random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1)
+    # MLX-format and GGUF kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of
+    # mlx_cases, the GGUF types (Q4_K and Q6_K's segment layouts unless ``full``)
+    weights = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",
+                random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits),
+                random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1))
+               for mode, bits, gs, sdt in mlx_cases(full)]
+    weights += [(f"gguf_{name}", random_gguf_qtensor(name, H * (nope + v), R, seed=2),
+                 random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3))
+                for name in (gguf_kernel_types(full) if full else ("Q4_K", "Q6_K"))]
+    for label, kv_b, q_b in weights:
         run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
                                q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
         specs = mla.planned_launches(run)
-        yield f"mla_qb_qabs_mlx_{label}", specs[0]
-        yield f"mla_out_mlx_{label}", specs[-1]
+        yield f"mla_qb_qabs_{label}", specs[0]
+        yield f"mla_out_{label}", specs[-1]
         run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
                                nope, v, backend=dispatch.CUDA)
-        yield f"mla_qabs_mlx_{label}", mla.planned_launches(run)[0]
-    for name in gguf_kernel_types(full) if full else ("Q4_K", "Q6_K"):   # GGUF kv_b and q_b
-        kv_b = random_gguf_qtensor(name, H * (nope + v), R, seed=2)
-        q_b = random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3)
-        run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
-                               q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
-        specs = mla.planned_launches(run)
-        yield f"mla_qb_qabs_gguf_{name}", specs[0]
-        yield f"mla_out_gguf_{name}", specs[-1]
-        run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
-                               nope, v, backend=dispatch.CUDA)
-        yield f"mla_qabs_gguf_{name}", mla.planned_launches(run)[0]
+        yield f"mla_qabs_{label}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
