@@ -10,9 +10,10 @@ Files (written with gguf's GGUFWriter into a temporary directory, each to a temp
 renamed; deleted once loaded), metadata as llama.cpp writes ``deepseek2`` (kv_b whole, as
 ``attn_kv_b``; no tokenizer: the model is driven by token ids), types per tensor:
 
-- ``q4_k_m``: llama.cpp's Q4_K_M recipe (llama-quant.cpp): Q4_K everywhere, Q6_K for
-  ``token_embd``'s partner ``output`` and, in the layers ``use_more_bits`` picks (0 and 2 of 4),
-  for ``attn_kv_b`` and every ``ffn_down`` (dense, ``_exps``, ``_shexp``).
+- ``q4_k_m``: llama.cpp's Q4_K_M recipe (llama-quant.cpp): Q4_K (``token_embd`` included), Q6_K
+  for ``output`` and, in the layers its ``use_more_bits`` picks (2 and 3 of 4), for ``attn_kv_b``
+  and every ``ffn_down`` (``_exps``, ``_shexp``). (Its Q8_0 tensors are the split ``attn_k_b``,
+  whose 128-wide rows fall back from Q6_K; kv_b is written whole here.)
 - ``iq2_xxs``: a dynamic IQ2_XXS mix: routed experts IQ2_XXS; the latent projections
   (``attn_q_a``, ``attn_kv_a_mqa``, ``attn_kv_b``) Q8_0; ``attn_q_b``, ``attn_output``, the dense
   FFN and the shared expert Q4_K; ``output`` Q6_K (the shared expert then runs as an MLP of its
@@ -259,6 +260,11 @@ def main() -> int:
     ap.add_argument("--mix", choices=MIXES, action="append", help="the GGUF mixes to run (default: all)")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args()
+    try:
+        import gguf  # noqa: F401  (the writer here, the reader in the loader)
+    except ImportError:
+        raise SystemExit("bench_gguf_e2e: needs the gguf package (pure Python: pip install gguf, or its gguf/ "
+                         "folder on PYTHONPATH)") from None
     t_start = time.perf_counter()
     if args.tiny:
         tiny_shapes()
