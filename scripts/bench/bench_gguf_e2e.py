@@ -12,8 +12,9 @@ renamed; deleted once loaded), metadata as llama.cpp writes ``deepseek2`` (kv_b 
 
 - ``q4_k_m``: llama.cpp's Q4_K_M recipe (llama-quant.cpp): Q4_K (``token_embd`` included), Q6_K
   for ``output`` and, in the layers its ``use_more_bits`` picks (2 and 3 of 4), for ``attn_kv_b``
-  and every ``ffn_down`` (``_exps``, ``_shexp``). (Its Q8_0 tensors are the split ``attn_k_b``,
-  whose 128-wide rows fall back from Q6_K; kv_b is written whole here.)
+  and every ``ffn_down`` (``_exps``, ``_shexp``). (llama.cpp's converter stores kv_b split:
+  ``attn_k_b`` in Q5_0, its 128-wide rows falling back from Q4_K, and ``attn_v_b`` in Q4_K; the
+  loader joins a split kv_b into float32, so kv_b is written whole here.)
 - ``iq2_xxs``: a dynamic IQ2_XXS mix: routed experts IQ2_XXS; the latent projections
   (``attn_q_a``, ``attn_kv_a_mqa``, ``attn_kv_b``) Q8_0; ``attn_q_b``, ``attn_output``, the dense
   FFN and the shared expert Q4_K; ``output`` Q6_K (the shared expert then runs as an MLP of its
