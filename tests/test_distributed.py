@@ -652,6 +652,22 @@ def test_gguf_parallel(tmp_path, fixture, mode):
         assert s["read_bytes"] <= sharded / 2 + replicated[0] + slack, s
 
 
+def test_gguf_streamed_per_rank(tmp_path):
+    """--ram-gb under --parallel expert on a GGUF file: each rank streams rows of its own experts
+    only; nothing of a routed expert is read at load."""
+    pytest.importorskip("gguf")
+    path = os.path.join(GGUF_DIR, "tiny-q4_k_m.gguf")
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    assert got["tokens"] == ref["tokens"]
+    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
+    units, replicated = _gguf_header_parts(path, "expert")
+    for s in got["stats"]:
+        assert s["read_bytes"] == replicated[0]
+        mine = int(s["experts_held"]) * max(v[0] for v in units.values())
+        assert 0 < s["streamed_bytes"] <= 2 * (1 + N_TOKENS) * mine, s
+
+
 def test_gguf_refuses_sharded_attention():
     pytest.importorskip("gguf")
     from colibri_mlx.distributed import load_rank_model
