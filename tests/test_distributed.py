@@ -214,26 +214,35 @@ def test_mlx_lm_checkpoint_parallel(tmp_path, mlx_lm_model, mode):
 def test_mlx_lm_checkpoint_streamed_per_rank(tmp_path, mlx_lm_model):
     """--ram-gb under --parallel expert: each rank streams rows of its own experts only; nothing
     of a routed expert is read at load."""
-    ref = _reference(tmp_path, mlx_lm_model)
-    got = _run(tmp_path, mlx_lm_model, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    _check_streamed_stacked(tmp_path, mlx_lm_model, _mlx_lm_header_parts)
+
+
+def _check_streamed_stacked(tmp_path, model, parts):
+    """Two expert-parallel ranks streaming a checkpoint of stacked experts: tokens and logits as in
+    one process; each rank read only the replicated tensors at load and streamed its own experts."""
+    ref = _reference(tmp_path, model)
+    got = _run(tmp_path, model, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
     assert got["tokens"] == ref["tokens"]
     assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
-    units, replicated = _mlx_lm_header_parts(mlx_lm_model, "expert")
+    units, replicated = parts(model, "expert")
     for s in got["stats"]:
         assert s["read_bytes"] == replicated[0]
         mine = int(s["experts_held"]) * max(v[0] for v in units.values())
         assert 0 < s["streamed_bytes"] <= 2 * (1 + N_TOKENS) * mine, s
 
 
+class TwoRanks:
+    """Rank 0 of 2, for load_rank_model's refusals (nothing is launched)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
 def test_mlx_lm_checkpoint_refuses_sharded_attention(mlx_lm_model):
     from colibri_mlx.distributed import load_rank_model
-
-    class TwoRanks:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
 
     with pytest.raises(ValueError, match="--shard-attention is not available for an mlx-lm checkpoint"):
         load_rank_model(mlx_lm_model, TwoRanks(), shard_attention=True)
@@ -656,28 +665,12 @@ def test_gguf_streamed_per_rank(tmp_path):
     """--ram-gb under --parallel expert on a GGUF file: each rank streams rows of its own experts
     only; nothing of a routed expert is read at load."""
     pytest.importorskip("gguf")
-    path = os.path.join(GGUF_DIR, "tiny-q4_k_m.gguf")
-    ref = _reference(tmp_path, path)
-    got = _run(tmp_path, path, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
-    assert got["tokens"] == ref["tokens"]
-    assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
-    units, replicated = _gguf_header_parts(path, "expert")
-    for s in got["stats"]:
-        assert s["read_bytes"] == replicated[0]
-        mine = int(s["experts_held"]) * max(v[0] for v in units.values())
-        assert 0 < s["streamed_bytes"] <= 2 * (1 + N_TOKENS) * mine, s
+    _check_streamed_stacked(tmp_path, os.path.join(GGUF_DIR, "tiny-q4_k_m.gguf"), _gguf_header_parts)
 
 
 def test_gguf_refuses_sharded_attention():
     pytest.importorskip("gguf")
     from colibri_mlx.distributed import load_rank_model
-
-    class TwoRanks:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
 
     with pytest.raises(ValueError, match="--shard-attention is not available for a GGUF model"):
         load_rank_model(os.path.join(GGUF_DIR, "tiny-bf16.gguf"), TwoRanks(), shard_attention=True)

@@ -260,6 +260,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--mix", choices=MIXES, action="append", help="the GGUF mixes to run (default: all)")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--dir", help="where the GGUF files are written (default: the system's temporary directory; "
+                    "the q4_k_m file of the full model is about 22 GB)")
     args = ap.parse_args()
     try:
         import gguf  # noqa: F401  (the writer here, the reader in the loader)
@@ -287,7 +289,7 @@ def main() -> int:
     res["fmt4"] = {"bytes_per_token": fmt4_bytes, "counters": counted_run(fmt4, prompt, args.steps)}
     print(f"[fmt 4 model: {time.perf_counter() - t_start:.0f} s]", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="bench_gguf_e2e") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_gguf_e2e", dir=args.dir) as tmp:
         for mix in args.mix or MIXES:
             t0 = time.perf_counter()
             path = os.path.join(tmp, f"bench-{mix}.gguf")
