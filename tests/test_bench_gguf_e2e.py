@@ -59,3 +59,41 @@ def test_written_file_loads_with_its_types_and_magnitudes(tmp_path):
         w = dequantize_gguf(model.info(name).dtype, model.raw(name).reshape(-1, model.raw(name).shape[-1]))
         rms = float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
         assert np.isfinite(w).all() and 0.01 < rms < 0.04, (name, rms)
+
+
+def test_routing_spreads_and_bytes_per_token_follow_the_file(tmp_path):
+    """The written model routes its tokens over many experts (zero-mean random rows), and the bytes
+    per token the bench divides by are the file's own tensors a token reads."""
+    import argparse
+
+    import bench_e2e as E
+    import bench_moe_mla as B
+    import mlx.core as mx
+
+    from colibri_mlx.models.gguf_checkpoint import GgufModel
+
+    saved = (B.D, B.INTER, B.H, B.Q_LORA, B.KV_LORA, B.NOPE, B.ROPE, B.V)
+    G.tiny_shapes()
+    try:
+        cfg = E.model_config(argparse.Namespace(tiny=False, layers=4, experts=64, vocab=512))
+        cfg["intermediate_size"] = 256
+        path = str(tmp_path / "m.gguf")
+        G.write_gguf(path, cfg, "q4_k_m")
+        model = G.load_gguf(path)
+        prompt = mx.array(np.random.default_rng(0).integers(0, 512, (1, G.PROMPT)).astype(np.int32))
+        spread = G.routing_spread(model, prompt, 4)
+        T = G.PROMPT + 4
+        got = E.token_bytes(model, cfg, T)
+    finally:
+        B.D, B.INTER, B.H, B.Q_LORA, B.KV_LORA, B.NOPE, B.ROPE, B.V = saved
+    # 20 tokens x top-8 of 64: a model routing every token alike selects 8 experts a layer
+    assert len(spread) == 3 and min(spread) >= 24, spread
+    f = GgufModel(path)
+    want = f.info("output.weight").nbytes
+    for i in range(4):
+        for name, info in f.tensors.items():
+            if not name.startswith(f"blk.{i}.") or info.dtype == "F32" and "ffn_gate_inp" not in name:
+                continue
+            want += info.nbytes * 8 // 64 if "_exps" in name else info.nbytes
+        want += T * (256 + 32) * 4      # the float32 latent cache rows: kv_lora + rope
+    assert got == want

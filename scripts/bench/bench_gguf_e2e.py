@@ -21,10 +21,11 @@ renamed; deleted once loaded), metadata as llama.cpp writes ``deepseek2`` (kv_b 
   own, not as moe_block's extra slot: counted as moe_shared/mlp).
 
 Weights are random blocks (every code, grid index and sign valid) with fp16 scales set for an RMS
-of 0.02 (tests/helpers_gguf.py); a tensor's rows repeat one pool of random rows per (type, row
-length) (distinct addresses, not contents, are what the timing reads). Routers are random float32
-(routing spreads over the experts), the ``exp_probs_b`` biases zero, norms one; every model's
-logits are checked finite.
+of 0.02 (tests/helpers_gguf.py) and of random sign per block (zero-mean rows); each tensor's rows
+repeat a pool of 256 random rows of its own (distinct addresses, not contents, are what the timing
+reads; tensors sharing rows, gate and up alike, would give every token the same experts). Routers
+are random float32, the ``exp_probs_b`` biases zero, norms one; every model's logits are checked
+finite, and the distinct experts each MoE layer selects over one run are printed.
 
 Method (strata's): paired, alternating A/B timing. A pair is one run of each model (a fresh cache,
 the 16-token prompt, then ``--steps`` greedy decode steps, each evaluated and synchronized:
@@ -156,6 +157,21 @@ def add_metadata(w, cfg: dict, mix: str) -> None:
     w.add_file_type(FILE_TYPES[mix])
 
 
+def signed_blocks(name: str, raw: np.ndarray, rng) -> np.ndarray:
+    """``raw`` with each block's fp16 scale fields negated together at random: the block's
+    weights negated. Random codes of the K-quants with a min (Q4_K: d * sc * q - dmin * m, q in
+    0..15) have a mean of one sign per block; left so, every row of a matrix shares a component
+    and every token routes to the same experts."""
+    from colibri_mlx.formats.gguf_quant import GGUF_TYPES
+    from helpers_gguf import FP16_FIELDS
+
+    blocks = raw.reshape(raw.shape[0], -1, GGUF_TYPES[name].type_size)
+    flip = rng.integers(0, 2, blocks.shape[:2], dtype=np.uint8) * np.uint8(0x80)
+    for off in FP16_FIELDS[name]:
+        blocks[..., off + 1] ^= flip          # the sign bit: the high byte's top bit (little endian)
+    return raw
+
+
 def write_gguf(path: str, cfg: dict, mix: str, seed: int = 0) -> dict:
     """The config's model as a ``mix`` GGUF file at ``path`` (temporary name, then renamed);
     returns ``{ggml type: bytes}``."""
@@ -166,7 +182,6 @@ def write_gguf(path: str, cfg: dict, mix: str, seed: int = 0) -> dict:
     tensors = model_tensors(cfg)
     n_layers = cfg["num_hidden_layers"]
     rng = np.random.default_rng(seed)
-    pools: dict = {}
 
     def data(name, shape, kind):
         if kind == "ones":
@@ -177,9 +192,9 @@ def write_gguf(path: str, cfg: dict, mix: str, seed: int = 0) -> dict:
             return (rng.standard_normal(shape) * 0.02).astype(np.float32)
         t = tensor_type(mix, name, n_layers)
         rows, I = int(np.prod(shape[:-1])), shape[-1]
-        if (t, I) not in pools:
-            pools[t, I] = random_gguf_raw(t, min(POOL_ROWS, rows), I, seed=len(pools) + seed, rms=WEIGHT_RMS)
-        return np.resize(pools[t, I], (rows, pools[t, I].shape[1])).reshape(*shape[:-1], -1)
+        pool = signed_blocks(t, random_gguf_raw(t, min(POOL_ROWS, rows), I, seed=int(rng.integers(1 << 31)),
+                                                rms=WEIGHT_RMS), rng)
+        return np.resize(pool, (rows, pool.shape[1])).reshape(*shape[:-1], -1)
 
     tmp = path + ".tmp"
     w = gguf.GGUFWriter(tmp, "deepseek2")
@@ -246,6 +261,33 @@ def counted_run(model, prompt, steps) -> dict:
     return kernels.counters()
 
 
+def routing_spread(model, prompt, steps) -> list:
+    """Distinct routed experts each MoE layer selected over one run (prompt and ``steps``
+    steps; the routers wrapped, so this run is not compiled and not timed)."""
+    seen: dict = {}
+    wrapped = []
+    for i, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if not hasattr(mlp, "router"):
+            continue
+
+        def recording(flat, slot, router=mlp.router, i=i):
+            ids, weights = router(flat, slot)
+            seen.setdefault(i, []).append(ids)
+            return ids, weights
+
+        wrapped.append((mlp, mlp.router))
+        mlp.router = recording
+    try:
+        run_once(model, prompt, steps)
+    finally:
+        for mlp, router in wrapped:
+            mlp.router = router
+    n_experts = model.args.n_routed_experts
+    return [len({int(e) for ids in seen[i] for e in np.array(ids).reshape(-1) if e < n_experts})
+            for i in sorted(seen)]
+
+
 def load_gguf(path):
     from colibri_mlx.models.loading import build_model
     from colibri_mlx.models.modeldir import open_model_dir
@@ -301,13 +343,15 @@ def main() -> int:
             check_finite(model, prompt, mix)
             run_once(model, prompt, args.steps)      # warm-up, unrecorded
             counters = counted_run(model, prompt, args.steps)
+            spread = routing_spread(model, prompt, args.steps)
             t = paired(model, fmt4, prompt, args.steps, args.pairs)
             nbytes = E.token_bytes(model, cfg, T)
             per_byte = (t["a_s"] / nbytes) / (t["b_s"] / fmt4_bytes)
             row = {"ms": t["a_s"] * 1e3, "fmt4_ms": t["b_s"] * 1e3, "kept": t["kept"], "pairs": t["pairs"],
                    "bytes_per_token": nbytes, "fmt4_bytes_per_token": fmt4_bytes, "ms_ratio": t["a_s"] / t["b_s"],
                    "per_byte_ratio": per_byte, "within_target": per_byte <= TARGET, "file_bytes_by_type": by_type,
-                   "write_s": t_write, "load_s": t_load, "counters": counters}
+                   "write_s": t_write, "load_s": t_load, "counters": counters,
+                   "experts_selected_per_moe_layer": spread}
             res["mixes"][mix] = row
             fb = sum(counters["fallbacks"].values())
             print(f"{mix}: {row['ms']:.2f} ms/token ({nbytes / 1e6:.0f} MB/token) against fmt 4 {row['fmt4_ms']:.2f} "
@@ -317,6 +361,9 @@ def main() -> int:
             print(f"  {mix} kernels: " + ", ".join(f"{k} {n}" for k, n in counters["calls"].items()) +
                   ("; fallbacks: " + "; ".join(f"{r} x{n}" for r, n in counters["fallbacks"].items()) if fb else ""),
                   flush=True)
+            print(f"  {mix} routing: distinct experts selected per MoE layer over one run {spread} of "
+                  f"{cfg['n_routed_experts']} ({PROMPT} prompt tokens + {args.steps} steps, top-"
+                  f"{cfg['num_experts_per_tok']})", flush=True)
             del model
             kernels.moe.clear_banks()
             mx.clear_cache()
