@@ -112,6 +112,8 @@ for s in "${steps[@]}"; do
     bench_long_context) # decode at 4096 / 32768 positions: the row written in place vs the scatter
                    step bench_long_context 200 python3 scripts/bench/bench_long_context.py --context 4096 32768 ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
+    gguf_e2e)      # bench_e2e's model as Q4_K_M and IQ2_XXS-experts GGUF files against fmt 4, paired A/B
+                   step gguf_e2e 300 python3 scripts/bench/bench_gguf_e2e.py --json "$out/gguf_e2e.json" ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
     profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/bench/profile_kernels.py --cupti ${PK_ARGS:-} ;;
