@@ -5,7 +5,7 @@
 #   bash ../shared/device/prepare-mlx-cuda.sh            # prints the back-to-back staging runs
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2 \
-#       pytest-xdist execnet
+#       pytest-xdist execnet gguf==0.19.0        # gguf (pure Python, imports yaml): the GGUF steps
 # Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl",
 # ".ptxcache"]:
 #   bash .devwhl/pN/install.sh && bash scripts/device/steps.sh
