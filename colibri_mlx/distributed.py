@@ -271,24 +271,29 @@ def load_rank_model(path: str, group, mode: str = "expert", dtype=None, expert_t
     container, args = opened.container, ModelArgs.from_config(opened.config)
     from .models.mlx_lm_checkpoint import MlxLmWeights, is_mlx_lm_checkpoint
 
-    mlx_lm = None
-    if is_mlx_lm_checkpoint(opened.config, container.names()):
+    # Checkpoints whose tensors are not the model's (stacked experts, split kv_b): the model's
+    # names over them (expert e is row e of a stacked tensor), and the stored bytes of each.
+    mapped = None
+    if hasattr(container, "weight_table"):   # a GGUF model (models/gguf_checkpoint.py)
+        from .models.gguf_checkpoint import GgufWeights
+
+        kind, mapped = "a GGUF model", GgufWeights(container)
+    elif is_mlx_lm_checkpoint(opened.config, container.names()):
+        kind, mapped = "an mlx-lm checkpoint", MlxLmWeights(container, opened.config)
+    if mapped is not None:
         if shard_attention:
-            raise ValueError(f"{container.path}: --shard-attention is not available for an mlx-lm checkpoint "
-                             "(its attention weights are not split by rows); use --parallel expert or pipeline "
-                             "alone")
-        # The model's per-expert names over the stacked switch_mlp tensors: expert e is row e.
-        mlx_lm = MlxLmWeights(container, opened.config)
-        sizes = {n: mlx_lm.stored_bytes(n) for n in mlx_lm.names}
-    usage_file = usage_path or os.path.join(container.path, ".coli_usage")
+            raise ValueError(f"{container.path}: --shard-attention is not available for {kind} (its attention "
+                             "weights are not split by rows); use --parallel expert or pipeline alone")
+        sizes = {n: mapped.stored_bytes(n) for n in mapped.names}
+    usage_file = usage_path or getattr(container, "usage_path", None) or os.path.join(container.path, ".coli_usage")
     usage = read_usage(usage_file) if os.path.exists(usage_file) and mode == "expert" else None
     load, held = plan_rank(container, args, group.rank(), group.size(), mode, usage,
-                           None if mlx_lm is None else sizes)
+                           None if mapped is None else sizes)
 
     def fetch(name, shape):
-        if mlx_lm is not None:
+        if mapped is not None:
             load.read_bytes += sizes[name]
-            return mlx_lm.fetch(name, shape)
+            return mapped.fetch(name, shape)
         load.read_bytes += tensor_bytes(container, name)
         return _fetch(container, name, shape)
 

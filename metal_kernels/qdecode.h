@@ -15,6 +15,9 @@
 // * fmt 1/3/5/6 build codes in the mantissa of 2^23 and subtract.
 // Products and sums are float32. Scales: fmt 4/5/6 per segment (qd_seg_scale), fmt 1-3 one
 // per row applied by the caller after its reduction (qd_row_scale).
+//
+// llama.cpp's GGUF block formats (fmt 11-28) are gguf_decode.h, which the Python side puts in
+// front of this file; the functions below hand them to its qd_gg_* loads and decoders.
 
 // MLX's quantization formats (colibri_mlx/kernels/mlx_formats.py) take FMT codes of their own:
 // affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales and biases),
@@ -23,7 +26,7 @@
 // word holding the 16-bit scale (low half) and bias (high half), or the float32 scale and bias;
 // the fp modes the unit's scale byte(s).
 constexpr bool qd_mlx(int fmt) {
-  return fmt >= 8;
+  return (fmt >= 8 && fmt <= 10) || fmt >= 70;
 }
 constexpr bool qd_affine(int fmt) {
   return fmt >= 70;
@@ -33,19 +36,19 @@ constexpr int qd_mlx_bits(int fmt) {
 }
 
 constexpr int qd_wpu(int fmt) {
-  return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return qd_gguf(fmt) ? qd_gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 // Raw 32-bit words of one unit.
 constexpr int qd_words(int fmt) {
-  return fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return qd_gguf(fmt) ? qd_gg_words(fmt) : fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 // Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
 // scale in the middle of a 32-weight unit, nvfp4 (groups of 16) likewise; every other case has
 // one scale per unit.
 constexpr int qd_seg(int fmt, int gs) {
-  return ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : qd_wpu(fmt);
+  return qd_gguf(fmt) ? qd_gg_seg(fmt) : ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : qd_wpu(fmt);
 }
 
 // Raw bytes of unit u of one row (rb bytes) into r[0 .. qd_words(FMT) - 1], little-endian.
@@ -77,6 +80,8 @@ inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
     r[1] = uint(qs[2]) | (uint(qs[3]) << 16);
     r[2] = uint(sw[0]) | (uint(sw[1]) << 16);
     r[3] = uint(dd[0]);
+  } else if (qd_gguf(FMT)) {
+    qd_gg_load<FMT>(wrow, u, r);
   } else if (qd_mlx(FMT)) {
     // `bits` whole words: rows and units start 4-byte aligned.
     const device uint* p = (const device uint*)(wrow) + qd_mlx_bits(FMT) * u;
@@ -221,7 +226,9 @@ inline void qd_affine_codes8(thread const uint* r, int k0, thread float* q) {
 
 template <int FMT>
 inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, thread float* q) {
-  if (FMT == 0) {
+  if (qd_gguf(FMT)) {
+    qd_gg_decode8<FMT>(r, k0, e8grid, q);
+  } else if (FMT == 0) {
     for (int k = 0; k < 8; ++k) {
       q[k] = as_type<float>(r[k0 + k]);
     }
@@ -467,6 +474,54 @@ inline void qd_seg_dots_sum_x(thread const uint (*raw)[W], const device T* x, th
   }
 }
 
+// qd_seg_dots for the GGUF fmts: sum code * x over the segment (two FMA chains), then the
+// segment's scale once, and its bias (Q4_K's -dmin * min) times sum x, instead of a scale and a
+// bias per weight.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
+                             uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
+  constexpr int WPU = qd_wpu(FMT);
+  constexpr int SEG = qd_gg_seg(FMT);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+    for (int r = 0; r < ROWS; ++r) {
+      qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+    }
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
+        if (qd_gg_has_bias(FMT)) {
+          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+    }
+  }
+}
+
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.
@@ -480,6 +535,10 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
   constexpr int SEG = qd_seg(FMT, GS);
   if ((NIB && (FMT == 2 || FMT == 4)) || qd_affine(FMT)) {
     qd_seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
+    return;
+  }
+  if (qd_gguf(FMT)) {
+    qd_seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, e8grid, d);
     return;
   }
   for (int r = 0; r < ROWS; ++r) {

@@ -101,10 +101,14 @@ def decode_e8_f64(packed: np.ndarray, O: int, I: int) -> np.ndarray:
 
 
 def dequant_f64(qt: QTensor) -> np.ndarray:
-    if qt.fmt >= 7:   # MLX formats: q * s + b exactly, as the kernels compute it
+    if 7 <= qt.fmt <= 10:   # MLX formats: q * s + b exactly, as the kernels compute it
         from colibri_mlx.formats.mlx_quant import decode_mlx
 
         return decode_mlx(qt, exact=True)
+    from colibri_mlx.formats.gguf_quant import is_gguf_fmt
+
+    if is_gguf_fmt(qt.fmt):
+        return dequant_gguf_f64(qt)
     packed = np.asarray(qt.packed)
     if qt.fmt == 6:
         return decode_e8_f64(packed, qt.O, qt.I)
@@ -129,3 +133,48 @@ def assert_close(y: mx.array, x: mx.array, qt: QTensor, label: str = "") -> floa
     assert worst <= REL_TOL[y.dtype], (
         f"{label}: |Δ|/Σ|xw| = {worst:.3g} > {REL_TOL[y.dtype]:.3g} at {np.unravel_index(rel.argmax(), rel.shape)}")
     return worst
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF block formats (fmt 11-28)
+
+# Byte offsets of each type's fp16 block scales (d, dmin) inside a block (ggml-common.h); every
+# other byte of a block is codes, packed sub-scales or sign bits, valid whatever its value.
+GGUF_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
+                    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+                    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,)}
+
+
+def random_gguf_qtensor(name: str, O: int, I: int, seed: int = 0) -> QTensor:
+    """A GGUF QTensor of random blocks: random bytes (every code, sub-scale and sign pattern occurs),
+    the fp16 block scales set to finite values of either sign in [0.002, 0.05]."""
+    from colibri_mlx.formats.gguf_quant import GGUF_TYPES, row_nbytes
+
+    t = GGUF_TYPES[name]
+    rng = np.random.default_rng(seed)
+    rb = row_nbytes(t, I)
+    packed = rng.integers(0, 256, size=(O, rb), dtype=np.uint8)
+    blocks = packed.reshape(O, -1, t.type_size)
+    for off in GGUF_HALF_FIELDS.get(name, ()):
+        d = rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2])
+        blocks[..., off:off + 2] = d.astype("<f2").view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if name == "IQ1_M":   # d is the top nibbles of the 4 scale halves (bytes 48-55), nibble k from half k
+        d = (rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2]))
+        bits = d.astype("<f2").view(np.uint16).astype(np.uint16)
+        sc = blocks[..., 48:56].copy().view("<u2")
+        for k in range(4):
+            sc[..., k] = (sc[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+        blocks[..., 48:56] = sc.view(np.uint8)
+    return QTensor(packed, np.zeros(0, np.float32), t.fmt, O, I, t.block_size, name=f"test.{name.lower()}")
+
+
+def dequant_gguf_f64(qt: QTensor) -> np.ndarray:
+    """gguf-py's dequantization (bit-exact to ggml's) of a GGUF QTensor, float64 ``[O, I]``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from colibri_mlx.formats.gguf_quant import GGUF_FMTS
+
+    qtype = GGMLQuantizationType[GGUF_FMTS[qt.fmt].name]
+    packed = np.asarray(qt.packed).reshape(qt.O, -1)
+    return dequantize(packed, qtype).astype(np.float64).reshape(qt.O, qt.I)

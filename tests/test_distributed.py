@@ -214,26 +214,35 @@ def test_mlx_lm_checkpoint_parallel(tmp_path, mlx_lm_model, mode):
 def test_mlx_lm_checkpoint_streamed_per_rank(tmp_path, mlx_lm_model):
     """--ram-gb under --parallel expert: each rank streams rows of its own experts only; nothing
     of a routed expert is read at load."""
-    ref = _reference(tmp_path, mlx_lm_model)
-    got = _run(tmp_path, mlx_lm_model, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
+    _check_streamed_stacked(tmp_path, mlx_lm_model, _mlx_lm_header_parts)
+
+
+def _check_streamed_stacked(tmp_path, model, parts):
+    """Two expert-parallel ranks streaming a checkpoint of stacked experts: tokens and logits as in
+    one process; each rank read only the replicated tensors at load and streamed its own experts."""
+    ref = _reference(tmp_path, model)
+    got = _run(tmp_path, model, "expert", 2, extra={"DIST_WORKER_RAM_GB": str(STREAM_RAM_GB)})
     assert got["tokens"] == ref["tokens"]
     assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
-    units, replicated = _mlx_lm_header_parts(mlx_lm_model, "expert")
+    units, replicated = parts(model, "expert")
     for s in got["stats"]:
         assert s["read_bytes"] == replicated[0]
         mine = int(s["experts_held"]) * max(v[0] for v in units.values())
         assert 0 < s["streamed_bytes"] <= 2 * (1 + N_TOKENS) * mine, s
 
 
+class TwoRanks:
+    """Rank 0 of 2, for load_rank_model's refusals (nothing is launched)."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 2
+
+
 def test_mlx_lm_checkpoint_refuses_sharded_attention(mlx_lm_model):
     from colibri_mlx.distributed import load_rank_model
-
-    class TwoRanks:
-        def rank(self):
-            return 0
-
-        def size(self):
-            return 2
 
     with pytest.raises(ValueError, match="--shard-attention is not available for an mlx-lm checkpoint"):
         load_rank_model(mlx_lm_model, TwoRanks(), shard_attention=True)
@@ -602,3 +611,66 @@ def test_sharded_attention_with_streaming_and_fp8(tmp_path, models, case):
     assert np.abs(np.array(ref["logits"]) - np.array(got["logits"])).max() <= LOGIT_TOL
     if case == "streamed":
         assert all(s["streamed_bytes"] > 0 for s in got["stats"])
+
+
+# ------------------------------------------------------------------------------------- GGUF
+
+GGUF_DIR = os.path.join(ROOT, "tests", "data", "gguf")
+
+
+def _gguf_header_parts(path, mode):
+    """:func:`_header_parts` of a GGUF file, stored bytes only: an expert is row e of each stacked
+    ``*_exps`` tensor; a layer is every ``blk.N.`` tensor."""
+    import gguf
+
+    units, replicated = {}, np.zeros(2)
+    for t in gguf.GGUFReader(path).tensors:
+        m = re.match(r"blk\.(\d+)\.", t.name)
+        nbytes = int(t.n_bytes)
+        if m is None or (mode == "expert" and "_exps." not in t.name):
+            replicated[0] += nbytes
+        elif mode == "pipeline":
+            units.setdefault(int(m.group(1)), np.zeros(2))[0] += nbytes
+        else:
+            E = int(t.shape[-1])   # gguf lists dimensions innermost first: experts last
+            for e in range(E):
+                units.setdefault((int(m.group(1)), e), np.zeros(2))[0] += nbytes // E
+    return units, replicated
+
+
+@pytest.mark.parametrize("fixture,mode", [("tiny-q4_k_m", "expert"), ("tiny-bf16", "pipeline")])
+def test_gguf_parallel(tmp_path, fixture, mode):
+    """A GGUF file under --parallel: each rank reads its experts' rows of the stacked tensors (or its
+    layers) and the rest; tokens and logits as in one process."""
+    pytest.importorskip("gguf")
+    path = os.path.join(GGUF_DIR, fixture + ".gguf")
+    ref = _reference(tmp_path, path)
+    got = _run(tmp_path, path, mode, 2)
+    assert got["tokens"] == ref["tokens"] and len(ref["tokens"]) == N_TOKENS
+    a, b = np.array(ref["logits"]), np.array(got["logits"])
+    assert a.shape == b.shape and np.isfinite(a).all() and np.abs(a - b).max() <= LOGIT_TOL
+    units, replicated = _gguf_header_parts(path, mode)
+    stats = got["stats"]
+    key = "experts_held" if mode == "expert" else "layers_held"
+    assert sum(s[key] for s in stats) == len(units) and all(s[key] > 0 for s in stats)
+    sharded = sum(units.values())[0]
+    assert sum(s["read_bytes"] for s in stats) == sharded + 2 * replicated[0]
+    slack = max(v[0] for v in units.values()) if mode == "pipeline" else sum(
+        max(v[0] for (l, _), v in units.items() if l == layer) for layer in {l for l, _ in units})
+    for s in stats:
+        assert s["read_bytes"] <= sharded / 2 + replicated[0] + slack, s
+
+
+def test_gguf_streamed_per_rank(tmp_path):
+    """--ram-gb under --parallel expert on a GGUF file: each rank streams rows of its own experts
+    only; nothing of a routed expert is read at load."""
+    pytest.importorskip("gguf")
+    _check_streamed_stacked(tmp_path, os.path.join(GGUF_DIR, "tiny-q4_k_m.gguf"), _gguf_header_parts)
+
+
+def test_gguf_refuses_sharded_attention():
+    pytest.importorskip("gguf")
+    from colibri_mlx.distributed import load_rank_model
+
+    with pytest.raises(ValueError, match="--shard-attention is not available for a GGUF model"):
+        load_rank_model(os.path.join(GGUF_DIR, "tiny-bf16.gguf"), TwoRanks(), shard_attention=True)

@@ -257,7 +257,8 @@ def test_compact_source_drops_only_what_compilers_ignore():
 @pytest.mark.parametrize("backend", [dispatch.METAL, dispatch.CUDA])
 def test_kernel_text_handed_to_mlx_is_compact(backend):
     raw = (dispatch.KERNEL_DIR / (f"qgemv.metal" if backend == dispatch.METAL else "cuda/qgemv.cu")).read_text()
-    raw_decode = (dispatch.KERNEL_DIR / dispatch.DECODE_HEADER[backend]).read_text()
+    raw_decode = ((dispatch.KERNEL_DIR / dispatch.GGUF_DECODE_HEADER[backend]).read_text()
+                  + (dispatch.KERNEL_DIR / dispatch.DECODE_HEADER[backend]).read_text())
     spec = qgemv.launch_spec(random_x(1, 64), random_qtensor(4, 4, 64, gs=32), backend)
     sent = len(spec.source) + len(spec.header)
     assert sent < 0.75 * (len(raw) + len(raw_decode))

@@ -132,3 +132,20 @@ def test_bench_mlx_lm_checkpoint_first_difference_report():
     assert abs(d["max_abs_logit_diff"] - 0.5) < 1e-9 and d["near_tie"] and d["path"] == "decode step"
     far = [ref[0], np.array([10.0, 8.0, 0.0])]
     assert not first_difference_report([0, 1], [0, 0], mine, far)["near_tie"]
+
+
+def test_bench_gguf_e2e_rows(tmp_path):
+    out_json = tmp_path / "gguf_e2e.json"
+    out = run_script("scripts/bench/bench_gguf_e2e.py", "--tiny", "--experts", "16", "--vocab", "1024", "--steps", "2",
+                     "--pairs", "1", "--json", str(out_json))
+    import json
+
+    res = json.loads(out_json.read_text())
+    for mix in ("q4_k_m", "iq2_xxs"):
+        row = res["mixes"][mix]
+        assert f"{mix}: " in out and "per byte read" in out, out
+        assert row["counters"]["fallbacks"] == {}, row["counters"]
+        assert {"qgemv/reference", "moe_block/reference", "mla_decode/reference"} <= set(row["counters"]["calls"])
+        assert 0 < row["bytes_per_token"] and row["per_byte_ratio"] > 0
+    assert {"Q4_K", "Q6_K", "F32"} == set(res["mixes"]["q4_k_m"]["file_bytes_by_type"])
+    assert {"IQ2_XXS", "Q4_K", "Q6_K", "Q8_0", "F32"} == set(res["mixes"]["iq2_xxs"]["file_bytes_by_type"])

@@ -191,13 +191,16 @@ def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
 
 
 DECODE_HEADER = {METAL: "qdecode.h", CUDA: "cuda/qdecode.cuh"}
+# llama.cpp's GGUF block decoders, in front of DECODE_HEADER (whose functions call them).
+GGUF_DECODE_HEADER = {METAL: "gguf_decode.h", CUDA: "cuda/gguf_decode.cuh"}
 
 
 @functools.lru_cache(maxsize=None)
 def decode_header(backend_name: str) -> str:
-    """The shared fmt 0-6 unit loads and decoders (``metal_kernels/qdecode.h`` or
-    ``metal_kernels/cuda/qdecode.cuh``); every kernel reading quantized weights prepends it."""
-    return compact_source((KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
+    """The shared unit loads and decoders (``metal_kernels/gguf_decode.h`` + ``qdecode.h``, or their
+    ``metal_kernels/cuda/`` twins); every kernel reading quantized weights prepends it."""
+    return compact_source((KERNEL_DIR / GGUF_DECODE_HEADER[backend_name]).read_text()
+                          + (KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
 
 
 @functools.lru_cache(maxsize=None)

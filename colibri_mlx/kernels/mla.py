@@ -38,7 +38,7 @@ import numpy as np
 
 from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
-from . import device_inputs, dispatch, mlx_formats
+from . import device_inputs, dispatch, gguf_formats, mlx_formats
 from .moe import Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 
@@ -161,9 +161,12 @@ def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     why = isinstance(kv_b, QTensor) and mlx_formats.decline_reason(kv_b)
     if why:
         return f"kv_b {describe(kv_b)}: {why}"
+    why = isinstance(kv_b, QTensor) and gguf_formats.decline_reason(kv_b)
+    if why:
+        return f"kv_b: {why}"
     fmt, gs = weight_format(kv_b)
-    if fmt not in KV_B_FMTS and not mlx_formats.is_mlx(kv_b):
-        return f"kv_b fmt {fmt} (fmt 0-5 and the MLX formats only)"
+    if fmt not in KV_B_FMTS and not mlx_formats.is_mlx(kv_b) and not gguf_formats.is_gguf(kv_b):
+        return f"kv_b fmt {fmt} (fmt 0-5, the MLX formats and the GGUF types only)"
     if fmt == 4 and (not gs or gs % 16):
         return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
     if L > MAX_QUERY_ROWS:
@@ -185,9 +188,12 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     why = mlx_formats.decline_reason(q_b)
     if why:
         return f"q_b {describe(q_b)}: {why}"
+    why = gguf_formats.decline_reason(q_b)
+    if why:
+        return f"q_b: {why}"
     fmt, gs = weight_format(q_b)
-    if fmt not in QB_FMTS and not mlx_formats.is_mlx(q_b):
-        return f"q_b fmt {fmt} (fmt 1-5 and the MLX formats: fmt 6 rotates its input first)"
+    if fmt not in QB_FMTS and not mlx_formats.is_mlx(q_b) and not gguf_formats.is_gguf(q_b):
+        return f"q_b fmt {fmt} (fmt 1-5, the MLX formats and the GGUF types: fmt 6 rotates its input first)"
     if fmt == 4 and (not gs or gs % 16):
         return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
     rows = q_latent.size // q_latent.shape[-1]

@@ -23,6 +23,7 @@ import numpy as np
 from ..formats.mlx_quant import CODE_TABLES, MLX_FMTS, SCALE_TABLES
 
 MLX_FMT_MIN = 7
+MLX_FMT_MAX = 10      # fmt 11-28 are GGUF's (formats/gguf_quant.py, kernels/gguf_decode.py)
 UNIT = 32             # weights per kernel unit, every MLX format
 AFFINE_KERNEL_BASE = {"bfloat16": 70, "float16": 80, "float32": 90}
 FP_KERNEL_FMT = {8: 8, 9: 9, 10: 10}
@@ -37,8 +38,8 @@ def _dtype_name(a) -> str:
 
 
 def kernel_fmt(qt) -> int:
-    """The FMT template code of a QTensor (fmt 0-6: its fmt)."""
-    if qt.fmt < MLX_FMT_MIN:
+    """The FMT template code of a QTensor (fmt 0-6 and the GGUF fmt 11-28: its fmt)."""
+    if not is_mlx(qt):
         return qt.fmt
     if qt.fmt == 7:
         name = _dtype_name(qt.scales)
@@ -50,6 +51,11 @@ def kernel_fmt(qt) -> int:
 
 def row_bytes(qt) -> int:
     return qt.I * qt.bits // 8
+
+
+def is_mlx_kernel_fmt(kfmt: int) -> bool:
+    """Whether a kernel FMT code is an MLX format's (qdecode.h qd_mlx): 8-10 and 70+."""
+    return 8 <= kfmt <= MLX_FMT_MAX or kfmt >= 70
 
 
 def kernel_bits(kfmt: int) -> int:

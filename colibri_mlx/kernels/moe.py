@@ -26,8 +26,9 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..formats.gguf_quant import GGUF_FMTS, is_gguf_fmt, row_nbytes
 from ..formats.qtensor import QTensor
-from . import dispatch, mlx_formats, qgemv, reference
+from . import dispatch, gguf_formats, mlx_formats, qgemv, reference
 from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
@@ -121,11 +122,15 @@ class Projection:
 
     @property
     def mlx(self) -> bool:
-        return self.fmt >= 8   # an MLX format's kernel FMT code
+        return mlx_formats.is_mlx_kernel_fmt(self.fmt)
 
     @property
     def rb(self) -> int:
-        return mlx_formats.kernel_row_bytes(self.fmt, self.I) if self.mlx else row_bytes(self.fmt, self.I)
+        if self.mlx:
+            return mlx_formats.kernel_row_bytes(self.fmt, self.I)
+        if is_gguf_fmt(self.fmt):
+            return row_nbytes(GGUF_FMTS[self.fmt], self.I)
+        return row_bytes(self.fmt, self.I)
 
     @property
     def ng(self) -> int:
@@ -185,7 +190,7 @@ def _decline_expert(gate, up, down) -> Optional[str]:
         return f"gate fmt {fg} != up fmt {fu}"
     fmt, gs = fg
     for w in (gate, down):
-        why = isinstance(w, QTensor) and mlx_formats.decline_reason(w)
+        why = isinstance(w, QTensor) and (mlx_formats.decline_reason(w) or gguf_formats.decline_reason(w))
         if why:
             return why
     if fmt == 4 and (not gs or gs % 16):

@@ -1,4 +1,5 @@
-"""qgemv: ``y = x @ W.T`` for S <= 8 rows of x against a quantized W (colibri fmt 1-6, MLX fmt 7-10).
+"""qgemv: ``y = x @ W.T`` for S <= 8 rows of x against a quantized W (colibri fmt 1-6, MLX fmt 7-10,
+GGUF fmt 11-28: kernels/gguf_decode.py).
 
 ``launch_spec(x, qt, backend)`` builds the exact launch (source, inputs, grid, template) that
 :func:`qgemv` hands to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and that the MSL
@@ -15,14 +16,15 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch, mlx_formats
-from .reference import e8_grid_words, row_bytes, scales_per_row
+from . import dispatch, gguf_decode, gguf_formats, mlx_formats
+from .reference import row_bytes, scales_per_row
 
 NAME = "qgemv"
 MAX_ROWS = 8                    # S above this is prefill: dequantized tiles + matmul
 SIMD = 32
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32, **{f: mlx_formats.UNIT for f in (7, 8, 9, 10)}}
+UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32, **{f: mlx_formats.UNIT for f in (7, 8, 9, 10)},
+                **gguf_decode.KERNEL_FMTS}
 PARAMS_LEN = 8                  # >= 8 elements: MLX passes it as a device pointer
 MAX_SIMDGROUPS = 4              # split-K: SIMD groups sharing one threadgroup's rows
 # Enough SIMD groups for 132 SMs x ~32 resident warps (H200); below this the launch splits
@@ -100,6 +102,9 @@ def decline_reason_for(qt, S: int, dtype) -> Optional[str]:
 
 
 def _decline(qt, S: int, dtype) -> Optional[str]:
+    why = gguf_formats.decline_reason(qt)
+    if why:
+        return why
     if qt.fmt not in UNIT_WEIGHTS:
         return f"fmt {qt.fmt} has no qgemv kernel"
     if not 1 <= S <= MAX_ROWS:
@@ -139,10 +144,11 @@ _params_mx: dict = {}
 
 
 def e8grid() -> mx.array:
-    """The fmt 6 grid words as a kernel input, one device array for every kernel that decodes fmt 6."""
+    """The lookup tables as a kernel input (the fmt 6 grid words at word 0, then the GGUF IQ tables:
+    gguf_decode.lookup_words), one device array for every kernel that decodes fmt 6 or GGUF."""
     g = _grid_mx.get("g")
     if g is None:
-        g = _grid_mx["g"] = mx.array(e8_grid_words())
+        g = _grid_mx["g"] = mx.array(gguf_decode.lookup_words())
     return g
 
 
@@ -158,6 +164,8 @@ def shape_values(qt) -> tuple:
     (or, CUDA's persistent default, its template KO, KI, KRB, KNG, KNU)."""
     if mlx_formats.is_mlx(qt):
         return qt.O, qt.I, mlx_formats.row_bytes(qt), mlx_formats.scale_words_per_row(qt), qt.I // mlx_formats.UNIT
+    if gguf_formats.is_gguf(qt):
+        return qt.O, qt.I, gguf_formats.row_bytes(qt), 0, qt.I // UNIT_WEIGHTS[qt.fmt]
     per_row = scales_per_row(qt.fmt, qt.I, qt.gs) if qt.fmt in (4, 5) else (-(-qt.I // 256) if qt.fmt == 6 else 1)
     return qt.O, qt.I, row_bytes(qt.fmt, qt.I), per_row, -(-qt.I // UNIT_WEIGHTS[qt.fmt])
 

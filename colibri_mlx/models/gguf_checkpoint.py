@@ -432,6 +432,16 @@ class GgufWeights:
             return self._kv_b(rest[0], shape)
         return self._matrix(rest[0], shape)
 
+    def stored_bytes(self, name: str) -> int:
+        """Stored bytes a fetch of model tensor ``name`` reads: one row of a stacked expert tensor,
+        both halves of a split ``kv_b_proj``."""
+        kind, *rest = self.names[name]
+        if kind == "expert":
+            return self.model.info(rest[0]).nbytes // self.n_experts
+        if kind == "kv_b":
+            return sum(self.model.info(f"blk.{rest[0]}.{n}").nbytes for n in SPLIT_KV_B)
+        return self.model.info(rest[0]).nbytes
+
     def _matrix(self, stored: str, shape: tuple, expert: Optional[int] = None):
         info = self.model.info(stored)
         label = stored if expert is None else f"{stored}[{expert}]"

@@ -8,9 +8,10 @@
 namespace colibri_qd {
 
 // MLX formats: affine 70 + bits / 80 + bits / 90 + bits (bfloat16 / float16 / float32 scales),
-// 8 mxfp4, 9 nvfp4, 10 mxfp8 (qdecode.h).
+// 8 mxfp4, 9 nvfp4, 10 mxfp8 (qdecode.h). GGUF block formats (fmt 11-28): gguf_decode.cuh, in
+// front of this file.
 __device__ constexpr bool mlx(int fmt) {
-  return fmt >= 8;
+  return (fmt >= 8 && fmt <= 10) || fmt >= 70;
 }
 __device__ constexpr bool affine(int fmt) {
   return fmt >= 70;
@@ -20,15 +21,15 @@ __device__ constexpr int mlx_bits(int fmt) {
 }
 
 __device__ constexpr int wpu(int fmt) {
-  return fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return gguf(fmt) ? gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 __device__ constexpr int words(int fmt) {
-  return fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return gguf(fmt) ? gg_words(fmt) : fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 __device__ constexpr int seg(int fmt, int gs) {
-  return ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : wpu(fmt);
+  return gguf(fmt) ? gg_seg(fmt) : ((fmt == 4 && gs % 32 != 0) || fmt == 9) ? 16 : wpu(fmt);
 }
 
 // VEC 2 (rows a multiple of 16 bytes) reads a unit with one 16-byte load when the buffer
@@ -57,6 +58,8 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
     r[1] = uint32_t(qs[2]) | (uint32_t(qs[3]) << 16);
     r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
     r[3] = uint32_t(dd[0]);
+  } else if (gguf(FMT)) {
+    gg_load<FMT>(wrow, u, r);
   } else if (mlx(FMT)) {
     constexpr int B = mlx_bits(FMT);
     if ((B == 4 || B == 8) && W16 && (rb & 15) == 0) {
@@ -223,7 +226,9 @@ __device__ __forceinline__ void affine_codes8(const uint32_t* r, int k0, float* 
 
 template <int FMT>
 __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_t* e8grid, float* q) {
-  if (FMT == 0) {
+  if (gguf(FMT)) {
+    gg_decode8<FMT>(r, k0, e8grid, q);
+  } else if (FMT == 0) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       q[k] = __uint_as_float(r[k0 + k]);
@@ -484,6 +489,63 @@ __device__ __forceinline__ void seg_dots_sum_x(const uint32_t (*raw)[W], const T
   }
 }
 
+// seg_dots for the GGUF fmts (qdecode.h seg_dots_gguf): sum code * x over the segment, then the
+// segment's scale once and its bias times sum x.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+__device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
+                                              uint32_t xmask, int I, int u, int g, const uint32_t* lut,
+                                              float (*d)[S]) {
+  constexpr int WPU = wpu(FMT);
+  constexpr int SEG = gg_seg(FMT);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+    }
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
+        if (gg_has_bias(FMT)) {
+          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float2 a = gg_seg_affine<FMT>(raw[r], g);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+    }
+  }
+}
+
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_sum_x
 // (fp16 subnormal codes, one bias per segment); NIB 0: decode8's magic-number codes. XP 1: x
@@ -496,6 +558,10 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
   constexpr int SEG = seg(FMT, GS);
   if ((NIB && (FMT == 2 || FMT == 4)) || affine(FMT)) {
     seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
+    return;
+  }
+  if (gguf(FMT)) {
+    seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, e8grid, d);
     return;
   }
 #pragma unroll

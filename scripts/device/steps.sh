@@ -5,7 +5,7 @@
 #   bash ../shared/device/prepare-mlx-cuda.sh            # prints the back-to-back staging runs
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl mlx-lm==0.32.2 \
-#       pytest-xdist execnet
+#       pytest-xdist execnet gguf==0.19.0        # gguf (pure Python, imports yaml): the GGUF steps
 # Device runs: the staging runs it printed, then the last one with carry [".devwhl/pN", ".whl",
 # ".ptxcache"]:
 #   bash .devwhl/pN/install.sh && bash scripts/device/steps.sh
@@ -118,6 +118,8 @@ for s in "${steps[@]}"; do
                    # BatchGenerator on bench_e2e's model
                    step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
+    gguf_e2e)      # bench_e2e's model as Q4_K_M and IQ2_XXS-experts GGUF files against fmt 4, paired A/B
+                   step gguf_e2e 300 python3 scripts/bench/bench_gguf_e2e.py --json "$out/gguf_e2e.json" ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
     profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ${PS_ARGS:-} ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/bench/profile_kernels.py --cupti ${PK_ARGS:-} ;;

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
 from colibri_mlx.kernels.kernel_text import launch_text  # noqa: E402
-from kernel_oracle import MLX_KERNEL_CASES, random_mlx_qtensor, random_qtensor, random_x  # noqa: E402
+from kernel_oracle import MLX_KERNEL_CASES, random_gguf_qtensor, random_mlx_qtensor, random_qtensor, random_x  # noqa: E402
 
 ARCH = "sm_90a"
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
@@ -91,6 +91,20 @@ def mlx_cases(full: bool) -> list:
     return [c for c in MLX_KERNEL_CASES if c[0] != "affine" or c[1] in (4, 3, 6)]
 
 
+# The GGUF types of DeepSeek-V3 / Kimi-K2 mixes' hot tensors: every launch setting; the others at
+# one setting each (their decoders share the helpers and the unit plumbing) unless ``full``.
+GGUF_HOT_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q8_0")
+
+
+def gguf_kernel_types(full: bool = True) -> list:
+    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS); only the hot
+    ones unless ``full``."""
+    from colibri_mlx.formats.gguf_quant import GGUF_FMTS
+    from colibri_mlx.kernels.gguf_decode import KERNEL_FMTS
+
+    return [GGUF_FMTS[f].name for f in KERNEL_FMTS if full or GGUF_FMTS[f].name in GGUF_HOT_TYPES]
+
+
 def qgemv_specs(full: bool):
     """Launches covering every fmt, x dtype, S and load path the GPU check and bench use."""
     shapes = [(64, 4096), (7, 300)] if full else [(64, 4096)]
@@ -121,6 +135,15 @@ def qgemv_specs(full: bool):
                 yield (f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S1_pers_rows{qgemv.CUDA_PERSISTENT_ROWS}",
                        qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
                                          shape_in=True))
+    for name in gguf_kernel_types():   # llama.cpp's GGUF block formats: every decoder once
+        qt = random_gguf_qtensor(name, 64, 4096, seed=1)
+        hot = full or name in GGUF_HOT_TYPES
+        for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)) if hot else ((1, mx.bfloat16),):
+            x = random_x(S, 4096, dtype=dtype)
+            yield f"gguf_{name}_S{S}_{dtype}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+        if hot:   # the prefetch loop (bench_gguf_gemv.py's variant)
+            x = random_x(1, 4096, dtype=mx.bfloat16)
+            yield f"gguf_{name}_S1_pf1", qgemv.launch_spec(x, qt, dispatch.CUDA, prefetch=1, unroll=1)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
@@ -186,19 +209,24 @@ def mla_specs(full: bool):
                                                                 mx.array([7], dtype=mx.int32)))
         label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
-    # MLX-format kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of mlx_cases
-    for mode, bits, gs, sdt in mlx_cases(full):
-        label = f"{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}"
-        kv_b = random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits)
-        q_b = random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1)
+    # MLX-format and GGUF kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of
+    # mlx_cases, the GGUF types (Q4_K and Q6_K's segment layouts unless ``full``)
+    weights = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",
+                random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits),
+                random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1))
+               for mode, bits, gs, sdt in mlx_cases(full)]
+    weights += [(f"gguf_{name}", random_gguf_qtensor(name, H * (nope + v), R, seed=2),
+                 random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3))
+                for name in (gguf_kernel_types(full) if full else ("Q4_K", "Q6_K"))]
+    for label, kv_b, q_b in weights:
         run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
                                q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
         specs = mla.planned_launches(run)
-        yield f"mla_qb_qabs_mlx_{label}", specs[0]
-        yield f"mla_out_mlx_{label}", specs[-1]
+        yield f"mla_qb_qabs_{label}", specs[0]
+        yield f"mla_out_{label}", specs[-1]
         run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
                                nope, v, backend=dispatch.CUDA)
-        yield f"mla_qabs_mlx_{label}", mla.planned_launches(run)[0]
+        yield f"mla_qabs_{label}", mla.planned_launches(run)[0]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
@@ -277,6 +305,18 @@ def moe_specs(full: bool):
             if S == 1 and bits <= 4:   # the shared resident blocks (qgemv.cuda_tuned formats)
                 yield f"gate_up_mlx_{label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
             yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+    gguf = gguf_kernel_types(full)
+    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # each GGUF decoder as gate/up and as down
+        D, inter = 512, 256
+        experts = [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
+                     random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)]
+        (group,) = moe.build_bank(experts).groups
+        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
+            K = 2
+            x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
+            h = mx.zeros((S * K, inter), mx.float32)
+            yield f"gate_up_gguf_{gu}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            yield f"down_gguf_{dn}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 

@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Time qgemv's GGUF decode variants (CUDA twin) against mx.quantized_matmul 4-bit in the same run.
+
+    PYTHONPATH=/root/site:$PWD python3 scripts/bench/bench_gguf_gemv.py --json gguf_gemv.json
+
+Shape 18432x7168 (DeepSeek-V3's gate/up at hidden 7168), one row of bf16 x, GGUF Q4_K, Q6_K,
+IQ4_XS, IQ2_XXS and Q8_0 (random blocks with finite fp16 scales: tests/kernel_oracle.py), each at
+its default launch and a few launch variants; the baseline is mx.quantized_matmul affine 4-bit,
+group 64, bfloat16 scales and biases.
+
+Method (strata's): paired, alternating A/B timing. A pair is one evaluation of ours and one of
+the baseline, in alternating order (AB, BA, ...); an evaluation runs GEMVS_PER_EVAL independent
+GEMVs cycling through enough weight copies to exceed the 60 MB L2 several times (weights come from
+HBM), the graph built before the clock starts, the clock stopped after mx.synchronize(). Pairs
+whose A + B took over 1.15x the best pair's are dropped; the figure is the median of the rest, per
+GEMV. Bytes = the packed weights (+ scales and biases for the baseline) + x; GB/s as a percentage
+of 4.3 TB/s (the H200's measured copy bandwidth). Each type's kernel output is first checked against
+the float64 product with formats/gguf_quant.py's decode (|delta| / sum|x w|; bf16 output, so up to
+~2^-8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from colibri_mlx.formats import QTensor  # noqa: E402
+from colibri_mlx.formats.gguf_quant import dequantize_gguf  # noqa: E402
+from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
+from kernel_oracle import random_gguf_qtensor  # noqa: E402
+
+PEAK = 4.3e12
+L2_BYTES = 60e6
+O, I = 18432, 7168
+TYPES = ["Q4_K", "IQ4_XS", "Q6_K", "IQ2_XXS", "Q8_0"]
+PAIRS = 21
+GEMVS_PER_EVAL = 32
+OUTLIER = 1.15
+# The default launch first, then (for VARIANT_TYPES) variants: PF = the next step's loads issued
+# before this step's arithmetic (CUDA's default for fmt 2/4), rows per threadgroup, unroll, SIMD
+# groups a threadgroup (split-K).
+TUNINGS = [{}, {"prefetch": 1, "unroll": 1}, {"rows": 2, "unroll": 1}, {"rows": 8, "unroll": 1},
+           {"rows": 4, "unroll": 1}, {"simdgroups": 2}]
+VARIANT_TYPES = ("Q4_K", "IQ4_XS")
+
+
+def n_copies(nbytes: int) -> int:
+    return max(2, int(-(-6 * L2_BYTES // nbytes)))
+
+
+def gguf_copies(name: str) -> tuple:
+    """Distinct device buffers holding one set of random blocks (distinct addresses are what
+    defeats the L2; equal contents do not matter)."""
+    host = random_gguf_qtensor(name, O, I, seed=0)
+    n = n_copies(host.packed.nbytes)
+    out = [QTensor(mx.array(host.packed.reshape(-1)), mx.zeros((0,), mx.float32), host.fmt, O, I, host.gs,
+                   f"bench.{name}.{k}") for k in range(n)]
+    mx.eval([q.packed for q in out])
+    return out, host
+
+
+def qmm_copies() -> list:
+    """The baseline's weights: affine 4-bit g64 with bfloat16 scales and biases, as many copies."""
+    n = n_copies(O * I // 2)
+    out = []
+    for _ in range(n):
+        w = (mx.random.normal((O, I)) * 0.02).astype(mx.bfloat16)
+        out.append(tuple(mx.quantize(w, group_size=64, bits=4)))
+        mx.eval(out[-1])
+    return out
+
+
+def one_eval(make_outputs) -> float:
+    outs = make_outputs()
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval(outs)
+    mx.synchronize()
+    return (time.perf_counter() - t0) / GEMVS_PER_EVAL
+
+
+def paired(make_a, make_b) -> dict:
+    """Median seconds per GEMV of A and B over the kept pairs (alternating order; a pair is
+    dropped when its A + B is over OUTLIER x the best pair's)."""
+    for make in (make_a, make_b):
+        mx.eval(make())   # warm-up: compile, allocate
+    mx.synchronize()
+    pairs = []
+    for k in range(PAIRS):
+        if k % 2 == 0:
+            ta = one_eval(make_a)
+            tb = one_eval(make_b)
+        else:
+            tb = one_eval(make_b)
+            ta = one_eval(make_a)
+        pairs.append((ta, tb))
+    best = min(a + b for a, b in pairs)
+    kept = [(a, b) for a, b in pairs if a + b <= OUTLIER * best]
+    return {"a": statistics.median(p[0] for p in kept), "b": statistics.median(p[1] for p in kept),
+            "kept": len(kept), "pairs": len(pairs)}
+
+
+def check(name: str, host, x) -> float:
+    """Worst |delta| / sum|x w| of the default launch over the first rows against the float64 product
+    with formats/gguf_quant.py's decode (bit-equal to ggml's and gguf-py's)."""
+    rows = min(256, O)
+    part = QTensor(host.packed[:rows], host.scales, host.fmt, rows, I, host.gs, f"check.{name}")
+    w64 = dequantize_gguf(host.fmt, part.packed).astype(np.float64)
+    y = qgemv.qgemv(x, part.to_mlx(), dispatch.CUDA)
+    x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    got = np.asarray(y.astype(mx.float32)).astype(np.float64)
+    return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
+
+
+def launch_label(qt, x, tuning) -> str:
+    t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, **tuning).template)
+    return f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']} PF{t['PF']}" + (" (default)" if not tuning else "")
+
+
+def row(kernel, t, nbytes, t_base=None, **extra) -> dict:
+    bw = nbytes / t
+    r = {"kernel": kernel, "shape": f"{O}x{I}", "us": t * 1e6, "GB/s": bw / 1e9, "pct_peak": 100 * bw / PEAK,
+         **extra}
+    if t_base:
+        r["x_vs_qmm"] = t_base / t
+    print("  " + format_row(r), flush=True)   # as it comes: a run cut short still reports
+    return r
+
+
+def format_row(r) -> str:
+    return (f"{r['kernel']:34s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} {r.get('x_vs_qmm', 1.0):6.2f}"
+            f" {r.get('kept', ''):>5} {'' if r.get('check') is None else format(r['check'], '.2g'):>8}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--types", nargs="*", default=TYPES)
+    ap.add_argument("--no-variants", action="store_true", help="time only the default launch")
+    args = ap.parse_args()
+    if dispatch.gpu_backend() != dispatch.CUDA:
+        print("bench_gguf_gemv: needs MLX's CUDA backend")
+        return 2
+    mx.random.seed(0)
+    x = mx.random.normal((1, I)).astype(mx.bfloat16)
+    qmm = qmm_copies()
+    qmm_bytes = sum(a.nbytes for a in qmm[0]) + x.nbytes
+
+    def theirs():
+        return [mx.quantized_matmul(x, *qmm[k % len(qmm)], transpose=True, group_size=64, bits=4)
+                for k in range(GEMVS_PER_EVAL)]
+
+    rows = []
+    print(f"{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}", flush=True)
+    for name in args.types:
+        qts, host = gguf_copies(name)
+        nbytes = host.packed.nbytes + x.nbytes
+        err = check(name, host, x)
+        for tuning in TUNINGS if name in VARIANT_TYPES and not args.no_variants else TUNINGS[:1]:
+            def ours(tuning=tuning):
+                return [qgemv.qgemv(x, qts[k % len(qts)], dispatch.CUDA, **tuning) for k in range(GEMVS_PER_EVAL)]
+
+            label = f"{name} {launch_label(qts[0], x, tuning)}"
+            try:
+                res = paired(ours, theirs)
+            except Exception as e:   # a variant that fails to build or run: reported, the others still timed
+                print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows.append({"kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            if not tuning:
+                rows.append(row("mx.quantized_matmul 4b g64", res["b"], qmm_bytes, kept=f"{res['kept']}/{res['pairs']}",
+                                paired_with=name))
+            rows.append(row(label, res["a"], nbytes, res["b"], kept=f"{res['kept']}/{res['pairs']}",
+                            check=err if not tuning else None, type=name, tuning=tuning))
+        del qts
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(args.json)
+    print(f"\n{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}")
+    for r in rows:
+        print(format_row(r) if "error" not in r else f"{r['kernel']:34s} {r['error']}")
+    print(f"\n{O}x{I}, S=1 bf16 x; paired A/B vs mx.quantized_matmul (pairs over {OUTLIER}x the best dropped); "
+          "check = worst |delta|/sum|xw| of the default launch vs float64 (bf16 output: <= ~4e-3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""qgemv on llama.cpp's GGUF block formats in the MSL simulator: the exact launch MLX would get
+(``qgemv.launch_spec``), outputs poisoned first, compared with gguf-py's dequantization (bit-exact
+to ggml's) widened to float64, within |delta| <= 1e-4 sum|x w| (kernel_oracle). Blocks are random
+bytes with finite fp16 block scales, so every code, sub-scale and sign pattern is decoded.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx.formats.gguf_quant import GGUF_TYPES
+from colibri_mlx.kernels import dispatch, gguf_decode, qgemv
+from colibri_mlx.kernels.reference import e8_grid_words
+from kernel_oracle import assert_close, random_gguf_qtensor, random_x
+
+pytest.importorskip("gguf", reason="gguf-py is the dequantization oracle")
+
+KERNEL_TYPES = [name for name, t in GGUF_TYPES.items() if t.fmt in gguf_decode.KERNEL_FMTS]
+# The types of DeepSeek-V3 / Kimi-K2 mixes' hot tensors: fast tests and every setting swept; the
+# others' sweeps are slow tests.
+HOT_TYPES = ["Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q8_0"]
+
+
+def test_lookup_tables_are_ggmls():
+    """The kernels' lookup input holds gguf-py's copies of ggml's tables (a transcription independent
+    of the package's), and the fmt 6 grid at word 0 is iq3xxs_grid."""
+    from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_NL
+
+    words = gguf_decode.lookup_words()
+    for cls, name, nbytes, dtype in [(IQ2_XXS, "iq2xxs_grid", 8, np.uint8), (IQ2_XS, "iq2xs_grid", 8, np.uint8),
+                                     (IQ2_S, "iq2s_grid", 8, np.uint8), (IQ3_XXS, "iq3xxs_grid", 4, np.uint8),
+                                     (IQ3_S, "iq3s_grid", 4, np.uint8), (IQ1_S, "iq1s_grid", 8, np.int8)]:
+        cls.init_grid()
+        off, n = gguf_decode.LOOKUP_LAYOUT[name]
+        ours = words[off:off + n].view(dtype).reshape(-1, nbytes)
+        np.testing.assert_array_equal(ours, np.asarray(cls.grid).reshape(-1, nbytes).astype(dtype), name)
+    np.testing.assert_array_equal(words[:256], e8_grid_words())
+    off, _ = gguf_decode.LOOKUP_LAYOUT["kvalues_iq4nl"]
+    np.testing.assert_array_equal(words[off:off + 16].view(np.float32), np.array(IQ4_NL.kvalues, np.float32))
+
+
+@pytest.mark.parametrize("header,prefix", [("gguf_decode.h", "QD_GG_"), ("cuda/gguf_decode.cuh", "GG_")])
+def test_lookup_offsets_agree_with_the_kernels(header, prefix):
+    """The table offsets the kernels index with are the ones lookup_words lays out."""
+    import re
+
+    text = (dispatch.KERNEL_DIR / header).read_text()
+    found = {m.group(1): int(m.group(2)) for m in re.finditer(prefix + r"(\w+) = (\d+);", text)}
+    names = {"IQ2XXS": "iq2xxs_grid", "IQ4NL": "kvalues_iq4nl", "IQ3S": "iq3s_grid", "IQ2XS": "iq2xs_grid",
+             "IQ2S": "iq2s_grid", "IQ1S": "iq1s_grid"}
+    assert found == {k: gguf_decode.LOOKUP_LAYOUT[v][0] for k, v in names.items()}
+    spans = sorted(gguf_decode.LOOKUP_LAYOUT.values())
+    assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) and sum(n for _, n in spans) == gguf_decode.LOOKUP_WORDS
+
+
+def test_decline_reasons_name_the_type():
+    qt = random_gguf_qtensor("Q4_K", 2, 256)
+    assert qgemv.decline_reason_for(qt, 1, mx.float32) is None
+    short = _shell(GGUF_TYPES["Q8_0"], I=48)
+    assert "Q8_0 with I=48" in qgemv.decline_reason_for(short, 1, mx.float32)
+    truncated = random_gguf_qtensor("Q6_K", 3, 256)
+    truncated = type(truncated)(truncated.packed.reshape(-1)[:-2], truncated.scales, truncated.fmt, 3, 256, 256, "t")
+    assert "Q6_K" in qgemv.decline_reason_for(truncated, 1, mx.float32)
+    assert set(gguf_decode.KERNEL_FMTS) == {t.fmt for t in GGUF_TYPES.values()}
+
+
+def _shell(t, I=None):
+    """A one-row GGUF QTensor of zero bytes (no block content needed to decline)."""
+    from colibri_mlx.formats import QTensor
+
+    I = I or t.block_size
+    return QTensor(np.zeros(t.type_size * -(-I // t.block_size), np.uint8), np.zeros(0, np.float32), t.fmt, 1, I,
+                   t.block_size)
+
+
+simulator = pytest.importorskip("msl.simulator")
+if simulator.unavailable_reason():
+    pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}", allow_module_level=True)
+
+from test_qgemv_msl import simulate  # noqa: E402
+
+
+def run_case(name, O, I, S, dtype=mx.float32, seed=0, backend=dispatch.METAL, **tuning):
+    qt = random_gguf_qtensor(name, O, I, seed=seed)
+    x = random_x(S, I, dtype=dtype, seed=seed + 1)
+    y = simulate(qgemv.launch_spec(x, qt, backend, **tuning) if backend == dispatch.METAL
+                 else qgemv.launch_spec(x, qt, **tuning))
+    assert y.dtype == dtype and y.shape == (S, O)
+    return assert_close(y, x, qt, f"{name} {O}x{I} S={S} {dtype}")
+
+
+# Three blocks a row (odd: 2-byte-aligned blocks of Q6_K / Q8_0 / IQ2_XXS at odd offsets) and
+# several rows of x, so one launch covers every unit position of a block.
+@pytest.mark.parametrize("name", [n if n in HOT_TYPES else pytest.param(n, marks=pytest.mark.slow) for n in KERNEL_TYPES])
+def test_every_kernel_type(name):
+    run_case(name, 5, 768, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("S", [1, 2, 5, 8])
+@pytest.mark.parametrize("name", HOT_TYPES)
+def test_hot_types_every_S(name, S):
+    run_case(name, 6, 256 * 9, S, seed=S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KERNEL_TYPES)
+def test_every_type_eight_rows_of_x(name):
+    run_case(name, 3, 256 * 5, 8, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("name", HOT_TYPES)
+def test_low_precision_x(name, dtype):
+    pytest.importorskip("ml_dtypes")
+    run_case(name, 4, 512, 2, dtype=dtype)
+
+
+# The launch variants bench_gguf_gemv.py times (and split-K over 4 SIMD groups).
+@pytest.mark.slow
+@pytest.mark.parametrize("tuning", [dict(simdgroups=4, rows=2, unroll=1), dict(prefetch=1, unroll=1),
+                                    dict(rows=8, unroll=1), dict(simdgroups=2)], ids=str)
+@pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS"])
+def test_launch_variants(name, tuning):
+    run_case(name, 9, 256 * 20, 1, **tuning)
+
+
+# Planted decoder defects, each in the branch of the type it names: each must fail the comparison.
+DEFECTS = {
+    "Q8_0 codes read unsigned": ("Q8_0", "(8 * ((k0 + k) & 3))) & 0xFFu) ^ 0x80u, 8388736.0f);",
+                                "(8 * ((k0 + k) & 3))) & 0xFFu), 8388608.0f);"),
+    "Q4_K min added": ("Q4_K", "-(qd_gg_half(r[8] >> 16) * float((sm >> 8) & 0xFFu))",
+                      "(qd_gg_half(r[8] >> 16) * float((sm >> 8) & 0xFFu))"),
+    "Q4_K upper scales take b's top bits": ("Q4_K", "((cj & 0xFu) | ((aj >> 6) << 4))",
+                                           "((cj & 0xFu) | ((bj >> 6) << 4))"),
+    "Q4_K second sub-block reads low nibbles": ("Q4_K", "const int nsh = 4 * (k0 >> 5);", "const int nsh = 0;"),
+    "Q4_K one x of eight left out of sum x": ("Q4_K", "if (qd_gg_has_bias(FMT)) {\nsx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3]))",
+                                             "if (qd_gg_has_bias(FMT)) {\nsx[s] += ((xf[0] + xf[1]) + (xf[2]))"),
+    "Q6_K high bits of the wrong quarter": ("Q6_K", ">> (2 * q)) & 0x03030303u) << 4)",
+                                           ">> (2 * (q & 1))) & 0x03030303u) << 4)"),
+    "Q6_K one scale for 32 weights": ("Q6_K", "r[8] << (24 - 8 * g)", "r[8] << 24"),
+    "Q6_K code offset 31": ("Q6_K", "(FMT == 19 ? 8388640.0f : 8388608.0f)",
+                           "(FMT == 19 ? 8388639.0f : 8388608.0f)"),
+    "IQ4_XS scale high bits of the wrong sub-block": ("IQ4_XS", "(16 + 2 * ib)", "(16 + ib)"),
+    "IQ4_XS weights 16-31 from the low nibbles": ("IQ4_XS", "const int nsh = 4 * (k0 >> 4);", "const int nsh = 0;"),
+    "IQ2_XXS scale halved": ("IQ2_XXS", "(0.5f + float(r[1] >> 28)) * 0.25f", "(0.5f + float(r[1] >> 28)) * 0.125f"),
+    "IQ2_XXS second grid word ignored": ("IQ2_XXS", "lut[QD_GG_IQ2XXS + 2 * i + 1],",
+                                        "lut[QD_GG_IQ2XXS + 2 * i],"),
+    "IQ2_XXS sign parity dropped": ("IQ2_XXS", "((qd_gg_popcount(seven) << 7) & 0x80u)", "0u"),
+    "Q5_K high bit of the next sub-block": ("Q5_K", "(((qd_gg_u32(blk + 16 + 4 * k) >> ib) & 0x01010101u) << 4)",
+                                           "(((qd_gg_u32(blk + 16 + 4 * k) >> (ib ^ 1)) & 0x01010101u) << 4)"),
+    "Q3_K hmask bit transposed": ("Q3_K", "(4 * n + j)) & 0x01010101u", "(4 * j + n)) & 0x01010101u"),
+    "Q3_K scale high bits of the wrong quarter": ("Q3_K", "2 * (i >> 2));", "2 * (i & 3));"),
+    "Q2_K min added": ("Q2_K", "-(qd_gg_half(r[9] >> 16) * float(sc >> 4))", "(qd_gg_half(r[9] >> 16) * float(sc >> 4))"),
+    "Q5_1 m dropped": ("Q5_1", "qd_gg_pair(qd_gg_half(r[5]), qd_gg_half(r[5] >> 16))", "qd_gg_pair(qd_gg_half(r[5]), 0.0f)"),
+    "Q4_0 code offset 7": ("Q4_0", "qd_gg_code(n, 8388616.0f)", "qd_gg_code(n, 8388615.0f)"),
+    "IQ3_S second index takes the first's high bit": ("IQ3_S", "(((r[3] >> (2 * l + 1)) & 1u) << 8)", "(((r[3] >> (2 * l)) & 1u) << 8)"),
+    "IQ2_S high index bits of the wrong pair": ("IQ2_S", "(((r[2] >> (2 * l)) & 3u) << 8)", "(((r[2] >> l) & 3u) << 8)"),
+    "IQ1_S delta sign ignored": ("IQ1_S", "(r[1] & 0x8000u) ? -0.125f : 0.125f", "0.125f"),
+    "IQ1_M d nibble misplaced": ("IQ1_M", "((sc2 >> 4) & 0xF00u)", "((sc2 >> 8) & 0xF00u)"),
+    "IQ3_XXS scale halved": ("IQ3_XXS", "(0.5f + float(r[2] >> 28)) * 0.5f", "(0.5f + float(r[2] >> 28)) * 0.25f"),
+    "IQ2_XS 8-bit grid index": ("IQ2_XS", "const uint i = h & 511u;", "const uint i = h & 255u;"),
+    "IQ4_NL d doubled": ("IQ4_NL", "return qd_gg_pair(qd_gg_half(r[4]), 0.0f);",
+                                          "return qd_gg_pair(qd_gg_half(r[4]) * 2.0f, 0.0f);"),
+}
+
+
+# One planted defect a hot type in the fast tests, the rest slow.
+FAST_DEFECTS = {"Q4_K min added", "Q6_K high bits of the wrong quarter", "IQ4_XS scale high bits of the wrong sub-block",
+                "IQ2_XXS sign parity dropped", "Q8_0 codes read unsigned"}
+
+
+@pytest.mark.parametrize("defect", [d if d in FAST_DEFECTS else pytest.param(d, marks=pytest.mark.slow)
+                                    for d in sorted(DEFECTS)])
+def test_planted_defect_is_caught(defect):
+    name, good, bad = DEFECTS[defect]
+    qt = random_gguf_qtensor(name, 3, 512, seed=5)
+    x = random_x(2, 512, seed=6)
+    spec = qgemv.launch_spec(x, qt)
+    assert spec.header.count(good) == 1, f"defect '{defect}' no longer plants: {good!r} not found once"
+    spec.header = spec.header.replace(good, bad)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_close(simulate(spec), x, qt, defect)
+    assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# moe_block: stacked expert rows of GGUF types (gate/up one type, down another, as llama.cpp's
+# mixes store *_exps), through moe_gate_up and moe_down.
+
+@pytest.fixture
+def metal(monkeypatch):
+    from colibri_mlx.kernels import moe
+    from moe_mla_oracle import route_launches_to_simulator
+
+    yield route_launches_to_simulator(monkeypatch, simulator)
+    moe.clear_banks()
+
+
+def gguf_experts(pairs, D, inter, seed=0):
+    return [(random_gguf_qtensor(gu, inter, D, seed=seed + 10 * e), random_gguf_qtensor(gu, inter, D, seed=seed + 10 * e + 1),
+             random_gguf_qtensor(d, D, inter, seed=seed + 10 * e + 2)) for e, (gu, d) in enumerate(pairs)]
+
+
+@pytest.mark.parametrize("gate_up,down", [("IQ2_XXS", "IQ4_XS"), pytest.param("Q4_K", "Q6_K", marks=pytest.mark.slow),
+                                          pytest.param("Q8_0", "Q4_K", marks=pytest.mark.slow)])
+def test_moe_gguf_experts(metal, gate_up, down):
+    from colibri_mlx import kernels
+    from test_moe_mla_msl import run_moe
+
+    experts = gguf_experts([(gate_up, down)] * 4, D=512, inter=256, seed=3)
+    run_moe(experts, N=2, K=2, seed=1)
+    assert "moe_gate_up" in metal and "moe_down" in metal
+    c = kernels.counters()
+    assert c["calls"].get("moe_block/metal") == 1 and not c["fallbacks"], c
+
+
+# ---------------------------------------------------------------------------------------
+# mla_decode: kv_b (mla_qabs' W_UK columns, mla_out's W_UV rows) and q_b (mla_qb_qabs) of GGUF types.
+
+def _gguf_weights(monkeypatch, name):
+    """test_moe_mla_msl's cases with their quantized weights made GGUF ``name`` blocks."""
+    import test_moe_mla_msl as t
+
+    monkeypatch.setattr(t, "random_qtensor", lambda fmt, O, I, gs=None, seed=0: random_gguf_qtensor(name, O, I, seed))
+    return t
+
+
+@pytest.mark.parametrize("name", ["Q6_K", pytest.param("Q8_0", marks=pytest.mark.slow),
+                                  pytest.param("IQ4_XS", marks=pytest.mark.slow),
+                                  pytest.param("IQ2_XXS", marks=pytest.mark.slow),
+                                  pytest.param("Q4_K", marks=pytest.mark.slow)])
+def test_mla_gguf_kv_b(metal, monkeypatch, name):
+    _gguf_weights(monkeypatch, name).run_mla(metal, fmt=4, R=256, seed=2, tile=16, variant="mma")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [("Q4_K", mx.bfloat16), ("IQ2_XXS", mx.float32), ("Q8_0", mx.float16)])
+def test_mla_gguf_q_b(metal, monkeypatch, name, dtype):
+    """mla_qb_qabs with q_b (and kv_b) GGUF blocks, raw output against float64."""
+    t = _gguf_weights(monkeypatch, name)
+    args, q_b, q_latent = t.qb_case(qfmt=4, dtype=dtype, R=256, q_lora=512, seed=4)
+    spec, n = t.qb_qabs_launch(args, q_b, q_latent)
+    assert spec.name == "mla_qb_qabs" and n == 3
+    (got,) = t.simulate(spec, simulator)
+    t.assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
+
+
+def test_qmatmul_counts_the_gguf_kernel_and_matches_the_reference(metal):
+    """kernels.qmatmul on a GGUF weight, decode rows: the qgemv kernel runs (counted as a Metal call,
+    no fallback) and agrees with the pure-MLX reference (kernels/gguf_formats.py) and float64; prefill
+    rows take the dequantize-and-multiply path, counted as such."""
+    from colibri_mlx import kernels
+    from colibri_mlx.kernels import reference
+
+    qt = random_gguf_qtensor("Q4_K", 5, 768, seed=9)
+    x = random_x(2, 768, seed=10)
+    y = kernels.qmatmul(x, qt)
+    assert metal == ["qgemv"]
+    c = kernels.counters()
+    assert c["calls"].get("qgemv/metal") == 1 and not c["fallbacks"], c
+    assert_close(y, x, qt, "qmatmul Q4_K")
+    ref = reference.qmatmul(x, qt)
+    got, want = np.asarray(y), np.asarray(ref)
+    assert np.all(np.abs(got - want) <= 1e-4 * (np.abs(np.asarray(x)) @ np.abs(qt.dequantize()).T))
+    kernels.qmatmul(random_x(9, 768, seed=11), qt)
+    assert metal == ["qgemv"] and kernels.counters()["calls"].get("qmm/dequant-matmul") == 1
