@@ -178,7 +178,7 @@ def test_cancel_ends_request_and_leaves_others(demo):
         next(it)
         long.cancel()
         rest = list(it)
-        assert rest[-1].finish_reason == "cancelled" and rest[-1].token is None
+        assert all(e.finish_reason is None for e in rest)   # cancelled: it ends without one
         assert len(rest) < 100
         assert tokens(other) == alone(model, ps[1], 4)
         with pytest.raises(ValueError, match="outside the model's vocabulary"):
@@ -232,7 +232,7 @@ def test_shutdown_cancels_running_requests(demo):
     next(iter(h))
     engine.shutdown(cancel=True, timeout=30)
     assert not engine._thread.is_alive()
-    assert list(h)[-1].finish_reason == "cancelled"
+    assert all(e.finish_reason is None for e in h) and not engine.busy
 
 
 def test_prompt_cache_hit_equals_miss(demo):
