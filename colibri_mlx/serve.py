@@ -435,6 +435,8 @@ class RequestHandler(BaseHTTPRequestHandler):
                 continue
             except OSError:
                 gone = True
+            if gone and self.server.stopping.is_set():
+                return  # drain() set stopping before it shut the reading side: that end-of-file is its own
             if gone:
                 self.client_gone = True
                 handle.cancel()
