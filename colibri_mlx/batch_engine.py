@@ -139,6 +139,11 @@ class BatchEngine:
         if draft not in (None, "none"):
             raise ValueError(f"the batching engine decodes without speculation (draft={draft!r}): "
                              "use SerialEngine for speculative decoding")
+        from .distributed import DistributedModel
+
+        if isinstance(model, DistributedModel):   # the other ranks mirror the single-sequence forward only
+            raise ValueError("the batching engine runs a model in one process, not under mlx.launch: "
+                             "use SerialEngine")
         for name, value in (("decode_concurrency", decode_concurrency), ("prompt_concurrency", prompt_concurrency),
                             ("prefill_step_size", prefill_step_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

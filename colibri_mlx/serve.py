@@ -60,7 +60,7 @@ class ModelServer(ThreadingHTTPServer):
                  max_pending: Optional[int] = None):
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
-        self.engine = engine if engine is not None else engine_class_for(defaults)(
+        self.engine = engine if engine is not None else engine_class_for(model, defaults)(
             model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **ENGINE_OPTIONS)
         self.context_limit = model.max_length
         self.created = int(time.time())
@@ -503,11 +503,16 @@ def _draft_note(stats: dict) -> str:
     return f" | {summary}" if summary else ""
 
 
-def engine_class_for(defaults: SamplingDefaults):
+def engine_class_for(model, defaults: SamplingDefaults):
     """:class:`BatchEngine` (continuous batching, prompt cache); :class:`SerialEngine` (one
     request at a time) when the server's default is a speculative draft (``--draft mtp|ngram``),
-    which the batch does not run."""
-    return SerialEngine if defaults.draft not in (None, "none") else BatchEngine
+    which the batch does not run, and for a model spread over processes (mlx.launch), whose
+    other ranks mirror only the single-sequence forward."""
+    from .distributed import DistributedModel
+
+    if defaults.draft not in (None, "none") or isinstance(model, DistributedModel):
+        return SerialEngine
+    return BatchEngine
 
 
 def model_id_for(path: Optional[str]) -> str:
@@ -522,7 +527,7 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
     ``engine_class``: default :func:`engine_class_for`; ``engine_options``:
     :data:`serve_engine.ENGINE_OPTIONS`; ``server_options``: ModelServer's."""
     options = dict(ENGINE_OPTIONS, **engine_options)
-    engine_class = engine_class or engine_class_for(defaults)
+    engine_class = engine_class or engine_class_for(model, defaults)
     engine = engine_class(model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **options)
     try:
         server = ModelServer((host, port), model, tokenizer, model_id, defaults, engine=engine, **server_options)
@@ -538,8 +543,9 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
               f"prompt cache {_bytes_text(engine.prompt_cache.max_bytes)}), no speculative decoding",
               file=sys.stderr, flush=True)
     elif isinstance(engine, SerialEngine):
-        print(f"colibri serve: one request at a time (speculative decoding, --draft {defaults.draft})",
-              file=sys.stderr, flush=True)
+        why = f"speculative decoding, --draft {defaults.draft}" if defaults.draft not in (None, "none") else \
+            "a model over several processes"
+        print(f"colibri serve: one request at a time ({why})", file=sys.stderr, flush=True)
     print(f"colibri serve: {model_id} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def interrupt(signum, frame):
