@@ -199,7 +199,7 @@ def test_seeded_sampling_is_reproducible(server, demo):
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected
 
 
-def test_concurrent_requests_are_serialized(server, oracle):
+def test_concurrent_requests_get_the_text_of_one_alone(server, oracle):
     results = [None, None]
 
     def worker(i):
