@@ -169,7 +169,7 @@ class ModelServer(ThreadingHTTPServer):
 
 
 def _bytes_text(n: Optional[int]) -> str:
-    return "unbounded" if n is None else f"{n / (1 << 30):.3g} GiB"
+    return "unbounded" if n is None else f"up to {n:,} bytes"
 
 
 def _refuse_busy(sock, allow_origin: Optional[str] = None,
