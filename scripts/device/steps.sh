@@ -117,6 +117,10 @@ for s in "${steps[@]}"; do
     bench_serve)   # decode tok/s and time to first token at 1-32 streams: BatchEngine against mlx-lm's
                    # BatchGenerator on bench_e2e's model
                    step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
+    bench_serve_http) # the same rounds direct and through colibri serve's HTTP server with the openai client
+                   # (openai==3.51.0 and its dependencies installed; without it the HTTP rows report the error)
+                   step bench_serve_http 300 python3 scripts/bench/bench_serve.py --http --no-mlx-lm \
+                       --out "$out/bench_serve_http.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
     profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ${PS_ARGS:-} ;;
