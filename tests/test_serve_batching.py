@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 import colibri_mlx  # noqa: E402
 from colibri_mlx.batch_engine import BatchEngine  # noqa: E402
 from colibri_mlx.serve import ModelServer  # noqa: E402
+from test_serve_openai import client, start, stop  # noqa: E402
 
 PROMPTS = ["And the LORD spake unto Moses, saying", "In the beginning God created", "Blessed are the meek",
            "The LORD is my shepherd", "And it came to pass", "Let there be light"]
@@ -30,16 +31,9 @@ def demo():
 def server(demo):
     srv = ModelServer(("127.0.0.1", 0), *demo, "colibri-demo", log=io.StringIO())
     assert isinstance(srv.engine, BatchEngine)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    thread = start(srv)
     yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(5)
-
-
-def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stop(srv, thread)
 
 
 def alone(demo, prompt, n, **sampling) -> str:
