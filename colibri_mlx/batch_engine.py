@@ -2,16 +2,21 @@
 
     engine = BatchEngine(model, tokenizer)
     handle = engine.submit(prompt_ids, SamplingParams(), max_tokens=64, seed=None, logprobs=None)
-    for ev in handle:          # Event(token, logprob, top_logprobs, finish_reason)
+    for ev in handle:          # TokenEvent(token, logprob, top_logprobs, finish_reason)
         ...
-    engine.shutdown()
+    engine.close()
+
+It is the default engine of ``colibri serve`` and implements the server's engine seam
+(colibri_mlx.serve_engine: ``submit``, ``handle.cancel()``, ``handle.cached_tokens``,
+``cancel_all``, ``close``). It decodes without speculation: ``draft`` other than None/"none"
+is refused (the server runs :class:`serve_engine.SerialEngine` for ``--draft``).
 
 One background thread owns the model: every MLX operation runs on it. ``submit`` is
 thread-safe and returns at once; each request's events flow through its own queue.
 
 A loop iteration (a *step*):
 
-1. requests that were cancelled leave (their last event has ``finish_reason="cancelled"``);
+1. requests that were cancelled leave (their iteration ends without a ``finish_reason``);
 2. waiting requests are admitted while fewer than ``prompt_concurrency`` prompts are in
    prefill and fewer than ``decode_concurrency`` requests are admitted in all; an admitted
    request starts from the prompt cache's longest matching prefix (colibri_mlx.prompt_cache);
@@ -26,23 +31,27 @@ A request ends at ``max_tokens``, at one of the model's stop token ids (``finish
 the stop token is the last event's token) or at the context limit (``"length"``). Stop strings
 are the caller's business. A finished or cancelled request leaves its cache in the prompt cache.
 
-Logprobs (``logprobs`` is the number of top alternatives, 0 for the chosen token only, None for
-none) are the log-softmax of the model's logits, before the sampling parameters reshape them.
+Each request's logits go through ``generate.adjust_logits`` (``logit_bias``, presence/frequency
+and repetition penalties), as in ``generate_tokens``. Logprobs (``logprobs`` is the number of top
+alternatives, 0 for the chosen token only, None for none) are the float32 log-softmax of those
+logits, before temperature and the top-k/top-p/min-p filters.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .generate import SamplingParams, apply_repetition_penalty, make_sampler
+from .generate import SamplingParams, adjust_logits, log_softmax32, make_sampler
 from .models.batch_decode import DecodeBatch
 from .prompt_cache import PromptCache
+from .serve_engine import TokenEvent
 
 DECODE_CONCURRENCY = 32        # mlx-lm's server defaults (--decode-concurrency, --prompt-concurrency,
 PROMPT_CONCURRENCY = 8         # --prefill-step-size; --prompt-cache-size 10 entries, --prompt-cache-bytes
@@ -50,17 +59,7 @@ PREFILL_STEP_SIZE = 2048       # unbounded)
 PROMPT_CACHE_ENTRIES = 10
 
 
-@dataclass
-class Event:
-    """One generated token (``token``), its log-probability (``logprob``, when asked), the top
-    alternatives (``top_logprobs``: ``[(token id, logprob)]`` best first, when asked for k > 0),
-    and ``finish_reason`` on a request's last event: "stop", "length" or "cancelled" (then
-    ``token`` is None)."""
-
-    token: Optional[int]
-    logprob: Optional[float] = None
-    top_logprobs: Optional[list] = None
-    finish_reason: Optional[str] = None
+_CANCELLED = object()           # a request's queue: it ended without a finish_reason
 
 
 @dataclass(eq=False)             # compared by identity (two requests may be alike)
@@ -78,11 +77,15 @@ class _Request:
     prefilled: int = 0           # prompt tokens in the cache
     generated: list = field(default_factory=list)
     done: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
 
 
 class RequestHandle:
-    """Iterate for the request's :class:`Event` s; the iteration ends after the one with a
-    ``finish_reason`` and raises the error a failed request met."""
+    """Iterate for the request's :class:`TokenEvent` s; the iteration ends after the one with a
+    ``finish_reason``, or without one when the request was cancelled, and raises the error a
+    failed request met (a bad prompt step's ValueError on the first ``next()``)."""
 
     def __init__(self, engine: "BatchEngine", request: _Request):
         self._engine, self._request = engine, request
@@ -90,6 +93,8 @@ class RequestHandle:
     def __iter__(self):
         while True:
             item = self._request.events.get()
+            if item is _CANCELLED:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -97,10 +102,20 @@ class RequestHandle:
                 return
 
     def cancel(self) -> None:
-        """Stop generating; the iteration ends with a ``"cancelled"`` event (unless the request
-        finished first)."""
+        """Stop generating (from any thread); the iteration ends without a ``finish_reason``
+        (unless the request finished first)."""
         self._request.cancelled = True
         self._engine._wake()
+
+    @property
+    def stats(self) -> dict:
+        """Timing as ``generate_tokens`` reports it: ``prompt_time`` (submission to the first
+        token, the wait for a batch slot included), ``generation_tokens``, ``generation_time``."""
+        r = self._request
+        if r.first_token_at is None:
+            return {}
+        return {"prompt_tokens": len(r.prompt), "prompt_time": r.first_token_at - r.submitted,
+                "generation_tokens": len(r.generated), "generation_time": r.last_token_at - r.first_token_at}
 
     @property
     def cached_tokens(self) -> int:
@@ -115,10 +130,20 @@ class RequestHandle:
 class BatchEngine:
     """Serves :meth:`submit` calls from one model thread (module docstring)."""
 
-    def __init__(self, model, tokenizer=None, decode_concurrency: int = DECODE_CONCURRENCY,
-                 prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = PREFILL_STEP_SIZE,
-                 prompt_cache_bytes: Optional[int] = None, prompt_cache_entries: int = PROMPT_CACHE_ENTRIES,
-                 stop_ids: Optional[Sequence[int]] = None):
+    takes_draft = False
+
+    def __init__(self, model, tokenizer=None, draft: Optional[str] = None, num_draft: Optional[int] = None,
+                 decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
+                 prefill_step_size: int = PREFILL_STEP_SIZE, prompt_cache_bytes: Optional[int] = None,
+                 prompt_cache_entries: int = PROMPT_CACHE_ENTRIES, stop_ids: Optional[Sequence[int]] = None):
+        if draft not in (None, "none"):
+            raise ValueError(f"the batching engine decodes without speculation (draft={draft!r}): "
+                             "use SerialEngine for speculative decoding")
+        from .distributed import DistributedModel
+
+        if isinstance(model, DistributedModel):   # the other ranks mirror the single-sequence forward only
+            raise ValueError("the batching engine runs a model in one process, not under mlx.launch: "
+                             "use SerialEngine")
         for name, value in (("decode_concurrency", decode_concurrency), ("prompt_concurrency", prompt_concurrency),
                             ("prefill_step_size", prefill_step_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -136,6 +161,7 @@ class BatchEngine:
                       "steps_ahead": 0}
         self._cond = threading.Condition()
         self._inbox: deque = deque()
+        self._live: set = set()       # submitted and not ended (guarded by _cond)
         self._waiting: deque = deque()
         self._prefilling: list = []
         self._running: list = []     # in the order of the decode batch's sequences
@@ -162,6 +188,7 @@ class BatchEngine:
             if self._stopping:
                 raise RuntimeError("the batch engine is shut down")
             self._inbox.extend(made)
+            self._live.update(made)
             self._cond.notify()
         return [RequestHandle(self, r) for r in made]
 
@@ -186,13 +213,31 @@ class BatchEngine:
         return _Request(prompt, params, max_tokens, seed, logprobs)
 
     def shutdown(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop the model thread: with ``cancel`` every request not finished ends with a
-        ``"cancelled"`` event, else the requests submitted so far are finished first."""
+        """Stop the model thread: with ``cancel`` every request not finished ends (without a
+        ``finish_reason``), else the requests submitted so far are finished first. Returns once
+        the thread has ended and no MLX work it queued is left running (or after ``timeout``)."""
         with self._cond:
             self._stopping = True
             self._cancel_all = cancel
             self._cond.notify()
         self._thread.join(timeout)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """The server seam's name for ``shutdown(cancel=True)``."""
+        self.shutdown(cancel=True, timeout=timeout)
+
+    def cancel_all(self) -> None:
+        """Cancel every request submitted so far (they end between two steps)."""
+        with self._cond:
+            for r in self._live:
+                r.cancelled = True
+            self._cond.notify()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is waiting, in prefill or decoding."""
+        with self._cond:
+            return bool(self._live)
 
     def _wake(self) -> None:
         with self._cond:
@@ -201,6 +246,13 @@ class BatchEngine:
     # ------------------------------------------------------------------------ model thread
 
     def _loop(self) -> None:
+        try:
+            self._serve_steps()
+        finally:
+            self._ahead = None
+            mx.synchronize()     # no queued step may outlive the thread (MLX aborts at exit otherwise)
+
+    def _serve_steps(self) -> None:
         while True:
             with self._cond:
                 while not (self._inbox or self._waiting or self._prefilling or self._running or self._stopping):
@@ -237,7 +289,7 @@ class BatchEngine:
 
     def _leave_cancelled(self) -> None:
         for r in [r for r in self._all() if r.cancelled]:
-            self._finish(r, Event(None, finish_reason="cancelled"))
+            self._finish(r, _CANCELLED)
 
     def _admit(self) -> None:
         while (self._waiting and len(self._prefilling) < self.prompt_concurrency
@@ -319,53 +371,58 @@ class BatchEngine:
 
     def _sample(self, rows: list, logits: mx.array) -> tuple[mx.array, list]:
         """One token per request from its row of ``logits [n, V]`` (lazy ``[n]`` int32), and
-        the logprob arrays asked for. Greedy rows share one argmax."""
+        the logprob arrays asked for. Plain greedy rows share one argmax; a row with penalties
+        or ``logit_bias`` is adjusted first (``generate.adjust_logits``)."""
         greedy = mx.argmax(logits, axis=-1)
-        logp = None
-        if any(r.logprobs is not None for r in rows):
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         tokens, extras = [], []
         for i, r in enumerate(rows):
             p = r.params
-            if p.temperature == 0 and p.repetition_penalty == 1.0:
-                tok = greedy[i]
-            elif p.repetition_penalty != 1.0:
-                tok = r.sampler(apply_repetition_penalty(logits[i], r.prompt + r.generated, p.repetition_penalty))
-            else:
-                tok = r.sampler(logits[i])
+            row = logits[i]
+            adjusted = p.counts_tokens or bool(p.logit_bias)
+            if adjusted:
+                row = adjust_logits(row, p, r.prompt + r.generated, len(r.prompt))
+            tok = greedy[i] if p.temperature == 0 and not adjusted else r.sampler(row)
             tokens.append(tok)
             if r.logprobs is None:
                 extras.append(())
-            elif r.logprobs == 0:
-                extras.append((logp[i][tok],))
+                continue
+            logp = log_softmax32(row)
+            if r.logprobs == 0:
+                extras.append((logp[tok],))
             else:
-                top = mx.argpartition(-logp[i], r.logprobs - 1)[: r.logprobs]
-                extras.append((logp[i][tok], top, logp[i][top]))
+                top = mx.argpartition(-logp, r.logprobs - 1)[: r.logprobs]
+                extras.append((logp[tok], top, logp[top]))
         return mx.stack(tokens).astype(mx.int32), extras
 
     def _emit(self, rows: list, tokens: mx.array, extras: list) -> None:
         """Read the tokens (one transfer) and hand out the events."""
         values = tokens.tolist()
         mx.eval([a for e in extras for a in e])
+        now = time.perf_counter()
         for r, token, extra in zip(rows, values, extras):
             r.generated.append(token)
-            ev = Event(token)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            r.last_token_at = now
+            logprob = top = finish = None
             if extra:
-                ev.logprob = float(extra[0].item())
+                logprob = float(extra[0].item())
                 if len(extra) == 3:
                     pairs = zip(extra[1].tolist(), extra[2].tolist())
-                    ev.top_logprobs = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
+                    top = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
             if token in self.stop_ids:
-                ev.finish_reason = "stop"
+                finish = "stop"
             elif len(r.generated) >= r.max_tokens or len(r.prompt) + len(r.generated) > self.model.max_length:
-                ev.finish_reason = "length"
-            if ev.finish_reason is None:
+                finish = "length"
+            ev = TokenEvent(token, logprob, top, finish)
+            if finish is None:
                 r.events.put(ev)
             else:
                 self._finish(r, ev)
 
-    def _finish(self, r: _Request, last: Event) -> None:
-        """End ``r`` with ``last`` and leave its cache to the prompt cache."""
+    def _finish(self, r: _Request, last) -> None:
+        """End ``r`` with ``last`` (its final event, or ``_CANCELLED``) and leave its cache to the
+        prompt cache."""
         cache, r.cache = r.cache, None
         if r in self._running:
             i = self._running.index(r)
@@ -379,6 +436,7 @@ class BatchEngine:
         if r in self._waiting:
             self._waiting.remove(r)
         r.done = True
+        self._ended(r)
         r.events.put(last)
         if cache is None or cache.offset == 0:
             return
@@ -393,4 +451,9 @@ class BatchEngine:
                     group.remove(r)
             r.done = True
             r.cache = None
+            self._ended(r)
             r.events.put(error)
+
+    def _ended(self, r: _Request) -> None:
+        with self._cond:
+            self._live.discard(r)

@@ -660,13 +660,13 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--read-timeout", default=30.0, show_default=True, type=_Finite(min=0, min_open=True),
               help="Seconds a request may take to arrive (a half-sent one gets 408; an idle keep-alive is closed).")
 @click.option("--decode-concurrency", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Sequences decoded together by a batching engine (the serial engine runs one).")
+              help="Requests decoded together (continuous batching; with --draft mtp|ngram one at a time).")
 @click.option("--prompt-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Prompts prefilled together by a batching engine.")
+              help="Prompts prefilled together (continuous batching).")
 @click.option("--prefill-step-size", default=2048, show_default=True, type=click.IntRange(min=1),
-              help="Prompt tokens per prefill chunk of a batching engine.")
+              help="Prompt tokens per prefill chunk (continuous batching).")
 @click.option("--prompt-cache-bytes", default=None, type=_ByteSize(),
-              help="Byte bound of a prompt cache (e.g. 8GB; default unbounded, as mlx_lm.server).")
+              help="Byte bound of the prompt cache (e.g. 8GB; default unbounded, as mlx_lm.server; at most 10 entries).")
 @_with_streaming_options
 def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
           allow_origin, max_connections, read_timeout, decode_concurrency, prompt_concurrency, prefill_step_size,

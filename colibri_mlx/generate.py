@@ -146,6 +146,23 @@ def apply_openai_penalties(logits: mx.array, generated: Sequence[int], params: S
     return logits
 
 
+def adjust_logits(logits: mx.array, params: SamplingParams, seen: Sequence[int], generated_from: int) -> mx.array:
+    """The logits ``[V]`` the sampler sees: ``logit_bias`` and the presence/frequency penalties
+    over the generated tokens (``seen[generated_from:]``), then the repetition penalty over all of
+    ``seen``. Shared by ``generate_tokens`` and the batching engine, so both draw from the same values."""
+    if params.logit_bias or params.presence_penalty or params.frequency_penalty:
+        logits = apply_openai_penalties(logits, seen[generated_from:], params)
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    return logits
+
+
+def log_softmax32(logits: mx.array) -> mx.array:
+    """The log-probabilities reported for ``logits``, in float32 whatever the model's dtype."""
+    wide = logits.astype(mx.float32)
+    return wide - mx.logsumexp(wide, axis=-1, keepdims=True)
+
+
 def reduce_seed(seed: Optional[int]) -> Optional[int]:
     """``seed`` as the 64-bit key ``mx.random.key`` takes: any Python integer is accepted,
     reduced modulo 2**64 (so 0 .. 2**64 - 1 are used as they are, -1 is 2**64 - 1)."""
@@ -268,13 +285,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
 
     def next_token(logits):
         nonlocal lp
-        if params.logit_bias or params.presence_penalty or params.frequency_penalty:
-            logits = apply_openai_penalties(logits, seen[len(prompt_ids):], params)
-        if params.repetition_penalty != 1.0:
-            logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-        if logprobs:  # in float32; the sampler gets the logits as they are (the same draws as without)
-            wide = logits.astype(mx.float32)
-            lp = wide - mx.logsumexp(wide)
+        logits = adjust_logits(logits, params, seen, len(prompt_ids))
+        if logprobs:  # the sampler gets the logits as they are (the same draws as without)
+            lp = log_softmax32(logits)
         return sampler(logits)
 
     t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
+from .batch_engine import BatchEngine
 from .serve_engine import ENGINE_OPTIONS, SerialEngine
 from .serve_reader import ConnectionReader, RequestReader
 from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
@@ -59,8 +60,8 @@ class ModelServer(ThreadingHTTPServer):
                  max_pending: Optional[int] = None):
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
-        self.engine = engine if engine is not None else SerialEngine(model, tokenizer, draft=defaults.draft,
-                                                                     num_draft=defaults.num_draft)
+        self.engine = engine if engine is not None else engine_class_for(model, defaults)(
+            model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **ENGINE_OPTIONS)
         self.context_limit = model.max_length
         self.created = int(time.time())
         self.log = log
@@ -165,6 +166,10 @@ class ModelServer(ThreadingHTTPServer):
         super().server_close()
         if not self.stopping.is_set():
             self.drain()
+
+
+def _bytes_text(n: Optional[int]) -> str:
+    return "unbounded" if n is None else f"up to {n:,} bytes"
 
 
 def _refuse_busy(sock, allow_origin: Optional[str] = None,
@@ -430,6 +435,8 @@ class RequestHandler(BaseHTTPRequestHandler):
                 continue
             except OSError:
                 gone = True
+            if gone and self.server.stopping.is_set():
+                return  # drain() set stopping before it shut the reading side: that end-of-file is its own
             if gone:
                 self.client_gone = True
                 handle.cancel()
@@ -496,17 +503,31 @@ def _draft_note(stats: dict) -> str:
     return f" | {summary}" if summary else ""
 
 
+def engine_class_for(model, defaults: SamplingDefaults):
+    """:class:`BatchEngine` (continuous batching, prompt cache); :class:`SerialEngine` (one
+    request at a time) when the server's default is a speculative draft (``--draft mtp|ngram``),
+    which the batch does not run, and for a model spread over processes (mlx.launch), whose
+    other ranks mirror only the single-sequence forward."""
+    from .distributed import DistributedModel
+
+    if defaults.draft not in (None, "none") or isinstance(model, DistributedModel):
+        return SerialEngine
+    return BatchEngine
+
+
 def model_id_for(path: Optional[str]) -> str:
     return "colibri-demo" if path is None else os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id: str = "colibri",
-          defaults: SamplingDefaults = SamplingDefaults(), engine_class=SerialEngine, engine_options: dict = {},
+          defaults: SamplingDefaults = SamplingDefaults(), engine_class=None, engine_options: dict = {},
           **server_options) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully: stop accepting, end the running
     streams with a final chunk, wait for the generation thread, return (exit status 0).
-    ``engine_options``: :data:`serve_engine.ENGINE_OPTIONS`; ``server_options``: ModelServer's."""
+    ``engine_class``: default :func:`engine_class_for`; ``engine_options``:
+    :data:`serve_engine.ENGINE_OPTIONS`; ``server_options``: ModelServer's."""
     options = dict(ENGINE_OPTIONS, **engine_options)
+    engine_class = engine_class or engine_class_for(model, defaults)
     engine = engine_class(model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **options)
     try:
         server = ModelServer((host, port), model, tokenizer, model_id, defaults, engine=engine, **server_options)
@@ -516,6 +537,15 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
     if host not in LOOPBACK_HOSTS and server.api_key is None:
         print(f"colibri serve: WARNING: listening on {host} (not loopback) without --api-key: anyone who can "
               "reach this address can use the model", file=sys.stderr, flush=True)
+    if isinstance(engine, BatchEngine):
+        print(f"colibri serve: continuous batching (--decode-concurrency {engine.decode_concurrency}, "
+              f"--prompt-concurrency {engine.prompt_concurrency}, --prefill-step-size {engine.prefill_step_size}, "
+              f"prompt cache {_bytes_text(engine.prompt_cache.max_bytes)}), no speculative decoding",
+              file=sys.stderr, flush=True)
+    elif isinstance(engine, SerialEngine):
+        why = f"speculative decoding, --draft {defaults.draft}" if defaults.draft not in (None, "none") else \
+            "a model over several processes"
+        print(f"colibri serve: one request at a time ({why})", file=sys.stderr, flush=True)
     print(f"colibri serve: {model_id} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def interrupt(signum, frame):

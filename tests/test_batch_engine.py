@@ -178,7 +178,7 @@ def test_cancel_ends_request_and_leaves_others(demo):
         next(it)
         long.cancel()
         rest = list(it)
-        assert rest[-1].finish_reason == "cancelled" and rest[-1].token is None
+        assert all(e.finish_reason is None for e in rest)   # cancelled: it ends without one
         assert len(rest) < 100
         assert tokens(other) == alone(model, ps[1], 4)
         with pytest.raises(ValueError, match="outside the model's vocabulary"):
@@ -232,7 +232,7 @@ def test_shutdown_cancels_running_requests(demo):
     next(iter(h))
     engine.shutdown(cancel=True, timeout=30)
     assert not engine._thread.is_alive()
-    assert list(h)[-1].finish_reason == "cancelled"
+    assert all(e.finish_reason is None for e in h) and not engine.busy
 
 
 def test_prompt_cache_hit_equals_miss(demo):
@@ -279,6 +279,36 @@ def test_logprobs_are_log_softmax_of_the_logits(demo):
     for e in run:   # greedy: the chosen token is the best alternative, with the same logprob
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0] == (e.token, e.logprob)
         assert e.top_logprobs[1][1] <= e.logprob
+
+
+def test_penalties_bias_and_logprobs_equal_generate_tokens(demo):
+    """Requests with a repetition penalty, OpenAI's penalties, logit_bias, seeded sampling and
+    logprobs, batched together: each gives generate_tokens' tokens alone and its logprobs (the
+    float32 log-softmax of the adjusted logits) to float32 rounding."""
+    model, tok = demo
+    ps = prompts(7, 5, 9, 6, seed=11)
+    first = alone(model, ps[2], 1)[0]
+    asks = [(SamplingParams(repetition_penalty=1.3), None), (SamplingParams(presence_penalty=1.5,
+                                                                             frequency_penalty=0.75), None),
+            (SamplingParams(logit_bias=((first, -100.0),)), None),
+            (SamplingParams(temperature=0.9, top_k=40, frequency_penalty=1.0), 77)]
+    n = 8
+    want = []
+    for p, (params, seed) in zip(ps, asks):
+        steps = list(generate_tokens(model, p, n, params, seed, stop_ids=(), draft="none", logprobs=True))
+        want.append(([t for t, _ in steps], [float(s["logprobs"][t]) for t, s in steps]))
+    assert want[2][0][0] != first                                 # the premise: the bias changes the text
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        handles = engine.submit_all([dict(prompt_ids=p, params=params, max_tokens=n, seed=seed, logprobs=0)
+                                     for p, (params, seed) in zip(ps, asks)])
+        got = [list(h) for h in handles]
+        assert engine.stats["decode_rows"] > engine.stats["steps"]   # rows ran together
+    finally:
+        engine.close()
+    for events, (tokens_alone, lps) in zip(got, want):
+        assert [e.token for e in events] == tokens_alone
+        assert np.allclose([e.logprob for e in events], lps, atol=1e-4)
 
 
 def fake_cache(n_tokens, width=8, layers=2, value=1.0):

@@ -116,7 +116,10 @@ def test_chat_logprobs_streamed_and_whole(server, demo):
     streamed = [e for ch in c.chat.completions.create(model="x", messages=CHAT, max_tokens=n, logprobs=True,
                                                       top_logprobs=k, stream=True)
                 if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the second request starts from the prompt cache: its last prompt row is a decode row, not
+    # a prefill row (the same values up to float32 rounding)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    np.testing.assert_allclose([e.logprob for e in streamed], [e.logprob for e in content], atol=1e-4)
     plain = c.chat.completions.create(model="x", messages=CHAT, max_tokens=2)
     assert plain.choices[0].logprobs is None
 

@@ -502,12 +502,14 @@ def test_server_request_draft(tmp_path):
 
     import colibri_mlx
     from colibri_mlx.serve import ModelServer
+    from colibri_mlx.serve_engine import SerialEngine
     from test_serve import post
 
     replies = {}
     for name, config in (("mtp", MODELS["v3"]), ("plain", CONFIG)):
         model, tokenizer = colibri_mlx.load(write_tiny_container(tmp_path / name, config, seed=4), dtype="float32")
-        srv = ModelServer(("127.0.0.1", 0), model, tokenizer, name, log=None)
+        # the engine of `colibri serve --draft ...`: a request's own draft (batching takes none)
+        srv = ModelServer(("127.0.0.1", 0), model, tokenizer, name, log=None, engine=SerialEngine(model, tokenizer))
         thread = threading.Thread(target=srv.serve_forever, daemon=True)
         thread.start()
         try:

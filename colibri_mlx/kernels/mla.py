@@ -698,9 +698,11 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
                 dispatch.record_fallback("mla_qb_qabs", f"q_rope rotated apart: {why}")
                 q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim, L_rows)
                 q_proj = None
-            # rows of one sequence: mx.fast.rope rotates row l at the first row's position + l
-            first = rope_offset if rope_offset.ndim == 0 else rope_offset.reshape(-1)[0]
-            q_rope = rope.apply_fast(q_rope, first)
+            # causal rows of one sequence: mx.fast.rope rotates row l at the first row's position + l;
+            # decode rows of several sequences (batch_decode) keep an offset each
+            if causal and rope_offset is not None and rope_offset.ndim > 0:
+                rope_offset = rope_offset.reshape(-1)[0]
+            q_rope = rope.apply_fast(q_rope, rope_offset)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
             dispatch.record_call("mla_decode", dispatch.REFERENCE)

@@ -431,8 +431,8 @@ class Attention:
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
             q, q_latent = self.queries(q_x)
-            if fast and rope_offset.size > 1:   # each row's position: mx.fast.rope takes the first
-                rope_offset = rope_offset.reshape(-1)[0]
+            if fast and rope_offset.size > 1 and B == 1:   # one sequence's rows: mx.fast.rope takes the first
+                rope_offset = rope_offset.reshape(-1)[0]    # (B sequences of one row keep a position each)
             if fast:
                 k_rope = self.rope.apply_fast(k_rope, rope_offset)
             else:

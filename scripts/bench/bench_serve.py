@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Serving throughput and latency: aggregate decode tok/s and time to first token at 1, 4, 8,
 16 and 32 concurrent streams, colibri's BatchEngine against mlx-lm's BatchGenerator (0.32.2),
-same model shape, same process.
+same model shape, same process; with ``--http`` also through ``colibri serve``'s HTTP server
+and the official ``openai`` client (what users see).
 
-    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --out serve.json     # H200: the e2e model
-    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --tiny               # CPU smoke run
-    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --demo               # CPU: the demo model
+    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --http --out serve.json   # H200: the e2e model
+    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --tiny --http             # CPU smoke run
+    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --demo --http             # CPU: the demo model
 
 Model: the random DeepSeek-V3-shaped model of bench_e2e.py (4 layers: 1 dense + 3 MoE, 256
 experts top-8; ours container fmt 4 g64, mlx-lm affine 4-bit g64, bf16), or with ``--demo``
@@ -20,6 +21,13 @@ arrival (ours: by a thread per request reading its events, as a server's connect
   decode tok/s: tokens that arrive while all c streams decode (from the last first token to
     the first last token) / that window: the batch's steady aggregate;
   total tok/s: every token / (last token - submit), prefill included.
+
+``--http``: the same rounds through a ModelServer (the engine of ``colibri serve``, its HTTP
+layer and worker threads) in this process, and c streaming ``/v1/completions`` requests (prompts
+as token ids) from c threads of a separate client process (spawned: its Python does not share
+the server's interpreter lock), each token's time taken when its SSE chunk is parsed by the
+``openai`` client. The server's tokenizer writes a token id as text ("123 "), so that every
+token is one chunk of its own; the model's stop tokens are off as in the direct rounds.
 """
 
 from __future__ import annotations
@@ -106,6 +114,92 @@ def run_mlx_lm(model, prompts: list, n_tokens: int, concurrency: int) -> dict:
     return summarize(submit, [times[u] for u in uids])
 
 
+class IdTokenizer:
+    """The server's tokenizer interface over bare ids: a token's text is its id and a space."""
+
+    chat_template = None
+    eos_token_ids = ()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids) -> str:
+        return "".join(f"{int(i)} " for i in ids)
+
+    def detokenizer(self):
+        return IdDetokenizer()
+
+
+class IdDetokenizer:
+    def add(self, token: int) -> str:
+        return f"{int(token)} "
+
+    def flush(self) -> str:
+        return ""
+
+
+def http_round(url: str, prompts: list, n_tokens: int) -> dict:
+    """One round of streaming requests at once through the openai client (in the client process)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=ROUND_TIMEOUT)
+    times, errors = [[] for _ in prompts], []
+    start = threading.Barrier(len(prompts) + 1)
+
+    def one(i):
+        try:
+            start.wait()
+            for chunk in client.completions.create(model="bench", prompt=prompts[i], max_tokens=n_tokens,
+                                                   stream=True):
+                if chunk.choices and chunk.choices[0].text:
+                    times[i].append(time.perf_counter())
+        except Exception as e:  # noqa: BLE001 (reported by the round)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    start.wait()
+    submit = time.perf_counter()
+    for t in threads:
+        t.join(max(ROUND_TIMEOUT - (time.perf_counter() - submit), 0))
+    if errors:
+        raise RuntimeError(f"a request failed: {errors[0]}")
+    if any(t.is_alive() for t in threads) or any(len(t) != n_tokens for t in times):
+        raise TimeoutError(f"{len(prompts)} streams not done after {ROUND_TIMEOUT} s: "
+                           f"{[len(t) for t in times]} tokens")
+    return summarize(submit, times)
+
+
+def run_http(model, vocab: int, streams: list, args) -> list:
+    """The rounds of ``--http`` (module docstring): warm-up, then one measured round a concurrency."""
+    import multiprocessing
+
+    from colibri_mlx.batch_engine import BatchEngine
+    from colibri_mlx.serve import ModelServer
+
+    engine = BatchEngine(model, None, decode_concurrency=max(streams), stop_ids=(), prompt_cache_entries=0)
+    server = ModelServer(("127.0.0.1", 0), model, IdTokenizer(vocab), "bench", log=None, engine=engine,
+                         max_connections=max(64, 2 * max(streams)))
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    rows = []
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as clients:
+            for c in streams:
+                clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens))
+            for c in streams:
+                r = clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, seed=c), args.tokens))
+                rows.append(r)
+                print(f"http {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
+                      flush=True)
+    finally:
+        server.shutdown()
+        server.server_close()      # drains and closes the engine
+        serving.join(10)
+    return rows
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list:
     rng = np.random.default_rng(seed)
     return [[int(v) for v in rng.integers(0, vocab, length)] for _ in range(n)]
@@ -131,6 +225,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--http", action="store_true", help="also through the HTTP server and the openai client")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -171,6 +266,14 @@ def main():
     print(f"ours engine: {res['ours_engine_stats']}; {pooled}; fallbacks: {res['counters']['fallbacks'] or 'none'}",
           flush=True)
     print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
+    if args.http:
+        t0 = time.perf_counter()
+        try:
+            res["http"] = run_http(ours, vocab, streams, args)
+        except Exception as e:  # noqa: BLE001 (the other rows still run)
+            res["http_error"] = repr(e)
+            print(f"http FAILED: {e!r}", flush=True)
+        print(f"[http: {time.perf_counter() - t0:.0f} s]", flush=True)
     if args.out:                  # ours kept even if mlx-lm's rows fail
         Path(args.out).write_text(json.dumps(res, indent=1))
     del ours, engine
@@ -196,6 +299,8 @@ def main():
     if res["ours"]:
         print(table(res["ours"], f"colibri BatchEngine ({res['backend']}, {args.prompt}-token prompts, "
                                  f"{args.tokens} tokens each)"))
+    if res.get("http"):
+        print(table(res["http"], "colibri serve over HTTP (openai client, streaming)"))
     if "mlx_lm" in res:
         print(table(res["mlx_lm"], "mlx-lm BatchGenerator"))
         print("ours / mlx-lm decode: " + ", ".join(

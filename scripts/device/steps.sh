@@ -117,6 +117,10 @@ for s in "${steps[@]}"; do
     bench_serve)   # decode tok/s and time to first token at 1-32 streams: BatchEngine against mlx-lm's
                    # BatchGenerator on bench_e2e's model
                    step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
+    bench_serve_http) # the same rounds direct and through colibri serve's HTTP server with the openai client
+                   # (openai==3.51.0 and its dependencies installed; without it the HTTP rows report the error)
+                   step bench_serve_http 300 python3 scripts/bench/bench_serve.py --http --no-mlx-lm \
+                       --out "$out/bench_serve_http.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     gguf_e2e)      # bench_e2e's model as Q4_K_M and IQ2_XXS-experts GGUF files against fmt 4, paired A/B
                    step gguf_e2e 300 python3 scripts/bench/bench_gguf_e2e.py --json "$out/gguf_e2e.json" ;;
