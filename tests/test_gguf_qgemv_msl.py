@@ -268,3 +268,20 @@ def test_qmatmul_counts_the_gguf_kernel_and_matches_the_reference(metal):
     assert np.all(np.abs(got - want) <= 1e-4 * (np.abs(np.asarray(x)) @ np.abs(qt.dequantize()).T))
     kernels.qmatmul(random_x(9, 768, seed=11), qt)
     assert metal == ["qgemv"] and kernels.counters()["calls"].get("qmm/dequant-matmul") == 1
+
+
+def test_other_formats_launch_without_the_gguf_decoders():
+    """Launches of the other formats carry gguf_decode's stubs, not its decoders (MLX builds and
+    hashes the whole kernel text on every call); a GGUF FMT given the stubs does not compile."""
+    from kernel_oracle import random_qtensor
+
+    for backend in (dispatch.METAL, dispatch.CUDA):
+        plain = qgemv.launch_spec(random_x(1, 512), random_qtensor(4, 8, 512, gs=64), backend)
+        gguf = qgemv.launch_spec(random_x(1, 512), random_gguf_qtensor("Q4_K", 8, 512), backend)
+        assert "scale_min_k4" not in plain.header and "scale_min_k4" in gguf.header
+        assert len(gguf.header) > len(plain.header) + 8000
+    qt = random_gguf_qtensor("Q4_K", 3, 256)
+    spec = qgemv.launch_spec(random_x(1, 256), qt)
+    spec.header = qgemv.kernel_header(dispatch.METAL, False)
+    with pytest.raises(simulator.SimulatorError, match="GGUF FMT without gguf_decode"):
+        simulate(spec)

@@ -36,6 +36,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..formats.gguf_quant import is_gguf_fmt
 from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
 from . import dispatch, gguf_formats, mlx_formats
@@ -357,7 +358,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
         raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
     Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
     BL = B * L
-    header = kernel_header("mla_decode", backend)
+    header = kernel_header("mla_decode", backend, gguf_formats.is_gguf(kv_b) if isinstance(kv_b, QTensor) else False)
     bodies = read_kernel_sections("mla_decode", backend)[1]
     n_units = p.n_units
     LW, NU, RU = unit_lanes(n_units)
@@ -597,7 +598,7 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
                              ROPEQ=int(rotate), QMAX=nope + rope, QR=qr, NUB=_ceil_div(pb.n_units, SIMD),
                              FMTB=pb.fmt, GSB=_gs(pb), VECB=pb.vec, XVB=x_vec,
                              NIB=DEFAULT_NIB[backend])
-        header = st.header
+        header = kernel_header("mla_decode", backend, True) if is_gguf_fmt(pb.fmt) else st.header
         if backend == dispatch.CUDA and SIMD * nsg > CUDA_MAX_THREADS_AT_FULL_REGS:
             # 512+ threads must fit an SM's 64 K registers (unbounded it takes up to ~170 a thread)
             header = dispatch.bounded_header(header, SIMD * nsg, 1)

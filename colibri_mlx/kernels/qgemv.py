@@ -196,10 +196,10 @@ def default_simdgroups(O: int, rows: int, n_units: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_header(backend: str) -> str:
-    """The shared decoders and qgemv's helpers: one string object per backend, so launches
-    pass the same object every time (dispatch finds its kernel by identity)."""
-    return dispatch.decode_header(backend) + dispatch.read_kernel_source(NAME, backend)[0]
+def kernel_header(backend: str, gguf: bool = False) -> str:
+    """The shared decoders (``gguf``: with the GGUF ones) and qgemv's helpers: one string object per
+    backend, so launches pass the same object every time (dispatch finds its kernel by identity)."""
+    return dispatch.decode_header(backend, gguf) + dispatch.read_kernel_source(NAME, backend)[0]
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                    grid=(SIMD * simdgroups * blocks, 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
                    template=template, template_res=template[:-1] + [("RES", 1)],
                    source=dispatch.read_kernel_source(NAME, backend)[1],
-                   header=kernel_header(backend))
+                   header=kernel_header(backend, gguf_formats.is_gguf(qt)))
 
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,
