@@ -26,7 +26,7 @@
 // A weight is code * scale + bias, one (scale, bias) a segment (16 weights for the types with
 // 16-weight scales, else 32); bias is Q4_K / Q5_K / Q2_K's -dmin * min and Q5_1's m. qd_decode8
 // applies them per weight (qd_seg_scale is 1); qd_seg_dots sums code * x over a segment and
-// applies them once (qdecode.h qd_seg_dots_gguf).
+// applies them once (qd_seg_dots_gguf, below).
 //
 // The lookup-table input (the kernels' e8grid; kernels/gguf_decode.py lookup_words) holds ggml's
 // tables at the word offsets QD_GG_*: iq3xxs_grid (= the fmt 6 grid) at 0, then kvalues_iq4nl as

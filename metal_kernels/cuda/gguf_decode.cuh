@@ -406,7 +406,7 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
   }
 }
 
-// seg_dots for the GGUF fmts (qdecode.h seg_dots_gguf): sum code * x over the segment, then the
+// seg_dots for the GGUF fmts (gguf_decode.h qd_seg_dots_gguf): sum code * x over the segment, then the
 // segment's scale once and its bias times sum x.
 template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
 __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
