@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 
 
 def load(path=None, **options) -> tuple[Model, Tokenizer]:
-    """Load a container or Hugging Face checkpoint directory -> ``(model, tokenizer)``.
+    """Load a container, Hugging Face or mlx-lm checkpoint directory, or a GGUF file (or a
+    directory of split GGUF files: docs/gguf.md) -> ``(model, tokenizer)``.
 
     ``path=None`` loads the bundled demo model. Options: ``dtype`` ("auto", "float32",
     "bfloat16", "float16"), expert streaming (``ram_gb``, ``pin``, ``pin_gb``, ``expert_top_p``

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import io
 import math
+import os
 import sys
 
 import click
@@ -66,18 +67,27 @@ def main():
 
 
 @main.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("directory", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
     """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
 
     config.json is checked against the model's schema first, and the tokenizer files when the
-    directory has any: a model directory that `generate` would refuse is refused here too."""
+    directory has any: a model directory that `generate` would refuse is refused here too.
+    A GGUF model (a .gguf file, or a directory of split ones) lists its tensors with their ggml
+    types and the model tensors they map to, then the ModelArgs its metadata gives."""
     import json
 
     from .container import ContainerError
     from .container.inspect import format_table, inspect_container, report_json, verdict_error
+    from .models.gguf_checkpoint import is_gguf_path
 
+    if is_gguf_path(directory):
+        _inspect_gguf(directory, as_json)
+        return
+    if not os.path.isdir(directory):
+        raise click.BadParameter(f"{directory!r} is a file (give a model directory or a .gguf file)",
+                                 param_hint="'DIRECTORY'")
     _check_model_files(directory)
     try:
         report = inspect_container(directory)
@@ -86,6 +96,25 @@ def inspect(directory, as_json):
     click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
     if not report.ok:
         raise click.ClickException(verdict_error(report))
+
+
+def _inspect_gguf(path, as_json: bool) -> None:
+    import json
+
+    from .models.gguf_checkpoint import GgufError, format_inspect, inspect_gguf
+    from .tokenizer import load_tokenizer
+
+    try:
+        report = inspect_gguf(path)
+        tokenizer = load_tokenizer(path)
+    except GgufError as e:
+        raise click.ClickException(str(e)) from None
+    report["tokenizer"] = {"vocab_size": tokenizer.vocab_size, "bos_token": tokenizer.bos_token,
+                           "eos_token_ids": sorted(tokenizer.eos_token_ids),
+                           "chat_template": bool(tokenizer.chat_template)}
+    click.echo(json.dumps(report, indent=1) if as_json else format_inspect(report))
+    if report["unmapped"]:
+        raise click.ClickException(f"{path}: tensors the model does not read: {', '.join(report['unmapped'][:8])}")
 
 
 def _check_model_files(directory) -> None:
@@ -140,8 +169,9 @@ def _check_draft(model, draft) -> None:
 
 def _sampling_options(f):
     options = [
-        click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
-                     help="Container, Hugging Face or mlx-lm checkpoint directory, or a hub id (mlx-community/...). "
+        click.option("-m", "--model", "model_path", default=None, type=click.Path(),
+                     help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file (or a directory of "
+                          "split ones), or a hub id (mlx-community/...). "
                           "Default: the bundled "
                           "demo model (a tiny KJV-trained model, docs/demo-model.md)."),
         click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(min=1),
@@ -549,8 +579,8 @@ class _ChatSession:
 
 # --- bench / serve -------------------------------------------------------------------------
 
-_MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(file_okay=False),
-                             help="Container, Hugging Face or mlx-lm checkpoint directory, or a hub id "
+_MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(),
+                             help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file, or a hub id "
                                   "(mlx-community/...). Default: the bundled demo model.")
 
 

@@ -39,6 +39,7 @@ DRAFT_KINDS = ("mtp", "ngram", "none")
 DEFAULT_NUM_DRAFT = 3
 MAX_NUM_DRAFT = 7        # a verify step feeds 1 + num_draft rows; the decode paths take 8
 NGRAM_MAX = 3
+ADAPTIVE_VAR = "COLIBRI_ADAPTIVE_DRAFT"   # 1 (default): MTP drafts per step follow acceptance; 0: always num_draft
 
 
 def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) -> str:
@@ -105,7 +106,18 @@ class MTPDraft:
 
     def observe(self, hidden: mx.array, next_tokens: Sequence[int]) -> None:
         """The main model's normed hidden states of the rows it kept, and the tokens after them."""
-        self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)]), self.cache)
+        self.logits, self.x = self.head(hidden, mx.array([list(next_tokens)], dtype=mx.int32), self.cache,
+                                        last_only=True)
+        self._commit(self.logits)
+
+    @staticmethod
+    def _commit(*arrays) -> None:
+        """On a GPU the device starts on an MTP step while the next one is built (as a decode
+        step's layers are handed over: deepseek_v3.commits_layers)."""
+        from .models.deepseek_v3 import commits_layers
+
+        if commits_layers(1):
+            mx.async_eval(*arrays)
 
     def propose(self, k: int, choose) -> tuple[list, list]:
         """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
@@ -117,11 +129,39 @@ class MTPDraft:
             token, q = choose(logits, drafts)
             drafts.append(token)
             qs.append(q)
+            if isinstance(token, mx.array):
+                self._commit(token)
             if j + 1 < k:
-                step_logits, x = self.head(x, mx.array(token).reshape(1, 1), self.cache)
+                token = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], dtype=mx.int32)
+                step_logits, x = self.head(x, token, self.cache, last_only=True)
                 logits = step_logits[0, -1]
         self.cache.offset = start   # the drafts' rows are rewritten by the next observe
         return drafts, qs
+
+
+class DraftLength:
+    """MTP drafts per step, between 1 and ``num_draft``: one more after a step that kept every
+    draft, one fewer after a step that did not (the schedule of Hugging Face's assisted
+    generation, by ones). Each MTP draft costs a step of the MTP layer whether it is kept or
+    not, so while few are kept fewer are drafted. Verification is exact for any count, so greedy
+    output stays token for token and sampling stays in distribution."""
+
+    def __init__(self, num_draft: int, adaptive: bool = True):
+        self.max = num_draft
+        self.adaptive = adaptive
+        self.k = num_draft
+
+    def update(self, proposed: int, kept: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        self.k = min(self.k + 1, self.max) if kept == proposed else max(self.k - 1, 1)
+
+
+def adaptive_drafts() -> bool:
+    value = (kernels.dispatch.getenv(ADAPTIVE_VAR) or "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ADAPTIVE_VAR}={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -172,11 +212,7 @@ class Acceptor:
         """Kept drafts plus the model's own token, from the verify logits ``[k + 1, V]``.
         ``qs[j]`` None means a deterministic draft (one-hot q)."""
         if self.greedy:
-            targets = np.array(mx.argmax(logits, axis=-1)).tolist()
-            m = 0
-            while m < len(drafts) and drafts[m] == targets[m]:
-                m += 1
-            return list(drafts[:m]) + [targets[m]]
+            return greedy_accept(np.array(mx.argmax(logits, axis=-1)).tolist(), drafts)
         out: list[int] = []
         for j, d in enumerate(drafts):
             p = self.probs(logits[j], out)
@@ -197,7 +233,33 @@ class Acceptor:
         return out
 
 
+def greedy_accept(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The drafts that equal the model's argmax ``targets`` (one a row of the verify step), up to
+    the first that does not, then the model's own token."""
+    m = 0
+    while m < len(drafts) and drafts[m] == targets[m]:
+        m += 1
+    return list(drafts[:m]) + [targets[m]]
+
+
 # ----------------------------------------------------------------------------- generation
+
+
+def verify_head(model):
+    """The final norm and the head of a verify step's rows as one compiled graph (kernels.compiled,
+    per row count): ``x [1, L, D] -> (normed x, float32 logits [1, L, V])``. Kept on the model."""
+    block = getattr(model, "verify_head", None)
+    if block is None:
+        from .models.deepseek_v3 import stream_norm
+
+        eps = model.args.rms_norm_eps
+
+        def head(x):
+            h = stream_norm(x, model.norm, eps)
+            return h, kernels.qmatmul(h, model.lm_head, out_dtype=mx.float32)
+
+        block = model.verify_head = kernels.compiled.CompiledBlock(head, "verify_head")
+    return block
 
 
 def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, seed, cache, stop_ids,
@@ -205,7 +267,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     """:func:`generate.generate_tokens` with speculation (same tokens when greedy, same
     distribution when sampling; same stats plus ``draft_*`` counts and the cache left holding
     the prompt and every generated token but the last)."""
-    from .models.deepseek_v3 import rms_norm
+    from .models.deepseek_v3 import DECODE_ROWS, rms_norm
 
     limit = model.max_length
     stop = set(int(s) for s in stop_ids)
@@ -214,12 +276,18 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     counts = DraftStats()
     eps = model.args.rms_norm_eps
 
+    head = verify_head(model)
+
     def verify(rows, last_only=False):
-        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows]), cache)
+        x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows], dtype=mx.int32), cache)
+        if not last_only and x.shape[1] <= DECODE_ROWS:
+            h, logits = head(x)
+            return h, logits[0]
         h = rms_norm(x, model.norm, eps)
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
     mtp = MTPDraft(model, cache) if draft == "mtp" else None
+    length = DraftLength(num_draft, adaptive=draft == "mtp" and adaptive_drafts())
     t0 = time.perf_counter()
     h, logits = verify(prompt_ids, last_only=True)
     out = acceptor.accept(logits, [], [])
@@ -245,7 +313,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
                 return
         P = cache.offset   # out[-1]'s position
         room = min(max_tokens - n, limit - P)   # rows this step may feed (>= 1)
-        k = min(num_draft, room - 1)
+        k = min(length.k, room - 1)
         if draft == "mtp" and k > 0:
             drafts, qs = mtp.propose(k, acceptor.choose)
         elif draft == "ngram" and k > 0:
@@ -253,17 +321,21 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
             qs = [None] * len(drafts)
         else:
             drafts, qs = [], []
-        if drafts and isinstance(drafts[0], mx.array):    # lazy greedy drafts: read with the logits
+        if drafts and isinstance(drafts[0], mx.array):
+            # Lazy greedy drafts: drafted, verified and the model's argmax taken in one graph,
+            # read in one host round trip (drafts and targets together).
             lazy = mx.stack([d.astype(mx.int32) for d in drafts])
             h, logits = verify(mx.concatenate([mx.array([out[-1]], dtype=mx.int32), lazy])[None])
-            mx.eval(logits, lazy)
-            drafts = np.array(lazy).tolist()
+            both = np.array(mx.concatenate([lazy, mx.argmax(logits, axis=-1).astype(mx.int32)])).tolist()
+            drafts = both[:len(drafts)]
+            out = greedy_accept(both[len(drafts):], drafts)
         else:
             h, logits = verify([out[-1]] + drafts)
-        out = acceptor.accept(logits, drafts, qs)
+            out = acceptor.accept(logits, drafts, qs)
         counts.steps += 1
         counts.proposed += len(drafts)
         counts.accepted += len(out) - 1
+        length.update(len(drafts), len(out) - 1)
         cache.offset = P + len(out)     # out[-1] and the kept drafts; rejected rows are rolled back
         base = P + 1
         if mtp is not None:

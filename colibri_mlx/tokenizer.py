@@ -503,6 +503,12 @@ def load_tokenizer(path) -> Tokenizer:
     (a regular file inside the directory); a corrupt one is a TokenizerError naming it. The
     chat template is compiled here, so that a syntax error shows before the model loads."""
     path = os.fspath(path)
+    from .models.gguf_checkpoint import is_gguf_path
+
+    if is_gguf_path(path):
+        from .gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(path)
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if not os.path.lexists(tokenizer_file):
         raise TokenizerError(f"{path}: no tokenizer.json in the model directory (copy the tokenizer files "

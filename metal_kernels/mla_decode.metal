@@ -51,6 +51,8 @@
 // params (int32[16]): H, nope, v, R, rope, T, P (positions per query row), TT (positions per
 // tile), NT (tiles), L (query rows per batch), rb, ng, n_units, has_mask, has_sel, Hp (heads
 // of qabs / qrope: H, or H padded to 16 for mla_attn_mma).
+// has_mask: 0 none, 1 the mask input [B * L, T], 2 causal rows of one sequence (no mask input:
+// query row l of L sees positions t <= P - L + l, a verify step of speculative decoding).
 // fparams (float32[8]): scale, 0...
 
 // Positions per softmax chunk; HB x MLA_CHUNK = 32 partial scores per SIMD group.
@@ -426,7 +428,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
                                   ROPEQ ? float(qpos[q]) : 0.0f, invf, tid);
   }
 // ==== kernel body: mla_qb_qabs ====
-  // mla_qabs with the q_b projection folded in (one decode row, mla.py): this head's q_nope and
+  // mla_qabs with the q_b projection folded in (decode rows, mla.py): this head's q_nope and
   // q_rope rows of q_b against the q_a row first (mla_qb_head_rows, into threadgroup memory),
   // then q' over all of kv_b's units (one threadgroup a head) and q_rope, as mla_qabs. One
   // launch and q's round trip through memory fewer than q_b's GEMV followed by mla_qabs.
@@ -526,7 +528,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
       int keep = -1;
       if (c0 + tid < p1) {
         const int t = has_sel ? sel[size_t(q) * P + c0 + tid] : c0 + tid;
-        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
       }
       keep_s[tid] = keep;
     }
@@ -735,7 +737,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
       int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
       if (c0 + cs < p1) {
         const int t = mla_position(sel, has_sel, q, P, c0 + cs);
-        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
       }
       const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : -INFINITY);
       float cmax = max(sv, simd_shuffle_xor(sv, ushort(1)));
@@ -924,7 +926,7 @@ inline simdgroup_float8x8 mla_frag16(const threadgroup TC* m, int stride, bool t
         bool keep = live[k];
         if (live[k] && has_mask) {
           const int t = mla_position(sel, has_sel, q, P, c0 + cs + k);
-          keep = mask[size_t(q) * T + t] != 0;
+          keep = has_mask == 2 ? t <= P - L + q % L : mask[size_t(q) * T + t] != 0;
         }
         sv[k] = keep ? dot * scale : (live[k] ? -1e30f : -INFINITY);
         cmax = max(cmax, sv[k]);

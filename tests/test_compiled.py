@@ -300,13 +300,14 @@ def test_layer_commits_give_the_same_decode(containers, monkeypatch, kind, mode)
 
 
 def test_layer_commits_on_gpu_backends_only(monkeypatch):
-    """One decode row on a GPU backend commits layer by layer; prefill rows and the CPU do not."""
+    """Decode rows (one, or a verify step's up to 8) on a GPU backend commit layer by layer;
+    prefill rows and the CPU do not."""
     from colibri_mlx.models import deepseek_v3
 
     monkeypatch.setattr(kernels.dispatch, "gpu_backend", lambda: None)
     assert not deepseek_v3.commits_layers(1)
     monkeypatch.setattr(kernels.dispatch, "gpu_backend", lambda: kernels.CUDA)
-    assert deepseek_v3.commits_layers(1) and not deepseek_v3.commits_layers(4)
+    assert deepseek_v3.commits_layers(1) and deepseek_v3.commits_layers(4) and not deepseek_v3.commits_layers(9)
 
 
 # Non-launching primitives (views, reshapes) of one attention decode step on the GPU path.

@@ -10,6 +10,9 @@ every layer's rows compiled.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -74,9 +77,9 @@ def test_rows_step_params_and_mask():
     model_kv = mx.zeros((1, 16, 48))
     kv_b = mx.zeros((2 * 32, 32))
     one = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 9, joint=True))
-    four = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 12, joint=True, rows=4, masked=True))
+    four = np.array(mla.step_params(kv_b, model_kv, 2, 16, 16, 16, mx.float32, 12, joint=True, rows=4, causal=True))
     assert (one[5], one[6], one[9], one[13]) == (16, 9, 1, 0)
-    assert (four[5], four[6], four[9], four[13]) == (16, 12, 4, 1)
+    assert (four[5], four[6], four[9], four[13]) == (16, 12, 4, mla.CAUSAL)
 
 
 @pytest.mark.parametrize("draft", ["mtp", "ngram"])
@@ -111,7 +114,7 @@ def _rows_step(model, start, L, index=0):
     width = attn.kv_lora_rank + attn.rope_dim
     cache.append("kv", mx.array(rng.standard_normal((1, start, width)).astype(np.float32)), 0)
     kv, params = attn.step_inputs(x, cache, start, {})
-    return layer._rows_step(x, mx.array(start, dtype=mx.int32), kv, params)
+    return layer._rows_step(x, mx.arange(start, start + L, dtype=mx.int32), kv, params)
 
 
 @pytest.mark.msl
@@ -133,3 +136,59 @@ def test_rows_step_kernel_path_equals_reference(models, monkeypatch, kind, L):
         assert {"moe_gate_up", "moe_down"} <= set(launched), launched
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-4 * np.abs(np.array(want)).max())
     np.testing.assert_allclose(np.array(got_kv), np.array(want_kv), rtol=0, atol=1e-5 * np.abs(np.array(want_kv)).max())
+
+
+def _step_graph(model, monkeypatch, index, L):
+    """Kernel launches (by name) and the other graph ops (by primitive) of layer ``index``'s
+    compiled-step function for ``L`` rows (``_step`` for one, ``_rows_step`` for more), built
+    as on a GPU with every launch a recorded stand-in (an evaluated output that depends on the
+    launch's inputs, so the graph before it stays connected)."""
+    import re
+    from collections import Counter
+
+    from colibri_mlx.kernels import dispatch, moe
+    from colibri_mlx.models.cache import LayerCache
+
+    launched = []
+
+    def launch(backend, spec):
+        launched.append(spec.name)
+        outs = [mx.zeros(shape, dtype) for shape, dtype in zip(spec.output_shapes, spec.output_dtypes)]
+        mx.eval(outs)
+        return mx.depends(outs, [a for a in spec.inputs if isinstance(a, mx.array)])
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.METAL)
+    monkeypatch.setenv(compiled.ENV_VAR, "0")
+    moe.clear_banks()
+    layer = model.layers[index]
+    attn = layer.self_attn
+    start = 7
+    cache = LayerCache()
+    cache.append("kv", mx.ones((1, start, attn.kv_lora_rank + attn.rope_dim)), 0)
+    x = mx.ones((1, L, model.args.hidden_size))
+    kv, params = attn.step_inputs(x, cache, start, {})
+    slots = mx.array(start, dtype=mx.int32) if L == 1 else mx.arange(start, start + L, dtype=mx.int32)
+    mx.eval(x, kv, params, slots)
+    out = (layer._step if L == 1 else layer._rows_step)(x, slots, kv, params)
+    dot = Path(tempfile.mkdtemp()) / "step.dot"
+    mx.export_to_dot(str(dot), *out)
+    ops = Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.read_text()))
+    ops.pop("Depends", None)
+    moe.clear_banks()
+    return Counter(launched), sum(ops.values())
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_rows_step_launches_what_the_one_row_step_launches(models, monkeypatch, kind):
+    """A verify step of L = 2..8 rows launches the 1-row decode step's kernels, as many of each,
+    every launch taking all L rows (nothing per row, no q_b GEMV apart, no reference attention
+    past 4 rows), and builds no more other graph ops than the 1-row step."""
+    model = models[kind]
+    index = 1 if kind == "moe" else 0
+    one, one_ops = _step_graph(model, monkeypatch, index, 1)
+    assert {"qgemv", "mla_rows_into", "mla_qb_qabs", "mla_out"} <= set(one), one
+    for L in range(2, 9):
+        rows, rows_ops = _step_graph(model, monkeypatch, index, L)
+        assert rows == one, (L, rows, one)
+        assert rows_ops <= one_ops, (L, rows_ops, one_ops)

@@ -393,3 +393,22 @@ def test_empty_kernels_knob_returns_at_the_first_line(monkeypatch, setting, empt
     (kw,) = made
     assert kw["header"] == header
     assert kw["source"] == (dispatch.EMPTY_BODY_LINE + body if empty else body)
+
+
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4, 5])
+def test_dequantize_take_is_the_host_row_decode(fmt):
+    """Rows gathered by id on the device (an embedding lookup of a lazily computed token) are
+    the numpy decoder's rows bit for bit, repeated ids and the last row included."""
+    from colibri_mlx.formats import decode, scale_nbytes, weight_nbytes
+
+    qt = random_qtensor(fmt, 37, 192, gs=32, seed=fmt)
+    ids = np.array([[36, 0, 5, 5], [17, 2, 36, 1]], np.int32)
+    got = np.array(reference.dequantize_take(qt, mx.array(ids)))
+    rb, spr = weight_nbytes(fmt, 1, 192, qt.gs), scale_nbytes(fmt, 1, 192, qt.gs) // 4
+    flat = ids.reshape(-1)
+    want = decode(fmt, np.asarray(qt.packed).reshape(37, rb)[flat].reshape(-1),
+                  np.asarray(qt.scales).reshape(37, spr)[flat].reshape(-1), flat.size, 192, qt.gs)
+    assert got.shape == (2, 4, 192)
+    assert np.array_equal(got.reshape(-1, 192), want) and np.abs(want).max() > 0
+    with pytest.raises(ValueError, match="fmt 6"):
+        reference.dequantize_take(random_qtensor(6, 4, 256, seed=1), mx.array([0]))

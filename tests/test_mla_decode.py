@@ -347,3 +347,26 @@ def test_wide_planted_defect_is_caught(monkeypatch, defect):
     assert planted == ["mla_attn_wide"], planted
     assert not np.array_equal(np.array(got), np.array(clean)), "the clean kernel's output bit for bit: the planted source never ran"
     assert error(got) > 1.0, (defect, error(got), error(clean))
+
+
+@pytest.mark.parametrize("variant, cache", [(None, mx.bfloat16), ("simt", mx.float32), ("mma", mx.bfloat16)])
+@pytest.mark.parametrize("L", [2, 8])
+def test_causal_rows_of_one_sequence(variant, cache, L):
+    """A verify step's rows: causal from the params alone (no mask input), the output [1, L,
+    H*v], against the oracle with the explicit mask; DeepSeek-V3's latent widths, a joint cache
+    (the model's layout) over a fixed-capacity buffer of which the first P rows are attended."""
+    capacity, P = 320, 301
+    args, _ = inputs(H=16, L=L, T=capacity, nope=32, v=32, R=512, rope=64, cache=cache, seed=90 + L)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    joint = mx.concatenate([latent, k_rope], axis=-1)
+    params = mla.step_params(kv_b, joint, 16, nope, 64, v, q_nope.dtype, P, joint=True, variant=variant,
+                             rows=L, causal=True)
+    kernels.reset_counters()
+    out = kernels.mla_decode(q_nope, q_rope, joint, None, kv_b, scale, None, nope, v, variant=variant,
+                             params=params, causal=True)
+    mx.eval(out)
+    assert out.shape == (1, L, 16 * v) and not kernels.counters()["fallbacks"], kernels.counters()
+    mask = mx.array((np.arange(capacity)[None] <= (P - L + np.arange(L))[:, None])[None, None])
+    got = out.reshape(1, L, 16, v).transpose(0, 2, 1, 3)
+    ran = mla.choose_variant(512, 64, variant, backend=kernels.backend(), dtype=q_nope.dtype, cache_dtype=cache)
+    assert_attention_close(got, *args[:6], mask, nope, v, variant=ran, label=f"L={L}")

@@ -687,7 +687,8 @@ MLA_DEFECTS = {   # simt: mla_attn (and the shared mla_qabs / mla_out)
     "chunk staged without a barrier": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (active) {", "    if (active) {"),
     "reduce-scatter keeps the wrong half": ("const float keep = upper ? v[k + w] : v[k];", "const float keep = upper ? v[k] : v[k + w];"),
     "chunk sum misses half the head's lanes": ("psum += simd_shuffle_xor(psum, ushort(4));", ""),
-    "mask ignored in the chunk": ("keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;", "keep = 1;"),
+    "mask ignored in the chunk": ("keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) "
+                                  "? 1 : 0;", "keep = 1;"),
     "positions past the tile end scored": ("      int keep = -1;", "      int keep = 1;"),
 }
 
@@ -727,7 +728,8 @@ MMA_DEFECTS = {   # mma: mla_attn_mma (and the shared mla_qabs / mla_out)
                                                      "simdgroup_load(lt, lat_s + (col0 + 8) % R, RWS);"),
     "head's max over half its positions": ("      cmax = max(cmax, simd_shuffle_xor(cmax, ushort(4)));\n      const float m_new",
                                            "      const float m_new"),
-    "mask ignored in the chunk": ("        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;\n      }\n      const float sv",
+    "mask ignored in the chunk": ("        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] "
+                                  "!= 0) ? 1 : 0;\n      }\n      const float sv",
                                   "        keep = 1;\n      }\n      const float sv"),
     "write-out tile read before all lanes stored it": (
         "        simdgroup_store(acc[rt][ct], o_s + sg * 64, 8);\n        simdgroup_barrier(mem_flags::mem_threadgroup);",
@@ -839,7 +841,8 @@ WIDE_DEFECTS = {
     "a k-part's partial scores dropped": ("for (int g = 0; g < KP; ++g) {\n          dot +=",
                                           "for (int g = 1; g < KP; ++g) {\n          dot +="),
     "the staged rows one SIMD group off": ("(sg * RPW + k) * RWS + col", "((sg + 1) % NSG * RPW + k) * RWS + col"),
-    "the mask ignored": ("keep = mask[size_t(q) * T + t] != 0;", "keep = mask[size_t(q) * T + t] != 2;"),
+    "the mask ignored": ("keep = has_mask == 2 ? t <= P - L + q % L : mask[size_t(q) * T + t] != 0;",
+                         "keep = has_mask == 2 ? t <= P - L + q % L : mask[size_t(q) * T + t] != 2;"),
 }
 
 
@@ -1227,16 +1230,16 @@ def test_mla_decode_with_q_proj_equals_projected_queries(metal, variant):
 
 
 def test_mla_qb_qabs_declines_visibly(metal):
-    """q_b in fmt 6 (its input is rotated first) or two query rows: q_b's GEMV and mla_qabs
-    run, counted under the reason."""
+    """q_b in fmt 6 (its input is rotated first) or more query rows than a verify step's: q_b's
+    GEMV and mla_qabs run, counted under the reason."""
     args, q_b6, q_latent = qb_case(qfmt=6, q_lora=256, seed=4)
     _, _, latent, k_rope, kv_b, scale, _, nope, v = args
     kernels.reset_counters()
     mla.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b6))
     assert any("q_b fmt 6" in k for k in kernels.counters()["fallbacks"]), kernels.counters()
     args, q_b, _ = qb_case(seed=5)
-    two = mx.zeros((2, 1, 96), mx.float32)
-    assert "2 query rows" in mla.qb_decline_reason(two, q_b, 4, 16)
+    nine = mx.zeros((1, 9, 96), mx.float32)
+    assert "9 query rows" in mla.qb_decline_reason(nine, q_b, 4, 16)
 
 
 MLA_QB_DEFECTS = {
@@ -1264,4 +1267,81 @@ def test_mla_qb_qabs_planted_defect_is_caught(metal, defect):
     with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
         (got,) = simulate(spec, simulator)
         assert_qb_qabs_close(np.asarray(got)[0], args, q_b, q_latent)
+    assert "failed to compile" not in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Causal rows of one sequence (a speculative verify step): params' has_mask 2, no mask input
+
+
+def causal_mask_np(L: int, T: int) -> mx.array:
+    """The oracle's mask: row l of the last L of T positions sees t <= T - L + l."""
+    return mx.array(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])[None, None]
+
+
+@pytest.mark.parametrize("variant, cache_dtype", [("mma", mx.float32), ("simt", mx.float32),
+                                                  ("wide", mx.bfloat16)])
+@pytest.mark.parametrize("L", [2, 8])
+def test_mla_causal_rows_equal_the_masked_oracle(metal, variant, cache_dtype, L):
+    """L query rows of one sequence, causal from params alone (the kernel reads no mask), q_rope
+    rotated in mla_qabs at each row's position: the float64 oracle with the explicit mask."""
+    args, _ = mla_inputs(H=8, L=L, T=45, rope=16, seed=70 + L, cache_dtype=cache_dtype)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    T = latent.shape[1]
+    rope = rope_of(16)
+    positions = mx.arange(T - L, T, dtype=mx.int32)
+    kernels.reset_counters()
+    out = mla.mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v, variant=variant,
+                         rope=rope, rope_offset=positions, causal=True)
+    assert out.shape == (1, L, 8 * v)
+    assert not kernels.counters()["fallbacks"] and metal[0] == "mla_qabs", (metal, kernels.counters())
+    rotated = mx.concatenate([host_rotated(q_rope[:, :, l:l + 1], rope.inv_freq, T - L + l) for l in range(L)],
+                             axis=2)
+    got = out.reshape(1, L, 8, v).transpose(0, 2, 1, 3)
+    assert_mla_close(got, q_nope, rotated, latent, k_rope, kv_b, scale, causal_mask_np(L, T), nope, v,
+                     label=f"{variant} L={L}")
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_mla_causal_rows_with_q_proj(metal, L):
+    """The verify step's queries: mla_qb_qabs projects every row of q_latent [1, L, q_lora]."""
+    args, q_b, _ = qb_case(H=8, R=64, seed=12)
+    _, _, latent, k_rope, kv_b, scale, _, nope, v = args
+    T = latent.shape[1]
+    q_latent = mx.array(np.random.default_rng(3).standard_normal((1, L, 96)).astype(np.float32))
+    kernels.reset_counters()
+    out = mla.mla_decode(None, None, latent, k_rope, kv_b, scale, None, nope, v, q_proj=(q_latent, q_b),
+                         causal=True)
+    assert metal[0] == "mla_qb_qabs" and not kernels.counters()["fallbacks"], (metal, kernels.counters())
+    with kernels.force_reference():
+        q_nope, q_rope = mla.project_queries(q_latent, q_b, 8, nope, L)
+    got = out.reshape(1, L, 8, v).transpose(0, 2, 1, 3)
+    assert_mla_close(got, q_nope, q_rope, latent, k_rope, kv_b, scale, causal_mask_np(L, T), nope, v,
+                     extra_rel=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["mma", "simt", "wide"])
+def test_mla_causal_planted_defect_is_caught(metal, monkeypatch, variant):
+    """A row that sees one position too many (its own draft's successor) is caught."""
+    good = "t <= P - L + q % L"
+    bad = "t <= P - L + q % L + 1"
+    header, bodies = mla.read_kernel_sections("mla_decode", dispatch.METAL)
+    attn = {"mma": "mla_attn_mma", "simt": "mla_attn", "wide": "mla_attn_wide"}[variant]
+    assert (header + bodies[attn]).count(good) == 1, "defect no longer plants"
+
+    def planted(spec):
+        spec.source = spec.source.replace(good, bad)
+        return simulate(spec, simulator)
+
+    cache_dtype = mx.bfloat16 if variant == "wide" else mx.float32
+    args, _ = mla_inputs(H=8, L=3, T=30, rope=16, seed=80, cache_dtype=cache_dtype)
+    q_nope, q_rope, latent, k_rope, kv_b, scale, _, nope, v = args
+    run = mla.launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, None, nope, v, backend=dispatch.METAL,
+                           variant=variant, causal=True)
+    mask = causal_mask_np(3, 30)
+    clean = run(lambda spec: simulate(spec, simulator)).reshape(1, 3, 8, v).transpose(0, 2, 1, 3)
+    assert_mla_close(clean, q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, label="clean")
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        out = run(planted).reshape(1, 3, 8, v).transpose(0, 2, 1, 3)
+        assert_mla_close(out, q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v)
     assert "failed to compile" not in str(caught.value)

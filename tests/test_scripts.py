@@ -99,3 +99,9 @@ def test_bench_mlx_lm_checkpoint_rows():
                      "--greedy", "4", "--experts", "16", "--vocab", "512")
     assert "affine3g64" in out and "4 greedy tokens kernels vs reference: identical" in out, out
     assert "token 0 prefill  kernels vs reference" in out and "token 0 stepwise kernels vs reference" in out, out
+
+
+def test_bench_gguf_metadata_rows():
+    out = run_script("scripts/bench/bench_gguf_metadata.py", "--tokens", "2000", "--pairs", "1")
+    for name in ("gguf.GGUFReader:", "colibri reader:", "ratio:", "tokens: 2000"):
+        assert name in out, out

@@ -490,7 +490,7 @@ def test_bench_script_runs_on_cpu(tmp_path):
     from test_scripts import run_script
 
     out = run_script("scripts/bench/bench_speculative.py", "--tiny", "--experts", "16", "--vocab", "4096", "--steps",
-                     "3", "--gen-tokens", "12", "--out", str(tmp_path / "spec.json"))
+                     "3", "--gen-tokens", "12", "--repeats", "1", "--out", str(tmp_path / "spec.json"))
     assert "verify step of 1+3 rows" in out and "greedy identity with drafts: ok" in out, out
     report = json.loads((tmp_path / "spec.json").read_text())
     assert report["greedy_identity"]["ok"] and report["verify"]["ratio"] > 0
@@ -536,3 +536,85 @@ def test_drafts_refused_under_several_ranks():
         with pytest.raises(ValueError, match="one process"):
             resolve_draft(model, draft)
     assert resolve_draft(model, None) == "none" and resolve_draft(model, "none") == "none"
+
+
+@pytest.mark.msl
+@pytest.mark.parametrize("L", [1, 3])
+def test_mtp_step_graph_kernel_path_equals_reference(models, monkeypatch, L):
+    """The MTP layer's compiled draft step (MTPHead._step: embedding gathered on the device,
+    eh_proj, the layer's 1-row or verify-rows step, the head of the last row) with every launch
+    in the MSL simulator equals the reference path's op-by-op call, cache rows included."""
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    simulator = simulator_or_skip()
+    model = models["v3"]
+    head = mtp_head(model)
+    D = model.args.hidden_size
+    rng = np.random.default_rng(1)
+    seen_h = mx.array(rng.standard_normal((1, 6, D)).astype(np.float32))
+    h = mx.array(rng.standard_normal((1, L, D)).astype(np.float32))
+    tokens = mx.array([[7, 8, 9][:L]], dtype=mx.int32)
+
+    def draft_step(kernel_graph):
+        cache = head.make_cache()
+        head(seen_h, mx.array([[1, 2, 3, 4, 5, 6]]), cache)
+        if not kernel_graph:
+            logits, x = head(h, tokens, cache, last_only=True)
+            return logits, x, cache.layers[0].buffers["kv"][:, :6 + L]
+        kv, params = head.layer.layer.self_attn.step_inputs(h, cache.layers[0], 6)
+        slots = mx.array(6, dtype=mx.int32) if L == 1 else mx.arange(6, 6 + L, dtype=mx.int32)
+        logits, x, kv = head._step(h, tokens, slots, kv, params)
+        return logits, x, kv[:, :6 + L]
+
+    want = [np.array(a) for a in draft_step(False)]
+    launched = route_launches_to_simulator(monkeypatch, simulator)
+    got = [np.array(a) for a in draft_step(True)]
+    assert {"qgemv", "mla_rows_into", "mla_qb_qabs", "moe_gate_up"} <= set(launched), launched
+    assert got[0].shape == want[0].shape == (1, 1, model.args.vocab_size)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max())
+    assert (got[0].argmax(-1) == want[0].argmax(-1)).all()
+
+
+def test_draft_length_follows_acceptance(monkeypatch):
+    """MTP drafts per step: one fewer after a rejection (not below 1), one more after a step
+    that kept every draft (not above num_draft); fixed with COLIBRI_ADAPTIVE_DRAFT=0."""
+    length = speculative.DraftLength(3)
+    seen = []
+    for proposed, kept in [(3, 1), (2, 0), (1, 0), (1, 1), (2, 2), (3, 3), (3, 3), (3, 2)]:
+        assert length.k == proposed
+        length.update(proposed, kept)
+        seen.append(length.k)
+    assert seen == [2, 1, 1, 2, 3, 3, 3, 2]
+    fixed = speculative.DraftLength(3, adaptive=False)
+    fixed.update(3, 0)
+    assert fixed.k == 3
+    monkeypatch.setenv(speculative.ADAPTIVE_VAR, "0")
+    assert not speculative.adaptive_drafts()
+    monkeypatch.setenv(speculative.ADAPTIVE_VAR, "yes")
+    with pytest.raises(ValueError, match="expected 0 or 1"):
+        speculative.adaptive_drafts()
+
+
+@pytest.mark.parametrize("adaptive", ["0", "1"])
+def test_greedy_identity_fixed_and_adaptive_draft_length(models, monkeypatch, adaptive):
+    monkeypatch.setenv(speculative.ADAPTIVE_VAR, adaptive)
+    model = models["v3"]
+    for prompt in PROMPTS[:3]:
+        assert tokens_of(model, prompt, 14, draft="mtp", num_draft=4) == tokens_of(model, prompt, 14, draft="none")
+
+
+def test_greedy_identity_with_steps_handed_over_early(models, monkeypatch):
+    """As on a GPU: each decode layer and each MTP step handed to the device as soon as it is
+    built (mx.async_eval, deepseek_v3.commits_layers, here forced on the CPU): the same tokens."""
+    from colibri_mlx.models import deepseek_v3
+
+    model = models["v3"]
+    prompt = PROMPTS[1]
+    want = tokens_of(model, prompt, 12, draft="none")
+    submitted = []
+    real = mx.async_eval
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: L <= deepseek_v3.DECODE_ROWS)
+    monkeypatch.setattr(mx, "async_eval", lambda *a: submitted.append(len(a)) or real(*a))
+    assert tokens_of(model, prompt, 12, draft="mtp", num_draft=3) == want
+    assert submitted

@@ -250,7 +250,8 @@ class ExpertStore:
         self._prev_sets: dict[int, list] = {}
         self._pool = ReadPool(workers)
         self._staging = threading.local()
-        self.usage_path = usage_path or os.path.join(container.path, USAGE_FILE)
+        self.usage_path = usage_path or getattr(container, "usage_path", None) or os.path.join(container.path,
+                                                                                               USAGE_FILE)
         self.record_usage = record_usage
         self.usage = self._load_history()
         self.admission = admission
@@ -275,7 +276,11 @@ class ExpertStore:
         layouts = {}
         for layer in range(self.n_layers + 1 + int(cfg.get("num_nextn_predict_layers") or 0)):
             first, plan = expert_tensor_names(layer, 0)[0], plan_expert
-            if first not in self.container:
+            if hasattr(self.container, "plan_expert"):   # a GGUF model: its own stacked layout
+                if not self.container.has_experts(layer):
+                    continue
+                plan = self.container.plan_expert
+            elif first not in self.container:
                 from ..models.mlx_lm_checkpoint import plan_stacked_expert, stacked_tensor_name
 
                 if stacked_tensor_name(layer, "gate") not in self.container:
@@ -601,6 +606,10 @@ def _projection(p: ProjectionLayout, buffers: list[np.ndarray], layout: Optional
         from ..models.mlx_lm_checkpoint import stacked_projection
 
         return stacked_projection(p, buffers)
+    if p.fmt is not None and p.scales is None:   # GGUF: the scales live inside the blocks
+        from ..models.gguf_checkpoint import streamed_projection
+
+        return streamed_projection(p, buffers)
     raw = buffers[p.weight.read][p.weight.start: p.weight.start + p.weight.nbytes]
     if p.scales is None:
         return mx.array(_as_float32(raw, p.weight.dtype).reshape(p.O, p.I))

@@ -28,7 +28,7 @@ from .dispatch import (
 
 __all__ = [
     "CUDA", "METAL", "REFERENCE", "backend", "compiled", "counters", "force_reference", "format_counters",
-    "concat_rows", "mla_decode", "mla_rows", "moe_block", "qmatmul", "reset_counters", "router",
+    "concat_rows", "gather_rows", "mla_decode", "mla_rows", "moe_block", "qmatmul", "reset_counters", "router",
 ]
 
 # Formats whose rows are independent byte runs with their scales in per-row order (docs/format.md#formats:
@@ -107,6 +107,20 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
         y = reference.cached_qmatmul(xr, qt)
     y = y if residual is None else residual + y
     return y if out_dtype is None or y.dtype == out_dtype else y.astype(out_dtype)
+
+
+def gather_rows(qt: QTensor, ids: mx.array, compiled_block: bool = True) -> mx.array:
+    """float32 rows ``ids`` of a QTensor fmt 1-5 (an embedding lookup), gathered and decoded on
+    the device (:func:`reference.dequantize_take`): a lazily computed token needs no host read.
+    ``compiled_block``: as one compiled graph (kernels.compiled, per ids shape; the gather and
+    decode are a dozen small ops); False inside a caller's own compiled graph."""
+    if not compiled_block:
+        return reference.dequantize_take(qt, ids)
+    block = vars(qt).get("_gather_rows")
+    if block is None:    # kept on the weight (QTensor is frozen: its __dict__ written directly)
+        block = vars(qt)["_gather_rows"] = compiled.CompiledBlock(lambda i: reference.dequantize_take(qt, i),
+                                                                  "gather_rows")
+    return block(ids)
 
 
 def concat_rows(weights) -> "mx.array | QTensor | None":

@@ -43,13 +43,14 @@ from . import dispatch, gguf_formats, mlx_formats
 from .moe import Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 
-MAX_QUERY_ROWS = 4
+MAX_QUERY_ROWS = 8        # query rows a sequence (a verify step of speculative decoding: 1 + 7 drafts)
 SIMD = 32
 NSG = 4                   # SIMD groups per threadgroup
 TARGET_TILES = 64         # split-K: enough (tile, head block) SIMD groups to fill the GPU
 MIN_TILE = 32
 CACHE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 MASKED = -1e30            # the reference's finite fill for masked scores
+CAUSAL = 2                # params' has_mask for causal rows of one sequence (no mask input)
 KV_B_FMTS = (0, 1, 2, 3, 4, 5)
 CHUNK = 8                 # positions per softmax chunk (mla_chunk() in the kernel)
 # mla_attn_wide's chunk (CK): on CUDA one ldmatrix x4 of staged rows, double-buffered by
@@ -99,7 +100,7 @@ QABS_PARTS = 4
 # more warps take the merge in fewer dependent batches. H200, kernel alone at a 4096 cache:
 # 4 warps 16.6 us, 8 15.1, 16 15.5.
 OUT_WARPS = 8
-# mla_qb_qabs (one decode row: the q_b projection folded into mla_qabs, one threadgroup a head):
+# mla_qb_qabs (decode rows: the q_b projection folded into mla_qabs, one threadgroup a head and row):
 # its (SIMD groups, q_b rows a SIMD group pass), every unit of a pass loaded before any math;
 # DeepSeek-V3's 192 rows a head are three passes of 16 x 4 or of 8 x 8. H200, kernel alone:
 # 16 x 4 16.0 us, 16 x 2 17.4, 8 x 4 17.6, 8 x 8 18.0, 4 x 8 21.4, against
@@ -200,8 +201,8 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     if fmt == 4 and (not gs or gs % 16):
         return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
     rows = q_latent.size // q_latent.shape[-1]
-    if rows != 1:
-        return f"{rows} query rows (one decode row only)"
+    if rows > MAX_QUERY_ROWS:
+        return f"{rows} query rows (up to {MAX_QUERY_ROWS})"
     if q_latent.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         return f"q_latent dtype {q_latent.dtype}"
     if q_b.I != q_latent.shape[-1] or q_b.O % H or q_b.O // H <= nope:
@@ -209,16 +210,21 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     return None
 
 
-def project_queries(q_latent: mx.array, q_b, H: int, nope: int) -> tuple[mx.array, mx.array]:
-    """``(q_nope [B, H, 1, nope], q_rope [B, H, 1, rope])`` of one decode row: q_b's GEMV, its
-    rows in the model's order ``[H x nope | H x rope]`` (what mla_qb_qabs computes itself)."""
+def project_queries(q_latent: mx.array, q_b, H: int, nope: int, L: int = 1) -> tuple[mx.array, mx.array]:
+    """``(q_nope [B, H, L, nope], q_rope [B, H, L, rope])`` of ``L`` query rows a sequence: q_b's
+    GEMV, its rows in the model's order ``[H x nope | H x rope]`` (what mla_qb_qabs computes
+    itself)."""
     from . import qmatmul
 
     width = q_latent.shape[-1]
-    B = q_latent.size // width
-    q = qmatmul(q_latent.reshape(B, width), q_b)
+    BL = q_latent.size // width
+    q = qmatmul(q_latent.reshape(BL, width), q_b)
     rope = q.shape[-1] // H - nope
-    return q[:, : H * nope].reshape(B, H, 1, nope), q[:, H * nope:].reshape(B, H, 1, rope)
+    if L == 1:
+        return q[:, : H * nope].reshape(BL, H, 1, nope), q[:, H * nope:].reshape(BL, H, 1, rope)
+    B = BL // L
+    return (q[:, : H * nope].reshape(B, L, H, nope).transpose(0, 2, 1, 3),
+            q[:, H * nope:].reshape(B, L, H, rope).transpose(0, 2, 1, 3))
 
 
 def _heads_per_block(H: int) -> int:
@@ -434,16 +440,16 @@ def _tiles(P: int, variant: str, head_blocks: int, tile: Optional[int], backend:
 
 def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, length: int,
                 backend: Optional[str] = None, joint: bool = False, variant: Optional[str] = None,
-                tile: Optional[int] = None, rows: int = 1, masked: bool = False) -> mx.array:
+                tile: Optional[int] = None, rows: int = 1, causal: bool = False) -> mx.array:
     """The params input of a decode step (one query row a sequence) over a fixed-capacity cache
     (``latent`` its whole buffer, ``[B, capacity, R]``, or with ``joint`` the whole joint buffer
     ``[B, capacity, R + rope]``; positions ``0..length-1`` attended, no mask, no list): the
     launches' shapes follow the capacity, so a compiled graph (kernels.compiled) keeps them while
     ``length`` grows and only this array changes per step. Made on the host, once per distinct
     value (layers of one format share it). ``variant`` / ``tile``: for launches made with them
-    (:func:`launch_specs`; default: its defaults). ``rows`` query rows a sequence with
-    ``masked``: the launches read a mask ``[B, 1, rows, capacity]`` (a verify step of
-    speculative decoding: row i attends to the first ``length - rows + i + 1`` positions)."""
+    (:func:`launch_specs`; default: its defaults). ``rows`` query rows of one sequence with
+    ``causal``: row i attends to the first ``length - rows + i + 1`` positions, no mask input
+    (a verify step of speculative decoding: :func:`mla_decode`'s ``causal``)."""
     backend = backend or dispatch.backend()
     if backend == dispatch.REFERENCE:
         backend = dispatch.METAL                  # the reference reads only P (index 6)
@@ -454,7 +460,7 @@ def step_params(kv_b, latent, H: int, nope: int, rope: int, v: int, q_dtype, len
     st = _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, latent.dtype, backend, variant,
                  mma_heads(backend, None, variant))
     TT, NT = _tiles(T, variant, st.Hp // st.HT, tile, backend)
-    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, int(masked), 0, st.Hp, joint)
+    return _params(H, nope, v, R, rope, T, length, TT, NT, L, st.p, CAUSAL if causal else 0, 0, st.Hp, joint)
 
 
 def params_signature(kv_b) -> tuple:
@@ -468,7 +474,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
                  backend: str = dispatch.METAL, tile: Optional[int] = None, variant: Optional[str] = None,
                  heads: Optional[int] = None, params: Optional[mx.array] = None,
                  q_rotation: Optional[tuple] = None, qabs_parts: Optional[int] = None,
-                 out_warps: Optional[int] = None, q_proj: Optional[tuple] = None, qb: Optional[str] = None):
+                 out_warps: Optional[int] = None, q_proj: Optional[tuple] = None, qb: Optional[str] = None,
+                 causal: bool = False):
     """The three launches; returns a function running them with a given ``launch``
     (``run.variant``: the attention variant chosen). ``k_rope`` None: ``latent`` is the joint
     cache ``[B, T, R + rope]`` (each row the latent, then the rope key). ``params``: from
@@ -479,13 +486,16 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     threadgroups a head (default QABS_PARTS); ``out_warps``:
     mla_out's SIMD groups (:func:`out_simdgroups`). ``q_proj``: ``(q_latent, q_b)`` of one decode
     row instead of q_nope / q_rope (None): mla_qb_qabs projects them itself (first launch);
-    ``qb``: its setting (:func:`qb_setting`)."""
+    ``qb``: its setting (:func:`qb_setting`). ``causal`` (no ``mask``): the query rows are the
+    consecutive positions of one sequence (with ``q_proj``: every row of q_latent), row l
+    attending to the first ``P - L + l + 1`` positions; the output is then ``[B, L, H * v]``."""
     if q_proj is None:
         B, H, L, _ = q_nope.shape
         rope, q_dtype = q_rope.shape[-1], q_nope.dtype
     else:
         q_latent, q_b = q_proj
-        B, L, q_dtype = q_latent.size // q_latent.shape[-1], 1, q_latent.dtype
+        rows = q_latent.size // q_latent.shape[-1]
+        B, L, q_dtype = (1, rows, q_latent.dtype) if causal else (rows, 1, q_latent.dtype)
         H = heads_of(kv_b, nope, v)
         rope = q_b.O // H - nope
     joint = k_rope is None
@@ -501,7 +511,9 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     p, Hp, HT = st.p, st.Hp, st.HT
     P = T if selected is None else selected.shape[-1]
     TT, NT = _tiles(P, variant, Hp // HT, tile, backend)
-    has_mask, has_sel = int(mask is not None), int(selected is not None)
+    if causal and (mask is not None or selected is not None or B != 1):
+        raise ValueError("mla_decode: causal rows are one sequence's, without a mask or a position list")
+    has_mask, has_sel = CAUSAL if causal else int(mask is not None), int(selected is not None)
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
     elif has_sel:
@@ -548,7 +560,8 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
             name="mla_out", input_names=("pacc", "pml", "w", "scales", "e8grid", "params"), output_names=("out",),
             source=st.bodies["mla_out"], header=st.header,
             inputs=[pacc, pml, p.packed, p.scales, e8grid(), params],
-            output_shapes=[(B, H, L, v) if L == 1 else (BL, H, v)], output_dtypes=[q_dtype],
+            output_shapes=[(B, L, H * v) if causal else (B, H, L, v) if L == 1 else (BL, H, v)],
+            output_dtypes=[q_dtype],
             grid=(st.out_threads, H, BL), threadgroup=(st.out_threads, 1, 1), template=st.out_template)
 
     def run(launch):
@@ -556,7 +569,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
         pacc, pml = launch(attn_spec(qabs))
         (out,) = launch(out_spec(pacc, pml))
         # [B * L, H, v] rows; with L == 1 that is [B, H, 1, v] already (written so: no views)
-        return out if L == 1 else out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
+        return out if L == 1 or causal else out.reshape(B, L, H, v).transpose(0, 2, 1, 3)
 
     run.variant = variant
     return run
@@ -626,7 +639,7 @@ _qb_statics: dict = {}
 def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
                selected: Optional[mx.array] = None, variant: Optional[str] = None,
                params: Optional[mx.array] = None, rope=None, rope_offset: Optional[mx.array] = None,
-               q_proj: Optional[tuple] = None) -> mx.array:
+               q_proj: Optional[tuple] = None, causal: bool = False) -> mx.array:
     """``[B, H, L, v]`` absorbed attention (shapes as in models/mla_reference.py); ``selected``
     ``[B, L, P]`` int32 restricts each query row to those cache positions (DSA); ``variant``
     the attention kernel (``mma`` / ``simt`` / ``wide``, default :func:`choose_variant`'s);
@@ -636,42 +649,53 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
     which the first ``params[6]`` rows are attended. ``rope`` (models/rope.RoPE) and
     ``rope_offset`` (int32 array, the position of a single query row): ``q_rope`` arrives
     unrotated; mla_qabs rotates it (the separate mx.fast.rope launch's numbers).
-    ``q_proj``: ``(q_latent, q_b)`` of one decode row, q_nope / q_rope None: the queries are
+    ``q_proj``: ``(q_latent, q_b)`` of decode rows, q_nope / q_rope None: the queries are
     q_b's projection of q_latent, rows ``[H x nope | H x rope]`` (:func:`project_queries`),
     which the first launch (mla_qb_qabs) computes itself; where it declines (counted) or on the
-    reference path, q_b's GEMV runs first."""
+    reference path, q_b's GEMV runs first.
+
+    ``causal``: the L query rows (with ``q_proj``: every row of ``q_latent [1, L, q_lora]``) are
+    consecutive positions of one sequence, row l attending to the first ``P - L + l + 1``
+    positions (P: ``params[6]``, made by :func:`step_params` with ``causal``, else the cache
+    length), no ``mask``; ``rope_offset`` then holds each row's position (int32 ``[L]``). The
+    output is ``[1, L, H * v]`` (the rows in order: o_proj's input as it is)."""
     impl = dispatch.backend()
+    L_rows = 1
     if q_proj is not None:
         q_latent, q_b = q_proj
         H = heads_of(kv_b, qk_nope_head_dim, v_head_dim)
+        L_rows = q_latent.size // q_latent.shape[-1] if causal else 1
         why = None if impl == dispatch.REFERENCE else qb_decline_reason(q_latent, q_b, H, qk_nope_head_dim)
         if why is None and impl != dispatch.REFERENCE:
-            why = decline_reason_shapes(1, latent, kv_b)
+            why = decline_reason_shapes(L_rows, latent, kv_b)
         if impl == dispatch.REFERENCE or why is not None:
             if why is not None:
                 dispatch.record_fallback("mla_qb_qabs", why)
-            q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim)
+            q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim, L_rows)
             q_proj = None
     if q_proj is None:
         reason = None if impl == dispatch.REFERENCE else decline_reason(q_nope, latent, kv_b)
         rope_width, q_rows = q_rope.shape[-1], q_rope.shape[0] * q_rope.shape[2]
+        L_rows = q_rope.shape[2]
     else:
         reason = None
-        rope_width, q_rows = q_b.O // H - qk_nope_head_dim, 1
+        rope_width, q_rows = q_b.O // H - qk_nope_head_dim, q_latent.size // q_latent.shape[-1]
     q_rotation = None
     if rope is not None:
         kernels_run = impl != dispatch.REFERENCE and reason is None
-        why = rotation_decline_reason(q_rows, rope_width, rope) if kernels_run else None
+        why = rotation_decline_reason(q_rows, rope_width, rope, rope_offset) if kernels_run else None
         if kernels_run and why is None:
-            q_rotation = (rope.inv_freq, dispatch.reshaped(rope_offset, 1))
+            q_rotation = (rope.inv_freq, dispatch.reshaped(rope_offset, q_rows))
         else:
             if why is not None:
                 dispatch.record_fallback("mla_qabs rope", why)
             if q_proj is not None:            # the fused launch cannot rotate: project first
                 dispatch.record_fallback("mla_qb_qabs", f"q_rope rotated apart: {why}")
-                q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim)
+                q_nope, q_rope = project_queries(q_latent, q_b, H, qk_nope_head_dim, L_rows)
                 q_proj = None
-            q_rope = rope.apply_fast(q_rope, rope_offset)
+            # rows of one sequence: mx.fast.rope rotates row l at the first row's position + l
+            first = rope_offset if rope_offset.ndim == 0 else rope_offset.reshape(-1)[0]
+            q_rope = rope.apply_fast(q_rope, first)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
             dispatch.record_call("mla_decode", dispatch.REFERENCE)
@@ -685,23 +709,31 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
             latent = mx.where(rows[None, :, None], latent, 0).astype(latent.dtype)
             k_rope = mx.where(rows[None, :, None], k_rope, 0).astype(k_rope.dtype)
             mask = rows[None, None, None] if mask is None else mask & rows[None, None, None]
-        return reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
-                                    qk_nope_head_dim, v_head_dim, selected)
+        if causal:
+            mask = causal_mask(L_rows, latent.shape[1], None if params is None else params[6]) \
+                if mask is None else mask & causal_mask(L_rows, latent.shape[1], params[6])
+        out = reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
+                                   qk_nope_head_dim, v_head_dim, selected)
+        if causal:
+            B, H, L, v = out.shape
+            return out.transpose(0, 2, 1, 3).reshape(B, L, H * v)
+        return out
     dispatch.record_call("mla_decode", impl)
     if q_proj is not None:
         dispatch.record_call("mla_qb_qabs", impl)
     run = launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_dim, v_head_dim,
                        selected, backend=impl, variant=variant, params=params, q_rotation=q_rotation,
-                       q_proj=q_proj)
+                       q_proj=q_proj, causal=causal)
     dispatch.record_call(f"mla_attn/{run.variant}", impl)
     return run(lambda spec: dispatch.launch(impl, spec))
 
 
-def rotation_decline_reason(q_rows: int, width: int, rope) -> Optional[str]:
-    """Why mla_qabs does not rotate q_rope (``q_rows`` query rows of ``width``) itself (a
-    separate mx.fast.rope runs, counted)."""
-    if q_rows != 1:
-        return f"{q_rows} query rows: one position only"
+def rotation_decline_reason(q_rows: int, width: int, rope, positions: Optional[mx.array] = None) -> Optional[str]:
+    """Why mla_qabs does not rotate q_rope (``q_rows`` query rows of ``width``, at ``positions``:
+    one a row) itself (a separate mx.fast.rope runs, counted)."""
+    n = 1 if positions is None else positions.size
+    if n != q_rows:
+        return f"{q_rows} query rows at {n} position(s): one position a row"
     if width % 2:
         return f"rope width {width}"
     if rope.attention_factor != 1.0:
@@ -711,6 +743,13 @@ def rotation_decline_reason(q_rows: int, width: int, rope) -> Optional[str]:
 
 # ---------------------------------------------------------------------------------------
 # Reference (pure MLX)
+
+
+def causal_mask(L: int, T: int, length=None) -> mx.array:
+    """Bool ``[1, 1, L, T]``: query row l of L (the last L of ``length`` positions, default T)
+    sees positions ``t <= length - L + l``; ``length`` may be an array (in a compiled graph)."""
+    limit = (T if length is None else length) - L + mx.arange(L, dtype=mx.int32)
+    return (mx.arange(T, dtype=mx.int32)[None] <= limit[:, None])[None, None]
 
 
 def reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, selected=None):

@@ -182,6 +182,24 @@ def dequantize_rows(qt, r0: int, r1: int) -> mx.array:
     return DEQUANTIZERS[qt.fmt](packed, scales, r1 - r0, qt.I, qt.gs)
 
 
+# Formats whose rows are independent byte runs with per-row-ordered scales (fmt 1-5): a row can
+# be gathered by id on the device.
+GATHER_FMTS = (1, 2, 3, 4, 5)
+
+
+def dequantize_take(qt, ids: mx.array) -> mx.array:
+    """float32 ``[*ids.shape, I]``: rows ``ids`` of a QTensor fmt 1-5, gathered and decoded as
+    graph ops (no host read of ``ids``: a lazily computed token stays on the device)."""
+    if qt.fmt not in GATHER_FMTS:
+        raise ValueError(f"{qt.name}: fmt {qt.fmt} rows cannot be gathered (fmt {GATHER_FMTS} only)")
+    rb, spr = row_bytes(qt.fmt, qt.I), scales_per_row(qt.fmt, qt.I, qt.gs)
+    flat = ids.reshape(-1)
+    n = flat.size
+    packed = _as_mx(qt.packed, mx.uint8).reshape(qt.O, rb)[flat].reshape(-1)
+    scales = _as_mx(qt.scales, mx.float32).reshape(qt.O, spr)[flat].reshape(-1)
+    return DEQUANTIZERS[qt.fmt](packed, scales, n, qt.I, qt.gs).reshape(*ids.shape, qt.I)
+
+
 def dequantize(qt) -> mx.array:
     """float32 ``[O, I]`` of the whole QTensor."""
     return dequantize_rows(qt, 0, qt.O)

@@ -21,10 +21,12 @@ from .reference import rms_norm
 ROWS_NSG = 4              # SIMD groups of mla_rows' threadgroup (one per row)
 
 
-def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float) -> Optional[str]:
+def rows_decline_reason(y: mx.array, q_rows: int, qa_norm, kv_norm, factor: float,
+                        offset: Optional[mx.array] = None) -> Optional[str]:
     """Why :func:`mla_rows` runs the reference on a GPU, or None."""
-    if y.size != y.shape[-1]:
-        return f"rows of shape {tuple(y.shape)}: one decode row of one sequence only"
+    n = y.size // y.shape[-1]
+    if n != (1 if offset is None else offset.size):
+        return f"rows of shape {tuple(y.shape)} at {1 if offset is None else offset.size} position(s): one a row"
     if y.dtype not in CACHE_DTYPES:
         return f"rows in {y.dtype}"
     if qa_norm is None or q_rows < 1:
@@ -79,14 +81,15 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
              offset: mx.array, cache: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
     """``(q_latent [BL, q_rows], kv [BL, R + rope])`` from ``y [BL, q_rows + R + rope]`` (any
     leading shape, kept by both outputs), the stacked q_a / kv_a projection of decode rows at
-    position ``offset`` (int32 array, mx.fast.rope's offset): q_a and the latent RMS-normalized
+    position ``offset`` (int32 array: one row's position, mx.fast.rope's offset; or ``[BL]``, the
+    consecutive positions of one sequence's rows, a verify step): q_a and the latent RMS-normalized
     by ``qa_norm`` / ``kv_norm`` (eps),
     the rope key rotated half-split by ``rope`` (models/rope.RoPE: ``inv_freq``, ``fast_freqs``
     for mx.fast.rope, ``attention_factor``), ``kv`` the joint cache row (the latent, then the
     rope key). One launch on GPUs (``mla_rows``) instead of two rms_norms, a rope and a concat.
 
     ``cache`` (the joint cache's whole buffer ``[1, capacity, R + rope]``, one sequence whose
-    position is its slot): on the kernel path the row is written into that buffer at slot
+    position is its slot): on the kernel path the rows are written into that buffer at slots
     ``offset`` in place and ``kv`` is None (``mla_rows_into``: no scatter, and no copy of the
     cache when MLX could not donate it); otherwise the caller writes ``kv``. The buffer must own
     row-contiguous memory (LayerCache's buffers do: made by ``mx.zeros`` and slice updates, then
@@ -94,7 +97,7 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
     every reader of the row must depend on q_a (the attention does, through q_b)."""
     impl = dispatch.backend()
     factor = rope.attention_factor
-    reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor)
+    reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor, offset)
     if impl == dispatch.REFERENCE or reason is not None:
         if reason is None:
             dispatch.record_call("mla_rows", dispatch.REFERENCE)
@@ -120,5 +123,8 @@ def reference_rows(y, q_rows, qa_norm, kv_norm, eps, rope, offset):
     R = kv_norm.shape[0]
     q_latent = rms_norm(y[:, :q_rows], qa_norm, eps) if q_rows else y[:, :0]
     latent = rms_norm(y[:, q_rows:q_rows + R], kv_norm, eps)
-    k_rope = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]   # [BL, 1, rope]: [..., L, dims]
+    if offset.size > 1:     # rows of one sequence at consecutive positions: [1, BL, rope] from the first
+        k_rope = rope.apply_fast(y[None, :, q_rows + R:], offset.reshape(-1)[0])[0]
+    else:
+        k_rope = rope.apply_fast(y[:, None, q_rows + R:], offset)[:, 0]   # [BL, 1, rope]: [..., L, dims]
     return q_latent, mx.concatenate([latent, k_rope], axis=-1)

@@ -20,7 +20,8 @@ DEMO_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 def load(path=None, dtype=None, **options):
-    """``(model, tokenizer)`` from a container or Hugging Face checkpoint directory.
+    """``(model, tokenizer)`` from a container, Hugging Face or mlx-lm checkpoint directory, or a
+    GGUF file or split set (docs/gguf.md).
 
     ``path=None`` loads the bundled demo model (:data:`DEMO_MODEL_DIR`). ``dtype``: activation
     dtype ("auto" = float32 on CPU, bfloat16 on GPU; "float32", "bfloat16", "float16"). Expert

@@ -211,8 +211,9 @@ def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
     return mx.put_along_axis(buffer, slot.reshape(1, 1, 1), row, axis=1)
 
 
-def embedding_rows(table, ids: mx.array) -> mx.array:
-    """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32)."""
+def embedding_rows(table, ids: mx.array, compiled_block: bool = True) -> mx.array:
+    """Rows ``ids`` of an embedding table (float or row-quantized QTensor; decoded as float32).
+    ``compiled_block`` False: inside a caller's compiled graph (kernels.gather_rows)."""
     if not isinstance(table, QTensor):
         return table[ids]
     from ..formats import decode, scale_nbytes, weight_nbytes
@@ -228,6 +229,9 @@ def embedding_rows(table, ids: mx.array) -> mx.array:
         return mlx_embedding_rows(table, ids)
     if table.fmt == 6:
         raise ValueError(f"{table.name}: an fmt 6 (rotated) embedding table cannot be looked up by row")
+    if isinstance(ids, mx.array) and table.fmt in kernels.reference.GATHER_FMTS:
+        # On the device: a speculative draft's token is looked up without a host round trip.
+        return kernels.gather_rows(table, ids, compiled_block)
     row_bytes = weight_nbytes(table.fmt, 1, table.I, table.gs)
     row_scales = scale_nbytes(table.fmt, 1, table.I, table.gs) // 4
     flat = np.array(ids).reshape(-1)
@@ -400,8 +404,9 @@ class Attention:
         [B*L,q_lora] (one decode row: [1,1,q_lora]) or None)``.
 
         ``rope_offset`` (int32 scalar array: the position of the first query row of a single
-        sequence, the rows following it) rotates with ``mx.fast.rope``, one op; without it
-        cos/sin are used.
+        sequence, the rows following it; or int32 ``[L]``, each row's position, consecutive)
+        rotates with ``mx.fast.rope``, one op; without it cos/sin are used. Rows of one sequence
+        with a position each take the decode rows' fast path (mla_rows) as one row does.
         ``rotate_q=False`` (with ``rope_offset``): q_rope is left for mla_decode to rotate.
         ``cache`` (the joint cache's buffer, with ``rope_offset`` the row's slot): the kernel
         path writes the row into it in place (kernels.mla_rows) and ``kv`` is None.
@@ -411,8 +416,9 @@ class Attention:
         B, L, D = x.shape
         H = self.n_heads
         fast = rope_offset is not None
-        if fast and L == 1 and self.folds_queries(B):
-            # One decode row: both norms and the rope key from the stacked projection in one op.
+        if fast and rope_offset.size == L and self.folds_queries(B):
+            # Decode rows of one sequence (one, or a verify step's, each with its position in
+            # rope_offset): both norms and the rope key from the stacked projection in one op.
             # Rows stay [1, 1, width] throughout (the kernels take any leading shape): every
             # reshape would be a graph node of the compiled step.
             y = linear(x, self.x_proj, self.x_proj_bias)
@@ -424,6 +430,8 @@ class Attention:
         else:
             q_x, latent, k_rope = self.project_x(x.reshape(B * L, D), B, L)   # 2-D x: no reshapes in qmatmul
             q, q_latent = self.queries(q_x)
+            if fast and rope_offset.size > 1:   # each row's position: mx.fast.rope takes the first
+                rope_offset = rope_offset.reshape(-1)[0]
             if fast:
                 k_rope = self.rope.apply_fast(k_rope, rope_offset)
             else:
@@ -521,7 +529,7 @@ class Attention:
         params = made.get(key) if made is not None else None
         if params is None:
             params = kernels.mla.step_params(self.kv_b_proj, kv, self.n_heads, self.nope, self.rope_dim,
-                                             self.v_dim, x.dtype, end, joint=True, rows=L, masked=L > 1)
+                                             self.v_dim, x.dtype, end, joint=True, rows=L, causal=L > 1)
             if made is not None:
                 made[key] = params
         return kv, params
@@ -542,19 +550,20 @@ class Attention:
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
         return self.output(attn, residual), kv
 
-    def rows_step(self, x, slot, kv, params, residual=None):
-        """:meth:`step` of ``L`` rows of one sequence ``x [1, L, D]`` at slots ``slot .. slot+L-1``
-        (a verify step of speculative decoding): the L cache rows written there, row i attending
-        to the first ``slot + i + 1`` positions (a causal mask over the buffer, made in the graph
-        from ``slot``: kernels.mla.step_params with ``masked``)."""
-        B, L, D = x.shape
-        q_nope, q_rope, rows, _ = self.rows(x, rope_offset=slot)   # rows l rotated at slot + l
-        positions = slot + mx.arange(L, dtype=mx.int32)
-        kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), rows.astype(kv.dtype), axis=1)
-        mask = (mx.arange(kv.shape[1], dtype=mx.int32)[None] <= positions[:, None])[None, None]
-        attn = self.attend(q_nope, q_rope, kv, mask, params)
-        out = self.output(attn, None if residual is None else residual.reshape(B * L, D))
-        return out.reshape(B, L, D), kv
+    def rows_step(self, x, positions, kv, params, residual=None):
+        """:meth:`step` of ``L`` rows of one sequence ``x [1, L, D]`` at ``positions`` (int32
+        ``[L]``, consecutive slots: a verify step of speculative decoding), with the 1-row step's
+        launches, each taking all L rows: the stacked x projection, mla_rows writing the L cache
+        rows, mla_decode's q_b-folded queries and causal attention (row i attends to the first
+        ``positions[0] + i + 1`` positions: kernels.mla.step_params with ``causal``), o_proj with
+        the residual."""
+        L = x.shape[1]
+        q_nope, q_rope, kv_rows, _, q_proj = self.decode_queries(self._decode_rows(x, positions, kv), x.shape[0])
+        if kv_rows is not None:
+            kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), kv_rows.astype(kv.dtype), axis=1)
+        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=positions, rows=x.shape[:-1], q_proj=q_proj,
+                           causal=True)
+        return self.output(attn, residual), kv
 
     def cached(self, kv, layer_cache, start):
         """This step's cache rows (latent, rope key) written to the cache; the whole cache so far."""
@@ -562,17 +571,22 @@ class Attention:
             return kv
         return layer_cache.append(CACHE_STREAM, kv, start)
 
-    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None, rows=None, q_proj=None):
+    def attend(self, q_nope, q_rope, kv, mask, step_params=None, q_offset=None, rows=None, q_proj=None,
+               causal=False):
         """The attention core over the cache ``kv [B, T, R + rope]`` (each row the latent, then
         the rope key): ``[B*L, H*v_dim]``, rows in (b, l) order (one query row a sequence and
         ``rows``: ``[*rows, H*v_dim]``). ``step_params`` (kernels.mla.step_params): kv is the
         cache's whole fixed-capacity buffer, of which the array says how many rows are attended.
         ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position.
-        ``q_proj``: ``(q_latent, q_b)`` of one decode row instead of q_nope / q_rope (None)."""
+        ``q_proj``: ``(q_latent, q_b)`` of one decode row instead of q_nope / q_rope (None).
+        ``causal``: the rows of one sequence at ``q_offset`` (positions ``[L]``), causal over the
+        buffer (:meth:`rows_step`); the output is then ``[1, L, H*v_dim]``."""
         B, H, L, _ = q_nope.shape if q_proj is None else (1, self.n_heads, 1, None)
         rope = None if q_offset is None else self.rope
         out = latent_attention(q_nope, q_rope, kv, self.kv_b_proj, self.scale, mask,
-                               self.nope, self.v_dim, step_params, rope, q_offset, q_proj)
+                               self.nope, self.v_dim, step_params, rope, q_offset, q_proj, causal)
+        if causal:
+            return out
         if L == 1:
             return out.reshape(*(rows or (B,)), H * self.v_dim)
         return out.transpose(0, 2, 1, 3).reshape(B * L, H * self.v_dim)
@@ -584,14 +598,15 @@ class Attention:
 
 
 def latent_attention(q_nope, q_rope, kv, kv_b, scale, mask, nope, v_dim, step_params=None,
-                     rope=None, rope_offset=None, q_proj=None):
+                     rope=None, rope_offset=None, q_proj=None, causal=False):
     """Absorbed decode for short query blocks, key/value expansion for prefill (mla_reference),
     over the joint cache ``kv [B, T, R + rope]``. ``rope``/``rope_offset``: q_rope arrives
     unrotated (one decode row; mla_decode rotates it). ``q_proj``: ``(q_latent, q_b)`` of one
     decode row, q_nope / q_rope None (mla_decode projects them)."""
     if q_proj is not None or step_params is not None or q_nope.shape[2] <= ABSORBED_MAX_TOKENS:
         return kernels.mla_decode(q_nope, q_rope, kv, None, kv_b, scale, mask, nope, v_dim,
-                                  params=step_params, rope=rope, rope_offset=rope_offset, q_proj=q_proj)
+                                  params=step_params, rope=rope, rope_offset=rope_offset, q_proj=q_proj,
+                                  causal=causal)
     if rope is not None:
         q_rope = rope.apply_fast(q_rope, rope_offset)
     R = kv.shape[-1] - q_rope.shape[-1]
@@ -802,8 +817,8 @@ class DecoderLayer:
             return "DSA selection"
         return self.mlp.host_reason(x)
 
-    def _rows_step(self, x, slot, kv, params):
-        x, kv = self.self_attn.rows_step(stream_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
+    def _rows_step(self, x, positions, kv, params):
+        x, kv = self.self_attn.rows_step(stream_norm(x, self.input_norm, self.eps), positions, kv, params, residual=x)
         return self._feed_forward(x), kv
 
     def _step(self, x, slot, kv, params):
@@ -840,11 +855,11 @@ class MTPLayer:
 def commits_layers(L: int) -> bool:
     """Whether a forward pass of ``L`` rows hands each decode layer to the device as soon as it is
     built (``mx.async_eval`` of its output and cache buffers), so the GPU runs layer i while
-    Python builds layer i + 1: one decode row on a GPU backend. On the H200 that was faster than
-    one compiled graph for the whole step (every layer and the head) in two independent runs:
-    1.36 against 1.64 ms/token, and 1.65 against 1.85. On the CPU the step is built whole and
-    evaluated by the caller."""
-    return L == 1 and kernels.dispatch.gpu_backend() is not None
+    Python builds layer i + 1: decode rows (one, or a verify step's up to DECODE_ROWS) on a GPU
+    backend. For one row on the H200 that was faster than one compiled graph for the whole step
+    (every layer and the head) in two independent runs: 1.36 against 1.64 ms/token, and 1.65
+    against 1.85. On the CPU the step is built whole and evaluated by the caller."""
+    return L <= DECODE_ROWS and kernels.dispatch.gpu_backend() is not None
 
 
 class Model:
@@ -885,7 +900,8 @@ class Model:
 
     def __call__(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None) -> mx.array:
         x = self.hidden_states(tokens, cache, left_padding)
-        return self._compiled_head(x) if x.shape[1] == 1 else self.head(x)
+        # Decode rows (one, or a verify step's): the head's graph compiled per row count.
+        return self._compiled_head(x) if x.shape[1] <= DECODE_ROWS else self.head(x)
 
     def hidden_states(self, tokens: mx.array, cache: LatentCache | None = None, left_padding=None,
                       x: mx.array | None = None) -> mx.array:
@@ -932,8 +948,8 @@ class Model:
         if 1 < L <= DECODE_ROWS and start > 0 and not padded and left_padding.shape[0] == 1 \
                 and not self.args.dsa and kernels.compiled.enabled(kernels.backend()):
             # A few rows of one sequence after its prompt (a verify step): compiled per layer at
-            # this slot (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
-            rows_offset = mx.array(start, dtype=mx.int32)
+            # these slots (DecoderLayer.rows_reason); cos/sin and the mask for layers that decline.
+            rows_offset = mx.array(np.arange(start, start + L, dtype=np.int32))
         else:
             rows_offset = None
         slots = mx.arange(start, start + L)

@@ -92,6 +92,8 @@ def table_for(container: Container, config: dict) -> WeightTable:
     """The weight table of a container, Hugging Face or mlx-lm checkpoint directory."""
     from .mlx_lm_checkpoint import is_mlx_lm_checkpoint, weight_table as mlx_lm_table
 
+    if hasattr(container, "weight_table"):   # a GGUF model (models/gguf_checkpoint.py)
+        return container.weight_table()
     if is_mlx_lm_checkpoint(config, container.names()):
         return mlx_lm_table(container, config)
     return weight_table(container)

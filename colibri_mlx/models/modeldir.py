@@ -116,7 +116,12 @@ def read_config(path) -> dict:
 
 
 def open_model_dir(path) -> ModelDir:
-    """Check everything short of the weights (module docstring); the opened directory."""
+    """Check everything short of the weights (module docstring); the opened directory. A GGUF
+    file (or a directory of split ones) opens as ``gguf_checkpoint.GgufModelDir``."""
+    from .gguf_checkpoint import is_gguf_path, open_gguf
+
+    if is_gguf_path(path):
+        return open_gguf(path)
     config = read_config(path)
     path = os.fspath(path)
     container = Container(path, config=config)

@@ -19,10 +19,11 @@ feeds the layer its own output ``x`` as ``h`` (vLLM's recurrent MTP drafting).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .. import kernels
 from .cache import LatentCache
-from .deepseek_v3 import MTPLayer, embedding_rows, rms_norm
+from .deepseek_v3 import CACHE_STREAM, DECODE_ROWS, MTPLayer, embedding_rows, rms_norm, stream_norm
 
 
 class MTPHead:
@@ -30,6 +31,12 @@ class MTPHead:
 
     ``hidden [1, L, D]`` are the main model's normed hidden states (or the head's own output
     ``x`` when drafting recurrently), ``next_tokens [1, L]`` the tokens one position later.
+    ``last_only``: the logits of the last row only (what drafting reads).
+
+    Up to DECODE_ROWS rows of one sequence after its first position run as one compiled graph
+    (kernels.compiled: :meth:`_step`, the layer's 1-row or verify-rows step between the
+    embedding, eh_proj and the head) when the layer's graph reads no values on the host; a
+    drafted token (a lazy argmax) then goes from one draft to the next without a host read.
     """
 
     def __init__(self, model, layer: MTPLayer):
@@ -37,15 +44,55 @@ class MTPHead:
         self.eps = model.args.rms_norm_eps
         self.embed_tokens = layer.embed_tokens if layer.embed_tokens is not None else model.embed_tokens
         self.lm_head = layer.head if layer.head is not None else model.lm_head
+        self._compiled = kernels.compiled.CompiledBlock(self._step, "mtp_step")
 
     def make_cache(self) -> LatentCache:
         return LatentCache(1, self.model.max_length)
 
-    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: LatentCache):
+    def _inputs(self, hidden, next_tokens):
+        """``x`` of the decoder layer: eh_proj of the normed embedding and hidden state."""
+        layer, dtype = self.layer, self.model.dtype
+        e = embedding_rows(self.embed_tokens, next_tokens, compiled_block=False).astype(dtype)
+        x = mx.concatenate([stream_norm(e, layer.enorm, self.eps),
+                            stream_norm(hidden.astype(dtype), layer.hnorm, self.eps)], axis=-1)
+        return kernels.qmatmul(x, layer.eh_proj)
+
+    def _step(self, hidden, next_tokens, slots, kv, params):
+        """The compiled graph: ``(logits of the last row, x, kv)`` of rows at ``slots``."""
+        decoder = self.layer.layer
+        x = self._inputs(hidden, next_tokens)
+        x, kv = (decoder._step if x.shape[1] == 1 else decoder._rows_step)(x, slots, kv, params)
+        last = x if x.shape[1] == 1 else x[:, -1:]
+        logits = kernels.qmatmul(stream_norm(last, self.layer.head_norm, self.eps), self.lm_head, out_dtype=mx.float32)
+        return logits, x, kv
+
+    def step_reason(self, hidden, L: int, cache: LatentCache):
+        """Why these rows do not run as the compiled :meth:`_step`, or None."""
+        if hidden.shape[0] != 1 or not 1 <= L <= DECODE_ROWS:
+            return f"{hidden.shape[0]} sequence(s) of {L} rows"
+        if cache.offset == 0 or cache.padded:
+            return "first position or padded cache"
+        if self.model.args.dsa:
+            return "DSA selection"
+        return self.layer.layer.rows_reason(hidden, cache.layers[0], None)
+
+    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: LatentCache, last_only: bool = False):
         B, L = next_tokens.shape
         if cache.offset == 0:
             cache.set_left_padding(None, B)
         start = cache.offset
+        if last_only and kernels.compiled.enabled(kernels.backend()):
+            reason = self.step_reason(hidden, L, cache)
+            if reason is None:
+                attn = self.layer.layer.self_attn
+                layer_cache = cache.layers[0]
+                kv, params = attn.step_inputs(hidden, layer_cache, start)
+                slots = mx.array(start, dtype=mx.int32) if L == 1 else \
+                    mx.array(np.arange(start, start + L, dtype=np.int32))
+                logits, x, layer_cache.buffers[CACHE_STREAM] = self._compiled(hidden, next_tokens, slots, kv, params)
+                cache.advance(L)
+                return logits, x
+            kernels.dispatch.record_call("compiled/mtp_step", f"declined: {reason}")
         dtype = self.model.dtype
         e = embedding_rows(self.embed_tokens, next_tokens).astype(dtype)
         if start == 0:
@@ -57,11 +104,18 @@ class MTPHead:
         cos, sin, mask, rope_offset = self.model._positions_and_mask(cache.left_padding, start, L, cache.padded)
         x, _ = layer.layer(x, cos, sin, mask, cache.layers[0], start, None, rope_offset)
         cache.advance(L)
-        logits = kernels.qmatmul(rms_norm(x, layer.head_norm, self.eps), self.lm_head, out_dtype=mx.float32)
+        logits = kernels.qmatmul(rms_norm(x[:, -1:] if last_only else x, layer.head_norm, self.eps), self.lm_head,
+                                 out_dtype=mx.float32)
         return logits, x
 
 
 def mtp_head(model) -> MTPHead | None:
-    """The model's first MTP layer as a draft head, or None when the model has none."""
+    """The model's first MTP layer as a draft head (one a layer: its compiled graphs are kept
+    from one generation to the next), or None when the model has none."""
     layers = getattr(model, "mtp_layers", None)
-    return MTPHead(model, layers[0]) if layers else None
+    if not layers:
+        return None
+    head = getattr(layers[0], "draft_head", None)
+    if head is None or head.model is not model:
+        head = layers[0].draft_head = MTPHead(model, layers[0])
+    return head

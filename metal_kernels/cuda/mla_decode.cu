@@ -515,7 +515,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
                                            ROPEQ ? static_cast<float>(qpos[q]) : 0.0f, invf);
   }
 // ==== kernel body: mla_qb_qabs ====
-  // mla_qabs with the q_b projection folded in (one decode row, mla.py): this head's q_nope and
+  // mla_qabs with the q_b projection folded in (decode rows, mla.py): this head's q_nope and
   // q_rope rows of q_b against the q_a row first (qb_head_rows, into shared memory), then q'
   // over all of kv_b's units (one threadgroup a head) and q_rope, as mla_qabs. One launch and
   // q's round trip through memory fewer than q_b's GEMV followed by mla_qabs.
@@ -620,7 +620,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
       int keep = -1;
       if (c0 + tid < p1) {
         const int t = has_sel ? sel[size_t(q) * P + c0 + tid] : c0 + tid;
-        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
       }
       keep_s[tid] = keep;
     }
@@ -863,7 +863,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
       int keep = -1;                           // 1 keep, 0 masked (-1e30), -1 past the tile
       if (c0 + cs < p1) {
         const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs);
-        keep = (!has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
+        keep = (has_mask == 2 ? t <= P - L + q % L : !has_mask || mask[size_t(q) * T + t] != 0) ? 1 : 0;
       }
       const float sv = keep > 0 ? dot * scale : (keep == 0 ? -1e30f : colibri_mla::neg_inf());
       float cmax = max(sv, __shfl_xor_sync(0xffffffffu, sv, 1));
@@ -1092,7 +1092,7 @@ __device__ __forceinline__ void qb_head_rows(const TQ* x, const uint8_t* wqb, co
         bool keep = live[k];
         if (live[k] && has_mask) {
           const int t = colibri_mla::mla_position(sel, has_sel, q, P, c0 + cs + k);
-          keep = mask[size_t(q) * T + t] != 0;
+          keep = has_mask == 2 ? t <= P - L + q % L : mask[size_t(q) * T + t] != 0;
         }
         sv[k] = keep ? dots[k] * scale : (live[k] ? -1e30f : colibri_mla::neg_inf());
         cmax = max(cmax, sv[k]);

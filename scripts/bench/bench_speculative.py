@@ -9,14 +9,18 @@ also on the CPU (every layer whose routing stays off the host: dense layers ther
 1. verify step: on the 4-layer DeepSeek-V3-shaped model of bench_e2e.py (random weights, fmt 4
    g64, kernels on), the median time of one forward step of 1 + K rows (K = 3: what a verify
    step of 3 drafts feeds) against a 1-row decode step, both after a 16-token prompt, each
-   step evaluated and synchronized and its rows rolled back (the context stays 16 + rows).
+   step evaluated and synchronized and its rows rolled back (the context stays 16 + rows);
+   and the dispatch counters of one step of each (kernel calls per path, compiled replays
+   included, and fallbacks).
 2. decode tok/s of a model (the bundled demo model unless --model): greedy generation of
-   --gen-tokens tokens with --draft none, mtp (when the model has an MTP layer) and ngram,
-   warm-up run first, generation tok/s from generate_tokens' own timing; acceptance rate and
-   tokens per verify step for the drafts. The prompts: an opening text (mtp and none), and a
-   summarisation-style prompt (a passage, then a request to repeat its gist) for ngram.
-3. greedy identity: every run of 2. gives the same tokens as --draft none (kernels on). A
-   mismatch is printed and the script exits 1.
+   --gen-tokens tokens with --draft none; mtp (when the model has an MTP layer) with the
+   adaptive draft length (up to --num-draft), with --num-draft fixed (COLIBRI_ADAPTIVE_DRAFT=0)
+   and with one draft; and ngram. Each after a warm-up run of the same length, the median of
+   --repeats timed runs (generate_tokens' own timing); acceptance rate, drafts and tokens per
+   verify step. Two prompts: an opening text, and a summarisation-style prompt (a passage,
+   then a request to repeat its gist: where ngram finds its drafts).
+3. greedy identity: every timed run of 2. gives the same tokens as --draft none (kernels on).
+   A mismatch is printed and the script exits 1.
 
 Prints a summary; --out writes every number as JSON. On the CPU the ratios are what counts.
 """
@@ -45,6 +49,17 @@ PASSAGE = ("And it came to pass, when men began to multiply on the face of the e
            "wives of all which they chose. And the LORD said, My spirit shall not always strive with man, for "
            "that he also is flesh: yet his days shall be an hundred and twenty years.")
 SUMMARY_PROMPT = f"{PASSAGE}\n\nTell it again in short: {PASSAGE[:60]}"
+
+
+def step_counts(model, cache, rows: mx.array) -> dict:
+    """The dispatch counters of one forward step of ``rows`` (rolled back): calls per
+    path/implementation, compiled replays included, and fallbacks."""
+    start = cache.offset
+    kernels.reset_counters()
+    mx.eval(model(rows, cache))
+    cache.offset = start
+    counts = kernels.counters()
+    return {"calls": counts["calls"], "fallbacks": counts["fallbacks"]}
 
 
 def step_time(model, cache, rows: mx.array, steps: int) -> float:
@@ -77,22 +92,37 @@ def bench_verify(args, res):
     step_time(model, cache, many, 4)
     t1 = step_time(model, cache, one, args.steps)
     tk = step_time(model, cache, many, args.steps)
+    counts_one, counts_many = step_counts(model, cache, one), step_counts(model, cache, many)
     res["verify"] = {"layers": args.layers, "rows": 1 + args.num_draft, "one_row_ms": t1 * 1e3,
-                     "verify_ms": tk * 1e3, "ratio": tk / t1, "counters": kernels.counters()}
+                     "verify_ms": tk * 1e3, "ratio": tk / t1, "one_row_counts": counts_one,
+                     "verify_counts": counts_many}
     print(f"verify step of 1+{args.num_draft} rows: {tk * 1e3:.2f} ms, 1-row step {t1 * 1e3:.2f} ms: "
           f"{tk / t1:.2f}x (target <= 1.3x on GPU)", flush=True)
+    for name, counts in (("1-row step", counts_one), (f"1+{args.num_draft} verify step", counts_many)):
+        calls = ", ".join(f"{k} {n}" for k, n in counts["calls"].items())
+        print(f"  {name} calls: {calls}; fallbacks: {counts['fallbacks'] or 'none'}", flush=True)
     del model, cache
     kernels.moe.clear_banks()
     mx.clear_cache()
 
 
-def generation(model, ids, n, draft, num_draft):
-    from colibri_mlx.generate import generate_tokens
+def generation(model, ids, n, draft, num_draft, adaptive=True):
+    import os
 
+    from colibri_mlx.generate import generate_tokens
+    from colibri_mlx.speculative import ADAPTIVE_VAR
+
+    os.environ[ADAPTIVE_VAR] = "1" if adaptive else "0"
     tokens, stats = [], {}
     for t, stats in generate_tokens(model, ids, n, draft=draft, num_draft=num_draft):
         tokens.append(t)
     return tokens, stats
+
+
+def decode_runs(num_draft: int) -> list:
+    """(label, draft, num_draft, adaptive draft length) of each decode run."""
+    return [("none", "none", num_draft, True), ("mtp", "mtp", num_draft, True),
+            ("mtp-fixed", "mtp", num_draft, False), ("mtp-k1", "mtp", 1, False), ("ngram", "ngram", num_draft, True)]
 
 
 def bench_decode(args, res):
@@ -102,39 +132,42 @@ def bench_decode(args, res):
     path = args.model or DEMO_MODEL_DIR
     model, tokenizer = colibri_mlx.load(path)
     has_mtp = bool(model.mtp_layers)
-    runs = [("opening", OPENING, "none"), ("opening", OPENING, "mtp"), ("opening", OPENING, "ngram"),
-            ("summary", SUMMARY_PROMPT, "none"), ("summary", SUMMARY_PROMPT, "ngram"),
-            ("summary", SUMMARY_PROMPT, "mtp")]
     out, mismatches, reference = {}, [], {}
-    for prompt_name, text, draft in runs:
-        if draft == "mtp" and not has_mtp:
-            out[f"{prompt_name}/{draft}"] = {"skipped": f"{path} has no MTP layer"}
-            continue
-        ids = tokenizer.encode(text)
-        n = min(args.gen_tokens, model.max_length - len(ids))
-        # Warm-up over the whole length: every row count a verify step can take and every cache
-        # capacity the run grows through is traced and compiled before the timed run.
-        generation(model, ids, n, draft, args.num_draft)
-        tokens, stats = generation(model, ids, n, draft, args.num_draft)
-        tps = stats["generation_tokens"] / max(stats["generation_time"], 1e-9)
-        row = {"tokens": len(tokens), "tok_s": tps}
-        if draft != "none":
-            steps = max(stats["draft_steps"], 1)
-            row.update(acceptance=stats["draft_accepted"] / max(stats["draft_proposed"], 1),
-                       tokens_per_step=(stats["draft_accepted"] + stats["draft_steps"]) / steps)
-            same = tokens == reference[prompt_name]
-            row["identical_to_none"] = same
-            if not same:
-                first = next(i for i, (a, b) in enumerate(zip(tokens, reference[prompt_name])) if a != b) \
-                    if any(a != b for a, b in zip(tokens, reference[prompt_name])) else min(len(tokens), len(reference[prompt_name]))
-                mismatches.append(f"{prompt_name}/{draft}: first differs at token {first}")
-        else:
-            reference[prompt_name] = tokens
-        out[f"{prompt_name}/{draft}"] = row
+    for prompt_name, text in (("opening", OPENING), ("summary", SUMMARY_PROMPT)):
+        for label, draft, num_draft, adaptive in decode_runs(args.num_draft):
+            key = f"{prompt_name}/{label}"
+            if draft == "mtp" and not has_mtp:
+                out[key] = {"skipped": f"{path} has no MTP layer"}
+                continue
+            ids = tokenizer.encode(text)
+            n = min(args.gen_tokens, model.max_length - len(ids))
+            # Warm-up over the whole length: every row count a verify step can take and every
+            # cache capacity the run grows through is traced and compiled before the timed runs.
+            generation(model, ids, n, draft, num_draft, adaptive)
+            timed = [generation(model, ids, n, draft, num_draft, adaptive) for _ in range(args.repeats)]
+            rates = sorted(st["generation_tokens"] / max(st["generation_time"], 1e-9) for _, st in timed)
+            tokens, stats = timed[0]
+            row = {"tokens": len(tokens), "tok_s": statistics.median(rates), "tok_s_runs": rates,
+                   "num_draft": num_draft, "adaptive": adaptive and draft == "mtp"}
+            if draft != "none":
+                steps = max(stats["draft_steps"], 1)
+                row.update(acceptance=stats["draft_accepted"] / max(stats["draft_proposed"], 1),
+                           tokens_per_step=(stats["draft_accepted"] + stats["draft_steps"]) / steps,
+                           drafts_per_step=stats["draft_proposed"] / steps)
+                want = reference[prompt_name]
+                same = all(t == want for t, _ in timed)
+                row["identical_to_none"] = same
+                if not same:
+                    first = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b),
+                                 min(len(tokens), len(want)))
+                    mismatches.append(f"{key}: first differs at token {first}")
+            else:
+                reference[prompt_name] = tokens
+            out[key] = row
     for prompt_name in ("opening", "summary"):
         base = out[f"{prompt_name}/none"]["tok_s"]
-        for draft in ("mtp", "ngram"):
-            row = out[f"{prompt_name}/{draft}"]
+        for label, *_ in decode_runs(args.num_draft)[1:]:
+            row = out[f"{prompt_name}/{label}"]
             if "tok_s" in row:
                 row["speedup"] = row["tok_s"] / base
     res["decode"] = {"model": path, "num_draft": args.num_draft, "runs": out}
@@ -145,9 +178,9 @@ def bench_decode(args, res):
             print(f"  {key:16s} skipped: {row['skipped']}")
             continue
         extra = (f"  {row['speedup']:.2f}x none, {100 * row['acceptance']:.0f}% accepted, "
-                 f"{row['tokens_per_step']:.2f} tokens/step, identical: {row['identical_to_none']}"
-                 if "speedup" in row else "")
-        print(f"  {key:16s} {row['tok_s']:8.1f} tok/s{extra}")
+                 f"{row['drafts_per_step']:.2f} drafts/step, {row['tokens_per_step']:.2f} tokens/step, "
+                 f"identical: {row['identical_to_none']}" if "speedup" in row else "")
+        print(f"  {key:18s} {row['tok_s']:8.1f} tok/s{extra}")
     print("greedy identity with drafts:", "ok" if not mismatches else "; ".join(mismatches), flush=True)
     return not mismatches
 
@@ -162,6 +195,7 @@ def main():
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--model", default=None, help="model for the decode runs (default: the bundled demo)")
     ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per decode run (median tok/s)")
     ap.add_argument("--parts", default="verify,decode", help="which of verify, decode to run (comma-separated)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
