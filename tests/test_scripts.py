@@ -105,3 +105,9 @@ def test_bench_gguf_metadata_rows():
     out = run_script("scripts/bench/bench_gguf_metadata.py", "--tokens", "2000", "--pairs", "1")
     for name in ("gguf.GGUFReader:", "colibri reader:", "ratio:", "tokens: 2000"):
         assert name in out, out
+
+
+def test_bench_gguf_gemv_rows():
+    out = run_script("scripts/bench/bench_gguf_gemv.py", "--tiny", "--types", "Q4_K", "IQ2_XXS")
+    for row in ("mx.quantized_matmul 4b g64", "Q4_K R4", "IQ2_XXS R4", "paired A/B"):
+        assert row in out, out
