@@ -17,7 +17,8 @@ whose A + B took over 1.15x the best pair's are dropped; the figure is the media
 GEMV. Bytes = the packed weights (+ scales and biases for the baseline) + x; GB/s as a percentage
 of 4.3 TB/s (the H200's measured copy bandwidth). Each type's kernel output is first checked against
 the float64 product with formats/gguf_quant.py's decode (|delta| / sum|x w|; bf16 output, so up to
-~2^-8).
+~2^-8). After the timings, every GGUF type not timed is checked the same way at 512x2048
+with one and eight rows of x (--no-check-all skips it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.formats import QTensor  # noqa: E402
-from colibri_mlx.formats.gguf_quant import dequantize_gguf  # noqa: E402
+from colibri_mlx.formats.gguf_quant import GGUF_TYPES, dequantize_gguf  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
 from kernel_oracle import random_gguf_qtensor  # noqa: E402
@@ -134,6 +135,26 @@ def check(name: str, host, x) -> float:
     return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
 
 
+def check_small(name: str) -> tuple:
+    """check() of one type at 512x2048, one and eight rows of bf16 x."""
+    qt = random_gguf_qtensor(name, 512, 2048, seed=3)
+    w64 = dequantize_gguf(qt.fmt, qt.packed).astype(np.float64)
+    out = []
+    for S in (1, 8):
+        x = mx.random.normal((S, 2048)).astype(mx.bfloat16)
+        got = np.asarray(gemv(x, qt.to_mlx()).astype(mx.float32)).astype(np.float64)
+        x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
+        out.append(float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max()))
+    return tuple(out)
+
+
+def write_json(path, rows) -> None:
+    if path:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(path)
+
+
 def launch_label(qt, x, tuning) -> str:
     t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, **tuning).template)
     return f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']} PF{t['PF']}" + (" (default)" if not tuning else "")
@@ -160,6 +181,7 @@ def main() -> int:
     ap.add_argument("--types", nargs="*", default=TYPES)
     ap.add_argument("--no-variants", action="store_true", help="time only the default launch")
     ap.add_argument("--tiny", action="store_true", help="256x1024, few pairs (CPU smoke run)")
+    ap.add_argument("--no-check-all", action="store_true", help="skip checking the types not timed")
     args = ap.parse_args()
     global O, I, PAIRS, GEMVS_PER_EVAL, TINY
     if args.tiny:
@@ -200,13 +222,17 @@ def main() -> int:
             rows.append(row(label, res["a"], nbytes, res["b"], kept=f"{res['kept']}/{res['pairs']}",
                             check=err if not tuning else None, type=name, tuning=tuning))
         del qts
-    if args.json:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(args.json)
+    write_json(args.json, rows)
     print(f"\n{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}")
     for r in rows:
         print(format_row(r) if "error" not in r else f"{r['kernel']:34s} {r['error']}")
+    if not args.no_check_all:   # after the timings: a run cut short by its time limit keeps them
+        print("\nevery other GGUF type, default launch, 512x2048 S=1 and S=8, worst |delta|/sum|xw| vs float64:")
+        for name in (n for n in GGUF_TYPES if n not in args.types):
+            errs = check_small(name)
+            rows.append({"kernel": f"{name} check", "check_S1": errs[0], "check_S8": errs[1]})
+            print(f"  {name:8s} S=1 {errs[0]:.2g}  S=8 {errs[1]:.2g}", flush=True)
+        write_json(args.json, rows)
     print(f"\n{O}x{I}, S=1 bf16 x; paired A/B vs mx.quantized_matmul (pairs over {OUTLIER}x the best dropped); "
           "check = worst |delta|/sum|xw| of the default launch vs float64 (bf16 output: <= ~4e-3)")
     return 0
