@@ -287,30 +287,26 @@ def moe_specs(full: bool):
             assert words.gate_up.packed.dtype == mx.uint32
             yield "gate_up_fmt4_words", moe.gate_up_spec(x, words, ids, K, dispatch.CUDA)
             yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
-    for mode, bits, gs, sdt in mlx_cases(full):   # the MLX formats' kernel FMT families
-        D, inter = 512, 256
-        experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
-                         for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)]
-        (group,) = moe.build_bank(experts).groups
-        label = f"{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}"
-        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
-            K = 2
-            x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
-            h = mx.zeros((S * K, inter), mx.float32)
-            yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
-            yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+    # The MLX formats' kernel FMT families, and each GGUF decoder as gate/up and as down:
+    # (gate/up label, down label, 4 experts of 512 -> 256 -> 512).
+    D, inter = 512, 256
+    banks = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",) * 2
+             + ([tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
+                       for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)],)
+             for mode, bits, gs, sdt in mlx_cases(full)]
     gguf = gguf_kernel_types(full)
-    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # each GGUF decoder as gate/up and as down
-        D, inter = 512, 256
-        experts = [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
-                     random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)]
+    banks += [(f"gguf_{gu}", f"gguf_{dn}",
+               [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
+                 random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)])
+              for gu, dn in zip(gguf, gguf[1:] + gguf[:1])]
+    for gu_label, dn_label, experts in banks:
         (group,) = moe.build_bank(experts).groups
         for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
             K = 2
             x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
             h = mx.zeros((S * K, inter), mx.float32)
-            yield f"gate_up_gguf_{gu}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
-            yield f"down_gguf_{dn}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            yield f"gate_up_{gu_label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            yield f"down_{dn_label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
