@@ -59,6 +59,27 @@ class _Finite(click.FloatRange):
         return rv
 
 
+class _ByteSize(click.ParamType):
+    """A byte count: an integer, or a number with a unit (``512MB``, ``8GB``, ``1.5GiB``), as mlx_lm.server."""
+
+    name = "bytes"
+    UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 1 << 10, "MIB": 1 << 20,
+             "GIB": 1 << 30, "TIB": 1 << 40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper()
+        number = text.rstrip("KMGTIB")
+        try:
+            n = float(number) * self.UNITS[text[len(number):]]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a byte count (an integer, or e.g. 512MB, 8GB, 1.5GiB)", param, ctx)
+        if not math.isfinite(n) or n < 0:
+            self.fail(f"{value!r} is not a byte count >= 0", param, ctx)
+        return int(n)
+
+
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="colibri")
 def main():
@@ -629,8 +650,27 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
 @click.option("--min-p", default=0.0, show_default=True, type=_Finite(0, 1))
 @_draft_options
+@click.option("--api-key", default=None, envvar="COLIBRI_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (401 otherwise; /health stays open). Env: COLIBRI_API_KEY.")
+@click.option("--allow-origin", default=None,
+              help="CORS: the Access-Control-Allow-Origin value to send ('*' or an origin); off by default.")
+@click.option("--max-connections", default=128, show_default=True, type=click.IntRange(min=1),
+              help="Requests served at once (a worker thread each); 4x as many more wait, then 503 with "
+                   "Retry-After.")
+@click.option("--read-timeout", default=30.0, show_default=True, type=_Finite(min=0, min_open=True),
+              help="Seconds a request may take to arrive (a half-sent one gets 408; an idle keep-alive is closed).")
+@click.option("--decode-concurrency", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Sequences decoded together by a batching engine (the serial engine runs one).")
+@click.option("--prompt-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Prompts prefilled together by a batching engine.")
+@click.option("--prefill-step-size", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens per prefill chunk of a batching engine.")
+@click.option("--prompt-cache-bytes", default=None, type=_ByteSize(),
+              help="Byte bound of a prompt cache (e.g. 8GB; default unbounded, as mlx_lm.server).")
 @_with_streaming_options
-def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft):
+def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
+          allow_origin, max_connections, read_timeout, decode_concurrency, prompt_concurrency, prefill_step_size,
+          prompt_cache_bytes):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
     from .serve import SamplingDefaults, model_id_for, serve as run_server
 
@@ -643,7 +683,11 @@ def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, 
     defaults = SamplingDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, draft=draft, num_draft=num_draft)
     try:
-        run_server(model, tokenizer, host, port, model_id_for(model_path), defaults)
+        run_server(model, tokenizer, host, port, model_id_for(model_path), defaults,
+                   engine_options=dict(decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+                                       prefill_step_size=prefill_step_size, prompt_cache_bytes=prompt_cache_bytes),
+                   max_connections=max_connections, read_timeout=read_timeout, api_key=api_key,
+                   allow_origin=allow_origin)
     except OSError as e:  # address in use, host not found
         raise click.ClickException(f"cannot serve on {host}:{port}: {e}") from None
 

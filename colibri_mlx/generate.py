@@ -80,8 +80,12 @@ class SamplingParams:
     """How the next token is drawn; every value is checked when the object is made.
 
     ``temperature`` >= 0 (0 = greedy), ``top_p`` in (0, 1] (1 = off), ``top_k`` >= 0 (0 = off),
-    ``min_p`` in [0, 1] (0 = off), ``repetition_penalty`` > 0 (1 = off). Errors are ValueErrors
-    whose message starts with the parameter's name.
+    ``min_p`` in [0, 1] (0 = off), ``repetition_penalty`` > 0 (1 = off). ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] (0 = off; OpenAI's rule: a token's logit minus
+    ``frequency_penalty * count + presence_penalty * (count > 0)``, counted over the generated
+    tokens) and ``logit_bias`` (``((token id, bias in [-100, 100]), ...)`` added to the logits)
+    come before the repetition penalty. Errors are ValueErrors whose message starts with the
+    parameter's name.
     """
 
     temperature: float = 0.0
@@ -89,6 +93,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[tuple] = None
 
     def __post_init__(self):
         if _number("temperature", self.temperature) < 0:
@@ -103,6 +110,40 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if _number("repetition_penalty", self.repetition_penalty) <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= _number(name, getattr(self, name)) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for pair in self.logit_bias or ():
+            if (not isinstance(pair, tuple) or len(pair) != 2 or isinstance(pair[0], bool)
+                    or not isinstance(pair[0], int) or pair[0] < 0
+                    or not -100 <= _number("logit_bias", pair[1]) <= 100):
+                raise ValueError(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {pair!r}")
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a step needs the previous tokens' values (no pipelining)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def needs_plain_decoding(params: SamplingParams, logprobs: bool = False) -> bool:
+    """Whether a request needs plain decoding: speculation applies the repetition penalty itself,
+    not logprobs, ``logit_bias`` or the presence/frequency penalties."""
+    return bool(logprobs or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.logit_bias)
+
+
+def apply_openai_penalties(logits: mx.array, generated: Sequence[int], params: SamplingParams) -> mx.array:
+    """``logit_bias`` added, then OpenAI's presence and frequency penalties over ``generated``."""
+    if params.logit_bias:
+        ids = mx.array([t for t, _ in params.logit_bias], dtype=mx.int32)
+        logits = logits.at[ids].add(mx.array([b for _, b in params.logit_bias], dtype=logits.dtype))
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts: dict[int, int] = {}
+        for t in generated:
+            counts[t] = counts.get(t, 0) + 1
+        ids = mx.array(list(counts), dtype=mx.int32)
+        n = mx.array(list(counts.values()), dtype=logits.dtype)
+        logits = logits.at[ids].subtract(n * params.frequency_penalty + params.presence_penalty)
+    return logits
 
 
 def reduce_seed(seed: Optional[int]) -> Optional[int]:
@@ -171,7 +212,7 @@ def make_sampler(params: SamplingParams, seed: Optional[int] = None) -> Callable
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
                     seed: Optional[int] = None, cache=None, stop_ids: Sequence[int] = (),
                     pipelined: Optional[bool] = None, draft: Optional[str] = None,
-                    num_draft: int = 3) -> Iterator[tuple[int, dict]]:
+                    num_draft: int = 3, logprobs: bool = False) -> Iterator[tuple[int, dict]]:
     """Yield ``(token, stats)`` per generated token; ``stats`` has prompt/generation timing.
 
     ``cache`` continues a conversation: ``prompt_ids`` are the new tokens only. Generation ends
@@ -182,6 +223,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     step n+1's graph and queues it while step n still runs on the device, as mlx-lm does, so
     Python graph building overlaps the GPU. The tokens are the same either way; a step fed with a
     stop token is taken back out of the cache.
+
+    ``logprobs``: ``stats["logprobs"]`` is the ``[V]`` log-softmax of the logits the sampler saw
+    (after ``logit_bias`` and the penalties, before temperature and the top-k/top-p/min-p filters).
 
     ``draft`` ("mtp", "ngram", "none"; default :func:`speculative.resolve_draft`) and
     ``num_draft`` (tokens drafted per step) turn on speculative decoding (docs/speculative.md):
@@ -201,13 +245,18 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     if cache.offset + len(prompt_ids) > limit:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens (+{cache.offset} in the cache) exceeds the "
                          f"context limit of {limit} tokens")
-    penalty = params.repetition_penalty != 1.0
+    penalty = params.counts_tokens
     pipelined = not penalty if pipelined is None else pipelined
     if pipelined and penalty:
-        raise ValueError("pipelined generation cannot apply a repetition penalty (it needs each token first)")
+        raise ValueError("pipelined generation cannot apply a repetition penalty or a presence/frequency penalty "
+                         "(it needs each token first)")
     from .speculative import check_num_draft, resolve_draft, speculative_tokens
 
-    draft = resolve_draft(model, draft, seeded_sampling=params.temperature > 0 and seed is not None)
+    per_token = needs_plain_decoding(params, logprobs)
+    if per_token and draft not in (None, "none"):
+        raise ValueError("logprobs, logit_bias and the presence/frequency penalties need draft='none'")
+    draft = "none" if per_token else resolve_draft(model, draft, seeded_sampling=params.temperature > 0
+                                                    and seed is not None)
     if draft != "none":
         yield from speculative_tokens(model, prompt_ids, max_tokens, params, seed, cache, stop_ids, draft,
                                       check_num_draft(num_draft))
@@ -215,10 +264,17 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     sampler = make_sampler(params, seed)
     stop = set(int(s) for s in stop_ids)
     seen = list(prompt_ids)
+    lp = None   # the log-probabilities of the token being drawn (logprobs=True)
 
     def next_token(logits):
-        if penalty:
+        nonlocal lp
+        if params.logit_bias or params.presence_penalty or params.frequency_penalty:
+            logits = apply_openai_penalties(logits, seen[len(prompt_ids):], params)
+        if params.repetition_penalty != 1.0:
             logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        if logprobs:  # in float32; the sampler gets the logits as they are (the same draws as without)
+            wide = logits.astype(mx.float32)
+            lp = wide - mx.logsumexp(wide)
         return sampler(logits)
 
     t0 = time.perf_counter()
@@ -230,10 +286,13 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, params: S
     for n in range(1, max_tokens + 1):
         continues = n < max_tokens and cache.offset < limit    # known before the token's value
         fed_ahead = pipelined and continues
+        token_lp = lp
         if fed_ahead:   # step n+1 is built and queued before token n is read
             following = next_token(model(token_arr.reshape(1, 1), cache)[0, -1])
             mx.async_eval(following)
         token = int(token_arr.item())
+        if logprobs:
+            stats["logprobs"] = token_lp
         seen.append(token)
         stats["generation_tokens"], stats["generation_time"] = n, time.perf_counter() - t1
         if token in stop:

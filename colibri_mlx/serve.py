@@ -1,298 +1,203 @@
 """``colibri serve``: an OpenAI-compatible HTTP server on the standard library, like ``mlx_lm.server``.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream: true`` answers with Server-Sent Events ending in ``data: [DONE]``). One model, one
-generation at a time: MLX evaluation and the latent cache are not thread-safe, so requests queue
-on a lock while the HTTP threads keep accepting. docs/serve.md lists the request fields.
+Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream: true`` answers with Server-Sent Events ending in
+``data: [DONE]``). This module is the HTTP layer: connections wait on one reader thread
+(:mod:`colibri_mlx.serve_reader`) and requests run on a bounded pool of threads; read timeouts,
+API key and CORS, OpenAI-shaped errors for every failure (protocol-level ones too), client
+disconnects and a graceful shutdown. Requests are checked and shaped in
+:mod:`colibri_mlx.serve_openai`; generation goes through an engine (:mod:`colibri_mlx.serve_engine`).
+docs/serve.md lists the request fields and flags.
 """
 
 from __future__ import annotations
 
+import collections
+import hmac
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator, Optional
+from typing import Optional
 
-from .generate import SamplingParams
-from .speculative import DEFAULT_NUM_DRAFT, DRAFT_KINDS, MAX_NUM_DRAFT
+from .serve_engine import ENGINE_OPTIONS, SerialEngine
+from .serve_reader import ConnectionReader, RequestReader
+from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
+                           StopStringFilter, error_body, model_card, parse_completion, parse_sampling, usage)
 
 MAX_BODY_BYTES = 16 << 20
+LISTEN_BACKLOG = 512
+DEFAULT_MAX_CONNECTIONS = 128
+DEFAULT_READ_TIMEOUT = 30.0
+SHUTDOWN_GRACE_S = 10.0
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
-
-class RequestError(ValueError):
-    """A bad request: answered with ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = HTTPStatus.BAD_REQUEST):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-@dataclass(frozen=True)
-class SamplingDefaults(SamplingParams):
-    """Server-wide defaults (the command line); each request may override them."""
-
-    max_tokens: int = 256
-    draft: Optional[str] = None   # speculative decoding (docs/speculative.md); None: the model's default
-    num_draft: int = DEFAULT_NUM_DRAFT
-
-
-@dataclass
-class CompletionRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: dict  # stream_generate keyword arguments: temperature, top_p, top_k, min_p, repetition_penalty, seed,
-    #                 draft, num_draft
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-
-
-# --- request parsing -----------------------------------------------------------------------
-
-def _field(body: dict, name: str, types, default, check=None, what=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # bool is an int subclass: `"max_tokens": true` must not pass as 1.
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise RequestError(f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}, "
-                           f"got {json.dumps(value)}", name)
-    if check is not None and not check(value):
-        raise RequestError(f"'{name}' must be {what}, got {json.dumps(value)}", name)
-    return value
-
-
-def _stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"'stop' must be a non-empty string or a list of them, got {json.dumps(stop)}", "stop")
-    return stops
-
-
-def parse_sampling(body: dict, defaults: SamplingDefaults) -> tuple[int, dict, list[str], bool]:
-    """``(max_tokens, sampling kwargs, stop strings, stream)`` of a request body."""
-    number = (int, float)
-    max_tokens = _field(body, "max_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
-    if max_tokens is None:  # the chat API's newer name
-        max_tokens = _field(body, "max_completion_tokens", (int,), defaults.max_tokens, lambda v: v >= 1,
-                            "an integer >= 1")
-    n = _field(body, "n", (int,), 1)
-    if n != 1:
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
-    sampling = dict(
-        temperature=float(_field(body, "temperature", number, defaults.temperature, lambda v: v >= 0, "a number >= 0")),
-        top_p=float(_field(body, "top_p", number, defaults.top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-        top_k=_field(body, "top_k", (int,), defaults.top_k, lambda v: v >= 0, "an integer >= 0"),
-        min_p=float(_field(body, "min_p", number, defaults.min_p, lambda v: 0 <= v <= 1, "a number in [0, 1]")),
-        repetition_penalty=float(_field(body, "repetition_penalty", number, defaults.repetition_penalty,
-                                        lambda v: v > 0, "a number > 0")),
-        seed=_field(body, "seed", (int,), None, lambda v: v >= 0, "an integer >= 0"),
-        draft=_field(body, "draft", (str,), defaults.draft, lambda v: v in DRAFT_KINDS,
-                     "one of " + ", ".join(map(repr, DRAFT_KINDS))),
-        num_draft=_field(body, "num_draft", (int,), defaults.num_draft, lambda v: 1 <= v <= MAX_NUM_DRAFT,
-                         f"an integer in 1..{MAX_NUM_DRAFT}"),
-    )
-    stream = _field(body, "stream", (bool,), False)
-    return max_tokens, sampling, _stop_strings(body), stream
-
-
-def _prompt_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = tokenizer.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"'prompt' has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
-        return list(prompt)
-    raise RequestError("'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
-                       "prompt")
-
-
-def _message_text(i: int, content) -> str:
-    if isinstance(content, str):
-        return content
-    # The content-parts form: [{"type": "text", "text": ...}, ...]
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
-        out.append({"role": m["role"], "content": _message_text(i, m.get("content"))})
-    return out
-
-
-def parse_completion(body, tokenizer, defaults: SamplingDefaults, chat: bool) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    if chat:
-        if not tokenizer.chat_template:
-            raise RequestError("the model's tokenizer has no chat template; use /v1/completions")
-        try:
-            ids = tokenizer.encode_chat(_messages(body))
-        except ValueError as e:  # TokenizerError: the template itself refused the messages
-            raise RequestError(str(e), "messages") from None
-    else:
-        if "prompt" not in body:
-            raise RequestError("missing field 'prompt'", "prompt")
-        ids = _prompt_ids(tokenizer, body["prompt"])
-    max_tokens, sampling, stop, stream = parse_sampling(body, defaults)
-    return CompletionRequest(ids, max_tokens, sampling, stop, stream)
-
-
-# --- generation with stop strings ------------------------------------------------------------
-
-class StopStringFilter:
-    """Cuts the text at the first stop string. Holds back a tail that could still become one,
-    so that streamed deltas never contain text that a later token turns into a stop."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.longest = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.sent = 0
-
-    def add(self, delta: str) -> tuple[str, bool]:
-        """``(text safe to send, stopped)``."""
-        self.text += delta
-        start = max(0, len(self.text) - len(delta) - self.longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            return self._send(len(self.text)), True
-        return self._send(len(self.text) - self._pending_prefix()), False
-
-    def flush(self) -> str:
-        return self._send(len(self.text))
-
-    def _pending_prefix(self) -> int:
-        for k in range(min(self.longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
-
-    def _send(self, end: int) -> str:
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-
-@dataclass
-class Outcome:
-    completion_tokens: int = 0
-    finish_reason: Optional[str] = None
-    last: object = None  # the final GenerationResponse (timing stats)
-
-
-def generate_deltas(model, tokenizer, req: CompletionRequest, outcome: Outcome) -> Iterator[str]:
-    """Text deltas of the completion; ``outcome`` holds the token count and finish reason at the end."""
-    from .generate import stream_generate
-
-    stopper = StopStringFilter(req.stop)
-    for r in stream_generate(model, tokenizer, req.prompt_ids, max_tokens=req.max_tokens, **req.sampling):
-        outcome.completion_tokens, outcome.last = r.generation_tokens, r
-        text, stopped = stopper.add(r.text)
-        if text:
-            yield text
-        if stopped:
-            outcome.finish_reason = "stop"
-            store = getattr(model, "expert_store", None)
-            if store is not None:  # stream_generate saves it only when it runs to the end
-                store.save_usage()
-            return
-        if r.finish_reason is not None:
-            outcome.finish_reason = r.finish_reason
-            break
-    tail = stopper.flush()
-    if tail:
-        yield tail
-
-
-# --- responses -----------------------------------------------------------------------------
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class _Response:
-    """The OpenAI response shapes of one request (completion or chat, whole or chunked)."""
-
-    def __init__(self, chat: bool, model_id: str):
-        self.chat, self.model_id = chat, model_id
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id, "choices": choices,
-                **extra}
-
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage)
-
-    def chunk(self, text: Optional[str], finish_reason: Optional[str] = None, usage: Optional[dict] = None,
-              role: bool = False) -> dict:
-        extra = {} if usage is None else {"usage": usage}
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice], **extra)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], **extra)
-
-
-def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-# --- HTTP ----------------------------------------------------------------------------------
 
 class ModelServer(ThreadingHTTPServer):
-    """The HTTP server holding the model, its lock and the sampling defaults."""
+    """The HTTP server holding the engine, the tokenizer and the sampling defaults.
 
-    daemon_threads = True  # Ctrl-C must not wait for a client that keeps a stream open
+    Connections wait for their next request on one reader thread (:mod:`serve_reader`); a
+    request that has arrived gets a thread, at most ``max_connections`` at once; up to
+    ``max_pending`` more (default 4 x ``max_connections``) wait for a thread in arrival order, and
+    one more is answered 503 with ``Retry-After``. A request (head, and a body of up to 1 MiB) must arrive
+    within ``read_timeout`` seconds: otherwise 408, or the connection is closed when it sent
+    nothing (an idle keep-alive).
+    """
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address, model, tokenizer, model_id: str = "colibri",
-                 defaults: SamplingDefaults = SamplingDefaults(), log=sys.stderr):
+                 defaults: SamplingDefaults = SamplingDefaults(), log=sys.stderr, engine=None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 api_key: Optional[str] = None, allow_origin: Optional[str] = None,
+                 max_pending: Optional[int] = None):
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
-        self.generation_lock = threading.Lock()
+        self.engine = engine if engine is not None else SerialEngine(model, tokenizer, draft=defaults.draft,
+                                                                     num_draft=defaults.num_draft)
+        self.context_limit = model.max_length
         self.created = int(time.time())
         self.log = log
+        self.max_connections, self.read_timeout = max_connections, read_timeout
+        self.api_key, self.allow_origin = api_key, allow_origin
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.connections: dict[threading.Thread, socket.socket] = {}
+        self.connections_lock = threading.Lock()
+        self.pending: collections.deque = collections.deque()
+        self.max_pending = max_pending if max_pending is not None else 4 * max_connections
+        self.stopping = threading.Event()
+        self.refused = 0
+        self.reader = RequestReader(self._dispatch, read_timeout, log)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
         return f"http://{host}:{port}"
 
+    # -- the bounded pool --
+
+    def process_request(self, request, client_address):
+        """From the accepting thread: the connection waits for its request on the reader."""
+        self.reader.add(request, client_address)
+
+    def _dispatch(self, sock, client_address, data: bytes) -> None:
+        """From the reader: a whole request (or a head too long to be one) is in ``data``. It runs
+        on a free slot, or waits for one among at most ``max_pending``; past that it gets a 503."""
+        with self.connections_lock:
+            if not self.stopping.is_set():
+                if self.slots.acquire(blocking=False):
+                    self._start(sock, client_address, data)
+                    return
+                if len(self.pending) < self.max_pending:
+                    self.pending.append((sock, client_address, data))
+                    return
+        self.refused += 1
+        _refuse_busy(sock, self.allow_origin)
+        self.shutdown_request(sock)
+
+    def _start(self, sock, client_address, data: bytes) -> None:
+        t = threading.Thread(target=self._serve_connection, args=(sock, client_address, data), daemon=True)
+        self.connections[t] = sock
+        t.start()
+
+    def _serve_connection(self, sock, client_address, data: bytes):
+        keep = False
+        try:
+            sock.settimeout(self.read_timeout)
+            handler = self.RequestHandlerClass(sock, client_address, self, data)
+            keep = not handler.close_connection and not self.stopping.is_set()
+            if keep:  # the next request of a keep-alive connection waits on the reader, not on a thread
+                self.reader.add(sock, client_address, handler.rfile.leftover())
+        except Exception:
+            self.handle_error(sock, client_address)
+        finally:
+            if not keep:
+                self.shutdown_request(sock)
+            with self.connections_lock:
+                self.connections.pop(threading.current_thread(), None)
+                if self.pending and not self.stopping.is_set():
+                    self._start(*self.pending.popleft())  # the slot passes to the oldest waiting request
+                else:
+                    self.slots.release()
+
+    def handle_error(self, request, client_address):
+        if self.log is not None:
+            import traceback
+
+            print(f"{client_address[0]} - connection error: {traceback.format_exc(limit=3)}", file=self.log,
+                  flush=True)
+
+    def drain(self, timeout: float = SHUTDOWN_GRACE_S) -> None:
+        """Stop taking requests, cancel the running generations (their streams end with a final
+        chunk), wait for the connection threads, then close the engine (no MLX work left)."""
+        with self.connections_lock:
+            self.stopping.set()
+            pending, self.pending = list(self.pending), collections.deque()
+        for sock, _, _ in pending:
+            _refuse_busy(sock, self.allow_origin, "the server is shutting down")
+            self.shutdown_request(sock)
+        self.reader.close()  # closes the connections waiting for a request
+        self.engine.cancel_all()
+        with self.connections_lock:
+            sockets = list(self.connections.values())
+        for sock in sockets:  # a handler still reading a large body reads end-of-file; answers still go out
+            try:
+                sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.connections_lock:
+                alive = [t for t in self.connections if t.is_alive()]
+            if not alive:
+                break
+            self.engine.cancel_all()  # a request queued behind the cancelled one
+            alive[0].join(0.05)
+        self.engine.close()  # waits: the generation stops at the next token (a prompt step runs to its end)
+
+    def server_close(self):
+        super().server_close()
+        if not self.stopping.is_set():
+            self.drain()
+
+
+def _refuse_busy(sock, allow_origin: Optional[str] = None,
+                 message: str = "the server is busy: too many requests at once; retry later") -> None:
+    body = json.dumps(error_body(message, HTTPStatus.SERVICE_UNAVAILABLE)).encode()
+    cors = b"" if allow_origin is None else b"Access-Control-Allow-Origin: %s\r\n" % allow_origin.encode()
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                     b"%sConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (cors, len(body), body))
+    except OSError:
+        pass
 
 class RequestHandler(BaseHTTPRequestHandler):
     server: ModelServer
     protocol_version = "HTTP/1.1"
     server_version = "colibri"
+    error_content_type = "application/json"
+    disable_nagle_algorithm = True  # a streamed token goes out at once, not after the client's delayed ACK
+
+    def __init__(self, request, client_address, server, data: bytes = b""):
+        self.received = data
+        super().__init__(request, client_address, server)
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()
+        self.rfile = ConnectionReader(self.received, self.connection)
+
+    def handle(self):
+        """One request: the server hands the connection back to the reader between requests."""
+        self.close_connection = True
+        self.handle_one_request()
 
     def log_message(self, format, *args):
         if self.server.log is not None:
@@ -300,16 +205,44 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     # -- plumbing --
 
-    def _send_json(self, status: int, obj: dict) -> None:
+    def end_headers(self):
+        origin = self.server.allow_origin
+        if origin is not None:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.send_header("Vary", "Origin")
+        super().end_headers()
+
+    def send_error(self, code, message=None, explain=None):
+        """Protocol-level errors (bad request line, 414, 431, 501, ...) as OpenAI-style JSON."""
+        try:
+            short, long = self.responses[code]
+        except KeyError:
+            short, long = "error", ""
+        self.log_error("code %d, message %s", code, message)
+        if self.request_version == "HTTP/0.9":  # the request line did not parse: answer in HTTP/1.1 anyway
+            self.request_version = "HTTP/1.1"
+        self.close_connection = True
+        self._send_json(code, error_body(message or explain or long or short, code), close=True)
+
+    def _send_json(self, status: int, obj: dict, close: bool = False, headers: dict = {}) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for k, v in headers.items():
+            self.send_header(k, v)
+        if close:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _send_error(self, e: RequestError) -> None:
-        self._send_json(e.status, error_body(str(e), e.status, e.param))
+        close = self.close_connection or e.status >= 500
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == HTTPStatus.UNAUTHORIZED else {}
+        self._send_json(e.status, error_body(str(e), e.status, e.param, e.code), close=close, headers=headers)
 
     def _read_json(self):
         length = self.headers.get("Content-Length")
@@ -320,79 +253,191 @@ class RequestHandler(BaseHTTPRequestHandler):
         try:
             n = int(length)
         except ValueError:
+            self.close_connection = True
             raise RequestError(f"bad Content-Length {length!r}") from None
-        if not 0 <= n <= MAX_BODY_BYTES:
+        if n < 0:
+            self.close_connection = True
+            raise RequestError(f"bad Content-Length {length!r}: negative")
+        if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(f"request body of {n} bytes (limit {MAX_BODY_BYTES})",
                                status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        raw = self.rfile.read(n)
+        try:
+            raw = self.rfile.read(n)
+        except (TimeoutError, socket.timeout):
+            self.close_connection = True
+            raise RequestError(f"the request body did not arrive within {self.server.read_timeout:g} s",
+                               status=HTTPStatus.REQUEST_TIMEOUT) from None
+        if len(raw) < n:
+            self.close_connection = True
+            raise RequestError(f"the request body ended after {len(raw)} of {n} bytes")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(f"invalid JSON in the request body: {e}") from None
+        except RecursionError:
+            raise RequestError("the request body is nested too deeply") from None
+
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        if key is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+            return True
+        self._send_error(RequestError("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                      status=HTTPStatus.UNAUTHORIZED, code="invalid_api_key"))
+        return False
+
+    def _path(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/")
 
     # -- routes --
 
+    def do_OPTIONS(self):  # CORS preflight
+        self.send_response(HTTPStatus.NO_CONTENT)
+        self.send_header("Allow", "GET, POST, OPTIONS")
+        if self.server.allow_origin is not None:
+            self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+            self.send_header("Access-Control-Allow-Headers",
+                             self.headers.get("Access-Control-Request-Headers") or "Authorization, Content-Type")
+            self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_GET(self):
-        path = self.path.split("?", 1)[0].rstrip("/")
+        path = self._path()
         if path == "/health":
             self._send_json(HTTPStatus.OK, {"status": "ok"})
-        elif path == "/v1/models":
-            model = {"id": self.server.model_id, "object": "model", "created": self.server.created,
-                     "owned_by": "colibri"}
-            self._send_json(HTTPStatus.OK, {"object": "list", "data": [model]})
+            return
+        if not self._authorized():
+            return
+        if path == "/v1/models":
+            self._send_json(HTTPStatus.OK, {"object": "list",
+                                            "data": [model_card(self.server.model_id, self.server.created)]})
+        elif path.startswith("/v1/models/"):
+            wanted = path[len("/v1/models/"):]
+            if wanted == self.server.model_id:
+                self._send_json(HTTPStatus.OK, model_card(self.server.model_id, self.server.created))
+            else:
+                self._send_error(RequestError(f"the model {wanted!r} does not exist (this server has "
+                                              f"{self.server.model_id!r})", "model", HTTPStatus.NOT_FOUND,
+                                              "model_not_found"))
         else:
             self._send_error(RequestError(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND))
 
+    do_HEAD = do_GET  # the same status and headers, no body (_send_json)
+
     def do_POST(self):
-        path = self.path.split("?", 1)[0].rstrip("/")
         routes = {"/v1/completions": False, "/v1/chat/completions": True}
         try:
-            if path not in routes:
-                if self.headers.get("Content-Length"):  # keep the connection usable
-                    self.rfile.read(int(self.headers["Content-Length"]))
+            if not self._authorized():
+                self.close_connection = True
+                return
+            chat = routes.get(self._path())
+            if chat is None:
+                self._read_json_or_none()
                 raise RequestError(f"no route POST {self.path}", status=HTTPStatus.NOT_FOUND)
-            chat = routes[path]
             body = self._read_json()
-            req = parse_completion(body, self.server.tokenizer, self.server.defaults, chat)
+            req = parse_completion(body, self.server.tokenizer, self.server.defaults, chat, self.server.context_limit)
+            handle = self._submit(req)
         except RequestError as e:
             self._send_error(e)
             return
-        except ValueError as e:
-            self._send_error(RequestError(f"bad Content-Length: {e}"))
+        except ValueError as e:  # SamplingParams, the engine's checks
+            self._send_error(RequestError(str(e)))
             return
-        with self.server.generation_lock:
-            try:
-                self._complete(req, _Response(chat, self.server.model_id))
-            except Exception as e:  # a bug, not the client's fault: say so instead of dropping the connection
-                self.log_error("generation failed: %r", e)
-                if not self.headers_sent_for_stream:
-                    self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                    error_body(f"generation failed: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR))
-                self.close_connection = True
-
-    def _complete(self, req: CompletionRequest, resp: _Response) -> None:
-        outcome = Outcome()
-        deltas = generate_deltas(self.server.model, self.server.tokenizer, req, outcome)
+        except RuntimeError as e:  # the engine is closed: shutting down
+            self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, error_body(str(e), HTTPStatus.SERVICE_UNAVAILABLE),
+                            close=True, headers={"Retry-After": "1"})
+            return
+        self.stream_started = False
         try:
-            # The first step runs the prompt: its errors (context limit, bad sampling values)
-            # must become a 400 before any 200 header goes out.
-            first = next(deltas, None)
+            self._complete(req, handle, Response(chat, self.server.model_id, req.logprobs is not None))
+        except Exception as e:  # a bug, not the client's fault: say so instead of dropping the connection
+            handle.cancel()
+            self.log_error("generation failed: %r", e)
+            error = error_body(f"generation failed: {e!r}", HTTPStatus.INTERNAL_SERVER_ERROR)
+            try:
+                if not self.stream_started:
+                    self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, error, close=True)
+                else:  # the 200 went out: the error comes as an event, as OpenAI's streams send one
+                    self._event(error, done=True)
+            except _ClientGone:
+                pass
+            self.close_connection = True
+
+    def _submit(self, req: CompletionRequest):
+        engine = self.server.engine
+        if req.engine_extras and not getattr(engine, "takes_draft", False):
+            raise RequestError(f"this server's engine ({type(engine).__name__}) does not take "
+                               f"{' or '.join(map(repr, req.engine_extras))}", next(iter(req.engine_extras)))
+        return engine.submit(req.prompt_ids, req.params, req.max_tokens, req.seed, req.logprobs, **req.engine_extras)
+
+    def _read_json_or_none(self):
+        if self.headers.get("Content-Length"):  # keep the connection usable
+            try:
+                self._read_json()
+            except RequestError:
+                pass
+
+    def _complete(self, req: CompletionRequest, handle, resp: Response) -> None:
+        text = CompletionText(self.server.tokenizer, req, handle)
+        events = iter(handle)
+        try:
+            # The first event comes after the prompt step: its errors (context limit, bad sampling
+            # values) must become a 400 before any 200 header goes out.
+            first = next(events, None)
         except ValueError as e:
             self._send_error(RequestError(str(e)))
             return
+        pieces = text.pieces(_chain(first, events))
         if req.stream:
-            self._stream(req, resp, first, deltas, outcome)
+            self._stream(req, handle, resp, text, pieces)
         else:
-            text = (first or "") + "".join(deltas)
-            usage = _usage(len(req.prompt_ids), outcome.completion_tokens)
-            self._send_json(HTTPStatus.OK, resp.whole(text, outcome.finish_reason, usage))
-        self._log_stats(outcome)
+            self._whole(req, handle, resp, text, pieces)
+        self._log_stats(req, handle, text)
 
-    headers_sent_for_stream = False
+    def _whole(self, req, handle, resp: Response, text: CompletionText, pieces) -> None:
+        done = threading.Event()
+        watcher = threading.Thread(target=self._watch_disconnect, args=(handle, done), daemon=True)
+        watcher.start()
+        try:
+            parts, logprobs = [], []
+            for p in pieces:
+                parts.append(p.text)
+                logprobs.extend(p.logprobs)
+        finally:
+            done.set()
+        if self.client_gone:
+            self.close_connection = True
+            return
+        u = usage(len(req.prompt_ids), text.completion_tokens, getattr(handle, "cached_tokens", 0))
+        self._send_json(HTTPStatus.OK, resp.whole("".join(parts), text.finish_reason, u, logprobs, text.tool_calls))
 
-    def _stream(self, req, resp: _Response, first, deltas, outcome: Outcome) -> None:
-        self.headers_sent_for_stream = True
+    client_gone = False
+
+    def _watch_disconnect(self, handle, done: threading.Event) -> None:
+        """Cancel the request when the client closes its connection while it waits for a whole answer."""
+        sock = self.connection
+        while not done.wait(0.1):
+            if self.server.stopping.is_set():  # drain() shut the reading side: not the client leaving
+                return
+            try:  # not select(): connection numbers go past its FD_SETSIZE under load
+                gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                gone = True
+            if gone:
+                self.client_gone = True
+                handle.cancel()
+                return
+            done.wait(0.5)  # the client sent more (a pipelined request): look again later
+
+    def _stream(self, req, handle, resp: Response, text: CompletionText, pieces) -> None:
+        self.stream_started = True
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -402,33 +447,52 @@ class RequestHandler(BaseHTTPRequestHandler):
         try:
             if resp.chat:
                 self._event(resp.chunk(None, role=True))
-            if first is not None:
-                self._event(resp.chunk(first))
-                for text in deltas:
-                    self._event(resp.chunk(text))
-            usage = _usage(len(req.prompt_ids), outcome.completion_tokens)
-            self._event(resp.chunk(None, outcome.finish_reason, usage))
-            self.wfile.write(b"data: [DONE]\n\n")
+            for p in pieces:
+                self._event(resp.chunk(p.text, logprobs=p.logprobs))
+            if text.tool_calls:
+                self._event(resp.chunk(None, tool_calls=text.tool_calls))
+            self._event(resp.chunk(None, text.finish_reason), done=not req.include_usage)
+            if req.include_usage:
+                self._event(resp.usage_chunk(usage(len(req.prompt_ids), text.completion_tokens,
+                                                   getattr(handle, "cached_tokens", 0))), done=True)
+        except _ClientGone:  # stop generating
+            handle.cancel()
+            pieces.close()
+
+    def _event(self, obj: dict, done: bool = False) -> None:
+        try:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n" + (b"data: [DONE]\n\n" if done else b""))
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            deltas.close()  # the client left: stop generating and free the lock
+        except (OSError, ValueError):  # broken pipe, reset, write timeout; ValueError: the file is closed
+            raise _ClientGone from None
 
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+    def _log_stats(self, req, handle, text: CompletionText) -> None:
+        if self.server.log is None:
+            return
+        s = getattr(handle, "stats", None) or {}
+        prompt_tps = len(req.prompt_ids) / max(s.get("prompt_time", 0.0), 1e-9)
+        gen_tps = s.get("generation_tokens", 0) / max(s.get("generation_time", 0.0), 1e-9)
+        note = _draft_note(s) if "draft_steps" in s else ""
+        print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps:.1f} tok/s | generation: "
+              f"{text.completion_tokens} tokens, {gen_tps:.1f} tok/s | finish: {text.finish_reason}{note}",
+              file=self.server.log, flush=True)
 
-    def _log_stats(self, outcome: Outcome) -> None:
-        r = outcome.last
-        if r is not None and self.server.log is not None:
-            print(f"  prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.1f} tok/s | generation: "
-                  f"{r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s | finish: {outcome.finish_reason}"
-                  + _draft_note(r), file=self.server.log, flush=True)
+
+class _ClientGone(Exception):
+    """The client of a stream left."""
 
 
-def _draft_note(r) -> str:
+def _chain(first, rest):
+    if first is not None:
+        yield first
+        yield from rest
+
+
+def _draft_note(stats: dict) -> str:
+    from .generate import DRAFT_STATS
     from .speculative import acceptance_summary
 
-    summary = acceptance_summary(r.draft_stats or {})
+    summary = acceptance_summary({k: stats[k] for k in DRAFT_STATS})
     return f" | {summary}" if summary else ""
 
 
@@ -437,13 +501,38 @@ def model_id_for(path: Optional[str]) -> str:
 
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id: str = "colibri",
-          defaults: SamplingDefaults = SamplingDefaults()) -> None:
-    """Serve until Ctrl-C."""
-    server = ModelServer((host, port), model, tokenizer, model_id, defaults)
+          defaults: SamplingDefaults = SamplingDefaults(), engine_class=SerialEngine, engine_options: dict = {},
+          **server_options) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully: stop accepting, end the running
+    streams with a final chunk, wait for the generation thread, return (exit status 0).
+    ``engine_options``: :data:`serve_engine.ENGINE_OPTIONS`; ``server_options``: ModelServer's."""
+    options = dict(ENGINE_OPTIONS, **engine_options)
+    engine = engine_class(model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **options)
+    try:
+        server = ModelServer((host, port), model, tokenizer, model_id, defaults, engine=engine, **server_options)
+    except BaseException:
+        engine.close()
+        raise
+    if host not in LOOPBACK_HOSTS and server.api_key is None:
+        print(f"colibri serve: WARNING: listening on {host} (not loopback) without --api-key: anyone who can "
+              "reach this address can use the model", file=sys.stderr, flush=True)
     print(f"colibri serve: {model_id} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT too: a process started in the background by a shell inherits SIGINT ignored.
+    previous = signal.signal(signal.SIGTERM, interrupt), signal.signal(signal.SIGINT, interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("colibri serve: shutting down", file=sys.stderr, flush=True)
     finally:
-        server.server_close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the drain short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            server.socket.close()  # stop accepting
+            server.drain()
+        finally:
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])

@@ -96,13 +96,17 @@ class Tokenizer:
             raise TokenizerError(f"{self.source}: cannot decode token ids: {' '.join(str(e).split())[:200]}") \
                 from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered by the chat template, as transformers renders it."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The conversation rendered by the chat template, as transformers renders it (``tools``:
+        OpenAI's function list, passed to the template as ``tools`` when given)."""
         if not self.chat_template:
             raise TokenizerError("the tokenizer has no chat template (use a plain prompt / --no-chat-template)")
         template = _compile_template(self.chat_template, self.chat_template_source)
         extra = {k: v for k, v in self.config.items() if k.endswith("_token") and k not in ("bos_token", "eos_token")
                  and isinstance(v, str)}
+        if tools is not None:
+            extra["tools"] = tools
         _render_state.left, _render_state.iterations = RENDER_BUDGET, RENDER_ITERATIONS
         _render_state.max_chars = RENDER_BUDGET + 2 * _content_chars(messages)
         try:

@@ -148,8 +148,8 @@ inline float qd_e8m0_times(uint e) {
 }
 
 // Scale of segment g of unit u of row `row`: fmt 4 its group's, fmt 5 its group's, fmt 6
-// d * (0.5 + code) / 4 (the grid holds doubled magnitudes); 1 for fmt 0-3 and MLX affine (its
-// decode applies scale and bias). The MLX fp modes: E8M0 (2^(e-127): the float32 with exponent
+// d * (0.5 + code) / 4 (the grid holds doubled magnitudes); 1 for fmt 0-3 and MLX affine (qd_seg_dots
+// applies its scale and bias). The MLX fp modes: E8M0 (2^(e-127): the float32 with exponent
 // bits e) or E4M3, times 2^14 for E2M1 codes and 2^8 for E4M3 codes (qd_decode8 builds codes
 // as halves scaled down by those powers). A fmt 4 half-unit past the row end (its x are zero)
 // clamps to the row's last group.
@@ -201,6 +201,29 @@ inline float2 qd_nib_hi(uint b) {
 
 // Codes (fmt 0: the weights, fmt 6: signed grid magnitudes) of weights k0 .. k0 + 7 of a
 // unit, in weight order. k0 is a multiple of 8.
+// An affine unit's scale and bias (one group: units never straddle groups) from its scale
+// words: bfloat16 / float16 halves of one word, or two float32 words.
+template <int FMT>
+inline void qd_affine_scale_bias(thread const uint* r, thread float& sc, thread float& bi) {
+  constexpr int B = qd_mlx_bits(FMT);
+  const uint sb = r[B];
+  sc = FMT >= 90 ? as_type<float>(sb) : (FMT >= 80 ? float(as_type<half2>(sb).x) : as_type<float>(sb << 16));
+  bi = FMT >= 90 ? as_type<float>(r[qd_words(FMT) - 1])
+                 : (FMT >= 80 ? float(as_type<half2>(sb).y) : as_type<float>(sb & 0xFFFF0000u));
+}
+
+// The 8 unsigned codes k0 .. k0 + 7 of an affine unit as exact floats, from one 64-bit window of
+// the bit stream (8 * bits bits starting at bit 8 * bits * (k0 / 8): shift + 8 * bits <= 64).
+template <int FMT>
+inline void qd_affine_codes8(thread const uint* r, int k0, thread float* q) {
+  constexpr int B = qd_mlx_bits(FMT);
+  const int off = k0 * B;
+  const ulong v = (ulong(r[off >> 5]) | (ulong(r[(off >> 5) + 1]) << 32)) >> (off & 31);
+  for (int k = 0; k < 8; ++k) {
+    q[k] = qd_code(uint(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f);
+  }
+}
+
 template <int FMT>
 inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, thread float* q) {
   if (qd_gguf(FMT)) {
@@ -236,30 +259,32 @@ inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, 
       q[k] = qd_code(lo | (hi << 2), 8388612.0f);
     }
   } else if (qd_affine(FMT)) {
-    // w = q * scale + bias: the 8 codes from one 64-bit window of the bit stream (8 * bits
-    // bits starting at bit 8 * bits * (k0 / 8): shift + 8 * bits <= 64 for every bits).
-    constexpr int B = qd_mlx_bits(FMT);
-    const uint sb = r[B];
-    const float sc = FMT >= 90 ? as_type<float>(sb)
-                     : (FMT >= 80 ? float(as_type<half2>(sb).x) : as_type<float>(sb << 16));
-    const float bi = FMT >= 90 ? as_type<float>(r[qd_words(FMT) - 1])
-                     : (FMT >= 80 ? float(as_type<half2>(sb).y) : as_type<float>(sb & 0xFFFF0000u));
-    const int off = k0 * B;
-    const ulong v = (ulong(r[off >> 5]) | (ulong(r[(off >> 5) + 1]) << 32)) >> (off & 31);
+    // w = q * scale + bias.
+    float sc, bi;
+    qd_affine_scale_bias<FMT>(r, sc, bi);
+    qd_affine_codes8<FMT>(r, k0, q);
     for (int k = 0; k < 8; ++k) {
-      q[k] = fma(qd_code(uint(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f), sc, bi);
+      q[k] = fma(q[k], sc, bi);
     }
   } else if (FMT == 8 || FMT == 9) {
-    // E2M1 nibble c (weight k in nibble k): its bits in a half are the value * 2^-14.
-    for (int k = 0; k < 8; ++k) {
-      const uint c = (r[(k0 + k) >> 3] >> (4 * ((k0 + k) & 7))) & 0xFu;
-      q[k] = float(as_type<half>(ushort(((c & 8u) << 12) | ((c & 7u) << 9))));
-    }
+    // E2M1 nibble c (weight k in nibble k): its bits in a half are the value * 2^-14 (sign to
+    // bit 15, the 3 magnitude bits to bits 9-11). Nibbles k and k + 4 lie 16 bits apart: each
+    // pair becomes one half2 and one conversion.
+    const uint b = r[k0 >> 3];
+    const float2 v04 = float2(as_type<half2>(((b & 0x00080008u) << 12) | ((b & 0x00070007u) << 9)));
+    const float2 v15 = float2(as_type<half2>(((b & 0x00800080u) << 8) | ((b & 0x00700070u) << 5)));
+    const float2 v26 = float2(as_type<half2>(((b & 0x08000800u) << 4) | ((b & 0x07000700u) << 1)));
+    const float2 v37 = float2(as_type<half2>((b & 0x80008000u) | ((b & 0x70007000u) >> 3)));
+    q[0] = v04.x; q[1] = v15.x; q[2] = v26.x; q[3] = v37.x;
+    q[4] = v04.y; q[5] = v15.y; q[6] = v26.y; q[7] = v37.y;
   } else if (FMT == 10) {
-    // E4M3 byte c: its bits in a half are the value * 2^-8.
-    for (int k = 0; k < 8; ++k) {
-      const uint c = (r[(k0 + k) >> 2] >> (8 * ((k0 + k) & 3))) & 0xFFu;
-      q[k] = float(as_type<half>(ushort(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7))));
+    // E4M3 byte c: its bits in a half are the value * 2^-8; bytes 0/2 and 1/3 of a word as
+    // half2 pairs.
+    for (int h = 0; h < 2; ++h) {
+      const uint b = r[(k0 >> 2) + h];
+      const float2 v02 = float2(as_type<half2>(((b & 0x00800080u) << 8) | ((b & 0x007F007Fu) << 7)));
+      const float2 v13 = float2(as_type<half2>((b & 0x80008000u) | ((b & 0x7F007F00u) >> 1)));
+      q[4 * h] = v02.x; q[4 * h + 1] = v13.x; q[4 * h + 2] = v02.y; q[4 * h + 3] = v13.y;
     }
   } else if (FMT == 6) {
     // 8 weights = one 7-bit sign field; the 8th sign makes the count of negatives even.
@@ -376,7 +401,7 @@ inline void qd_xs8(const device T* xs, int I, int u, int k0, thread float* o) {
 // fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
 // is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
 // 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
-// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); qd_seg_dots_nib applies 2^24, 1/16 and -8.
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); qd_seg_dots_sum_x applies 2^24, 1/16 and -8.
 inline void qd_nib8_sub(uint b, thread float* q) {
   const uint b8 = b >> 8;
   const float2 f04 = float2(as_type<half2>(b & 0x000F000Fu));
@@ -387,15 +412,21 @@ inline void qd_nib8_sub(uint b, thread float* q) {
   q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
 }
 
-// qd_seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
-// the even / odd weights of q * x (two independent FMA chains), sum x once per segment for
-// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
-// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
-                            uint xmask, int I, int u, int g, thread float (*d)[S]) {
+// qd_seg_dots over exact unscaled codes q and sum x, once per segment for all ROWS rows, then
+// d = s (sum q x) + b (sum x) a row:
+// * fmt 2/4 (NIB 1): sum (n - 8) x, s = 1, b = -8, nibble codes n from qd_nib8_sub;
+// * the MLX affine formats: sum (q s + b) x over a segment (one unit, inside one group), s and b
+//   the group's; with NIB 1 4-bit codes from qd_nib8_sub (MLX packs nibbles LSB-first as fmt 4),
+//   else from qd_affine_codes8: two FMAs a segment for scale and bias instead of one a weight.
+// qd_nib8_sub's codes are n 2^-24 (even k) and 16 n 2^-24 (odd k): two FMA chains, lo / hi,
+// scaled by 2^24 and 2^20 at the end. Each product is one rounding; the b sum x step adds an
+// error of a few 2^-24 of |b| sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB, int XP = 0>
+inline void qd_seg_dots_sum_x(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
+                              uint xmask, int I, int u, int g, thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
+  constexpr bool NIBBLES = !qd_affine(FMT) || (NIB && qd_mlx_bits(FMT) == 4);
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -410,7 +441,11 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
     const int k0 = SEG * g + c;
     float q[ROWS][8];
     for (int r = 0; r < ROWS; ++r) {
-      qd_nib8_sub(raw[r][k0 >> 3], q[r]);
+      if (NIBBLES) {
+        qd_nib8_sub(raw[r][k0 >> 3], q[r]);
+      } else {
+        qd_affine_codes8<FMT>(raw[r], k0, q[r]);
+      }
     }
     for (int s = 0; s < S; ++s) {
       if ((xmask >> s) & 1u) {
@@ -427,8 +462,14 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
     }
   }
   for (int r = 0; r < ROWS; ++r) {
+    float sc = 1.0f;
+    float bi = -8.0f;
+    if (qd_affine(FMT)) {
+      qd_affine_scale_bias<FMT>(raw[r], sc, bi);
+    }
     for (int s = 0; s < S; ++s) {
-      d[r][s] = fma(-8.0f, sx[s], fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
+      const float qx = NIBBLES ? fma(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
+      d[r][s] = fma(bi, sx[s], qx * sc);
     }
   }
 }
@@ -436,7 +477,7 @@ inline void qd_seg_dots_nib(thread const uint (*raw)[W], const device T* x, thre
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.
-// NIB 1: fmt 2/4 via qd_seg_dots_nib (fp16 subnormal codes, one bias per segment); NIB 0:
+// NIB 1: fmt 2/4 via qd_seg_dots_sum_x (fp16 subnormal codes, one bias per segment); NIB 0:
 // qd_decode8's magic-number codes. XP 1: x rows in qd_xp_index's layout (float).
 template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0, int XP = 0>
 inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
@@ -444,8 +485,8 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
                         thread float (*d)[S]) {
   constexpr int WPU = qd_wpu(FMT);
   constexpr int SEG = qd_seg(FMT, GS);
-  if (NIB && (FMT == 2 || FMT == 4)) {
-    qd_seg_dots_nib<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
+  if ((NIB && (FMT == 2 || FMT == 4)) || qd_affine(FMT)) {
+    qd_seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
     return;
   }
   if (qd_gguf(FMT)) {

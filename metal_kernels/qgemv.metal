@@ -21,7 +21,7 @@
 // whole 16-weight halves of a unit), VEC (2: rows a multiple of 16 bytes, 1: of 8 bytes,
 // vector loads; 0: byte loads that stop at the row end), XV (rows of x are 16-byte aligned:
 // x read 8 values per load), UNROLL, ROWS, NW, NIB (fmt 2/4 decode: 1 = fp16-subnormal codes
-// with one -8 sum x per segment, qd_seg_dots_nib; 0 = magic-number codes, qd_decode8), PF
+// with one -8 sum x per segment, qd_seg_dots_sum_x; 0 = magic-number codes, qd_decode8), PF
 // (1: the next step's loads are issued before this step's arithmetic, two register buffers),
 // RES (1: y = res + x W^T, the residual add of a decoder layer done by the writing thread;
 // 0: res is not read, the caller passes x again), OT (y's dtype: T, or float32 for logits).

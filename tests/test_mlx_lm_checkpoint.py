@@ -212,6 +212,8 @@ def _edit_config(path, edit):
     (lambda c: c["quantization"].update(bits="4"), "integer bits"),
     (lambda c: c["quantization"].update(bits=8), "does not match affine bits=8"),
     (lambda c: c["quantization"].update({"model.layers.0.self_attn.o_proj": False}), "quantization says it is not"),
+    (lambda c: c["quantization"].update({"model.layers.1.mlp.switch_mlp.gate_proj": dict(
+        group_size=16, bits=4, mode="nvfp4", global_scale=True)}), "global_scale is not supported"),
 ])
 def test_bad_quantization_dict_names_the_problem(hf_dirs, tmp_path_factory, tmp_path, edit, message):
     path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
@@ -231,6 +233,28 @@ def test_missing_scales_names_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
     save_file(tensors, shard, metadata={"format": "mlx"})
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.o_proj\.weight'.*"
                                          r"'model\.layers\.0\.self_attn\.o_proj\.scales' is missing"):
+        _ours(path)
+
+
+def test_nvfp4_global_scale_is_refused_naming_the_tensor(hf_dirs, tmp_path_factory, tmp_path):
+    """mlx-lm's per-expert nvfp4 global scale multiplies every weight (as mx.dequantize applies it:
+    checked here), so a checkpoint holding one is refused, not decoded without it."""
+    from safetensors.numpy import load_file, save_file
+
+    w = mx.random.normal((4, 64), key=mx.random.key(1))
+    g = mx.max(mx.abs(w)).astype(mx.float32)
+    q, s = mx.quantize(w, 16, 4, mode="nvfp4", global_scale=g)
+    with_g = mx.dequantize(q, s, None, 16, 4, mode="nvfp4", global_scale=g, dtype=mx.float32)
+    without = mx.dequantize(q, s, None, 16, 4, mode="nvfp4", dtype=mx.float32)
+    assert not mx.allclose(with_g, without)
+
+    path = _copy(converted(hf_dirs, tmp_path_factory, FAST[0]), tmp_path)
+    shard = os.path.join(path, "model.safetensors")
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.switch_mlp.gate_proj.global_scale"
+    tensors[name] = np.ones((tensors["model.layers.1.mlp.switch_mlp.gate_proj.weight"].shape[0],), np.float32)
+    save_file(tensors, shard, metadata={"format": "mlx"})
+    with pytest.raises(ValueError, match=re.escape(repr(name)) + ".*global_scale is not supported"):
         _ours(path)
 
 
@@ -309,3 +333,98 @@ def test_cli_generate_streams_an_mlx_lm_checkpoint(hf_dirs, tmp_path_factory):
     assert result.exit_code == 0, result.output
     assert "generation: 4 tokens" in result.output and "expert hit rate" in result.output
     assert "fallback 0" in result.output
+
+
+def _container_of(hf_dir: str, out_dir: str) -> str:
+    """The same Hugging Face weights as a container: every projection fmt 4 g64, the embedding a
+    float table (as the end-to-end bench's container model), norms and router float."""
+    import glob
+
+    from safetensors.numpy import load_file
+
+    from helpers_models import write_container
+
+    state = {}
+    for f in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        state.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
+
+    def fmt4(name, shape):
+        if len(shape) != 2 or "norm" in name or "mlp.gate.weight" in name or "embed_tokens" in name:
+            return None
+        return (4, 64)
+
+    write_container(state, hf_dir, out_dir, fmt4)
+    return out_dir
+
+
+def _decode_step_record(model, monkeypatch, compile_mode: str):
+    """One decode step on the GPU path (every launch stubbed, the whole step one graph): the
+    custom-kernel launches it built, the dispatch counters, and the launching primitives of the
+    step's graph (compiled blocks merged into ``Compiled``, views left out)."""
+    import tempfile
+    from collections import Counter
+
+    from colibri_mlx.kernels import compiled, dispatch
+    from colibri_mlx.models import deepseek_v3
+
+    monkeypatch.setenv("COLIBRI_COMPILE", compile_mode)
+    compiled.clear()
+    cache = model.make_cache()
+    mx.eval(model(_prompt(4), cache))
+    token = mx.array([[5]], dtype=mx.int32)
+    for _ in range(3):                 # warm-up and trace (kernels.compiled)
+        mx.eval(model(token, cache))
+    dispatch.reset_counters()
+    launched = _LAUNCHED
+    launched.clear()
+    out = model(token, cache)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out, *[b for lc in cache.layers for b in lc.buffers.values()])
+        names = re.findall(r'label ="([^"]+)", shape=rectangle', f.read())
+    mx.eval(out)
+    views = {"Broadcast", "Reshape", "Squeeze", "ExpandDims", "Slice", "Transpose", "AsStrided", "StopGradient"}
+    nodes = Counter("Compiled" if n.startswith("Compiled") else n.split("(")[0].strip() for n in names)
+    nodes = Counter({k: v for k, v in nodes.items() if k not in views})
+    assert deepseek_v3.commits_layers(1) is False
+    return Counter(launched), dispatch.counters(), nodes
+
+
+_LAUNCHED: list = []
+
+
+def test_decode_step_launches_as_the_container(hf_dirs, tmp_path_factory, tmp_path, monkeypatch):
+    """An mlx-lm affine 4-bit g64 checkpoint decodes with the same kernels, as many of each, as
+    the same weights in a fmt 4 g64 container, on the GPU path (launches stubbed): every block
+    compiled (no decline counted), the lm head and the MLA kv_b on the kernels, nothing per
+    step outside the compiled graphs but the embedding's row lookup (its quantized table: two
+    more row gathers and the decode, itself a compiled graph)."""
+    from colibri_mlx.kernels import dispatch
+    from colibri_mlx.models import deepseek_v3
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "scripts", "bench"))
+    from bench_build import stub_launch
+
+    stub = stub_launch(keep_inputs=True)
+
+    def launch(backend, spec):
+        _LAUNCHED.append(spec.name)
+        return stub(backend, spec)
+
+    ours = _ours(converted(hf_dirs, tmp_path_factory, FAST[0]))
+    container = _ours(_container_of(hf_dirs["v3"], str(tmp_path / "c")))
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.CUDA)
+    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.CUDA)
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: False)   # the whole step one graph
+    plain = {name: _decode_step_record(m, monkeypatch, "0") for name, m in (("mlx", ours), ("container", container))}
+    assert plain["mlx"][0] == plain["container"][0] and sum(plain["mlx"][0].values()) > 0, plain
+    assert {"qgemv", "mla_qb_qabs", "moe_gate_up", "moe_down"} <= set(plain["mlx"][0]), plain["mlx"][0]
+    steps = {name: _decode_step_record(m, monkeypatch, "1") for name, m in (("mlx", ours), ("container", container))}
+    for name, (_, counters, _) in steps.items():
+        assert not counters["fallbacks"], (name, counters)
+        assert not [k for k in counters["calls"] if "declined" in k], (name, counters["calls"])
+    assert steps["mlx"][1]["calls"] == steps["container"][1]["calls"], steps
+    extra = steps["mlx"][2] - steps["container"][2]
+    assert extra == {"Gather": 2, "Compiled": 2} and not steps["container"][2] - steps["mlx"][2], (
+        f"launching nodes of the mlx-lm step beyond the container's: {dict(extra)}; "
+        f"mlx-lm {dict(steps['mlx'][2])}, container {dict(steps['container'][2])}")

@@ -196,7 +196,7 @@ SIM_CASES = [("affine", 4, 64, "bfloat16", 1), ("affine", 3, 32, "float16", 2), 
 SIM_FULL = [("affine", b, g, d, 1) for b, g in AFFINE for d in ("bfloat16", "float16", "float32")]
 
 
-def _run_qgemv_sim(mode, bits, gs, dtype, S, O=7, I=384, x_dtype=mx.float32):
+def _run_qgemv_sim(mode, bits, gs, dtype, S, O=7, I=384, x_dtype=mx.float32, nib=None):
     from kernel_oracle import assert_close, random_x
     from test_qgemv_msl import simulate
 
@@ -205,7 +205,7 @@ def _run_qgemv_sim(mode, bits, gs, dtype, S, O=7, I=384, x_dtype=mx.float32):
     qt = _qt(mode, bits, gs, dtype, O=O, I=I, seed=bits * 7 + gs)
     x = random_x(S, I, dtype=x_dtype, seed=5)
     assert qgemv.decline_reason(x, qt) is None
-    y = simulate(qgemv.launch_spec(x, qt))
+    y = simulate(qgemv.launch_spec(x, qt, nib=nib))
     assert y.shape == (S, O)
     assert_close(y, x, qt, f"qgemv {mode} {bits}-bit g{gs} {dtype} S={S}")
 
@@ -214,6 +214,14 @@ def _run_qgemv_sim(mode, bits, gs, dtype, S, O=7, I=384, x_dtype=mx.float32):
 @pytest.mark.parametrize("mode,bits,gs,dtype,S", SIM_CASES)
 def test_qgemv_msl(mode, bits, gs, dtype, S):
     _run_qgemv_sim(mode, bits, gs, dtype, S)
+
+
+@needs_simulator
+@pytest.mark.parametrize("dtype,S", [("bfloat16", 1), ("float16", 3), ("float32", 2)])
+def test_qgemv_msl_affine4_nibble_codes(dtype, S):
+    """Affine 4-bit with NIB 1 (CUDA's default; Metal's is 0): the codes as fp16 subnormals, as
+    for fmt 4, and s·Σqx + b·Σx a segment."""
+    _run_qgemv_sim("affine", 4, 64, dtype, S, nib=1)
 
 
 @needs_simulator

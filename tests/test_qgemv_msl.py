@@ -220,7 +220,7 @@ DEFECTS = {
     "high nibble offset off by one": (4, "half2(half(-72.0f))", "half2(half(-71.0f))", NIB0),
     "nib: swapped nibbles": (2, "q[0] = f04.x; q[1] = f15.x;", "q[0] = f15.x; q[1] = f04.x;", NIB1),
     "nib: odd weights not divided by 16": (4, "fma(hi[r][s], 1048576.0f,", "fma(hi[r][s], 16777216.0f,", NIB1),
-    "nib: code bias off by one": (4, "fma(-8.0f, sx[s],", "fma(-7.0f, sx[s],", NIB1),
+    "nib: code bias off by one": (4, "float bi = -8.0f;", "float bi = -7.0f;", NIB1),
     "nib: one x of eight left out of sum x": (2, "((xf[4] + xf[5]) + (xf[6] + xf[7]))", "((xf[4] + xf[5]) + xf[6])", NIB1),
     "unguarded x path for a partial unit": (4, "if (XV && FULL_UNITS && qd_wpu(FMT) * (u + 1) <= I) {", "if (XV && FULL_UNITS && qd_wpu(FMT) * u < I) {", NIB1),
     "hoisted scale of the wrong row": (4, "? qd_seg_scale<FMT, GS>(scales, rows[r], ng, u, g, raw[j][r])", "? qd_seg_scale<FMT, GS>(scales, rows[0], ng, u, g, raw[j][r])", NIB1),

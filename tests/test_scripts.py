@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri_mlx.kernels import dispatch
@@ -28,6 +29,13 @@ def test_bench_e2e_rows():
     out = run_script("scripts/bench/bench_e2e.py", "--tiny", "--steps", "2", "--quick", "--experts", "16", "--vocab", "4096")
     for row in ("ours (kernels on)", "ours (earlier step ops: slice_update)", "ours (kernels on, again: drift)",
                 "mlx-lm 0.32.2", "mlx-lm/ours ="):
+        assert row in out, out
+
+
+def test_bench_serve_rows():
+    out = run_script("scripts/bench/bench_serve.py", "--tiny", "--streams", "1,2", "--tokens", "3", "--prompt", "4",
+                     "--experts", "16", "--vocab", "4096")
+    for row in ("colibri BatchEngine", "mlx-lm BatchGenerator", "ours / mlx-lm decode: 1: "):
         assert row in out, out
 
 
@@ -105,6 +113,25 @@ def test_bench_gguf_metadata_rows():
     out = run_script("scripts/bench/bench_gguf_metadata.py", "--tokens", "2000", "--pairs", "1")
     for name in ("gguf.GGUFReader:", "colibri reader:", "ratio:", "tokens: 2000"):
         assert name in out, out
+
+
+def test_bench_mlx_lm_checkpoint_first_difference_report():
+    """The greedy comparison's report at the first differing token: margins from the logits of
+    that step, and a near-tie only when the reference's top-2 margin is within a bfloat16 step of
+    its largest logit (2^-7 relative at 8 significant bits)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from bench_mlx_lm_checkpoint import bf16_ulp, first_difference_report
+
+    assert bf16_ulp(12.0) == 2.0 ** -4 and bf16_ulp(-1.0) == 2.0 ** -7
+    ref = [np.array([10.0, 9.0, 0.0]), np.array([10.0, 9.99, 0.0])]
+    mine = [np.array([10.0, 9.0, 0.0]), np.array([9.98, 10.0, 0.5])]
+    assert first_difference_report([0, 1], [0, 1], mine, ref) is None
+    d = first_difference_report([0, 1], [0, 0], mine, ref)
+    assert d["index"] == 1 and (d["reference_token"], d["kernel_token"]) == (0, 1)
+    assert abs(d["ref_top2_margin"] - 0.01) < 1e-9 and abs(d["kernel_top2_margin"] - 0.02) < 1e-9
+    assert abs(d["max_abs_logit_diff"] - 0.5) < 1e-9 and d["near_tie"] and d["path"] == "decode step"
+    far = [ref[0], np.array([10.0, 8.0, 0.0])]
+    assert not first_difference_report([0, 1], [0, 0], mine, far)["near_tie"]
 
 
 def test_bench_gguf_gemv_rows():

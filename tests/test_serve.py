@@ -106,14 +106,17 @@ def test_completion_matches_stream_generate(server, demo, oracle):
     assert choice["finish_reason"] == "length"
     assert body["object"] == "text_completion" and body["model"] == "colibri-demo"
     n_prompt = len(tokenizer.encode(PROMPT))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": N, "total_tokens": n_prompt + N}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": N, "total_tokens": n_prompt + N,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_stream_equals_whole(server, oracle):
-    chunks = post_stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N})
+    chunks = post_stream(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": N,
+                                                     "stream_options": {"include_usage": True}})
+    chunks, usage = chunks[:-1], chunks[-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(oracle["completion"][:N])
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
-    assert chunks[-1]["usage"]["completion_tokens"] == N
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == N
     assert len({c["id"] for c in chunks}) == 1
 
 
@@ -130,14 +133,17 @@ def test_chat_whole_and_streamed(server, demo, oracle):
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": expected}
     n_prompt = len(demo[1].encode_chat(CHAT))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": N, "total_tokens": n_prompt + N}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": N, "total_tokens": n_prompt + N,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
-    chunks = post_stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": N})
+    chunks = post_stream(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": N,
+                                                          "stream_options": {"include_usage": True}})
+    chunks, usage = chunks[:-1], chunks[-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length"}
-    assert chunks[-1]["usage"]["prompt_tokens"] == n_prompt
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == n_prompt
 
 
 def test_content_parts_are_joined(server, oracle):
@@ -219,7 +225,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]"),
     ("/v1/completions", {"prompt": "x", "top_k": 1.5}, "'top_k' must be an integer >= 0"),
     ("/v1/completions", {"prompt": "x", "min_p": 2}, "'min_p' must be a number in [0, 1]"),
-    ("/v1/completions", {"prompt": "x", "seed": "a"}, "'seed' must be an integer >= 0"),
+    ("/v1/completions", {"prompt": "x", "seed": "a"}, "'seed' must be an integer in [0, 2**64)"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "'stream' must be bool"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "'stop' must be a non-empty string or a list of them"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "'stop' must be"),
@@ -268,8 +274,9 @@ def test_client_disconnect_stops_generation(server):
         received = b""
         while b"data: " not in received:
             received += sock.recv(4096)
-    with server.generation_lock:  # waits for the abandoned generation to end
-        pass
+    deadline = time.time() + 30
+    while time.time() < deadline and server.engine.busy:  # waits for the abandoned generation to end
+        time.sleep(0.05)
     deadline = time.time() + 30
     while time.time() < deadline and server.log.getvalue().count("generation:") == before.count("generation:"):
         time.sleep(0.05)

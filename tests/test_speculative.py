@@ -454,14 +454,15 @@ def test_package_api_takes_draft(models):
 def test_serve_request_draft_fields(models):
     from colibri_mlx.serve import RequestError, SamplingDefaults, parse_sampling
 
-    _, sampling, _, _ = parse_sampling({"draft": "ngram", "num_draft": 5}, SamplingDefaults())
-    assert sampling["draft"] == "ngram" and sampling["num_draft"] == 5
-    _, sampling, _, _ = parse_sampling({}, SamplingDefaults(draft="none"))
-    assert sampling["draft"] == "none" and sampling["num_draft"] == 3
+    # The request's fields go to the engine's submit(); without them the engine uses the server's
+    # defaults, which it was built with.
+    extras = parse_sampling({"draft": "ngram", "num_draft": 5}, SamplingDefaults(), 4096)[-1]
+    assert extras == {"draft": "ngram", "num_draft": 5}
+    assert parse_sampling({}, SamplingDefaults(draft="none"), 4096)[-1] == {}
     with pytest.raises(RequestError, match="'draft' must be one of"):
-        parse_sampling({"draft": "medusa"}, SamplingDefaults())
+        parse_sampling({"draft": "medusa"}, SamplingDefaults(), 4096)
     with pytest.raises(RequestError, match="'num_draft' must be an integer in 1..7"):
-        parse_sampling({"num_draft": 0}, SamplingDefaults())
+        parse_sampling({"num_draft": 0}, SamplingDefaults(), 4096)
 
 
 # ----------------------------------------------------------------------------- kernels (MSL simulator)

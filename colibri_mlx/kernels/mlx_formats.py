@@ -244,7 +244,24 @@ def concat_rows(weights):
 
 def embedding_rows(qt, ids: mx.array) -> mx.array:
     """float32 rows ``ids`` (any shape) of an MLX-format table ``[V, D]``: only those rows are
-    decoded, bit-equal to ``mx.dequantize`` as mlx-lm's QuantizedEmbedding looks them up."""
+    decoded, bit-equal to ``mx.dequantize`` as mlx-lm's QuantizedEmbedding looks them up.
+
+    A decode step's single id runs as one compiled graph (kernels.compiled, kept on the table):
+    the lookup and decode are a dozen ops (three row gathers, the bit unpacking, scale and bias)
+    that would otherwise be built and launched one by one every token."""
+    if ids.size != 1:
+        return _embedding_rows(qt, ids)
+    block = vars(qt).get("_embedding_block")
+    if block is None:
+        from . import compiled
+
+        # QTensor is a frozen dataclass: the block is cached in its __dict__ directly.
+        block = vars(qt)["_embedding_block"] = compiled.CompiledBlock(functools.partial(_embedding_rows, qt),
+                                                                      "embedding")
+    return block(ids)
+
+
+def _embedding_rows(qt, ids: mx.array) -> mx.array:
     flat = ids.reshape(-1).astype(mx.int32)
     part = take_rows_lazy(qt, flat)
     return dequantize_rows(part, 0, part.O, stored_dtype=True).reshape(*ids.shape, qt.I)

@@ -361,11 +361,12 @@ def h_width(group: "ExpertGroup") -> int:
 
 def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, prefetch: int,
                                n_blocks: int, backend: str) -> int:
-    """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4, one-warp
+    """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4 (and the
+    MLX formats qgemv.cuda_tuned takes; ``fmt`` the kernel FMT code), one-warp
     blocks with PF 1 (<= 128 registers: qgemv's 16 an SM): the resident blocks shared by the
     slots, balanced. H200, kernel alone, 8 experts of 7168 -> 2 x 2048 fmt 4: 256 blocks a slot
     51.2 us, 264 51.7, 512 52.1, 128 71.8, one a row block (1024) 52.6."""
-    if backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch:
+    if backend == dispatch.CUDA and qgemv.cuda_tuned(fmt) and S == 1 and simdgroups == 1 and prefetch:
         return dispatch.balanced_blocks(n_blocks, qgemv.CUDA_PERSISTENT_BLOCKS // max(1, n_slots))
     return 0
 

@@ -39,11 +39,21 @@ DEFAULT_NIB = {dispatch.METAL: 0, dispatch.CUDA: 1}
 
 
 
+def cuda_tuned(fmt: int) -> bool:
+    """Whether a kernel FMT code (kernels/mlx_formats.py: fmt 0-6 their own) takes the CUDA
+    settings measured on fmt 2/4 (PF 1, the persistent grid of six-row blocks): fmt 2/4 and the
+    MLX formats of at most 4 bits, whose units are 32 weights of at most 16 bytes plus at most
+    two scale words, register buffers no larger than fmt 4's (compile_cuda_twins.py --ptxas). Not
+    the GGUF types (their launch variants: scripts/bench/bench_gguf_gemv.py)."""
+    return fmt in (2, 4) or (mlx_formats.is_mlx_kernel_fmt(fmt) and mlx_formats.kernel_bits(fmt) <= 4)
+
+
 def default_prefetch(fmt: int, S: int, backend: str) -> int:
     """Template PF: 1 = the next step's weight loads are issued before this step's arithmetic
     (a second register buffer, UNROLL 1 by default: bytes stay in flight while a warp decodes);
-    0 = load UNROLL units, then compute. CUDA fmt 2/4 (decode-heavy) with few rows of x."""
-    return int(backend == dispatch.CUDA and fmt in (2, 4) and S <= 4)
+    0 = load UNROLL units, then compute. CUDA, :func:`cuda_tuned` formats (decode-heavy), few
+    rows of x. ``fmt``: the kernel FMT code."""
+    return int(backend == dispatch.CUDA and cuda_tuned(fmt) and S <= 4)
 
 # PERS 1 (CUDA's default for one row of x, fmt 2 / 4, one SIMD group a threadgroup): a fixed
 # grid of blocks that loop over the row blocks instead of one block each (no block launched
@@ -68,7 +78,7 @@ CUDA_PERSISTENT_ROWS_MIN_UNITS = 128
 
 def default_persistent(fmt: int, S: int, backend: str, simdgroups: int, prefetch: int, n_blocks: int) -> int:
     """Threadgroups of a persistent launch over ``n_blocks`` row blocks (0: one per row block)."""
-    if (backend == dispatch.CUDA and fmt in (2, 4) and S == 1 and simdgroups == 1 and prefetch
+    if (backend == dispatch.CUDA and cuda_tuned(fmt) and S == 1 and simdgroups == 1 and prefetch
             and CUDA_PERSISTENT_BLOCKS < n_blocks <= CUDA_PERSISTENT_MAX_WAVES * CUDA_PERSISTENT_BLOCKS):
         return dispatch.balanced_blocks(n_blocks, CUDA_PERSISTENT_BLOCKS)
     return 0
@@ -234,7 +244,8 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     rows = rows or default_rows(S)
     if rows * S > SIMD:
         raise ValueError(f"qgemv: rows={rows} x S={S} exceeds {SIMD} final writers")
-    prefetch = default_prefetch(qt.fmt, S, backend) if prefetch is None else int(prefetch)
+    kfmt = mlx_formats.kernel_fmt(qt)
+    prefetch = default_prefetch(kfmt, S, backend) if prefetch is None else int(prefetch)
     unroll = unroll or (1 if prefetch else default_unroll(qt.fmt, S))
     shape = shape_values(qt)
     _, _, rb, _, n_units = shape
@@ -242,7 +253,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
     n_blocks = -(-qt.O // rows)
     wide = False
     if persistent is None:
-        persistent = default_persistent(qt.fmt, S, backend, simdgroups, prefetch, n_blocks)
+        persistent = default_persistent(kfmt, S, backend, simdgroups, prefetch, n_blocks)
         wide = bool(persistent) and rows_asked is None and n_units >= CUDA_PERSISTENT_ROWS_MIN_UNITS
         if wide:
             rows = CUDA_PERSISTENT_ROWS

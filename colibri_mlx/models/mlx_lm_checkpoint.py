@@ -46,6 +46,14 @@ class MlxLmCheckpointError(ValueError):
     """An mlx-lm checkpoint whose quantization settings or tensors do not fit together."""
 
 
+def global_scale_refusal(where: str, what: str) -> str:
+    """The message for nvfp4 weights quantized with a per-tensor ``global_scale`` (mlx-lm's
+    ``quantize_model(..., global_scale=True)``: one float32 per expert of a switch layer, every
+    weight ``code * e4m3 scale * global_scale / (6 * 448)``), which the kernels do not apply."""
+    return (f"{where}: {what}: nvfp4 with a per-tensor global_scale is not supported (the kernels "
+            "apply the E4M3 group scales only); quantize without global_scale")
+
+
 @dataclass(frozen=True)
 class QuantParams:
     mode: str
@@ -89,6 +97,8 @@ class Quantization:
             if value is False:
                 self.overrides[key] = None
             elif isinstance(value, dict):
+                if value.get("global_scale"):
+                    raise MlxLmCheckpointError(global_scale_refusal(source, f"quantization[{key!r}] has global_scale"))
                 self.overrides[key] = self._params(value, f"quantization[{key!r}]", self.default)
             elif value is not True:
                 raise MlxLmCheckpointError(f"{source}: quantization[{key!r}] must be a dict of bits / group_size / "
@@ -159,6 +169,8 @@ class MlxLmWeights:
         self.stored = set(container.names())
         self.names: dict[str, tuple] = {}   # model name -> how to build it
         for name in self.stored:
+            if name.endswith(".global_scale"):
+                raise MlxLmCheckpointError(global_scale_refusal(container.info(name).path, f"tensor {name!r}"))
             if name.endswith(COMPANIONS) and name.rsplit(".", 1)[0] + ".weight" in self.stored:
                 continue
             m = SWITCH.match(name)

@@ -61,10 +61,21 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
   } else if (gguf(FMT)) {
     gg_load<FMT>(wrow, u, r);
   } else if (mlx(FMT)) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(wrow) + mlx_bits(FMT) * u;
+    constexpr int B = mlx_bits(FMT);
+    if ((B == 4 || B == 8) && W16 && (rb & 15) == 0) {
+      // 4- and 8-bit units are 16 / 32 bytes: whole 16-byte loads when rows keep the alignment.
+      const uint4* p = reinterpret_cast<const uint4*>(wrow) + (B / 4) * u;
 #pragma unroll
-    for (int k = 0; k < mlx_bits(FMT); ++k) {
-      r[k] = p[k];
+      for (int m = 0; m < B / 4; ++m) {
+        const uint4 v = p[m];
+        r[4 * m] = v.x; r[4 * m + 1] = v.y; r[4 * m + 2] = v.z; r[4 * m + 3] = v.w;
+      }
+    } else {
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(wrow) + B * u;
+#pragma unroll
+      for (int k = 0; k < B; ++k) {
+        r[k] = p[k];
+      }
     }
   } else if (VEC == 2 && W16) {
     const uint4 v = *reinterpret_cast<const uint4*>(wrow + 16 * u);
@@ -188,6 +199,31 @@ __device__ __forceinline__ float2 nib_hi(uint32_t b) {
                                 __float2half2_rn(0.0625f), __float2half2_rn(-72.0f)));
 }
 
+// An affine unit's scale and bias (one group: units never straddle groups) from its scale
+// words: bfloat16 / float16 halves of one word, or two float32 words.
+template <int FMT>
+__device__ __forceinline__ void affine_scale_bias(const uint32_t* r, float& sc, float& bi) {
+  constexpr int B = mlx_bits(FMT);
+  const uint32_t sb = r[B];
+  sc = FMT >= 90 ? __uint_as_float(sb) : (FMT >= 80 ? half_bits(sb & 0xFFFFu) : __uint_as_float(sb << 16));
+  bi = FMT >= 90 ? __uint_as_float(r[words(FMT) - 1])
+                 : (FMT >= 80 ? half_bits(sb >> 16) : __uint_as_float(sb & 0xFFFF0000u));
+}
+
+// The 8 unsigned codes k0 .. k0 + 7 of an affine unit as exact floats, from one 64-bit window of
+// the bit stream (8 * bits bits starting at bit 8 * bits * (k0 / 8): shift + 8 * bits <= 64).
+template <int FMT>
+__device__ __forceinline__ void affine_codes8(const uint32_t* r, int k0, float* q) {
+  constexpr int B = mlx_bits(FMT);
+  const int off = k0 * B;
+  const unsigned long long v =
+      ((unsigned long long)r[off >> 5] | ((unsigned long long)r[(off >> 5) + 1] << 32)) >> (off & 31);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    q[k] = code(uint32_t(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f);
+  }
+}
+
 template <int FMT>
 __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_t* e8grid, float* q) {
   if (gguf(FMT)) {
@@ -224,30 +260,31 @@ __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_
       q[k] = code(lo | (hi << 2), 8388612.0f);
     }
   } else if (affine(FMT)) {
-    constexpr int B = mlx_bits(FMT);
-    const uint32_t sb = r[B];
-    const float sc = FMT >= 90 ? __uint_as_float(sb)
-                     : (FMT >= 80 ? half_bits(sb & 0xFFFFu) : __uint_as_float(sb << 16));
-    const float bi = FMT >= 90 ? __uint_as_float(r[words(FMT) - 1])
-                     : (FMT >= 80 ? half_bits(sb >> 16) : __uint_as_float(sb & 0xFFFF0000u));
-    const int off = k0 * B;
-    const unsigned long long v =
-        ((unsigned long long)r[off >> 5] | ((unsigned long long)r[(off >> 5) + 1] << 32)) >> (off & 31);
+    float sc, bi;
+    affine_scale_bias<FMT>(r, sc, bi);
+    affine_codes8<FMT>(r, k0, q);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      q[k] = fmaf(code(uint32_t(v >> (B * k)) & ((1u << B) - 1u), 8388608.0f), sc, bi);
+      q[k] = fmaf(q[k], sc, bi);
     }
   } else if (FMT == 8 || FMT == 9) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t c = (r[(k0 + k) >> 3] >> (4 * ((k0 + k) & 7))) & 0xFu;
-      q[k] = half_bits(((c & 8u) << 12) | ((c & 7u) << 9));
-    }
+    // E2M1 nibbles k and k + 4 of a word lie 16 bits apart: each pair becomes one half2 (the
+    // value * 2^-14: sign to bit 15, the 3 magnitude bits to bits 9-11) and one conversion.
+    const uint32_t b = r[k0 >> 3];
+    const float2 v04 = __half22float2(as_half2(((b & 0x00080008u) << 12) | ((b & 0x00070007u) << 9)));
+    const float2 v15 = __half22float2(as_half2(((b & 0x00800080u) << 8) | ((b & 0x00700070u) << 5)));
+    const float2 v26 = __half22float2(as_half2(((b & 0x08000800u) << 4) | ((b & 0x07000700u) << 1)));
+    const float2 v37 = __half22float2(as_half2((b & 0x80008000u) | ((b & 0x70007000u) >> 3)));
+    q[0] = v04.x; q[1] = v15.x; q[2] = v26.x; q[3] = v37.x;
+    q[4] = v04.y; q[5] = v15.y; q[6] = v26.y; q[7] = v37.y;
   } else if (FMT == 10) {
+    // E4M3 bytes 0/2 and 1/3 of a word as half2 pairs (the value * 2^-8).
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t c = (r[(k0 + k) >> 2] >> (8 * ((k0 + k) & 3))) & 0xFFu;
-      q[k] = half_bits(((c & 0x80u) << 8) | ((c & 0x7Fu) << 7));
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t b = r[(k0 >> 2) + h];
+      const float2 v02 = __half22float2(as_half2(((b & 0x00800080u) << 8) | ((b & 0x007F007Fu) << 7)));
+      const float2 v13 = __half22float2(as_half2((b & 0x80008000u) | ((b & 0x7F007F00u) >> 1)));
+      q[4 * h] = v02.x; q[4 * h + 1] = v13.x; q[4 * h + 2] = v02.y; q[4 * h + 3] = v13.y;
     }
   } else if (FMT == 6) {
     const int l = k0 >> 3;
@@ -369,7 +406,7 @@ __device__ __forceinline__ void xs8(const T* xs, int I, int u, int k0, float* o)
 // fmt 2/4 codes n (= value + 8) of the 8 nibbles of b as exact fp16 subnormals: b AND 0x000F000F
 // is the half2 (n0, n4) * 2^-24, AND 0x00F000F0 is (16 n1, 16 n5) * 2^-24 (bit patterns below
 // 2^11 are linear in the value), one exact conversion each to float. No magic OR, no bias op:
-// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); seg_dots_nib applies 2^24, 1/16 and -8.
+// q[k] = n_k 2^-24 (k even), 16 n_k 2^-24 (k odd); seg_dots_sum_x applies 2^24, 1/16 and -8.
 __device__ __forceinline__ void nib8_sub(uint32_t b, float* q) {
   const uint32_t b8 = b >> 8;
   const float2 f04 = __half22float2(as_half2(b & 0x000F000Fu));
@@ -380,16 +417,22 @@ __device__ __forceinline__ void nib8_sub(uint32_t b, float* q) {
   q[4] = f04.y; q[5] = f15.y; q[6] = f26.y; q[7] = f37.y;
 }
 
-// seg_dots for fmt 2/4: sum (n - 8) x = 2^24 (lo + hi / 16) - 8 sum x, lo / hi the sums over
-// the even / odd weights of q * x (two independent FFMA chains), sum x once per segment for
-// all ROWS rows. Each product is one rounding as before; the -8 sum x step adds an error of
-// a few 2^-24 of sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
-template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-__device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* x,
-                                             const int* xoff, uint32_t xmask, int I, int u,
-                                             int g, float (*d)[S]) {
+// seg_dots over exact unscaled codes q and sum x, once per segment for all ROWS rows, then
+// d = s (sum q x) + b (sum x) a row:
+// * fmt 2/4 (NIB 1): sum (n - 8) x, s = 1, b = -8, nibble codes n from nib8_sub;
+// * the MLX affine formats: sum (q s + b) x over a segment (one unit, inside one group), s and b
+//   the group's; with NIB 1 4-bit codes from nib8_sub (MLX packs nibbles LSB-first as fmt 4), else
+//   from affine_codes8: two FFMAs a segment for scale and bias instead of one a weight.
+// nib8_sub's codes are n 2^-24 (even k) and 16 n 2^-24 (odd k): two FFMA chains, lo / hi, scaled
+// by 2^24 and 2^20 at the end. Each product is one rounding; the b sum x step adds an error of a
+// few 2^-24 of |b| sum |x| (the kernel tests bound |delta| by 1e-4 sum |x w|).
+template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB, int XP = 0>
+__device__ __forceinline__ void seg_dots_sum_x(const uint32_t (*raw)[W], const T* x,
+                                               const int* xoff, uint32_t xmask, int I, int u,
+                                               int g, float (*d)[S]) {
   constexpr int WPU = wpu(FMT);
   constexpr int SEG = seg(FMT, GS);
+  constexpr bool NIBBLES = !affine(FMT) || (NIB && mlx_bits(FMT) == 4);
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -408,7 +451,11 @@ __device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* 
     float q[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      nib8_sub(raw[r][k0 >> 3], q[r]);
+      if (NIBBLES) {
+        nib8_sub(raw[r][k0 >> 3], q[r]);
+      } else {
+        affine_codes8<FMT>(raw[r], k0, q[r]);
+      }
     }
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -429,15 +476,21 @@ __device__ __forceinline__ void seg_dots_nib(const uint32_t (*raw)[W], const T* 
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    float sc = 1.0f;
+    float bi = -8.0f;
+    if (affine(FMT)) {
+      affine_scale_bias<FMT>(raw[r], sc, bi);
+    }
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      d[r][s] = fmaf(-8.0f, sx[s], fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f));
+      const float qx = NIBBLES ? fmaf(hi[r][s], 1048576.0f, lo[r][s] * 16777216.0f) : lo[r][s] + hi[r][s];
+      d[r][s] = fmaf(bi, sx[s], qx * sc);
     }
   }
 }
 
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
-// rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_nib
+// rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_sum_x
 // (fp16 subnormal codes, one bias per segment); NIB 0: decode8's magic-number codes. XP 1: x
 // rows in xp_index's layout (float).
 template <int FMT, int GS, int S, int ROWS, int XV, int W, typename T, int NIB = 0, int XP = 0>
@@ -446,8 +499,8 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
                                          const uint32_t* e8grid, float (*d)[S]) {
   constexpr int WPU = wpu(FMT);
   constexpr int SEG = seg(FMT, GS);
-  if (NIB && (FMT == 2 || FMT == 4)) {
-    seg_dots_nib<FMT, GS, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, d);
+  if ((NIB && (FMT == 2 || FMT == 4)) || affine(FMT)) {
+    seg_dots_sum_x<FMT, GS, S, ROWS, XV, W, T, NIB, XP>(raw, x, xoff, xmask, I, u, g, d);
     return;
   }
   if (gguf(FMT)) {

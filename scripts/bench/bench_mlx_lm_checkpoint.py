@@ -60,13 +60,45 @@ def write_checkpoint(cfg: dict, mode: str, bits: int, gs: int, path: Path) -> No
     save_config(config, path / "config.json")
 
 
-def greedy(model, prompt, n):
+def greedy(model, prompt, n, logits_out=None):
+    """``n`` greedy tokens after ``prompt``; ``logits_out``: a list that gets each step's float32
+    logits (numpy) appended."""
     cache, x, out = model.make_cache(), prompt, []
     for _ in range(n):
-        tok = mx.argmax(model(x, cache)[:, -1], axis=-1)
+        logits = model(x, cache)[:, -1]
+        tok = mx.argmax(logits, axis=-1)
         out.append(int(tok.item()))
+        if logits_out is not None:
+            logits_out.append(np.array(logits[0].astype(mx.float32)))
         x = tok[:, None]
     return out
+
+
+def bf16_ulp(v: float) -> float:
+    """The spacing of bfloat16 values at magnitude ``v`` (8 significant bits)."""
+    return float(2.0 ** (np.floor(np.log2(abs(v))) - 7)) if v else 0.0
+
+
+def first_difference_report(tokens, reference, mine_logits, ref_logits):
+    """At the first token where the kernels' greedy run leaves the reference's (same context up
+    to there): both runs' top-2 margins, each run's preference between the two tokens, the largest
+    logit difference, and the bfloat16 rounding step of the largest logit. A reference margin below
+    that step is a near-tie that bfloat16 activations can flip; a margin well above it, with the
+    kernels' logits far from the reference's, points at a defect."""
+    i = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    if i is None:
+        return None
+    mine, ref = mine_logits[i], ref_logits[i]
+    a, b = reference[i], tokens[i]
+    ms, rs = np.sort(mine), np.sort(ref)
+    ulp = bf16_ulp(float(np.abs(ref).max()))
+    return {"index": i, "reference_token": a, "kernel_token": b,
+            "ref_top2_margin": float(rs[-1] - rs[-2]), "kernel_top2_margin": float(ms[-1] - ms[-2]),
+            "ref_prefers_by": float(ref[a] - ref[b]), "kernel_prefers_by": float(mine[b] - mine[a]),
+            "max_abs_logit_diff": float(np.abs(mine - ref).max()),
+            "rel_logit_diff": float(np.abs(mine - ref).max() / np.abs(ref).max()),
+            "bf16_ulp_of_max_logit": ulp, "near_tie": bool(rs[-1] - rs[-2] <= ulp),
+            "path": "prefill" if i == 0 else "decode step"}
 
 
 def first_logits(model, prompt, stepwise: bool) -> np.ndarray:
@@ -111,13 +143,16 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     E.decode_times(lambda t: ours(t, cache), prompt, args.steps)
     cache = ours.make_cache()
     res["ours_ms"] = E.decode_times(lambda t: ours(t, cache), prompt, args.steps) * 1e3
-    tokens = greedy(ours, prompt, args.greedy)
+    mine_logits, ref_logits = [], []
+    tokens = greedy(ours, prompt, args.greedy, mine_logits)
     res["counters"] = kernels.counters()
     res["declines"] = sum(res["counters"]["fallbacks"].values())
     with kernels.force_reference():
-        reference = greedy(ours, prompt, args.greedy)
+        reference = greedy(ours, prompt, args.greedy, ref_logits)
     res["greedy_identical"] = tokens == reference
     res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    res["first_difference"] = first_difference_report(tokens, reference, mine_logits, ref_logits)
+    del mine_logits, ref_logits
     res["token0"] = token0_report(ours, prompt)
     del ours, cache
     kernels.moe.clear_banks()
@@ -139,6 +174,12 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
           f"{args.greedy} greedy tokens kernels vs reference: {'identical' if res['greedy_identical'] else 'DIFFER at ' + str(res['greedy_first_difference'])}"
           f"  kernel declines {res['declines']}",
           flush=True)
+    d = res["first_difference"]
+    if d is not None:
+        print(f"{'':12s} first difference at token {d['index']} ({d['path']}): reference top-2 margin "
+              f"{d['ref_top2_margin']:.3g}, kernels' {d['kernel_top2_margin']:.3g}; max |logit diff| "
+              f"{d['max_abs_logit_diff']:.3g} (rel {d['rel_logit_diff']:.2e}); bf16 step at the largest logit "
+              f"{d['bf16_ulp_of_max_logit']:.3g}: {'near-tie' if d['near_tie'] else 'NOT a near-tie'}", flush=True)
     for how, t in res["token0"].items():
         print(f"{'':12s} token 0 {how:8s} kernels vs reference: max |diff| {t['max_abs_diff']:.3g} "
               f"(rel {t['rel']:.2e}), reference top-2 margin {t['ref_top2_margin']:.3g}, same argmax {t['same_argmax']}",

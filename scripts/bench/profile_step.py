@@ -101,6 +101,9 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="kernel names listed per model")
     ap.add_argument("--no-mlxlm", action="store_true")
     ap.add_argument("--sequence", action="store_true", help="also list one step's kernels in start order")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="also profile our forward step of this many rows at the same context, rolled back "
+                         "each time (a speculative verify step: 1 + drafts)")
     args = ap.parse_args()
     if kernels.backend() != "cuda":
         print(f"profile_step: needs the CUDA backend (this is {kernels.backend()}); nothing to profile")
@@ -119,6 +122,18 @@ def main():
     rows, by_name, sequence = step_profile(lambda t: ours(t, cache), prompt, args.steps)
     tops.append(("ours",) + report("ours", rows, by_name, args.top))
     sequences = [("ours", sequence)]
+    if args.rows > 1:
+        many = mx.array([[5 + i for i in range(args.rows)]], dtype=mx.int32)
+        start = cache.offset
+
+        def rows_step(_):
+            cache.offset = start
+            return ours(many, cache)
+
+        label = f"ours, {args.rows} rows"
+        rows, by_name, sequence = step_profile(rows_step, prompt, args.steps)
+        tops.append((label,) + report(label, rows, by_name, args.top))
+        sequences.append((label, sequence))
     del ours, cache
     kernels.moe.clear_banks()          # the expert banks and compiled traces hold GPU memory
     kernels.compiled.clear()

@@ -104,7 +104,7 @@ for s in "${steps[@]}"; do
                      tests/test_speculative.py tests/test_mla_decode.py -m "not msl and not slow"; reap ;;
     mlx_e2e)       # mlx-lm checkpoints of bench_e2e's model (affine 4-bit g64, 3-bit g64, mxfp4, written by
                    # mlx-lm): ours vs mlx-lm ms/token on the same files, 64 greedy tokens kernels vs reference
-                   step mlx_e2e 240 python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
+                   step mlx_e2e ${MLX_E2E_LIMIT:-240} python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
                        --out "$out/mlx_lm_e2e.json" ${MLX_E2E_ARGS:-} ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
     bench_gguf_gemv) # GGUF GEMVs (Q4_K, IQ4_XS, Q6_K, IQ2_XXS, Q8_0) vs mx.quantized_matmul 4-bit; every type checked
@@ -114,9 +114,14 @@ for s in "${steps[@]}"; do
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench/bench_moe_parts.py ;;
     bench_long_context) # decode at 4096 / 32768 positions: the row written in place vs the scatter
                    step bench_long_context 200 python3 scripts/bench/bench_long_context.py --context 4096 32768 ;;
+    batch_tests)   # continuous batching with the kernels on: every request of a batch equal to it alone
+                   step batch_tests 240 python3 -m pytest -q tests/test_batch_engine.py; reap ;;
+    bench_serve)   # decode tok/s and time to first token at 1-32 streams: BatchEngine against mlx-lm's
+                   # BatchGenerator on bench_e2e's model
+                   step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     profile)       step profile 150 python3 scripts/bench/profile_decode.py --experts 64 --steps 8 ;;
-    profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ;;
+    profile_step)  step profile_step 200 python3 scripts/bench/profile_step.py --steps 8 --sequence ${PS_ARGS:-} ;;
     kernel_times)  step kernel_times ${PK_LIMIT:-150} python3 scripts/bench/profile_kernels.py --cupti ${PK_ARGS:-} ;;
     mla_tests)     # every mla_decode GPU test (the TF32 model's budget for the matrix variants, the planted
                    # defects, the opt-in knobs' edges); a call of its own: the float64 model of the 40000-

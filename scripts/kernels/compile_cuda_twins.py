@@ -130,6 +130,10 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16)):
             x = random_x(S, 4096, dtype=dtype)
             yield f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S{S}", qgemv.launch_spec(x, qt, dispatch.CUDA)
+            if S == 1 and bits <= 4:   # the persistent grid of six-row blocks, shape compiled in (qgemv.cuda_tuned)
+                yield (f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}_S1_pers_rows{qgemv.CUDA_PERSISTENT_ROWS}",
+                       qgemv.launch_spec(x, qt, dispatch.CUDA, rows=qgemv.CUDA_PERSISTENT_ROWS, persistent=3,
+                                         shape_in=True))
     for name in gguf_kernel_types():   # llama.cpp's GGUF block formats: every decoder once
         qt = random_gguf_qtensor(name, 64, 4096, seed=1)
         hot = full or name in GGUF_HOT_TYPES
@@ -288,25 +292,28 @@ def moe_specs(full: bool):
             yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
     # The MLX formats' kernel FMT families, and GGUF decoders as gate/up and as down (every one
     # with ``full``; qgemv compiles every decoder anyway): (gate/up label, down label, 4 experts of
-    # 512 -> 256 -> 512).
+    # 512 -> 256 -> 512, whether gate/up's persistent grid is a default: qgemv.cuda_tuned).
     D, inter = 512, 256
     banks = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",) * 2
              + ([tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
-                       for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)],)
+                       for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)],
+                bits <= 4)
              for mode, bits, gs, sdt in mlx_cases(full)]
     gguf = gguf_kernel_types()
     pairs = list(zip(gguf, gguf[1:] + gguf[:1])) if full else [("Q4_K", "Q6_K"), ("IQ2_XXS", "IQ4_XS")]
     banks += [(f"gguf_{gu}", f"gguf_{dn}",
                [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
-                 random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)])
+                 random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)], False)
               for gu, dn in pairs]
-    for gu_label, dn_label, experts in banks:
+    for gu_label, dn_label, experts, pers in banks:
         (group,) = moe.build_bank(experts).groups
         for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
             K = 2
             x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
             h = mx.zeros((S * K, inter), mx.float32)
             yield f"gate_up_{gu_label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            if S == 1 and pers:   # the shared resident blocks (qgemv.cuda_tuned formats)
+                yield f"gate_up_{gu_label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
             yield f"down_{dn_label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)

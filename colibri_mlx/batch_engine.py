@@ -1,0 +1,396 @@
+"""Continuous batching: many requests decoded together, joining and leaving between steps.
+
+    engine = BatchEngine(model, tokenizer)
+    handle = engine.submit(prompt_ids, SamplingParams(), max_tokens=64, seed=None, logprobs=None)
+    for ev in handle:          # Event(token, logprob, top_logprobs, finish_reason)
+        ...
+    engine.shutdown()
+
+One background thread owns the model: every MLX operation runs on it. ``submit`` is
+thread-safe and returns at once; each request's events flow through its own queue.
+
+A loop iteration (a *step*):
+
+1. requests that were cancelled leave (their last event has ``finish_reason="cancelled"``);
+2. waiting requests are admitted while fewer than ``prompt_concurrency`` prompts are in
+   prefill and fewer than ``decode_concurrency`` requests are admitted in all; an admitted
+   request starts from the prompt cache's longest matching prefix (colibri_mlx.prompt_cache);
+3. prompts in prefill advance by one chunk each (at most ``prefill_step_size`` tokens a chunk,
+   and about as many in all for the step), so a long prompt never stalls the running decode
+   for longer than one chunk; the chunk that ends a prompt gives the request's first token;
+4. every running request gets one token from one batched decode step
+   (colibri_mlx.models.batch_decode), each sampled with the request's own sampler: its own
+   parameters and seed, so seeded output does not depend on what else is in the batch.
+
+A request ends at ``max_tokens``, at one of the model's stop token ids (``finish_reason="stop"``,
+the stop token is the last event's token) or at the context limit (``"length"``). Stop strings
+are the caller's business. A finished or cancelled request leaves its cache in the prompt cache.
+
+Logprobs (``logprobs`` is the number of top alternatives, 0 for the chosen token only, None for
+none) are the log-softmax of the model's logits, before the sampling parameters reshape them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from .generate import SamplingParams, apply_repetition_penalty, make_sampler
+from .models.batch_decode import DecodeBatch
+from .prompt_cache import PromptCache
+
+DECODE_CONCURRENCY = 32        # mlx-lm's server defaults (--decode-concurrency, --prompt-concurrency,
+PROMPT_CONCURRENCY = 8         # --prefill-step-size; --prompt-cache-size 10 entries, --prompt-cache-bytes
+PREFILL_STEP_SIZE = 2048       # unbounded)
+PROMPT_CACHE_ENTRIES = 10
+
+
+@dataclass
+class Event:
+    """One generated token (``token``), its log-probability (``logprob``, when asked), the top
+    alternatives (``top_logprobs``: ``[(token id, logprob)]`` best first, when asked for k > 0),
+    and ``finish_reason`` on a request's last event: "stop", "length" or "cancelled" (then
+    ``token`` is None)."""
+
+    token: Optional[int]
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass(eq=False)             # compared by identity (two requests may be alike)
+class _Request:
+    prompt: list
+    params: SamplingParams
+    max_tokens: int
+    seed: Optional[int]
+    logprobs: Optional[int]
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    cached_tokens: int = 0
+    cache: object = None
+    sampler: object = None
+    prefilled: int = 0           # prompt tokens in the cache
+    generated: list = field(default_factory=list)
+    done: bool = False
+
+
+class RequestHandle:
+    """Iterate for the request's :class:`Event` s; the iteration ends after the one with a
+    ``finish_reason`` and raises the error a failed request met."""
+
+    def __init__(self, engine: "BatchEngine", request: _Request):
+        self._engine, self._request = engine, request
+
+    def __iter__(self):
+        while True:
+            item = self._request.events.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """Stop generating; the iteration ends with a ``"cancelled"`` event (unless the request
+        finished first)."""
+        self._request.cancelled = True
+        self._engine._wake()
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prompt cache (known once the first event has come)."""
+        return self._request.cached_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._request.prompt)
+
+
+class BatchEngine:
+    """Serves :meth:`submit` calls from one model thread (module docstring)."""
+
+    def __init__(self, model, tokenizer=None, decode_concurrency: int = DECODE_CONCURRENCY,
+                 prompt_concurrency: int = PROMPT_CONCURRENCY, prefill_step_size: int = PREFILL_STEP_SIZE,
+                 prompt_cache_bytes: Optional[int] = None, prompt_cache_entries: int = PROMPT_CACHE_ENTRIES,
+                 stop_ids: Optional[Sequence[int]] = None):
+        for name, value in (("decode_concurrency", decode_concurrency), ("prompt_concurrency", prompt_concurrency),
+                            ("prefill_step_size", prefill_step_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.model = model
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = min(prompt_concurrency, decode_concurrency)
+        self.prefill_step_size = prefill_step_size
+        self.prompt_cache = PromptCache(prompt_cache_bytes, prompt_cache_entries)
+        if stop_ids is None:
+            stop_ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(model.args.eos_token_id)
+        self.stop_ids = frozenset(int(s) for s in stop_ids)
+        self.vocab_size = model.args.vocab_size
+        self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "prefill_tokens": 0, "cached_tokens": 0,
+                      "steps_ahead": 0}
+        self._cond = threading.Condition()
+        self._inbox: deque = deque()
+        self._waiting: deque = deque()
+        self._prefilling: list = []
+        self._running: list = []     # in the order of the decode batch's sequences
+        self._batch = DecodeBatch(model)
+        self._ahead = None           # (logits, rows): the next step, built before this one's tokens were read
+        self._stopping = False
+        self._cancel_all = False
+        self._thread = threading.Thread(target=self._loop, name="colibri-batch-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------ caller side
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
+               seed: Optional[int] = None, logprobs: Optional[int] = None) -> RequestHandle:
+        """Queue a request; raises ValueError for a bad one (nothing is queued then)."""
+        return self.submit_all([dict(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, seed=seed,
+                                     logprobs=logprobs)])[0]
+
+    def submit_all(self, requests: Sequence[dict]) -> list[RequestHandle]:
+        """Queue several requests (each a dict of :meth:`submit`'s arguments) at once: the engine
+        sees them together. All are checked first; a bad one raises and none is queued."""
+        made = [self._request(**r) for r in requests]
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the batch engine is shut down")
+            self._inbox.extend(made)
+            self._cond.notify()
+        return [RequestHandle(self, r) for r in made]
+
+    def _request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
+                 seed: Optional[int] = None, logprobs: Optional[int] = None) -> _Request:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary (vocab_size={self.vocab_size})")
+        if len(prompt) > self.model.max_length:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds the context limit of {self.model.max_length} "
+                             "tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= self.vocab_size):
+            raise ValueError(f"logprobs must be an integer in 0..{self.vocab_size} or None, got {logprobs!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return _Request(prompt, params, max_tokens, seed, logprobs)
+
+    def shutdown(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the model thread: with ``cancel`` every request not finished ends with a
+        ``"cancelled"`` event, else the requests submitted so far are finished first."""
+        with self._cond:
+            self._stopping = True
+            self._cancel_all = cancel
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    # ------------------------------------------------------------------------ model thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._waiting or self._prefilling or self._running or self._stopping):
+                    self._cond.wait()
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                if self._stopping and self._cancel_all:
+                    for r in self._all():
+                        r.cancelled = True
+                idle = not (self._waiting or self._prefilling or self._running)
+            if self._stopping and idle:
+                return
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 (an engine fault: every request hears of it, none hangs)
+                everyone = self._all()
+                self._batch, self._running, self._prefilling, self._ahead = DecodeBatch(self.model), [], [], None
+                self._waiting.clear()
+                self._fail(everyone, e)
+
+    def _step(self) -> None:
+        self._leave_cancelled()
+        if not self._running:
+            self._ahead = None
+        if self._ahead is None:          # a step queued ahead holds the batch's composition
+            self._admit()
+            self._prefill_step()
+        if self._running:
+            self._decode_step()
+        self.stats["steps"] += 1
+
+    def _all(self):
+        return list(self._waiting) + self._prefilling + self._running
+
+    def _leave_cancelled(self) -> None:
+        for r in [r for r in self._all() if r.cancelled]:
+            self._finish(r, Event(None, finish_reason="cancelled"))
+
+    def _admit(self) -> None:
+        while (self._waiting and len(self._prefilling) < self.prompt_concurrency
+               and len(self._prefilling) + len(self._running) < self.decode_concurrency):
+            r = self._waiting.popleft()
+            try:
+                r.cache, r.prefilled = self.prompt_cache.fetch(r.prompt)
+                if r.cache is None:
+                    r.cache = self.model.make_cache()
+                r.cached_tokens = r.prefilled
+                self.stats["cached_tokens"] += r.prefilled
+                r.sampler = make_sampler(r.params, r.seed)
+            except Exception as e:  # noqa: BLE001 (the request's error, not the engine's)
+                self._fail([r], e)
+                continue
+            self._prefilling.append(r)
+
+    def _prefill_step(self) -> None:
+        budget = self.prefill_step_size
+        for r in list(self._prefilling):
+            if budget <= 0:
+                break
+            n = min(self.prefill_step_size, len(r.prompt) - r.prefilled, budget)
+            budget -= n
+            try:
+                x = self.model.hidden_states(mx.array([r.prompt[r.prefilled: r.prefilled + n]]), r.cache)
+                r.prefilled += n
+                self.stats["prefill_chunks"] += 1
+                self.stats["prefill_tokens"] += n
+                if r.prefilled < len(r.prompt):
+                    mx.eval(x)
+                    continue
+                logits = self.model.head(x[:, -1:])[0, -1]       # the last row only
+                self._prefilling.remove(r)
+                self._emit([r], *self._sample([r], logits[None]))
+                if not r.done:
+                    self._batch.add(r.cache)
+                    r.cache = None
+                    self._running.append(r)
+            except Exception as e:  # noqa: BLE001
+                self._fail([r], e)
+
+    def _decode_step(self) -> None:
+        """One token for every running request. The next step is built and queued (fed with
+        this step's tokens, still on the device) before this step's tokens are read, so the
+        host builds step n + 1 while the device runs step n, as mlx-lm's generate loop does;
+        a request that ends takes its fed-ahead row back (DecodeBatch.take_back)."""
+        rows = list(self._running)
+        try:
+            if self._ahead is not None:
+                logits, ahead_rows = self._ahead
+                self._ahead = None
+                if ahead_rows != rows:                      # some left (finished or cancelled)
+                    logits = logits[mx.array([ahead_rows.index(r) for r in rows])]
+            else:
+                logits = self._batch.step([r.generated[-1] for r in rows])
+            self.stats["decode_rows"] += len(rows)
+            tokens, extras = self._sample(rows, logits)
+            if self._runs_ahead(rows):
+                mx.async_eval(tokens, extras)
+                self._ahead = (self._batch.step(tokens), rows)
+                self.stats["steps_ahead"] += 1
+                mx.async_eval(self._ahead[0])
+            self._emit(rows, tokens, extras)
+        except Exception as e:  # noqa: BLE001
+            self._batch = DecodeBatch(self.model)      # its rows may be half written: start afresh
+            self._running, self._ahead = [], None
+            self._fail(rows, e)
+
+    def _runs_ahead(self, rows: list) -> bool:
+        """Whether to queue the next step before reading this one's tokens: the batch stays as
+        it is (no prompt waits to join), the pooled layout takes lazy tokens, some request
+        continues, and no row can reach the context limit."""
+        if not self._batch.pooled or self._waiting or self._prefilling or self._inbox:
+            return False
+        limit = self.model.max_length
+        return (any(len(r.generated) + 1 < r.max_tokens for r in rows)
+                and all(len(r.prompt) + len(r.generated) + 2 < limit for r in rows))
+
+    def _sample(self, rows: list, logits: mx.array) -> tuple[mx.array, list]:
+        """One token per request from its row of ``logits [n, V]`` (lazy ``[n]`` int32), and
+        the logprob arrays asked for. Greedy rows share one argmax."""
+        greedy = mx.argmax(logits, axis=-1)
+        logp = None
+        if any(r.logprobs is not None for r in rows):
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens, extras = [], []
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.temperature == 0 and p.repetition_penalty == 1.0:
+                tok = greedy[i]
+            elif p.repetition_penalty != 1.0:
+                tok = r.sampler(apply_repetition_penalty(logits[i], r.prompt + r.generated, p.repetition_penalty))
+            else:
+                tok = r.sampler(logits[i])
+            tokens.append(tok)
+            if r.logprobs is None:
+                extras.append(())
+            elif r.logprobs == 0:
+                extras.append((logp[i][tok],))
+            else:
+                top = mx.argpartition(-logp[i], r.logprobs - 1)[: r.logprobs]
+                extras.append((logp[i][tok], top, logp[i][top]))
+        return mx.stack(tokens).astype(mx.int32), extras
+
+    def _emit(self, rows: list, tokens: mx.array, extras: list) -> None:
+        """Read the tokens (one transfer) and hand out the events."""
+        values = tokens.tolist()
+        mx.eval([a for e in extras for a in e])
+        for r, token, extra in zip(rows, values, extras):
+            r.generated.append(token)
+            ev = Event(token)
+            if extra:
+                ev.logprob = float(extra[0].item())
+                if len(extra) == 3:
+                    pairs = zip(extra[1].tolist(), extra[2].tolist())
+                    ev.top_logprobs = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
+            if token in self.stop_ids:
+                ev.finish_reason = "stop"
+            elif len(r.generated) >= r.max_tokens or len(r.prompt) + len(r.generated) > self.model.max_length:
+                ev.finish_reason = "length"
+            if ev.finish_reason is None:
+                r.events.put(ev)
+            else:
+                self._finish(r, ev)
+
+    def _finish(self, r: _Request, last: Event) -> None:
+        """End ``r`` with ``last`` and leave its cache to the prompt cache."""
+        cache, r.cache = r.cache, None
+        if r in self._running:
+            i = self._running.index(r)
+            if self._ahead is not None:          # its next row was fed ahead: not part of its history
+                self._batch.take_back(i)
+            cache = self._batch.remove(i)
+            self._running[i] = self._running[-1]
+            self._running.pop()
+        if r in self._prefilling:
+            self._prefilling.remove(r)
+        if r in self._waiting:
+            self._waiting.remove(r)
+        r.done = True
+        r.events.put(last)
+        if cache is None or cache.offset == 0:
+            return
+        held = r.prompt[: r.prefilled] if r.prefilled < len(r.prompt) else r.prompt + r.generated[:-1]
+        if len(held) == cache.offset:
+            self.prompt_cache.insert(held, cache)
+
+    def _fail(self, rows: list, error: BaseException) -> None:
+        for r in rows:
+            for group in (self._prefilling, self._running):
+                if r in group:
+                    group.remove(r)
+            r.done = True
+            r.cache = None
+            r.events.put(error)

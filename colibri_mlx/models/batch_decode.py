@@ -1,0 +1,274 @@
+"""One decode step of several independent sequences at their own positions (ragged lengths),
+as a continuously batched server needs (colibri_mlx.batch_engine).
+
+:class:`DecodeBatch` holds the running sequences, which join and leave between steps; its
+pooled layout keeps their cache rows in one buffer a layer, so that a step's launches do not
+grow with the batch. :func:`decode_rows` steps sequences that each keep their own
+:class:`LatentCache` (attention then runs per sequence).
+
+Rows run in groups of at most :data:`ROW_GROUP` (the GEMV and MoE kernels' decode rows: every
+projection reads its weights once per group, and ``moe_block`` groups the rows by expert). A
+model with a DSA indexer (selection over each cache) or a single sequence goes through the
+model's own forward pass per sequence; :func:`batch_reason` says why, and it is counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Sequence
+
+import mlx.core as mx
+
+from .. import kernels
+from ..kernels import qgemv
+from .cache import LatentCache, capacity_for
+from .deepseek_v3 import CACHE_STREAM, embedding_rows, stream_norm
+
+ROW_GROUP = qgemv.MAX_ROWS     # rows a GEMV / moe_block launch takes as decode rows
+
+
+def batch_reason(model, caches: Sequence[LatentCache]) -> str | None:
+    """Why these sequences do not take the batched step (each then runs the model alone), or None."""
+    if len(caches) < 2:
+        return "one sequence (the model's own decode step)"
+    if model.args.dsa:
+        return "DSA indexer selects over each cache"
+    if getattr(model, "pipeline", None) is not None or len(model.layers) != model.args.num_hidden_layers:
+        return "pipeline stage holds a part of the layers"
+    for c in caches:
+        if c.offset == 0 or c.batch_size != 1 or c.padded:
+            return "a cache that is empty, padded or holds several sequences"
+    return None
+
+
+def decode_rows(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.array:
+    """Logits ``[B, vocab]`` float32 of one new token per sequence; advances every cache by one."""
+    if len(tokens) != len(caches):
+        raise ValueError(f"decode_rows: {len(tokens)} tokens for {len(caches)} caches")
+    for c in caches:
+        if c.offset + 1 > model.max_length:
+            raise ValueError(f"context of {c.offset + 1} tokens exceeds max_position_embeddings={model.max_length}")
+    reason = batch_reason(model, caches)
+    if reason is not None:
+        kernels.dispatch.record_call("batch_decode", f"declined: {reason}")
+        return mx.concatenate([model(mx.array([[int(t)]]), c)[:, -1] for t, c in zip(tokens, caches)])
+    kernels.dispatch.record_call("batch_decode", "rows")
+    out = [_group(model, tokens[a:b], caches[a:b]) for a, b in row_groups(len(tokens))]
+    return out[0] if len(out) == 1 else mx.concatenate(out)
+
+
+def _group(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.array:
+    n = len(tokens)
+    D = model.args.hidden_size
+    starts = [c.offset for c in caches]
+    offsets = mx.array(starts, dtype=mx.int32)           # each row's position (mx.fast.rope per row)
+    x = embedding_rows(model.embed_tokens, mx.array([[int(t)] for t in tokens], dtype=mx.int32)).astype(model.dtype)
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        q_nope, q_rope, kv, _ = attn.rows(stream_norm(x, layer.input_norm, layer.eps), rope_offset=offsets)
+        cores = []
+        for b, (cache, start) in enumerate(zip(caches, starts)):
+            seen = attn.cached(kv[b: b + 1], cache.layers[i], start)        # [1, start + 1, R + rope]
+            cores.append(attn.attend(q_nope[b: b + 1], q_rope[b: b + 1], seen, None))
+        core = cores[0] if n == 1 else mx.concatenate(cores)               # [n, H * v]
+        x = attn.output(core, x.reshape(n, D)).reshape(n, 1, D)
+        x = layer._feed_forward(x)
+    for c in caches:
+        c.advance(1)
+    return model.head(x)[:, -1]
+
+
+def row_groups(n: int) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of ``n`` rows in groups of at most :data:`ROW_GROUP`, sizes balanced
+    (9 rows: 5 + 4) so that no group is a single row when ``n > 1`` (the layers would take a
+    single row down their one-sequence path)."""
+    count = -(-n // ROW_GROUP)
+    bounds = [n * g // count for g in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+class DecodeBatch:
+    """The running sequences of a continuously batched decode, in one of two layouts.
+
+    Pooled (the default): their cache rows live in one buffer per layer ``[slots, capacity,
+    R + rope]``, sequence ``i`` in slot ``i``. A step writes every sequence's new row with one
+    scatter and runs attention once over the first ``n`` slots (``kernels.mla_decode`` with a
+    mask: sequence ``i`` attends to its own ``length_i + 1`` rows), so a step's launches do not
+    grow with the batch. Slots stay dense: a sequence that leaves takes its rows out (as a
+    :class:`LatentCache`) and the last slot moves into its place. A lone sequence runs in its
+    own cache through the model's single-sequence decode step (compiled on GPUs).
+
+    Separate (:func:`batch_reason` of the model declines pooling: DSA selection): one cache per
+    sequence and :func:`decode_rows`.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.pooled = model_batch_reason(model) is None
+        if not self.pooled:
+            kernels.dispatch.record_call("batch_decode", f"separate caches: {model_batch_reason(model)}")
+        self.single: LatentCache | None = None       # a lone sequence's own cache
+        self.caches: list[LatentCache] = []          # separate layout
+        self.buffers: list[dict] = []                # pooled: per layer, stream -> [slots, capacity, W]
+        self.lengths: list[int] = []                 # pooled: rows each slot holds
+
+    def __len__(self) -> int:
+        if not self.pooled:
+            return len(self.caches)
+        return 1 if self.single is not None else len(self.lengths)
+
+    def add(self, cache: LatentCache) -> None:
+        """Append a sequence whose rows are ``cache``'s (prefilled: offset > 0)."""
+        if cache.offset == 0 or cache.batch_size != 1 or cache.padded:
+            raise ValueError("DecodeBatch.add: a cache of one unpadded, prefilled sequence is expected")
+        if not self.pooled:
+            self.caches.append(cache)
+        elif len(self) == 0:
+            self.single = cache
+        else:
+            if self.single is not None:
+                lone, self.single = self.single, None
+                self._pool_add(lone)
+            self._pool_add(cache)
+
+    def remove(self, i: int) -> LatentCache:
+        """Take sequence ``i`` out; the last sequence becomes sequence ``i``. Returns its cache."""
+        if not self.pooled:
+            last = self.caches.pop()
+            if i == len(self.caches):
+                return last
+            out, self.caches[i] = self.caches[i], last
+            return out
+        if self.single is not None:
+            out, self.single = self.single, None
+            return out
+        out = self._pool_take(i)
+        if len(self.lengths) == 1:                   # the one left runs in its own cache
+            self.single = self._pool_take(0)
+            self.buffers = []
+        return out
+
+    def take_back(self, i: int) -> None:
+        """Forget sequence ``i``'s last row (a row fed ahead of a token that ended it)."""
+        if not self.pooled:
+            self.caches[i].offset -= 1
+        elif self.single is not None:
+            self.single.offset -= 1
+        else:
+            self.lengths[i] -= 1
+
+    def step(self, tokens: Sequence[int] | mx.array) -> mx.array:
+        """Logits ``[n, vocab]`` (float32) of one new token per sequence, in slot order."""
+        if not self.pooled:
+            return decode_rows(self.model, [int(t) for t in _ints(tokens)], self.caches)
+        if self.single is not None:
+            ids = tokens.reshape(1, 1) if isinstance(tokens, mx.array) else mx.array([[int(tokens[0])]])
+            return self.model(ids, self.single)[:, -1]
+        return self._pool_step(tokens)
+
+    # ------------------------------------------------------------------ pooled layout
+
+    def _reserve(self, slots: int, end: int) -> None:
+        """Grow every pooled buffer to hold ``slots`` slots of ``end`` rows."""
+        for layer in self.buffers:
+            for stream, buf in layer.items():
+                S, T, W = buf.shape
+                if S >= slots and T >= end:
+                    continue
+                grown = mx.zeros((max(S, 1 << (slots - 1).bit_length()), max(T, capacity_for(end)), W), buf.dtype)
+                grown[:S, :T] = buf
+                layer[stream] = grown
+
+    def _pool_add(self, cache: LatentCache) -> None:
+        i, n = len(self.lengths), cache.offset
+        if not self.buffers:
+            self.buffers = [{s: mx.zeros((2, capacity_for(n + 1), b.shape[2]), b.dtype) for s, b in lc.buffers.items()}
+                            for lc in cache.layers]
+        self._reserve(i + 1, n + 1)
+        for layer, lc in zip(self.buffers, cache.layers):
+            for stream, buf in layer.items():
+                buf[i: i + 1, :n] = lc.buffers[stream][:, :n]
+        self.lengths.append(n)
+
+    def _pool_take(self, i: int) -> LatentCache:
+        n, last = self.lengths[i], len(self.lengths) - 1
+        out = LatentCache(len(self.buffers), self.model.max_length)
+        out.set_left_padding(None, 1)
+        for layer, lc in zip(self.buffers, out.layers):
+            for stream, buf in layer.items():
+                rows = mx.zeros((1, capacity_for(n), buf.shape[2]), buf.dtype)
+                rows[:, :n] = buf[i: i + 1, :n]
+                lc.buffers[stream] = rows
+                if i != last:
+                    buf[i: i + 1, : self.lengths[last]] = buf[last: last + 1, : self.lengths[last]]
+            lc.length = n
+        out.offset = n
+        mx.eval([b for lc in out.layers for b in lc.buffers.values()], [b for la in self.buffers for b in la.values()])
+        self.lengths[i] = self.lengths[last]
+        self.lengths.pop()
+        return out
+
+    def _pool_step(self, tokens) -> mx.array:
+        model = self.model
+        n, D = len(self.lengths), model.args.hidden_size
+        end = max(self.lengths) + 1
+        if end > model.max_length:
+            raise ValueError(f"context of {end} tokens exceeds max_position_embeddings={model.max_length}")
+        self._reserve(n, end)
+        kernels.dispatch.record_call("batch_decode", "pooled")
+        positions = mx.array(self.lengths, dtype=mx.int32)           # each new row's position and slot
+        ids = tokens.reshape(n, 1) if isinstance(tokens, mx.array) else mx.array([[int(t)] for t in tokens])
+        x = embedding_rows(model.embed_tokens, ids.astype(mx.int32)).astype(model.dtype)   # [n, 1, D]
+        blocks = _pooled_blocks(model)
+        for layer, block, buffers in zip(model.layers, blocks, self.buffers):
+            x, buffers[CACHE_STREAM] = block(x, positions, buffers[CACHE_STREAM],
+                                             static=layer.mlp.host_reason(x[: ROW_GROUP]))
+        self.lengths = [t + 1 for t in self.lengths]
+        logits = [model._compiled_head(x[a:b]) for a, b in row_groups(n)]
+        return (logits[0] if len(logits) == 1 else mx.concatenate(logits))[:, -1]
+
+
+def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array) -> tuple[mx.array, mx.array]:
+    """One decoder layer over ``n`` pooled sequences (:class:`DecodeBatch`): ``x [n, 1, D]``,
+    ``positions [n]`` (each new row's position and cache slot), ``buf [slots, capacity, W]``.
+    Returns the layer's output and the buffer with the new rows. Attention reads the whole
+    capacity of the first ``n`` slots under a mask (row ``i`` sees its first ``positions[i] + 1``
+    rows), so the graph's shapes change only when the pool grows: compiled on GPUs, one trace
+    per batch size and pool shape."""
+    n = x.shape[0]
+    attn = layer.self_attn
+    groups = row_groups(n)
+    parts = [layer._decode_in(x[a:b], positions[a:b]) for a, b in groups]   # q_rope left unrotated
+    q_nope, q_rope, kv = (p[0] if len(p) == 1 else mx.concatenate(p) for p in zip(*parts))
+    q_rope = attn.rope.apply_fast(q_rope, positions)
+    buf[mx.arange(n), positions] = kv[:, 0].astype(buf.dtype)
+    mask = (mx.arange(buf.shape[1], dtype=mx.int32)[None] <= positions[:, None])[:, None, None]
+    core = attn.attend(q_nope, q_rope, buf[:n], mask)                         # [n, H * v]
+    out = [layer._decode_out(x[a:b], core[a:b]) for a, b in groups]
+    return (out[0] if len(out) == 1 else mx.concatenate(out)), buf
+
+
+_BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pooled_blocks(model) -> list:
+    """The compiled :func:`pooled_layer` of each layer of ``model`` (made once per model)."""
+    blocks = _BLOCKS.get(model)
+    if blocks is None:
+        blocks = _BLOCKS[model] = [kernels.compiled.CompiledBlock(functools.partial(pooled_layer, layer),
+                                                                  "pooled_layer") for layer in model.layers]
+    return blocks
+
+
+def model_batch_reason(model) -> str | None:
+    """Why ``model`` cannot pool its sequences' caches (:class:`DecodeBatch`), or None."""
+    if model.args.dsa:
+        return "DSA indexer selects over each cache"
+    if len(model.layers) != model.args.num_hidden_layers:
+        return "pipeline stage holds a part of the layers"
+    return None
+
+
+def _ints(tokens):
+    return tokens.tolist() if isinstance(tokens, mx.array) else tokens

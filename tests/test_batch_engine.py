@@ -1,0 +1,414 @@
+"""Continuous batching (colibri_mlx.batch_engine), the batched decode step
+(models.batch_decode) and the prompt cache, on the bundled demo model.
+
+The oracle is the one-request path, ``generate_tokens`` (its own prefill and decode step, no
+speculation): every request of a batch must give its tokens, token for token, whatever else
+runs beside it, and the batched step's logits must equal each sequence's own step's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import colibri_mlx
+from colibri_mlx import kernels
+from colibri_mlx.batch_engine import BatchEngine
+from colibri_mlx.generate import SamplingParams, generate_tokens
+from colibri_mlx.models.batch_decode import DecodeBatch, decode_rows
+from colibri_mlx.models.cache import LatentCache
+from colibri_mlx.prompt_cache import PromptCache, copy_prefix
+
+
+@pytest.fixture(scope="module")
+def demo():
+    # float32 activations on every backend: on a GPU the kernels' row counts differ between a
+    # batch and a lone sequence, and bfloat16 rounding would hide a real difference in the logits
+    model, tokenizer = colibri_mlx.load(dtype="float32")
+    return model, tokenizer
+
+
+def prompts(*lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(v) for v in rng.integers(4, 4000, n)] for n in lengths]
+
+
+def alone(model, prompt, n, params=SamplingParams(), seed=None):
+    return [t for t, _ in generate_tokens(model, prompt, n, params, seed, stop_ids=(), draft="none")]
+
+
+def tokens(handle):
+    events = list(handle)
+    assert events[-1].finish_reason is not None and all(e.finish_reason is None for e in events[:-1])
+    return [e.token for e in events]
+
+
+def test_decode_rows_equal_each_sequence_alone(demo):
+    """Nine sequences of ragged lengths (two row groups, 5 + 4): the batched step's logits equal
+    each sequence's own decode step's, and every cache advances by one."""
+    model, _ = demo
+    ps = prompts(3, 11, 5, 8, 2, 13, 6, 4, 9)
+    caches, own = [], []
+    for p in ps:
+        c = model.make_cache()
+        mx.eval(model(mx.array([p]), c))
+        caches.append(c)
+        o = copy_prefix(c, c.offset)
+        own.append(model(mx.array([[p[-1]]]), o)[0, -1])
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/rows", 0)
+    batched = decode_rows(model, [p[-1] for p in ps], caches)
+    got, want = np.array(batched), np.array(mx.stack(own))
+    assert got.shape == (9, model.args.vocab_size)
+    # float32 on the CPU: the same sums in a different grouping of rows; logits are O(10)
+    assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert [c.offset for c in caches] == [len(p) + 1 for p in ps]
+    assert kernels.dispatch.counters()["calls"]["batch_decode/rows"] == before + 1
+
+
+def test_pooled_batch_joins_and_leaves(demo):
+    """The pooled layout (every sequence's rows in one buffer a layer, one masked attention
+    launch a step) against one cache per sequence stepped alone, while sequences join, leave
+    (the last slot moving into the freed one, stale rows left behind) and the batch falls back
+    to a lone sequence: logits each step, and the rows a leaving sequence takes with it."""
+    model, _ = demo
+    ps = prompts(3, 11, 5, 8, 2, 13, 6, 4, 9, 7, seed=6)
+
+    def prefilled(p):
+        c = model.make_cache()
+        mx.eval(model(mx.array([p[:-1]]), c))
+        return c
+
+    batch, own, slots = DecodeBatch(model), {}, []        # slots: [prompt index, next token]
+    assert batch.pooled
+
+    def join(*ks):
+        for k in ks:
+            batch.add(prefilled(ps[k]))
+            own[k] = prefilled(ps[k])
+            slots.append([k, ps[k][-1]])
+
+    def leave(i):
+        k = slots[i][0]
+        taken = batch.remove(i)
+        last = slots.pop()
+        if i < len(slots):
+            slots[i] = last
+        n = own[k].offset
+        assert taken.offset == n
+        for mine, theirs in zip(taken.layers, own[k].layers):
+            assert np.array_equal(np.array(mine.read("kv", n)), np.array(theirs.read("kv", n)))
+
+    def step():
+        got = np.array(batch.step([t for _, t in slots]))
+        for row, s in zip(got, slots):
+            want = np.array(model(mx.array([[s[1]]]), own[s[0]])[0, -1])
+            assert np.max(np.abs(row - want)) <= 1e-4 * np.max(np.abs(want))
+            s[1] = int(want.argmax())
+
+    pooled = kernels.dispatch.counters()["calls"].get("batch_decode/pooled", 0)
+    join(0)
+    step()
+    assert batch.single is not None                      # alone: the model's own step
+    join(1, 2)
+    step()
+    join(3, 4, 5, 6, 7, 8, 9)                            # ten rows: two row groups
+    step()
+    leave(2)
+    leave(0)
+    step()
+    for _ in range(6):
+        leave(0)
+    step()
+    leave(1)
+    assert len(batch) == 1 and batch.single is not None
+    step()
+    assert kernels.dispatch.counters()["calls"]["batch_decode/pooled"] == pooled + 4
+
+
+def test_batch_greedy_equals_each_request_alone(demo):
+    """Requests join at different times, leave at different max_tokens, prefill in chunks of 3
+    interleaved with the running decode; each gives exactly its tokens alone."""
+    model, tok = demo
+    ps = prompts(7, 4, 10, 5, 8)
+    lengths = [6, 3, 5, 2, 4]
+    engine = BatchEngine(model, tok, decode_concurrency=4, prompt_concurrency=2, prefill_step_size=3, stop_ids=())
+    try:
+        first = [engine.submit(p, max_tokens=n) for p, n in zip(ps[:2], lengths[:2])]
+        it = iter(first[0])
+        head = [next(it).token, next(it).token]           # the batch is running: the others join it
+        later = engine.submit_all([dict(prompt_ids=p, max_tokens=n) for p, n in zip(ps[2:], lengths[2:])])
+        got = [head + [e.token for e in it]] + [tokens(h) for h in first[1:] + later]
+        assert engine.stats["prefill_chunks"] > len(ps)    # some prompt took several chunks
+        assert engine.stats["decode_rows"] > max(lengths)  # and rows ran together
+        assert engine.stats["steps_ahead"] > 0             # queued before the last step's tokens were read
+    finally:
+        engine.shutdown()
+    want = [alone(model, p, n) for p, n in zip(ps, lengths)]
+    assert got == want
+
+
+def test_seeded_sampling_independent_of_batch(demo):
+    model, tok = demo
+    ps = prompts(6, 9, 5, seed=1)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    want = alone(model, ps[0], 5, params, seed=1234)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        solo = tokens(engine.submit(ps[0], params, 5, seed=1234))
+        company = [engine.submit(ps[1], SamplingParams(temperature=0.7), 5, seed=9),
+                   engine.submit(ps[0], params, 5, seed=1234),
+                   engine.submit(ps[2], SamplingParams(), 4)]
+        in_batch = tokens(company[1])
+        other = tokens(company[0])
+    finally:
+        engine.shutdown()
+    assert solo == want and in_batch == want
+    assert other != want or ps[1] == ps[0]
+
+
+def test_cancel_ends_request_and_leaves_others(demo):
+    model, tok = demo
+    ps = prompts(5, 6, seed=2)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        long = engine.submit(ps[0], max_tokens=200)
+        other = engine.submit(ps[1], max_tokens=4)
+        it = iter(long)
+        next(it)
+        long.cancel()
+        rest = list(it)
+        assert rest[-1].finish_reason == "cancelled" and rest[-1].token is None
+        assert len(rest) < 100
+        assert tokens(other) == alone(model, ps[1], 4)
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            engine.submit([model.args.vocab_size], max_tokens=1)
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.submit(ps[0], max_tokens=0)
+        with pytest.raises(ValueError, match="empty prompt"):     # one bad request: none is queued
+            engine.submit_all([dict(prompt_ids=ps[0], max_tokens=1), dict(prompt_ids=[], max_tokens=1)])
+        assert not engine._inbox
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(ps[0], max_tokens=1)
+
+
+def test_faults_reach_their_requests_and_the_engine_goes_on(demo, monkeypatch):
+    model, tok = demo
+    p, q = prompts(5, 7, seed=9)
+    engine = BatchEngine(model, tok, stop_ids=())
+    faults = {"admit": 1, "step": 1}
+    real_admit, real_step = engine._admit, DecodeBatch.step
+
+    def admit():
+        if faults["admit"]:
+            faults["admit"] -= 1
+            raise RuntimeError("admission fault")
+        real_admit()
+
+    def step(self, tokens):
+        if faults["step"]:
+            faults["step"] -= 1
+            raise RuntimeError("decode fault")
+        return real_step(self, tokens)
+
+    engine._admit = admit
+    monkeypatch.setattr(DecodeBatch, "step", step)
+    try:
+        with pytest.raises(RuntimeError, match="admission fault"):
+            list(engine.submit(p, max_tokens=3))
+        with pytest.raises(RuntimeError, match="decode fault"):   # its first token came from the prefill
+            list(engine.submit(p, max_tokens=3))
+        assert tokens(engine.submit(q, max_tokens=3)) == alone(model, q, 3)
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_cancels_running_requests(demo):
+    model, tok = demo
+    engine = BatchEngine(model, tok, stop_ids=())
+    h = engine.submit(prompts(4, seed=3)[0], max_tokens=500)
+    next(iter(h))
+    engine.shutdown(cancel=True, timeout=30)
+    assert not engine._thread.is_alive()
+    assert list(h)[-1].finish_reason == "cancelled"
+
+
+def test_prompt_cache_hit_equals_miss(demo):
+    """A second turn resends the first turn's prompt and reply: it starts from the cache (all
+    of the history but what differs) and gives the tokens a cold run gives."""
+    model, tok = demo
+    p, = prompts(9, seed=4)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        h1 = engine.submit(p, max_tokens=4)
+        reply = tokens(h1)
+        assert h1.cached_tokens == 0
+        turn2 = p + reply + [17, 23]
+        h2 = engine.submit(turn2, max_tokens=4)
+        got = tokens(h2)
+        assert h2.cached_tokens == len(p) + len(reply) - 1   # the cache held all but the last reply token
+        h3 = engine.submit(p, max_tokens=4)                  # the same prompt again: all but one token reused
+        again = tokens(h3)
+        assert h3.cached_tokens == len(p) - 1
+    finally:
+        engine.shutdown()
+    assert got == alone(model, turn2, 4)
+    assert again == reply
+
+
+def test_logprobs_are_log_softmax_of_the_logits(demo):
+    model, tok = demo
+    p, = prompts(6, seed=5)
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        ev = next(iter(engine.submit(p, max_tokens=1, logprobs=3)))
+        ev0 = next(iter(engine.submit(p, max_tokens=1, logprobs=0)))
+        run = list(engine.submit(p, max_tokens=4, logprobs=2))     # later steps queued ahead
+    finally:
+        engine.shutdown()
+    logits = np.array(model(mx.array([p]))[0, -1]).astype(np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max()
+    top = np.argsort(-logp)[:3]
+    assert ev.token == int(top[0]) and abs(ev.logprob - logp[top[0]]) < 1e-4
+    assert [t for t, _ in ev.top_logprobs] == [int(t) for t in top]
+    assert np.allclose([v for _, v in ev.top_logprobs], logp[top], atol=1e-4)
+    assert ev0.top_logprobs is None and abs(ev0.logprob - ev.logprob) < 1e-6
+    assert [e.token for e in run] == alone(model, p, 4)
+    for e in run:   # greedy: the chosen token is the best alternative, with the same logprob
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0] == (e.token, e.logprob)
+        assert e.top_logprobs[1][1] <= e.logprob
+
+
+def fake_cache(n_tokens, width=8, layers=2, value=1.0):
+    c = LatentCache(layers)
+    c.set_left_padding(None, 1)
+    for layer in c.layers:
+        layer.append("kv", mx.full((1, n_tokens, width), value), 0)
+    c.advance(n_tokens)
+    return c
+
+
+def test_prompt_cache_longest_prefix_and_copy():
+    pc = PromptCache()
+    short, long = fake_cache(3, value=1.0), fake_cache(6, value=2.0)
+    pc.insert([1, 2, 3], short)
+    pc.insert([1, 2, 9, 9, 9, 9], long)
+    cache, n = pc.fetch([1, 2, 9, 9, 5])
+    assert n == 4 and cache.offset == 4
+    assert float(cache.layers[0].read("kv", 4).sum()) == 2.0 * 4 * 8
+    cache.layers[0].buffers["kv"][:, 0] = 0                   # the copy owns its buffers
+    assert float(long.layers[0].read("kv", 6).sum()) == 2.0 * 6 * 8
+    cache, n = pc.fetch([1, 2, 3])                              # one token is left to prefill
+    assert n == 2
+    assert pc.fetch([7, 7]) == (None, 0)
+    assert (pc.hits, pc.misses) == (2, 1)
+
+
+def test_prompt_cache_byte_bound_evicts_least_recently_used():
+    one = fake_cache(4).nbytes
+    pc = PromptCache(max_bytes=2 * one + 1)
+    pc.insert([1, 1, 1, 1], fake_cache(4))
+    pc.insert([2, 2, 2, 2], fake_cache(4))
+    pc.fetch([1, 1, 1, 1, 5])                                   # [1,...] is now the most recent
+    pc.insert([3, 3, 3, 3], fake_cache(4))
+    assert pc.keys() == [(1, 1, 1, 1), (3, 3, 3, 3)] and pc.nbytes == 2 * one and pc.evictions == 1
+    assert not pc.insert([4] * 12, fake_cache(12, width=24))              # larger than the whole bound
+    assert pc.insert([3, 3, 3, 3, 8], fake_cache(5))            # replaces its own prefix entry
+    assert (3, 3, 3, 3) not in pc.keys() and pc.nbytes <= 2 * one
+    pc0 = PromptCache(max_entries=0)
+    assert not pc0.insert([1], fake_cache(1)) and len(pc0) == 0
+
+
+def test_stop_token_ends_request_and_its_cache_is_reused(demo):
+    """A request ending at a stop token while the next step was already queued with it: the
+    stop token is its last event, the row fed ahead is taken back (the prompt cache gets
+    exactly the prompt and the reply but the stop token), and a follow-up reuses it."""
+    model, tok = demo
+    p, q = prompts(8, 6, seed=7)
+    ref = alone(model, p, 8)
+    k = next(i for i in range(2, 8) if ref[i] not in ref[:i])
+    engine = BatchEngine(model, tok, stop_ids=[ref[k]])
+    try:
+        h, other = engine.submit(p, max_tokens=8), engine.submit(q, max_tokens=8)
+        events = list(h)
+        list(other)
+        assert [e.token for e in events] == ref[: k + 1] and events[-1].finish_reason == "stop"
+        follow = p + ref[:k] + [31]
+        h2 = engine.submit(follow, max_tokens=3)
+        got = tokens(h2)
+        assert h2.cached_tokens == len(p) + k            # the prompt and the reply before the stop token
+        assert engine.stats["steps_ahead"] > 0
+    finally:
+        engine.shutdown()
+    assert got == [t for t, _ in generate_tokens(model, follow, 3, stop_ids=[ref[k]], draft="none")]
+
+
+@pytest.fixture
+def metal(monkeypatch):
+    """Every hot-path launch goes to the MSL simulator, as on a Mac (tests/msl)."""
+    simulator = pytest.importorskip("msl.simulator")
+    if simulator.unavailable_reason():
+        pytest.skip(f"MSL simulator: {simulator.unavailable_reason()}")
+    from moe_mla_oracle import route_launches_to_simulator
+
+    yield route_launches_to_simulator(monkeypatch, simulator)
+    kernels.moe.clear_banks()
+
+
+def test_pooled_step_metal_kernels(metal, tmp_path):
+    """A pooled step of three ragged sequences with the Metal kernels (in the simulator): one
+    masked attention launch a layer over the three caches, rows of 3 through the GEMV and MoE
+    kernels; logits equal each sequence's reference step."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+    from colibri_mlx.models.loading import load_model
+
+    hf = build_hf_model("deepseek_v3", seed=2, first_k_dense_replace=1)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
+    model = load_model(tmp_path / "c", dtype="float32")
+    ps = prompts(3, 6, 4, seed=8)
+    ps = [[t % model.args.vocab_size for t in p] for p in ps]
+    batch, want, own = DecodeBatch(model), [], []
+    with kernels.dispatch.force_reference():
+        for p in ps:
+            c = model.make_cache()
+            mx.eval(model(mx.array([p[:-1]]), c))
+            own.append(copy_prefix(c, c.offset))
+            want.append(np.array(model(mx.array([[p[-1]]]), own[-1])[0, -1]))
+            batch.add(c)
+    metal.clear()
+    got = np.array(batch.step([p[-1] for p in ps]))
+    attention = [name for name in metal if name.startswith("mla_attn")]
+    assert len(attention) == len(model.layers), metal
+    assert not kernels.dispatch.counters()["fallbacks"].get("mla_decode")
+    for row, w in zip(got, want):
+        assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
+    # a second step, over the rows the first one wrote
+    nxt = [int(w.argmax()) for w in want]
+    got = np.array(batch.step(nxt))
+    with kernels.dispatch.force_reference():
+        want = [np.array(model(mx.array([[t]]), c)[0, -1]) for t, c in zip(nxt, own)]
+    for row, w in zip(got, want):
+        assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
+
+
+def test_dsa_model_keeps_a_cache_per_sequence(tmp_path):
+    """A DSA model (an indexer selects over each cache) cannot pool: the batch keeps one cache
+    per sequence and steps each alone; the engine's output still equals each request alone,
+    past index_topk tokens of context (where the selection starts to matter)."""
+    from helpers_models import build_config_model, save_checkpoint
+    from colibri_mlx.models import load_model
+
+    model = load_model(save_checkpoint(build_config_model("v32_groups"), str(tmp_path / "v32")), dtype="float32")
+    assert model.args.dsa and not DecodeBatch(model).pooled
+    ps = [[t % 250 for t in p] for p in prompts(6, 10, seed=10)]      # index_topk = 8
+    engine = BatchEngine(model, None, stop_ids=())
+    try:
+        got = [tokens(h) for h in engine.submit_all([dict(prompt_ids=p, max_tokens=5) for p in ps])]
+    finally:
+        engine.shutdown()
+    assert got == [alone(model, p, 5) for p in ps]
+    assert kernels.dispatch.counters()["calls"].get(
+        "batch_decode/declined: DSA indexer selects over each cache", 0) > 0
