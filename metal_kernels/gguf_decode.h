@@ -26,7 +26,7 @@
 // A weight is code * scale + bias, one (scale, bias) a segment (16 weights for the types with
 // 16-weight scales, else 32); bias is Q4_K / Q5_K / Q2_K's -dmin * min and Q5_1's m. qd_decode8
 // applies them per weight (qd_seg_scale is 1); qd_seg_dots sums code * x over a segment and
-// applies them once (qdecode.h qd_seg_dots_gguf).
+// applies them once (qd_seg_dots_gguf, below).
 //
 // The lookup-table input (the kernels' e8grid; kernels/gguf_decode.py lookup_words) holds ggml's
 // tables at the word offsets QD_GG_*: iq3xxs_grid (= the fmt 6 grid) at 0, then kvalues_iq4nl as
@@ -65,6 +65,15 @@ constexpr bool qd_gg_has_bias(int fmt) {
   return fmt == 14 || fmt == 15 || fmt == 17 || fmt == 18;
 }
 
+// The decoders: dispatch.decode_header keeps the text above and replaces what follows this line
+// with gguf_stub.h for launches of the other formats.
+// ==== GGUF decoders ====
+
+// qdecode.h's x loads (defined there, after this file).
+template <int XV, int XP, int WPU, typename T>
+inline void qd_xs8(const device T* xs, int I, int u, int k0, thread float* o);
+
+
 inline uint qd_gg_u8(const device uint8_t* p) {
   return uint(p[0]);
 }
@@ -93,8 +102,6 @@ inline uint qd_gg_popcount(uint v) {
 inline uint2 qd_gg_load8(const device uint8_t* p) {
   return *(const device uint2*)p;
 }
-
-// ==== translated to CUDA below ====
 
 // ggml's get_scale_min_k4 for sub-block j of a Q4_K / Q5_K block, from the scale words a (bytes
 // 0-3), b (4-7), c (8-11): scale | min << 8.
@@ -406,5 +413,53 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
   const float2 a = qd_gg_seg_affine<FMT>(r, k0 / qd_gg_seg(FMT));
   for (int k = 0; k < 8; ++k) {
     q[k] = fma(q[k], a.x, a.y);
+  }
+}
+
+// qd_seg_dots for the GGUF fmts: sum code * x over the segment (two FMA chains), then the
+// segment's scale once, and its bias (Q4_K's -dmin * min) times sum x, instead of a scale and a
+// bias per weight.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
+                             uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
+  constexpr int WPU = qd_gg_wpu(FMT);
+  constexpr int SEG = qd_gg_seg(FMT);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+    for (int r = 0; r < ROWS; ++r) {
+      qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+    }
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
+        if (qd_gg_has_bias(FMT)) {
+          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+        }
+        for (int r = 0; r < ROWS; ++r) {
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+    }
   }
 }

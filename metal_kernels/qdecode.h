@@ -474,54 +474,6 @@ inline void qd_seg_dots_sum_x(thread const uint (*raw)[W], const device T* x, th
   }
 }
 
-// qd_seg_dots for the GGUF fmts: sum code * x over the segment (two FMA chains), then the
-// segment's scale once, and its bias (Q4_K's -dmin * min) times sum x, instead of a scale and a
-// bias per weight.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
-                             uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
-  constexpr int WPU = qd_wpu(FMT);
-  constexpr int SEG = qd_gg_seg(FMT);
-  float lo[ROWS][S];
-  float hi[ROWS][S];
-  float sx[S];
-  for (int s = 0; s < S; ++s) {
-    sx[s] = 0.0f;
-    for (int r = 0; r < ROWS; ++r) {
-      lo[r][s] = 0.0f;
-      hi[r][s] = 0.0f;
-    }
-  }
-  for (int c = 0; c < SEG; c += 8) {
-    const int k0 = SEG * g + c;
-    float q[ROWS][8];
-    for (int r = 0; r < ROWS; ++r) {
-      qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
-    }
-    for (int s = 0; s < S; ++s) {
-      if ((xmask >> s) & 1u) {
-        float xf[8];
-        qd_xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
-        if (qd_gg_has_bias(FMT)) {
-          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
-        }
-        for (int r = 0; r < ROWS; ++r) {
-          for (int k = 0; k < 8; k += 2) {
-            lo[r][s] += q[r][k] * xf[k];
-            hi[r][s] += q[r][k + 1] * xf[k + 1];
-          }
-        }
-      }
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
-    for (int s = 0; s < S; ++s) {
-      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
-    }
-  }
-}
-
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in `xmask` (the others stay 0). The x values of each 8 weights
 // are widened once for all ROWS rows; each decoded weight is applied to every row of x.

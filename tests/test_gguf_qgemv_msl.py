@@ -268,3 +268,77 @@ def test_qmatmul_counts_the_gguf_kernel_and_matches_the_reference(metal):
     assert np.all(np.abs(got - want) <= 1e-4 * (np.abs(np.asarray(x)) @ np.abs(qt.dequantize()).T))
     kernels.qmatmul(random_x(9, 768, seed=11), qt)
     assert metal == ["qgemv"] and kernels.counters()["calls"].get("qmm/dequant-matmul") == 1
+
+
+def test_other_formats_launch_without_the_gguf_decoders():
+    """Launches of the other formats carry gguf_decode's stubs, not its decoders (MLX builds and
+    hashes the whole kernel text on every call); a GGUF FMT given the stubs does not compile."""
+    from kernel_oracle import random_qtensor
+
+    for backend in (dispatch.METAL, dispatch.CUDA):
+        plain = qgemv.launch_spec(random_x(1, 512), random_qtensor(4, 8, 512, gs=64), backend)
+        gguf = qgemv.launch_spec(random_x(1, 512), random_gguf_qtensor("Q4_K", 8, 512), backend)
+        assert "scale_min_k4" not in plain.header and "scale_min_k4" in gguf.header
+        assert len(gguf.header) > len(plain.header) + 8000
+    qt = random_gguf_qtensor("Q4_K", 3, 256)
+    spec = qgemv.launch_spec(random_x(1, 256), qt)
+    spec.header = qgemv.kernel_header(dispatch.METAL, False)
+    with pytest.raises(simulator.SimulatorError, match="GGUF FMT without gguf_decode"):
+        simulate(spec)
+
+
+# ---------------------------------------------------------------------------------------
+# A llama.cpp-written model on the kernels: tiny deepseek2 files (tests/data/gguf, Q4_K_M-like and
+# IQ2_XXS-experts mixes of real llama.cpp quantization), decode steps with every hot path in the
+# simulator against the same steps on the reference path.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-q4_k_m", "tiny-iq2_xxs"])
+def test_llama_cpp_file_decodes_on_the_kernels(metal, name):
+    import os
+
+    import colibri_mlx
+    from colibri_mlx import kernels
+
+    path = os.path.join(os.path.dirname(__file__), "data", "gguf", name + ".gguf")
+    model, _ = colibri_mlx.load(path, dtype="float32")
+    prompt, steps = mx.array([[3, 17, 29, 41]]), [[7], [11]]
+
+    def run():
+        cache = model.make_cache()
+        out = [np.array(model(prompt, cache=cache))[0, -1]]
+        out += [np.array(model(mx.array([s]), cache=cache))[0, -1] for s in steps]
+        return np.stack(out).astype(np.float64)
+
+    with kernels.force_reference():
+        want = run()
+    kernels.reset_counters()
+    got = run()
+    c = kernels.counters()
+    assert c["calls"].get("qgemv/metal") and c["calls"].get("moe_block/metal") and not c["fallbacks"], c
+    assert "mla_qabs" in metal or "mla_qb_qabs" in metal, sorted(set(metal))
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert len({q.fmt for q in _model_qtensors(model)} & set(gguf_decode.KERNEL_FMTS)) >= 3   # a mix of GGUF types
+    assert err <= 1e-4, err
+
+
+def _model_qtensors(model):
+    """The QTensors a model holds (attributes, lists and dicts a few levels down)."""
+    from colibri_mlx.formats import QTensor
+
+    out = []
+
+    def walk(o, depth=0):
+        if isinstance(o, QTensor):
+            out.append(o)
+        elif depth < 6 and isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v, depth + 1)
+        elif depth < 6 and isinstance(o, dict):
+            for v in o.values():
+                walk(v, depth + 1)
+        elif depth < 6 and hasattr(o, "__dict__"):
+            for v in vars(o).values():
+                walk(v, depth + 1)
+    walk(model)
+    return out

@@ -149,3 +149,9 @@ def test_bench_gguf_e2e_rows(tmp_path):
         assert 0 < row["bytes_per_token"] and row["per_byte_ratio"] > 0
     assert {"Q4_K", "Q6_K", "F32"} == set(res["mixes"]["q4_k_m"]["file_bytes_by_type"])
     assert {"IQ2_XXS", "Q4_K", "Q6_K", "Q8_0", "F32"} == set(res["mixes"]["iq2_xxs"]["file_bytes_by_type"])
+
+
+def test_bench_gguf_gemv_rows():
+    out = run_script("scripts/bench/bench_gguf_gemv.py", "--tiny", "--types", "Q4_K", "IQ2_XXS")
+    for row in ("mx.quantized_matmul 4b g64", "Q4_K R4", "IQ2_XXS R4", "paired A/B", "  IQ1_M "):
+        assert row in out, out

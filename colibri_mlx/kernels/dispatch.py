@@ -191,16 +191,24 @@ def read_kernel_source(name: str, backend_name: str) -> tuple[str, str]:
 
 
 DECODE_HEADER = {METAL: "qdecode.h", CUDA: "cuda/qdecode.cuh"}
-# llama.cpp's GGUF block decoders, in front of DECODE_HEADER (whose functions call them).
+# llama.cpp's GGUF block decoders, in front of DECODE_HEADER (whose functions call them); the
+# launches of the other formats get their unit sizes and GGUF_STUB_HEADER's stubs instead.
 GGUF_DECODE_HEADER = {METAL: "gguf_decode.h", CUDA: "cuda/gguf_decode.cuh"}
+GGUF_STUB_HEADER = {METAL: "gguf_stub.h", CUDA: "cuda/gguf_stub.cuh"}
+GGUF_DECODERS_MARKER = "// ==== GGUF decoders ====\n"
 
 
 @functools.lru_cache(maxsize=None)
-def decode_header(backend_name: str) -> str:
+def decode_header(backend_name: str, gguf: bool = False) -> str:
     """The shared unit loads and decoders (``metal_kernels/gguf_decode.h`` + ``qdecode.h``, or their
-    ``metal_kernels/cuda/`` twins); every kernel reading quantized weights prepends it."""
-    return compact_source((KERNEL_DIR / GGUF_DECODE_HEADER[backend_name]).read_text()
-                          + (KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
+    ``metal_kernels/cuda/`` twins); every kernel reading quantized weights prepends it. ``gguf``
+    False (no GGUF weight in the launch): gguf_decode's decoders are replaced by their stubs, so
+    the text MLX builds and hashes on every call stays what the other formats need."""
+    gg = (KERNEL_DIR / GGUF_DECODE_HEADER[backend_name]).read_text()
+    if not gguf:
+        head, _ = gg.split(GGUF_DECODERS_MARKER, 1)
+        gg = head + (KERNEL_DIR / GGUF_STUB_HEADER[backend_name]).read_text()
+    return compact_source(gg + (KERNEL_DIR / DECODE_HEADER[backend_name]).read_text())
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..formats.gguf_quant import is_gguf_fmt
 from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
 from . import device_inputs, dispatch, gguf_formats, mlx_formats
@@ -107,6 +108,9 @@ OUT_WARPS = 8
 # would fill its threadgroup memory. q_b in fmt 1-5 or an MLX format (fmt 6 rotates its input first, a float
 # q_b has no units).
 QB_SETTINGS = {dispatch.METAL: (8, 8), dispatch.CUDA: (16, 4)}
+# With a GGUF q_b or kv_b (more words a unit) CUDA's 512 threads, bounded to 128 registers, spill
+# (ptxas, sm_90a: Q4_K 368 bytes, Q6_K 84); 8 SIMD groups of 4 rows do not.
+QB_SETTINGS_GGUF_CUDA = (8, 4)
 QB_FMTS = (1, 2, 3, 4, 5)
 # kv_b units in flight per lane in mla_qabs / mla_out's W_UV rows (RU rows x NU units a lane,
 # all loaded before any decoding): they are latency-bound, the bytes per row are few.
@@ -369,7 +373,7 @@ def _static(kv_b, B, L, H, nope, v, R, rope, q_dtype, cache_dtype, backend, vari
         raise ValueError(f"mla_decode: kv_b is {p.O}x{p.I}, expected {H * (nope + v)}x{R}")
     Hp = _ceil_div(H, HT) * HT if mma else H     # q' rows, padded for mma
     BL = B * L
-    header = kernel_header("mla_decode", backend)
+    header = kernel_header("mla_decode", backend, gguf_formats.is_gguf(kv_b) if isinstance(kv_b, QTensor) else False)
     bodies = read_kernel_sections("mla_decode", backend)[1]
     n_units = p.n_units
     LW, NU, RU = unit_lanes(n_units)
@@ -608,7 +612,8 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
     """mla_qb_qabs: mla_qabs (one threadgroup a head, all kv_b units) with this head's q_b rows
     computed first from the q_latent row."""
     pb = kv_b_projection(q_b)
-    nsg, qr = qb_setting(setting, backend)
+    gguf = is_gguf_fmt(pb.fmt) or is_gguf_fmt(st.p.fmt)
+    nsg, qr = QB_SETTINGS_GGUF_CUDA if gguf and backend == dispatch.CUDA and not setting else qb_setting(setting, backend)
     key = (id(q_b), id(st), q_latent.dtype, backend, rotate, nsg, qr)
     hit = _qb_statics.get(key)
     if hit is None or hit[0] is not q_b:
@@ -620,7 +625,7 @@ def _qb_qabs_spec(st: _Static, q_latent, q_b, nope: int, rope: int, backend: str
                              ROPEQ=int(rotate), QMAX=nope + rope, QR=qr, NUB=_ceil_div(pb.n_units, SIMD),
                              FMTB=pb.fmt, GSB=_gs(pb), VECB=pb.vec, XVB=x_vec,
                              NIB=DEFAULT_NIB[backend])
-        header = st.header
+        header = kernel_header("mla_decode", backend, True) if gguf else st.header
         if backend == dispatch.CUDA and SIMD * nsg > CUDA_MAX_THREADS_AT_FULL_REGS:
             # 512+ threads must fit an SM's 64 K registers (unbounded it takes up to ~170 a thread)
             header = dispatch.bounded_header(header, SIMD * nsg, 1)

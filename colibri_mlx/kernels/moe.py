@@ -64,11 +64,11 @@ def read_kernel_sections(name: str, backend_name: str) -> tuple[str, dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_header(name: str, backend_name: str) -> str:
+def kernel_header(name: str, backend_name: str, gguf: bool = False) -> str:
     """A kernel file's header with the shared fmt 0-6 decoders (qdecode) in front. Cached: one
     string object per kernel, so the kernel-object lookup (dispatch._kernel_object) hashes and
     compares it by identity instead of re-hashing ~12 KB per call."""
-    return dispatch.decode_header(backend_name) + read_kernel_sections(name, backend_name)[0]
+    return dispatch.decode_header(backend_name, gguf) + read_kernel_sections(name, backend_name)[0]
 
 
 def _as_input(a: mx.array, dtype) -> mx.array:
@@ -171,6 +171,11 @@ class ExpertGroup:
     @property
     def rotated(self) -> bool:
         return self.gate_up.fmt == E8_FMT
+
+    @property
+    def gguf(self) -> bool:
+        """A GGUF projection in the group: its launches carry the GGUF decoders."""
+        return is_gguf_fmt(self.gate_up.fmt) or is_gguf_fmt(self.down.fmt)
 
 
 @dataclass
@@ -416,7 +421,7 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
     if persistent is None:
         persistent = default_gate_up_persistent(p.fmt, S, n_slots, nw, pf, n_blocks, backend)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
-    header = kernel_header("moe_block", backend)
+    header = kernel_header("moe_block", backend, group.gguf)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_gate_up", input_names=("x", "wgu", "sgu", "e8grid", "ids", "lut", "params"),
@@ -457,7 +462,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         persistent = (dispatch.balanced_blocks(n_blocks, dispatch.CUDA_SMS * min_blocks)
                       if backend == dispatch.CUDA and S == 1 and min_blocks else 0)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
-    header = kernel_header("moe_block", backend)
+    header = kernel_header("moe_block", backend, group.gguf)
     _, bodies = read_kernel_sections("moe_block", backend)
     st = group.statics[key] = _Static(
         name="moe_down", input_names=("h", "wd", "sd", "e8grid", "ids", "lut", "weights", "params", "res"),

@@ -43,8 +43,9 @@ def cuda_tuned(fmt: int) -> bool:
     """Whether a kernel FMT code (kernels/mlx_formats.py: fmt 0-6 their own) takes the CUDA
     settings measured on fmt 2/4 (PF 1, the persistent grid of six-row blocks): fmt 2/4 and the
     MLX formats of at most 4 bits, whose units are 32 weights of at most 16 bytes plus at most
-    two scale words, register buffers no larger than fmt 4's (compile_cuda_twins.py --ptxas)."""
-    return fmt in (2, 4) or (fmt >= 8 and mlx_formats.kernel_bits(fmt) <= 4)
+    two scale words, register buffers no larger than fmt 4's (compile_cuda_twins.py --ptxas). Not
+    the GGUF types (their launch variants: scripts/bench/bench_gguf_gemv.py)."""
+    return fmt in (2, 4) or (mlx_formats.is_mlx_kernel_fmt(fmt) and mlx_formats.kernel_bits(fmt) <= 4)
 
 
 def default_prefetch(fmt: int, S: int, backend: str) -> int:
@@ -205,10 +206,10 @@ def default_simdgroups(O: int, rows: int, n_units: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_header(backend: str) -> str:
-    """The shared decoders and qgemv's helpers: one string object per backend, so launches
-    pass the same object every time (dispatch finds its kernel by identity)."""
-    return dispatch.decode_header(backend) + dispatch.read_kernel_source(NAME, backend)[0]
+def kernel_header(backend: str, gguf: bool = False) -> str:
+    """The shared decoders (``gguf``: with the GGUF ones) and qgemv's helpers: one string object per
+    backend, so launches pass the same object every time (dispatch finds its kernel by identity)."""
+    return dispatch.decode_header(backend, gguf) + dispatch.read_kernel_source(NAME, backend)[0]
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ def _build_static(qt, S, dtype, backend, unroll, rows, simdgroups, nib, prefetch
                    grid=(SIMD * simdgroups * blocks, 1, 1), threadgroup=(SIMD * simdgroups, 1, 1),
                    template=template, template_res=template[:-1] + [("RES", 1)],
                    source=dispatch.read_kernel_source(NAME, backend)[1],
-                   header=kernel_header(backend))
+                   header=kernel_header(backend, gguf_formats.is_gguf(qt)))
 
 
 def launch_spec(x: mx.array, qt, backend: str = dispatch.METAL,

@@ -39,6 +39,15 @@ __device__ constexpr bool gg_has_bias(int fmt) {
   return fmt == 14 || fmt == 15 || fmt == 17 || fmt == 18;
 }
 
+// The decoders: dispatch.decode_header keeps the text above and replaces what follows this line
+// with gguf_stub.cuh for launches of the other formats.
+// ==== GGUF decoders ====
+
+// qdecode.cuh's x loads (defined there, after this file).
+template <int XV, int XP, int WPU, typename T>
+__device__ __forceinline__ void xs8(const T* xs, int I, int u, int k0, float* o);
+
+
 __device__ __forceinline__ uint32_t gg_u8(const uint8_t* p) {
   return uint32_t(p[0]);
 }
@@ -394,6 +403,63 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     q[k] = fmaf(q[k], a.x, a.y);
+  }
+}
+
+// seg_dots for the GGUF fmts (gguf_decode.h qd_seg_dots_gguf): sum code * x over the segment, then the
+// segment's scale once and its bias times sum x.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+__device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
+                                              uint32_t xmask, int I, int u, int g, const uint32_t* lut,
+                                              float (*d)[S]) {
+  constexpr int WPU = gg_wpu(FMT);
+  constexpr int SEG = gg_seg(FMT);
+  float lo[ROWS][S];
+  float hi[ROWS][S];
+  float sx[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    sx[s] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      lo[r][s] = 0.0f;
+      hi[r][s] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < SEG; c += 8) {
+    const int k0 = SEG * g + c;
+    float q[ROWS][8];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+    }
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if ((xmask >> s) & 1u) {
+        float xf[8];
+        xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
+        if (gg_has_bias(FMT)) {
+          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+          for (int k = 0; k < 8; k += 2) {
+            lo[r][s] += q[r][k] * xf[k];
+            hi[r][s] += q[r][k + 1] * xf[k + 1];
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const float2 a = gg_seg_affine<FMT>(raw[r], g);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+    }
   }
 }
 

@@ -489,63 +489,6 @@ __device__ __forceinline__ void seg_dots_sum_x(const uint32_t (*raw)[W], const T
   }
 }
 
-// seg_dots for the GGUF fmts (qdecode.h seg_dots_gguf): sum code * x over the segment, then the
-// segment's scale once and its bias times sum x.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
-__device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
-                                              uint32_t xmask, int I, int u, int g, const uint32_t* lut,
-                                              float (*d)[S]) {
-  constexpr int WPU = wpu(FMT);
-  constexpr int SEG = gg_seg(FMT);
-  float lo[ROWS][S];
-  float hi[ROWS][S];
-  float sx[S];
-#pragma unroll
-  for (int s = 0; s < S; ++s) {
-    sx[s] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      lo[r][s] = 0.0f;
-      hi[r][s] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < SEG; c += 8) {
-    const int k0 = SEG * g + c;
-    float q[ROWS][8];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      gg_codes8<FMT>(raw[r], k0, lut, q[r]);
-    }
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if ((xmask >> s) & 1u) {
-        float xf[8];
-        xs8<XV, XP, WPU, T>(x + xoff[s], I, u, k0, xf);
-        if (gg_has_bias(FMT)) {
-          sx[s] += ((xf[0] + xf[1]) + (xf[2] + xf[3])) + ((xf[4] + xf[5]) + (xf[6] + xf[7]));
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-          for (int k = 0; k < 8; k += 2) {
-            lo[r][s] += q[r][k] * xf[k];
-            hi[r][s] += q[r][k + 1] * xf[k + 1];
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const float2 a = gg_seg_affine<FMT>(raw[r], g);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
-    }
-  }
-}
-
 // d[r][s] = sum over segment g of unit u of row r of code * x[xoff[s] + i] (unscaled), for the
 // rows of x whose bit is set in xmask (the others stay 0). NIB 1: fmt 2/4 via seg_dots_sum_x
 // (fp16 subnormal codes, one bias per segment); NIB 0: decode8's magic-number codes. XP 1: x

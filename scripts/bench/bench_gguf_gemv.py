@@ -2,6 +2,7 @@
 """Time qgemv's GGUF decode variants (CUDA twin) against mx.quantized_matmul 4-bit in the same run.
 
     PYTHONPATH=/root/site:$PWD python3 scripts/bench/bench_gguf_gemv.py --json gguf_gemv.json
+    PYTHONPATH=$PWD python3 scripts/bench/bench_gguf_gemv.py --tiny    # CPU smoke run (kernels.qmatmul)
 
 Shape 18432x7168 (DeepSeek-V3's gate/up at hidden 7168), one row of bf16 x, GGUF Q4_K, Q6_K,
 IQ4_XS, IQ2_XXS and Q8_0 (random blocks with finite fp16 scales: tests/kernel_oracle.py), each at
@@ -16,7 +17,8 @@ whose A + B took over 1.15x the best pair's are dropped; the figure is the media
 GEMV. Bytes = the packed weights (+ scales and biases for the baseline) + x; GB/s as a percentage
 of 4.3 TB/s (the H200's measured copy bandwidth). Each type's kernel output is first checked against
 the float64 product with formats/gguf_quant.py's decode (|delta| / sum|x w|; bf16 output, so up to
-~2^-8).
+~2^-8). After the timings, every GGUF type not timed is checked the same way at 512x2048
+with three rows of x (--no-check-all skips it).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from colibri_mlx.formats import QTensor  # noqa: E402
-from colibri_mlx.formats.gguf_quant import dequantize_gguf  # noqa: E402
+from colibri_mlx.formats.gguf_quant import GGUF_TYPES, dequantize_gguf  # noqa: E402
+from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import dispatch, qgemv  # noqa: E402
 from kernel_oracle import random_gguf_qtensor  # noqa: E402
 
@@ -47,6 +50,7 @@ TYPES = ["Q4_K", "IQ4_XS", "Q6_K", "IQ2_XXS", "Q8_0"]
 PAIRS = 21
 GEMVS_PER_EVAL = 32
 OUTLIER = 1.15
+TINY = False
 # The default launch first, then (for VARIANT_TYPES) variants: PF = the next step's loads issued
 # before this step's arithmetic (CUDA's default for fmt 2/4), rows per threadgroup, unroll, SIMD
 # groups a threadgroup (split-K).
@@ -56,7 +60,8 @@ VARIANT_TYPES = ("Q4_K", "IQ4_XS")
 
 
 def n_copies(nbytes: int) -> int:
-    return max(2, int(-(-6 * L2_BYTES // nbytes)))
+    """Weight copies an evaluation cycles through: six L2s' worth (two with --tiny)."""
+    return 2 if TINY else max(2, int(-(-6 * L2_BYTES // nbytes)))
 
 
 def gguf_copies(name: str) -> tuple:
@@ -79,6 +84,13 @@ def qmm_copies() -> list:
         out.append(tuple(mx.quantize(w, group_size=64, bits=4)))
         mx.eval(out[-1])
     return out
+
+
+def gemv(x, qt, **tuning):
+    """Ours: the CUDA kernel (with ``tuning``); without a CUDA GPU (--tiny) the backend's qmatmul."""
+    if dispatch.gpu_backend() == dispatch.CUDA:
+        return qgemv.qgemv(x, qt, dispatch.CUDA, **tuning)
+    return kernels.qmatmul(x, qt)
 
 
 def one_eval(make_outputs) -> float:
@@ -117,10 +129,27 @@ def check(name: str, host, x) -> float:
     rows = min(256, O)
     part = QTensor(host.packed[:rows], host.scales, host.fmt, rows, I, host.gs, f"check.{name}")
     w64 = dequantize_gguf(host.fmt, part.packed).astype(np.float64)
-    y = qgemv.qgemv(x, part.to_mlx(), dispatch.CUDA)
+    y = gemv(x, part.to_mlx())
     x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
     got = np.asarray(y.astype(mx.float32)).astype(np.float64)
     return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
+
+
+def check_small(name: str) -> float:
+    """check() of one type at 512x2048 with three rows of bf16 x (one launch to compile a type)."""
+    qt = random_gguf_qtensor(name, 512, 2048, seed=3)
+    w64 = dequantize_gguf(qt.fmt, qt.packed).astype(np.float64)
+    x = mx.random.normal((3, 2048)).astype(mx.bfloat16)
+    got = np.asarray(gemv(x, qt.to_mlx()).astype(mx.float32)).astype(np.float64)
+    x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
+
+
+def write_json(path, rows) -> None:
+    if path:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        tmp.replace(path)
 
 
 def launch_label(qt, x, tuning) -> str:
@@ -148,10 +177,16 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--types", nargs="*", default=TYPES)
     ap.add_argument("--no-variants", action="store_true", help="time only the default launch")
+    ap.add_argument("--tiny", action="store_true", help="256x1024, few pairs (CPU smoke run)")
+    ap.add_argument("--no-check-all", action="store_true", help="skip checking the types not timed")
     args = ap.parse_args()
-    if dispatch.gpu_backend() != dispatch.CUDA:
-        print("bench_gguf_gemv: needs MLX's CUDA backend")
+    global O, I, PAIRS, GEMVS_PER_EVAL, TINY
+    if args.tiny:
+        O, I, PAIRS, GEMVS_PER_EVAL, TINY = 256, 1024, 3, 2, True
+    elif dispatch.gpu_backend() != dispatch.CUDA:
+        print("bench_gguf_gemv: needs MLX's CUDA backend (or --tiny)")
         return 2
+    variants = not args.no_variants and dispatch.gpu_backend() == dispatch.CUDA
     mx.random.seed(0)
     x = mx.random.normal((1, I)).astype(mx.bfloat16)
     qmm = qmm_copies()
@@ -167,9 +202,9 @@ def main() -> int:
         qts, host = gguf_copies(name)
         nbytes = host.packed.nbytes + x.nbytes
         err = check(name, host, x)
-        for tuning in TUNINGS if name in VARIANT_TYPES and not args.no_variants else TUNINGS[:1]:
+        for tuning in TUNINGS if name in VARIANT_TYPES and variants else TUNINGS[:1]:
             def ours(tuning=tuning):
-                return [qgemv.qgemv(x, qts[k % len(qts)], dispatch.CUDA, **tuning) for k in range(GEMVS_PER_EVAL)]
+                return [gemv(x, qts[k % len(qts)], **tuning) for k in range(GEMVS_PER_EVAL)]
 
             label = f"{name} {launch_label(qts[0], x, tuning)}"
             try:
@@ -184,13 +219,17 @@ def main() -> int:
             rows.append(row(label, res["a"], nbytes, res["b"], kept=f"{res['kept']}/{res['pairs']}",
                             check=err if not tuning else None, type=name, tuning=tuning))
         del qts
-    if args.json:
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
-        tmp.replace(args.json)
+    write_json(args.json, rows)
     print(f"\n{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}")
     for r in rows:
         print(format_row(r) if "error" not in r else f"{r['kernel']:34s} {r['error']}")
+    if not args.no_check_all:   # after the timings: a run cut short by its time limit keeps them
+        print("\nevery other GGUF type, default launch, 512x2048 S=3, worst |delta|/sum|xw| vs float64:")
+        for name in (n for n in GGUF_TYPES if n not in args.types):
+            err = check_small(name)
+            rows.append({"kernel": f"{name} check", "check_S3": err})
+            print(f"  {name:8s} {err:.2g}", flush=True)
+        write_json(args.json, rows)
     print(f"\n{O}x{I}, S=1 bf16 x; paired A/B vs mx.quantized_matmul (pairs over {OUTLIER}x the best dropped); "
           "check = worst |delta|/sum|xw| of the default launch vs float64 (bf16 output: <= ~4e-3)")
     return 0

@@ -107,6 +107,8 @@ for s in "${steps[@]}"; do
                    step mlx_e2e ${MLX_E2E_LIMIT:-240} python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
                        --out "$out/mlx_lm_e2e.json" ${MLX_E2E_ARGS:-} ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
+    bench_gguf_gemv) # GGUF GEMVs (Q4_K, IQ4_XS, Q6_K, IQ2_XXS, Q8_0) vs mx.quantized_matmul 4-bit; every type checked
+                   step bench_gguf_gemv 200 python3 scripts/bench/bench_gguf_gemv.py --json "$out/bench_gguf_gemv.json" ;;
     bench_moe_mla) step bench_moe_mla 200 python3 scripts/bench/bench_moe_mla.py --iters 10 --cache 16 4096 32768 ;;
     bench_mla_parts) step bench_mla_parts 200 python3 scripts/bench/bench_mla_parts.py --iters 10 ;;
     bench_moe_parts) step bench_moe_parts 150 python3 scripts/bench/bench_moe_parts.py ;;

@@ -96,13 +96,12 @@ def mlx_cases(full: bool) -> list:
 GGUF_HOT_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "Q8_0")
 
 
-def gguf_kernel_types(full: bool = True) -> list:
-    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS); only the hot
-    ones unless ``full``."""
+def gguf_kernel_types() -> list:
+    """Names of the GGUF types the kernels decode (kernels/gguf_decode.py KERNEL_FMTS)."""
     from colibri_mlx.formats.gguf_quant import GGUF_FMTS
     from colibri_mlx.kernels.gguf_decode import KERNEL_FMTS
 
-    return [GGUF_FMTS[f].name for f in KERNEL_FMTS if full or GGUF_FMTS[f].name in GGUF_HOT_TYPES]
+    return [GGUF_FMTS[f].name for f in KERNEL_FMTS]
 
 
 def qgemv_specs(full: bool):
@@ -210,14 +209,14 @@ def mla_specs(full: bool):
         label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
     # MLX-format and GGUF kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of
-    # mlx_cases, the GGUF types (Q4_K and Q6_K's segment layouts unless ``full``)
+    # mlx_cases, the GGUF types (Q4_K, the most registers, unless ``full``)
     weights = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",
                 random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits),
                 random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1))
                for mode, bits, gs, sdt in mlx_cases(full)]
     weights += [(f"gguf_{name}", random_gguf_qtensor(name, H * (nope + v), R, seed=2),
                  random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3))
-                for name in (gguf_kernel_types(full) if full else ("Q4_K", "Q6_K"))]
+                for name in (gguf_kernel_types() if full else ("Q4_K",))]
     for label, kv_b, q_b in weights:
         run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
                                q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
@@ -291,32 +290,31 @@ def moe_specs(full: bool):
             assert words.gate_up.packed.dtype == mx.uint32
             yield "gate_up_fmt4_words", moe.gate_up_spec(x, words, ids, K, dispatch.CUDA)
             yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
-    for mode, bits, gs, sdt in mlx_cases(full):   # the MLX formats' kernel FMT families
-        D, inter = 512, 256
-        experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
-                         for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)]
-        (group,) = moe.build_bank(experts).groups
-        label = f"{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}"
-        for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
-            K = 2
-            x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
-            h = mx.zeros((S * K, inter), mx.float32)
-            yield f"gate_up_mlx_{label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
-            if S == 1 and bits <= 4:   # the shared resident blocks (qgemv.cuda_tuned formats)
-                yield f"gate_up_mlx_{label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
-            yield f"down_mlx_{label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
-    gguf = gguf_kernel_types(full)
-    for gu, dn in zip(gguf, gguf[1:] + gguf[:1]):   # each GGUF decoder as gate/up and as down
-        D, inter = 512, 256
-        experts = [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
-                     random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)]
+    # The MLX formats' kernel FMT families, and GGUF decoders as gate/up and as down (every one
+    # with ``full``; qgemv compiles every decoder anyway): (gate/up label, down label, 4 experts of
+    # 512 -> 256 -> 512, whether gate/up's persistent grid is a default: qgemv.cuda_tuned).
+    D, inter = 512, 256
+    banks = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",) * 2
+             + ([tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
+                       for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter)))) for e in range(4)],
+                bits <= 4)
+             for mode, bits, gs, sdt in mlx_cases(full)]
+    gguf = gguf_kernel_types()
+    pairs = list(zip(gguf, gguf[1:] + gguf[:1])) if full else [("Q4_K", "Q6_K"), ("IQ2_XXS", "IQ4_XS")]
+    banks += [(f"gguf_{gu}", f"gguf_{dn}",
+               [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
+                 random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)], False)
+              for gu, dn in pairs]
+    for gu_label, dn_label, experts, pers in banks:
         (group,) = moe.build_bank(experts).groups
         for S, dtype in ((1, mx.bfloat16), (8, mx.float32)):
             K = 2
             x, ids, w = random_x(S, D, dtype=dtype), mx.zeros((S, K), mx.int32), mx.ones((S, K), mx.float32)
             h = mx.zeros((S * K, inter), mx.float32)
-            yield f"gate_up_gguf_{gu}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
-            yield f"down_gguf_{dn}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            yield f"gate_up_{gu_label}_S{S}", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA)
+            if S == 1 and pers:   # the shared resident blocks (qgemv.cuda_tuned formats)
+                yield f"gate_up_{gu_label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
+            yield f"down_{dn_label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
