@@ -223,16 +223,31 @@ def _check_stepwise(model, label):
         f"every step's rel: {[round(v, 4) for v in r['steps']]}; counters {kernels.format_counters()}")
 
 
+def _force_attention_variant(monkeypatch, variant: str):
+    """mla_decode's attention variant for every launch (``default``: the backend's choice)."""
+    from colibri_mlx.kernels import mla
+
+    if variant == "default":
+        return
+    choose = mla.choose_variant
+    monkeypatch.setattr(mla, "choose_variant", lambda R, rope, v=None, *a, **k: choose(R, rope, v or variant, *a, **k))
+
+
+@pytest.mark.parametrize("variant", ["default", "mma", "simt"])
 @pytest.mark.parametrize("compile_mode", ["auto", "0"])
 @pytest.mark.parametrize("which", ["tiny", "wide"])
-def test_stepwise_from_empty_cache_mlx_lm(checkpoints, monkeypatch, which, compile_mode):
+def test_stepwise_from_empty_cache_mlx_lm(checkpoints, monkeypatch, which, compile_mode, variant):
+    """``variant``: mla_decode's attention variant forced (CUDA's default over a bf16 cache is
+    ``wide``), which tells an attention defect from the rest."""
     from colibri_mlx.models.loading import load_model
 
     monkeypatch.setenv("COLIBRI_COMPILE", compile_mode)
+    _force_attention_variant(monkeypatch, variant)
     compiled.clear()
     model = load_model(checkpoints[which])
-    _check_stepwise(model, f"mlx-lm affine4 g64 {which}, COLIBRI_COMPILE={compile_mode}")
+    _check_stepwise(model, f"mlx-lm affine4 g64 {which}, COLIBRI_COMPILE={compile_mode}, attention {variant}")
     moe.clear_banks()
+    compiled.clear()
 
 
 @pytest.mark.parametrize("compile_mode", ["auto", "0"])
