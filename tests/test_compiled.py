@@ -381,8 +381,8 @@ def test_cache_buffers_depend_on_the_in_place_row_write(containers, monkeypatch)
     """On the kernel path mla_rows_into writes a decode step's cache row into the buffer in
     place, which MLX does not see. Every layer's buffer handed to the next step must depend on
     that launch, or a step whose outputs are never evaluated (a prompt fed one token at a time,
-    each step's logits dropped) loses its rows: the H200 read zeros in their place (token 0's
-    logits off by 0.57 of the largest). Launches stubbed (each output an ``mx.depends`` on the
+    each step's logits dropped, as bench_mlx_lm_checkpoint.py's stepwise token 0) loses its
+    rows, and the next step's attention reads zeros in their place. Launches stubbed (each output an ``mx.depends`` on the
     launch's inputs), the whole step one graph: each buffer's graph reaches the row's
     ``mla_rows_into`` launch, whose inputs include the slot."""
     from colibri_mlx.kernels import dispatch
