@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -246,6 +247,35 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     return res
 
 
+def checkpoint_bytes(cfg: dict, name: str) -> int:
+    """About the bytes of ``name``'s checkpoint of the ``cfg`` model (every matrix quantized, the
+    norms and router left out): weights times bits a weight, scales and biases included."""
+    mode, bits, gs = FORMATS[name]
+    per_weight = bits + (32 / gs if mode == "affine" else 8 / gs)   # bf16 scale + bias, or one scale byte
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    attention = D * (q_lora + kv_lora + rope) + q_lora * H * (nope + rope) + kv_lora * H * (nope + v) + H * v * D
+    dense = 3 * D * cfg["intermediate_size"]
+    moe = (cfg["n_routed_experts"] + cfg["n_shared_experts"]) * 3 * D * cfg["moe_intermediate_size"]
+    first = cfg["first_k_dense_replace"]
+    layers = cfg["num_hidden_layers"]
+    weights = layers * attention + first * dense + (layers - first) * moe + 2 * cfg["vocab_size"] * D
+    return int(weights * per_weight / 8)
+
+
+def default_root(cfg: dict, formats) -> str | None:
+    """/dev/shm when it holds the largest checkpoint with room to spare (a checkpoint of the
+    full-width model is 15-20 GB, written once and read twice: memory, not the disk), else None
+    (the system's temporary directory)."""
+    shm = "/dev/shm"
+    if not os.path.isdir(shm):
+        return None
+    st = os.statvfs(shm)
+    need = max(checkpoint_bytes(cfg, f) for f in formats)
+    return shm if st.f_bavail * st.f_frsize > 1.25 * need + (4 << 30) else None
+
+
 def same_checkpoint(path: Path, cfg: dict, mode: str, bits: int, gs: int) -> bool:
     """Whether ``path`` holds a complete checkpoint written by :func:`write_checkpoint` with these
     settings (its config.json, written last, equal to what it would write)."""
@@ -264,7 +294,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--greedy", type=int, default=64)
     ap.add_argument("--out", "--json", dest="out", default=None, help="write the rows as JSON here")
-    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
+    ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory "
+                    "in /dev/shm when it has room, else the system's)")
     ap.add_argument("--reuse", action="store_true",
                     help="with --dir: use a checkpoint already there with the same config, and keep them all")
     args = ap.parse_args()
@@ -276,9 +307,13 @@ def main():
     unknown = [f for f in args.formats.split(",") if f not in FORMATS]
     if unknown:
         ap.error(f"--formats: unknown {unknown}; known: {','.join(FORMATS)}")
+    formats = args.formats.split(",")
+    where = args.dir or default_root(cfg, formats)
+    print(f"checkpoints in {where or tempfile.gettempdir()} (largest about "
+          f"{max(checkpoint_bytes(cfg, f) for f in formats) / 1e9:.1f} GB)", flush=True)
     with contextlib.ExitStack() as stack:
-        root = Path(args.dir) if args.reuse else Path(stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir)))
-        for name in args.formats.split(","):
+        root = Path(args.dir) if args.reuse else Path(stack.enter_context(tempfile.TemporaryDirectory(dir=where)))
+        for name in formats:
             mx.random.seed(0)
             out["rows"].append(run_format(name, cfg, prompt, args, root))
     if args.out:
