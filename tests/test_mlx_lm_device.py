@@ -3,8 +3,9 @@ cache, on the device (CUDA or Metal; skipped elsewhere).
 
 * qgemv and moe_block on every affine bits x group size at the end-to-end bench's shapes
   (18432x7168 takes CUDA's persistent six-row grid with the shape compiled in; the 4-bit units
-  16-byte loads), against float64: codes decoded by ``mx.dequantize`` with unit scales and zero
-  biases (exact small integers), then ``q * s + b`` and the dot products in float64 on the host.
+  16-byte loads), against ``q * s + b`` with the codes from ``mx.dequantize`` with unit scales
+  and zero biases (exact small integers): qgemv's every row in float32 on the device and 640 of
+  them in float64 on the host, moe_block in float64.
 * A prompt fed one token at a time from an empty cache (every call a decode step, the first at
   offset 0), kernels on against the reference in lockstep (each its own cache), on a tiny and a
   DeepSeek-V3-wide mlx-lm affine 4-bit g64 checkpoint and on a fmt 4 container: every step's
