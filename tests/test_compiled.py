@@ -377,6 +377,47 @@ def test_decode_step_writes_the_cache_in_place(containers, monkeypatch):
     del held
 
 
+def test_cache_buffers_depend_on_the_in_place_row_write(containers, monkeypatch):
+    """On the kernel path mla_rows_into writes a decode step's cache row into the buffer in
+    place, which MLX does not see. Every layer's buffer handed to the next step must depend on
+    that launch, or a step whose outputs are never evaluated (a prompt fed one token at a time,
+    each step's logits dropped, as bench_mlx_lm_checkpoint.py's stepwise token 0) loses its
+    rows, and the next step's attention reads zeros in their place. Launches stubbed (each output an ``mx.depends`` on the
+    launch's inputs), the whole step one graph: each buffer's graph reaches the row's
+    ``mla_rows_into`` launch, whose inputs include the slot."""
+    from colibri_mlx.kernels import dispatch
+    from colibri_mlx.models import deepseek_v3
+    from colibri_mlx.models.deepseek_v3 import CACHE_STREAM
+    from colibri_mlx.models.loading import load_model
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+    from bench_build import stub_launch
+
+    stub = stub_launch(keep_inputs=True)
+    launched = []
+
+    def launch(backend, spec):
+        launched.append(spec.name)
+        return stub(backend, spec)
+
+    model = load_model(containers["moe"], dtype="float32")
+    monkeypatch.setattr(dispatch, "launch", launch)
+    monkeypatch.setattr(dispatch, "gpu_backend", lambda: dispatch.CUDA)
+    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.CUDA)
+    monkeypatch.setattr(deepseek_v3, "commits_layers", lambda L: False)
+    monkeypatch.setenv(compiled.ENV_VAR, "1")
+    compiled.clear()
+    cache = model.make_cache()
+    for token in (5, 9, 3):        # from an empty cache; nothing evaluated between the steps
+        model(mx.array([[token]]), cache)
+    assert launched.count("mla_rows_into") >= 3, launched
+    for i, layer_cache in enumerate(cache.layers):
+        names = _primitive_names(layer_cache.buffers[CACHE_STREAM])
+        # without the edge the buffer's graph is the zeros it was made from (Broadcast, Full)
+        assert names.count("Depends") >= 3, (i, names)
+    compiled.clear()
+
+
 def _attention_step(model, start, whole_layer=False):
     """One decode row through the second layer's ``Attention.step`` (what the compiled step
     traces; ``whole_layer``: ``DecoderLayer._step``, the MLP or MoE block too), plain: the
@@ -434,7 +475,8 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     H200's host), so the views between the kernels are counted and bounded. Launches stubbed
     (one ``mx.depends`` node each, no kernel runs): 6 launching primitives (the x projection,
     mla_rows_into with the row write, the three attention launches, the first with q_b's
-    projection folded in, o_proj with the residual)."""
+    projection folded in, o_proj with the residual), and one more ``mx.depends``: the cache
+    buffer handed to the next step depends on mla_rows_into's write (deepseek_v3.written_in_place)."""
     from colibri_mlx.kernels import dispatch
     from colibri_mlx.models.loading import load_model
 
@@ -448,5 +490,5 @@ def test_attention_step_graph_nodes(containers, monkeypatch):
     names = _primitive_names(y, kv)
     launching = [n for n in names if n in ("Depends", "ScatterAxis")]
     others = [n for n in names if n not in ("Depends", "ScatterAxis")]
-    assert len(launching) == 6 and "ScatterAxis" not in names, names
+    assert len(launching) == 7 and "ScatterAxis" not in names, names
     assert len(others) <= STEP_VIEW_NODES, f"{len(others)} others: {' '.join(others)}"

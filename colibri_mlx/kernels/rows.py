@@ -94,7 +94,8 @@ def mla_rows(y: mx.array, q_rows: int, qa_norm, kv_norm, eps: float, rope,
     cache when MLX could not donate it); otherwise the caller writes ``kv``. The buffer must own
     row-contiguous memory (LayerCache's buffers do: made by ``mx.zeros`` and slice updates, then
     passed from step to step), or MLX would hand the kernel a contiguous copy to write into; and
-    every reader of the row must depend on q_a (the attention does, through q_b)."""
+    every reader of the row must depend on q_a (the attention does, through q_b; the next step,
+    through the buffer made to depend on it: models/deepseek_v3.written_in_place)."""
     impl = dispatch.backend()
     factor = rope.attention_factor
     reason = None if impl == dispatch.REFERENCE else rows_decline_reason(y, q_rows, qa_norm, kv_norm, factor, offset)

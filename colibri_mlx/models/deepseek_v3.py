@@ -543,9 +543,11 @@ class Attention:
         # The kernel path writes the row into kv itself (kv_row None): a scatter could take the
         # buffer in place only when no earlier step's kernels still hold it (MLX keeps a
         # step's inputs alive until it has run), so a pipelined loop would copy the cache.
-        q_nope, q_rope, kv_row, _, q_proj = self.decode_queries(self._decode_rows(x, slot, kv), x.shape[0])
+        q_nope, q_rope, kv_row, q_latent, q_proj = self.decode_queries(self._decode_rows(x, slot, kv), x.shape[0])
         if kv_row is not None:
             kv = write_row(kv, kv_row, slot)
+        else:
+            kv = written_in_place(kv, q_latent)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
         # shape itself, with no reshape nodes around the kernel.
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
@@ -559,9 +561,12 @@ class Attention:
         ``positions[0] + i + 1`` positions: kernels.mla.step_params with ``causal``), o_proj with
         the residual."""
         L = x.shape[1]
-        q_nope, q_rope, kv_rows, _, q_proj = self.decode_queries(self._decode_rows(x, positions, kv), x.shape[0])
+        q_nope, q_rope, kv_rows, q_latent, q_proj = self.decode_queries(self._decode_rows(x, positions, kv),
+                                                                        x.shape[0])
         if kv_rows is not None:
             kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), kv_rows.astype(kv.dtype), axis=1)
+        else:
+            kv = written_in_place(kv, q_latent)
         attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=positions, rows=x.shape[:-1], q_proj=q_proj,
                            causal=True)
         return self.output(attn, residual), kv
@@ -596,6 +601,15 @@ class Attention:
         """o_proj of the attention core's ``[B*L, H*v]`` rows (+ ``residual [B*L, D]``: the
         decoder layer's residual add, done by the projection's kernel)."""
         return linear(attn, self.o_proj, self.o_bias, residual)
+
+
+def written_in_place(buffer, written_by):
+    """``buffer`` (the cache's, which kernels.mla_rows wrote its rows into in place) as an array
+    whose evaluation runs that write: ``written_by`` is the launch's output (q_latent). The
+    buffer goes on to the next step; without this edge nothing there depends on the write, so a
+    step whose outputs are never evaluated (a prompt fed one token at a time, each step's logits
+    dropped) would lose its rows, and a later step could read the buffer before they land."""
+    return mx.depends(buffer, written_by)
 
 
 def latent_attention(q_nope, q_rope, kv, kv_b, scale, mask, nope, v_dim, step_params=None,
