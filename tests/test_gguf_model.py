@@ -284,8 +284,22 @@ def test_truncated_file(tmp_path):
         path = tmp_path / f"cut{keep}.gguf"
         with open(src, "rb") as f:
             path.write_bytes(f.read(keep))
-        with pytest.raises(GgufError, match=f"{path}: .*truncated"):
+        with pytest.raises(GgufError, match=f"{path}: truncated: it needs [0-9]+ bytes, the file has {keep}"):
             our_logits(str(path))
+
+
+def test_not_a_gguf_file(tmp_path):
+    from colibri_mlx.cli import main
+    from click.testing import CliRunner
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    for args in (["generate", "-m", str(path), "-p", "x"], ["inspect", str(path)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code != 0 and f"{path}: not a GGUF file (it starts with b'PK" in result.output
+        assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["generate", "-m", str(tmp_path / "gone.gguf"), "-p", "x"])
+    assert result.exit_code != 0 and f"{tmp_path / 'gone.gguf'}: no such GGUF file" in result.output
 
 
 def test_unknown_architecture(tmp_path):

@@ -161,6 +161,8 @@ def reader_class():
                 size = itemsizes.get(dtype)
                 if size is None:
                     size = itemsizes[dtype] = np.dtype(dtype).itemsize
+                if offset + size * count > plain.size:
+                    raise EOFError(f"it needs {offset + size * count} bytes, the file has {plain.size}")
                 arr = plain[offset:offset + size * count].view(dtype)[:count]
                 order = self.byte_order if override_order is None else override_order
                 return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
@@ -194,21 +196,22 @@ class GgufModel:
         self.fields: dict = {}
         self.tensors: dict[str, GgufTensorInfo] = {}
         for i, file in enumerate(self.files):
+            with open(file, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise GgufError(f"{file}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
             try:
                 reader = reader_class()(file, "r")
+            except EOFError as e:
+                raise GgufError(f"{file}: truncated: {e} (an incomplete download?)") from None
             except Exception as e:   # the reader's struct / numpy errors on a damaged header
                 detail = " ".join(str(e).split())[:160]
                 raise GgufError(f"{file}: not a readable GGUF file ({type(e).__name__}: {detail}); a truncated "
                                 "download?") from None
-            size = os.path.getsize(file)
             if i == 0:
                 self.fields = {k: f for k, f in reader.fields.items()}
-            for t in reader.tensors:
+            for t in reader.tensors:   # the reader checked that every tensor's bytes are in the file
                 dtype = t.tensor_type.name
-                end = int(t.data_offset) + int(t.n_bytes)
-                if end > size:
-                    raise GgufError(f"{file}: tensor {t.name!r} ends at byte {end} but the file has {size} "
-                                    "(a truncated download?)")
                 if t.name in self.tensors:
                     raise GgufError(f"{file}: tensor {t.name!r} is also in {self.tensors[t.name].path}")
                 shape = tuple(int(d) for d in reversed(list(t.shape)))

@@ -80,6 +80,8 @@ def check_model_path(path) -> str:
     if not path:
         raise FileNotFoundError("the model directory path is empty (give the directory that holds config.json)")
     if not os.path.exists(path):
+        if path.endswith(".gguf"):
+            raise FileNotFoundError(f"{path}: no such GGUF file")
         raise FileNotFoundError(f"{path}: model directory does not exist")
     if not os.path.isdir(path):
         raise NotADirectoryError(f"{path}: is a file, not a model directory (give the directory that holds "
