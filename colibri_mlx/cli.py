@@ -88,7 +88,7 @@ def main():
 
 
 @main.command()
-@click.argument("directory", type=click.Path(exists=True))
+@click.argument("directory", metavar="MODEL", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
     """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
