@@ -32,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.gguf_quant import GGUF_FLOAT_TYPES, GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
+from ..formats.gguf_quant import GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
+from ..formats.mlx_quant import float_bits_as_f32
 from .weights import WeightTable
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -222,8 +223,6 @@ class GgufModel:
             raise GgufError(f"{self.path}: general.architecture is {self.arch!r}; colibri reads "
                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (DeepSeek-V3/R1, Kimi-K2; GLM-5)")
         self.config = config_from_metadata(self)
-        n_layers = self.config["num_hidden_layers"]
-        self.n_layers = n_layers
 
     @classmethod
     def open(cls, path) -> "GgufModel":
@@ -292,9 +291,7 @@ class GgufModel:
 
 def float_values(raw: np.ndarray, dtype: str) -> np.ndarray:
     stored = np.require(raw, requirements="C").reshape(-1).view(FLOAT_NP[dtype])
-    if dtype == "BF16":
-        return (stored.astype(np.uint32) << 16).view(np.float32)
-    return stored.astype(np.float32)
+    return float_bits_as_f32(stored, dtype == "BF16")
 
 
 # ----------------------------------------------------------------------------------- config
