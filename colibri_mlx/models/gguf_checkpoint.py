@@ -536,16 +536,9 @@ class GgufModelDir:
 def plan_gguf_expert(model: GgufModel, layer: int, expert: int, shapes: dict):
     """Where expert ``expert`` of layer ``layer`` lies: its row of each stacked tensor, one
     contiguous range each (adjacent ones merged into one read)."""
-    from ..experts.store import PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, _coalesce
+    from ..experts.store import (PROJECTIONS, ByteRange, ExpertLayout, ExpertStoreError, Part, ProjectionLayout,
+                                 _coalesce)
     from ..formats.gguf_quant import row_nbytes
-
-    @dataclass(frozen=True)
-    class Range:
-        name: str
-        dtype: str
-        path: str
-        offset: int
-        nbytes: int
 
     ranges, projections = [], []
     for proj in PROJECTIONS:
@@ -564,7 +557,7 @@ def plan_gguf_expert(model: GgufModel, layer: int, expert: int, shapes: dict):
         else:
             raise ExpertStoreError(f"{info.path}: tensor {stored!r}: {info.dtype} experts cannot be streamed")
         label = f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
-        ranges.append(Range(label, info.dtype, info.path, info.offset + expert * per, per))
+        ranges.append(ByteRange(label, info.dtype, info.path, info.offset + expert * per, per))
         projections.append((proj, O, I, fmt, gs, label))
     reads, where = _coalesce(ranges)
     layouts = tuple(ProjectionLayout(proj, O, I, Part(label, *where[label]), None, fmt, gs)
