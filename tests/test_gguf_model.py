@@ -300,6 +300,10 @@ def test_not_a_gguf_file(tmp_path):
         assert "Traceback" not in result.output
     result = CliRunner().invoke(main, ["generate", "-m", str(tmp_path / "gone.gguf"), "-p", "x"])
     assert result.exit_code != 0 and f"{tmp_path / 'gone.gguf'}: no such GGUF file" in result.output
+    renamed = tmp_path / "model.bin"
+    shutil.copy(fixture("tiny-bf16"), renamed)
+    result = CliRunner().invoke(main, ["generate", "-m", str(renamed), "-p", "x"])
+    assert result.exit_code != 0 and f"{renamed}: a GGUF file, but its name does not end in .gguf" in result.output
 
 
 def test_unknown_architecture(tmp_path):
