@@ -460,8 +460,8 @@ class GgufWeights:
         if info.dtype not in GGUF_TYPES or len(shape) != 2:
             raise GgufError(f"{info.path}: tensor {label!r} has ggml type {info.dtype}; colibri reads F32, F16, "
                             f"BF16 and {', '.join(GGUF_TYPES)} (quantized types for matrices only)")
-        # mx.array copies out of the memory map: resident weights are really resident
-        return qtensor_from_gguf(label, info.dtype, np.array(raw), shape).to_mlx()
+        # to_mlx's mx.array copies out of the memory map (once): resident weights are really resident
+        return qtensor_from_gguf(label, info.dtype, raw, shape).to_mlx()
 
     def _kv_b(self, layer: int, shape: tuple):
         """``kv_b_proj`` joined from ``attn_k_b`` and ``attn_v_b`` (module docstring), float32."""
