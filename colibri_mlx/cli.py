@@ -601,8 +601,8 @@ class _ChatSession:
 # --- bench / serve -------------------------------------------------------------------------
 
 _MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(),
-                             help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file, or a hub id "
-                                  "(mlx-community/...). Default: the bundled demo model.")
+                             help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file (or a directory "
+                                  "of split ones), or a hub id (mlx-community/...). Default: the bundled demo model.")
 
 
 _with_streaming_options = _options(_STREAMING_OPTIONS)
