@@ -306,6 +306,27 @@ def test_not_a_gguf_file(tmp_path):
     assert result.exit_code != 0 and f"{renamed}: a GGUF file, but its name does not end in .gguf" in result.output
 
 
+def test_unread_ggml_type_is_refused_before_loading(tmp_path, monkeypatch):
+    import gguf
+    from colibri_mlx.models.gguf_checkpoint import GgufError
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_q4_1(self, name, data, *args, **kwargs):   # Q4_1: a ggml type colibri does not read
+        if name != "blk.1.ffn_up_exps.weight":
+            return add_tensor(self, name, data, *args, **kwargs)
+        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+        return add_tensor(self, name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q4_1)
+    path = str(tmp_path / "q4_1.gguf")
+    rewrite(fixture("tiny-f32"), path)
+    for ram_gb in (None, 1e-5):
+        with pytest.raises(GgufError, match=f"{path}: tensor 'blk.1.ffn_up_exps.weight' has ggml type Q4_1, which "
+                                            "colibri does not read"):
+            our_logits(path, ram_gb=ram_gb, record_usage=False)
+
+
 def test_unknown_architecture(tmp_path):
     from colibri_mlx.models.gguf_checkpoint import GgufError
 

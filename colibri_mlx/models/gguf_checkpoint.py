@@ -494,7 +494,11 @@ def open_gguf(path) -> "GgufModelDir":
 
 def check_tensors(model: GgufModel) -> None:
     """Every tensor the metadata implies is in the file (the first missing one named, by its
-    GGUF name), before any weight is read."""
+    GGUF name), and every tensor is of a ggml type colibri reads, before any weight is read."""
+    for name, info in model.tensors.items():
+        if info.dtype not in FLOAT_NP and info.dtype not in GGUF_TYPES:
+            raise GgufError(f"{info.path}: tensor {name!r} has ggml type {info.dtype}, which colibri does not read "
+                            f"(it reads F32, F16, BF16, {', '.join(GGUF_TYPES)})")
     c = model.config
     need = ["token_embd.weight", "output_norm.weight"]
     for i in range(c["num_hidden_layers"]):   # NextN layers are checked by the model as it loads them
