@@ -321,10 +321,10 @@ def test_unread_ggml_type_is_refused_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q4_1)
     path = str(tmp_path / "q4_1.gguf")
     rewrite(fixture("tiny-f32"), path)
-    for ram_gb in (None, 1e-5):
+    for options in ({}, {"ram_gb": 1e-5, "record_usage": False}):   # resident, streamed experts
         with pytest.raises(GgufError, match=f"{path}: tensor 'blk.1.ffn_up_exps.weight' has ggml type Q4_1, which "
                                             "colibri does not read"):
-            our_logits(path, ram_gb=ram_gb, record_usage=False)
+            our_logits(path, **options)
 
 
 def test_unknown_architecture(tmp_path):
