@@ -88,7 +88,7 @@ def main():
 
 
 @main.command()
-@click.argument("directory", type=click.Path(exists=True))
+@click.argument("directory", metavar="MODEL", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
     """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
@@ -601,8 +601,8 @@ class _ChatSession:
 # --- bench / serve -------------------------------------------------------------------------
 
 _MODEL_OPTION = click.option("-m", "--model", "model_path", default=None, type=click.Path(),
-                             help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file, or a hub id "
-                                  "(mlx-community/...). Default: the bundled demo model.")
+                             help="Container, Hugging Face or mlx-lm checkpoint directory, a GGUF file (or a directory "
+                                  "of split ones), or a hub id (mlx-community/...). Default: the bundled demo model.")
 
 
 _with_streaming_options = _options(_STREAMING_OPTIONS)

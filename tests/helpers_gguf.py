@@ -44,15 +44,28 @@ def fixture_keys() -> list:
         return [k for k in f.files if k not in ("x", "imatrix")]
 
 
+def set_half(blocks: np.ndarray, off: int, values) -> None:
+    """Set the fp16 field at byte ``off`` of every block ``blocks [..., type_size]`` to ``values``
+    (a scalar or one value per block)."""
+    bits = np.broadcast_to(np.asarray(values, np.float16).astype("<f2"), blocks.shape[:-1])
+    blocks[..., off:off + 2] = np.ascontiguousarray(bits)[..., None].view(np.uint8)
+
+
+def set_iq1m_scale(blocks: np.ndarray, values) -> None:
+    """Set IQ1_M's block scale (nibble k of its fp16 bits in the top nibble of scale word k,
+    bytes 48-55) to ``values`` (a scalar or one value per block)."""
+    bits = np.broadcast_to(np.asarray(values, np.float16).view(np.uint16), blocks.shape[:-1])
+    words = blocks[..., 48:56].copy().view("<u2")
+    for k in range(4):
+        words[..., k] = (words[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
+    blocks[..., 48:56] = words.view(np.uint8)
+
+
 def _set_scales(name: str, blocks: np.ndarray, value: float) -> None:
-    bits = int(np.array(value, np.float16).view(np.uint16))
     if name == "IQ1_M":
-        words = blocks[..., 48:56].copy().view("<u2")
-        nibbles = np.array([(bits >> (4 * k)) & 0xF for k in range(4)], np.uint16)
-        blocks[..., 48:56] = ((words & 0x0FFF) | (nibbles << 12)).astype("<u2").view(np.uint8)
-        return
+        set_iq1m_scale(blocks, value)
     for off in FP16_FIELDS[name]:
-        blocks[..., off:off + 2] = np.array([bits & 0xFF, bits >> 8], np.uint8)
+        set_half(blocks, off, value)
 
 
 def random_gguf_raw(name: str, O: int, I: int, seed: int = 0, rms: float = 0.05) -> np.ndarray:

@@ -138,33 +138,25 @@ def assert_close(y: mx.array, x: mx.array, qt: QTensor, label: str = "") -> floa
 # ---------------------------------------------------------------------------------------
 # GGUF block formats (fmt 11-28)
 
-# Byte offsets of each type's fp16 block scales (d, dmin) inside a block (ggml-common.h); every
-# other byte of a block is codes, packed sub-scales or sign bits, valid whatever its value.
-GGUF_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
-                    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-                    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,)}
-
-
 def random_gguf_qtensor(name: str, O: int, I: int, seed: int = 0) -> QTensor:
     """A GGUF QTensor of random blocks: random bytes (every code, sub-scale and sign pattern occurs),
     the fp16 block scales set to finite values of either sign in [0.002, 0.05]."""
     from colibri_mlx.formats.gguf_quant import GGUF_TYPES, row_nbytes
+    from helpers_gguf import FP16_FIELDS, set_half, set_iq1m_scale
 
     t = GGUF_TYPES[name]
     rng = np.random.default_rng(seed)
     rb = row_nbytes(t, I)
     packed = rng.integers(0, 256, size=(O, rb), dtype=np.uint8)
     blocks = packed.reshape(O, -1, t.type_size)
-    for off in GGUF_HALF_FIELDS.get(name, ()):
-        d = rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2])
-        blocks[..., off:off + 2] = d.astype("<f2").view(np.uint8).reshape(*blocks.shape[:2], 2)
-    if name == "IQ1_M":   # d is the top nibbles of the 4 scale halves (bytes 48-55), nibble k from half k
-        d = (rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2]))
-        bits = d.astype("<f2").view(np.uint16).astype(np.uint16)
-        sc = blocks[..., 48:56].copy().view("<u2")
-        for k in range(4):
-            sc[..., k] = (sc[..., k] & 0x0FFF) | (((bits >> (4 * k)) & 0xF) << 12)
-        blocks[..., 48:56] = sc.view(np.uint8)
+
+    def random_scales():
+        return rng.uniform(0.002, 0.05, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2])
+
+    for off in FP16_FIELDS[name]:
+        set_half(blocks, off, random_scales())
+    if name == "IQ1_M":
+        set_iq1m_scale(blocks, random_scales())
     return QTensor(packed, np.zeros(0, np.float32), t.fmt, O, I, t.block_size, name=f"test.{name.lower()}")
 
 

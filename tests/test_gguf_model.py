@@ -284,8 +284,47 @@ def test_truncated_file(tmp_path):
         path = tmp_path / f"cut{keep}.gguf"
         with open(src, "rb") as f:
             path.write_bytes(f.read(keep))
-        with pytest.raises(GgufError, match=f"{path}: .*truncated"):
+        with pytest.raises(GgufError, match=f"{path}: truncated: it needs [0-9]+ bytes, the file has {keep}"):
             our_logits(str(path))
+
+
+def test_not_a_gguf_file(tmp_path):
+    from colibri_mlx.cli import main
+    from click.testing import CliRunner
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 a zip, not a GGUF file")
+    for args in (["generate", "-m", str(path), "-p", "x"], ["inspect", str(path)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code != 0 and f"{path}: not a GGUF file (it starts with b'PK" in result.output
+        assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["generate", "-m", str(tmp_path / "gone.gguf"), "-p", "x"])
+    assert result.exit_code != 0 and f"{tmp_path / 'gone.gguf'}: no such GGUF file" in result.output
+    renamed = tmp_path / "model.bin"
+    shutil.copy(fixture("tiny-bf16"), renamed)
+    result = CliRunner().invoke(main, ["generate", "-m", str(renamed), "-p", "x"])
+    assert result.exit_code != 0 and f"{renamed}: a GGUF file, but its name does not end in .gguf" in result.output
+
+
+def test_unread_ggml_type_is_refused_before_loading(tmp_path, monkeypatch):
+    import gguf
+    from colibri_mlx.models.gguf_checkpoint import GgufError
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def add_q4_1(self, name, data, *args, **kwargs):   # Q4_1: a ggml type colibri does not read
+        if name != "blk.1.ffn_up_exps.weight":
+            return add_tensor(self, name, data, *args, **kwargs)
+        q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+        return add_tensor(self, name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q4_1)
+    path = str(tmp_path / "q4_1.gguf")
+    rewrite(fixture("tiny-f32"), path)
+    for options in ({}, {"ram_gb": 1e-5, "record_usage": False}):   # resident, streamed experts
+        with pytest.raises(GgufError, match=f"{path}: tensor 'blk.1.ffn_up_exps.weight' has ggml type Q4_1, which "
+                                            "colibri does not read"):
+            our_logits(path, **options)
 
 
 def test_unknown_architecture(tmp_path):

@@ -140,6 +140,18 @@ def plan_expert(container: Container, layer: int, expert: int, shapes: dict) -> 
     return ExpertLayout(layer, expert, tuple(reads), layouts)
 
 
+@dataclass(frozen=True)
+class ByteRange:
+    """One tensor's bytes in a file, as :func:`_coalesce` takes them: an expert's row of a stacked
+    tensor (mlx-lm ``switch_mlp``, GGUF ``*_exps``), named by the tensor it stands for."""
+
+    name: str
+    dtype: str
+    path: str
+    offset: int
+    nbytes: int
+
+
 def _coalesce(infos) -> tuple[list[Read], dict]:
     reads: list[Read] = []
     where = {}

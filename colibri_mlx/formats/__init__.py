@@ -1,4 +1,5 @@
-"""colibri's quantized tensor formats fmt 0–6 (and MLX's fmt 7–10, formats/mlx_quant.py): byte counts, detection, numpy codecs.
+"""colibri's quantized tensor formats fmt 0–6 (and MLX's fmt 7–10, formats/mlx_quant.py; GGUF's fmt 11–28,
+formats/gguf_quant.py): byte counts, detection, numpy codecs.
 
 Public surface (docs/format.md#formats): ``FMT_NAMES``, ``GS_CANDIDATES``, ``weight_nbytes``,
 ``scale_nbytes``, ``encode``, ``decode``, ``detect_format`` (upstream's exact rule),

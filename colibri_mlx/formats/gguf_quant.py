@@ -61,9 +61,6 @@ GGUF_TYPES = {
 }
 GGUF_FMTS = {t.fmt: t for t in GGUF_TYPES.values()}
 GGUF_BY_GGML_TYPE = {t.ggml_type: t for t in GGUF_TYPES.values()}
-GGUF_FMT_NAMES = {t.fmt: f"gguf-{t.name.lower()}" for t in GGUF_TYPES.values()}
-# Unquantized ggml types: name -> (ggml type id, bytes per weight).
-GGUF_FLOAT_TYPES = {"F32": (0, 4), "F16": (1, 2), "BF16": (30, 2)}
 
 
 def is_gguf_fmt(fmt: int) -> bool:

@@ -32,7 +32,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.gguf_quant import GGUF_FLOAT_TYPES, GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
+from ..formats.gguf_quant import GGUF_TYPES, dequantize_gguf, qtensor_from_gguf
+from ..formats.mlx_quant import float_bits_as_f32
 from .weights import WeightTable
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -161,6 +162,8 @@ def reader_class():
                 size = itemsizes.get(dtype)
                 if size is None:
                     size = itemsizes[dtype] = np.dtype(dtype).itemsize
+                if offset + size * count > plain.size:
+                    raise EOFError(f"it needs {offset + size * count} bytes, the file has {plain.size}")
                 arr = plain[offset:offset + size * count].view(dtype)[:count]
                 order = self.byte_order if override_order is None else override_order
                 return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
@@ -194,21 +197,22 @@ class GgufModel:
         self.fields: dict = {}
         self.tensors: dict[str, GgufTensorInfo] = {}
         for i, file in enumerate(self.files):
+            with open(file, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise GgufError(f"{file}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
             try:
                 reader = reader_class()(file, "r")
+            except EOFError as e:
+                raise GgufError(f"{file}: truncated: {e} (an incomplete download?)") from None
             except Exception as e:   # the reader's struct / numpy errors on a damaged header
                 detail = " ".join(str(e).split())[:160]
                 raise GgufError(f"{file}: not a readable GGUF file ({type(e).__name__}: {detail}); a truncated "
                                 "download?") from None
-            size = os.path.getsize(file)
             if i == 0:
                 self.fields = {k: f for k, f in reader.fields.items()}
-            for t in reader.tensors:
+            for t in reader.tensors:   # the reader checked that every tensor's bytes are in the file
                 dtype = t.tensor_type.name
-                end = int(t.data_offset) + int(t.n_bytes)
-                if end > size:
-                    raise GgufError(f"{file}: tensor {t.name!r} ends at byte {end} but the file has {size} "
-                                    "(a truncated download?)")
                 if t.name in self.tensors:
                     raise GgufError(f"{file}: tensor {t.name!r} is also in {self.tensors[t.name].path}")
                 shape = tuple(int(d) for d in reversed(list(t.shape)))
@@ -219,8 +223,6 @@ class GgufModel:
             raise GgufError(f"{self.path}: general.architecture is {self.arch!r}; colibri reads "
                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (DeepSeek-V3/R1, Kimi-K2; GLM-5)")
         self.config = config_from_metadata(self)
-        n_layers = self.config["num_hidden_layers"]
-        self.n_layers = n_layers
 
     @classmethod
     def open(cls, path) -> "GgufModel":
@@ -289,9 +291,7 @@ class GgufModel:
 
 def float_values(raw: np.ndarray, dtype: str) -> np.ndarray:
     stored = np.require(raw, requirements="C").reshape(-1).view(FLOAT_NP[dtype])
-    if dtype == "BF16":
-        return (stored.astype(np.uint32) << 16).view(np.float32)
-    return stored.astype(np.float32)
+    return float_bits_as_f32(stored, dtype == "BF16")
 
 
 # ----------------------------------------------------------------------------------- config
@@ -460,8 +460,8 @@ class GgufWeights:
         if info.dtype not in GGUF_TYPES or len(shape) != 2:
             raise GgufError(f"{info.path}: tensor {label!r} has ggml type {info.dtype}; colibri reads F32, F16, "
                             f"BF16 and {', '.join(GGUF_TYPES)} (quantized types for matrices only)")
-        # mx.array copies out of the memory map: resident weights are really resident
-        return qtensor_from_gguf(label, info.dtype, np.array(raw), shape).to_mlx()
+        # to_mlx's mx.array copies out of the memory map (once): resident weights are really resident
+        return qtensor_from_gguf(label, info.dtype, raw, shape).to_mlx()
 
     def _kv_b(self, layer: int, shape: tuple):
         """``kv_b_proj`` joined from ``attn_k_b`` and ``attn_v_b`` (module docstring), float32."""
@@ -494,7 +494,11 @@ def open_gguf(path) -> "GgufModelDir":
 
 def check_tensors(model: GgufModel) -> None:
     """Every tensor the metadata implies is in the file (the first missing one named, by its
-    GGUF name), before any weight is read."""
+    GGUF name), and every tensor is of a ggml type colibri reads, before any weight is read."""
+    for name, info in model.tensors.items():
+        if info.dtype not in FLOAT_NP and info.dtype not in GGUF_TYPES:
+            raise GgufError(f"{info.path}: tensor {name!r} has ggml type {info.dtype}, which colibri does not read "
+                            f"(it reads F32, F16, BF16, {', '.join(GGUF_TYPES)})")
     c = model.config
     need = ["token_embd.weight", "output_norm.weight"]
     for i in range(c["num_hidden_layers"]):   # NextN layers are checked by the model as it loads them
@@ -536,16 +540,9 @@ class GgufModelDir:
 def plan_gguf_expert(model: GgufModel, layer: int, expert: int, shapes: dict):
     """Where expert ``expert`` of layer ``layer`` lies: its row of each stacked tensor, one
     contiguous range each (adjacent ones merged into one read)."""
-    from ..experts.store import PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, _coalesce
+    from ..experts.store import (PROJECTIONS, ByteRange, ExpertLayout, ExpertStoreError, Part, ProjectionLayout,
+                                 _coalesce)
     from ..formats.gguf_quant import row_nbytes
-
-    @dataclass(frozen=True)
-    class Range:
-        name: str
-        dtype: str
-        path: str
-        offset: int
-        nbytes: int
 
     ranges, projections = [], []
     for proj in PROJECTIONS:
@@ -564,7 +561,7 @@ def plan_gguf_expert(model: GgufModel, layer: int, expert: int, shapes: dict):
         else:
             raise ExpertStoreError(f"{info.path}: tensor {stored!r}: {info.dtype} experts cannot be streamed")
         label = f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
-        ranges.append(Range(label, info.dtype, info.path, info.offset + expert * per, per))
+        ranges.append(ByteRange(label, info.dtype, info.path, info.offset + expert * per, per))
         projections.append((proj, O, I, fmt, gs, label))
     reads, where = _coalesce(ranges)
     layouts = tuple(ProjectionLayout(proj, O, I, Part(label, *where[label]), None, fmt, gs)

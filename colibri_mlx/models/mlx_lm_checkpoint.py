@@ -321,17 +321,6 @@ def _row_range(info, index: int):
     return info.offset + index * per, per
 
 
-@dataclass(frozen=True)
-class _Range:
-    """One expert's row of a stacked tensor, as ``experts.store._coalesce`` takes byte ranges."""
-
-    name: str
-    dtype: str
-    path: str
-    offset: int
-    nbytes: int
-
-
 _quantizations: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -347,7 +336,8 @@ def container_quantization(container) -> "Quantization":
 def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
     """Where expert ``expert`` of an mlx-lm ``switch_mlp`` layer lies: its row of each stacked
     tensor (weight, scales, biases of gate, up, down), one read each (adjacent rows merged)."""
-    from ..experts.store import PROJECTIONS, ExpertLayout, ExpertStoreError, Part, ProjectionLayout, _coalesce
+    from ..experts.store import (PROJECTIONS, ByteRange, ExpertLayout, ExpertStoreError, Part, ProjectionLayout,
+                                 _coalesce)
 
     quant = container_quantization(container)
     ranges, projections = [], []
@@ -378,7 +368,7 @@ def plan_stacked_expert(container, layer: int, expert: int, shapes: dict):
                 else f"{names[part]}[{expert}]"
             ranges.append((label, pinfo.dtype, pinfo.path, offset, nbytes))
         projections.append((proj, O, I, params, len(parts)))
-    reads, where = _coalesce([_Range(*r) for r in ranges])
+    reads, where = _coalesce([ByteRange(*r) for r in ranges])
     layouts, at = [], 0
     for proj, O, I, params, n in projections:
         labels = [r[0] for r in ranges[at: at + n]]

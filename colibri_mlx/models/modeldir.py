@@ -80,8 +80,13 @@ def check_model_path(path) -> str:
     if not path:
         raise FileNotFoundError("the model directory path is empty (give the directory that holds config.json)")
     if not os.path.exists(path):
+        if path.endswith(".gguf"):
+            raise FileNotFoundError(f"{path}: no such GGUF file")
         raise FileNotFoundError(f"{path}: model directory does not exist")
     if not os.path.isdir(path):
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                raise NotADirectoryError(f"{path}: a GGUF file, but its name does not end in .gguf (rename it)")
         raise NotADirectoryError(f"{path}: is a file, not a model directory (give the directory that holds "
                                  "config.json and the *.safetensors shards)")
     if not os.path.lexists(os.path.join(path, CONFIG_FILE)):
