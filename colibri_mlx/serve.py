@@ -16,6 +16,7 @@ import collections
 import hmac
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -426,12 +427,18 @@ class RequestHandler(BaseHTTPRequestHandler):
     def _watch_disconnect(self, handle, done: threading.Event) -> None:
         """Cancel the request when the client closes its connection while it waits for a whole answer."""
         sock = self.connection
+        poller = select.poll()  # not select(): connection numbers go past its FD_SETSIZE under load
+        poller.register(sock, select.POLLIN)
         while not done.wait(0.1):
             if self.server.stopping.is_set():  # drain() shut the reading side: not the client leaving
                 return
-            try:  # not select(): connection numbers go past its FD_SETSIZE under load
+            # poll first: the socket has the read timeout, so recv would wait that long for data and
+            # then raise a TimeoutError, which is not the client leaving
+            if not poller.poll(0):
+                continue
+            try:
                 gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, TimeoutError):
                 continue
             except OSError:
                 gone = True
