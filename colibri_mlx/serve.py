@@ -252,7 +252,7 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def _read_json(self):
         length = self.headers.get("Content-Length")
-        if length is None:
+        if length is None or "Transfer-Encoding" in self.headers:  # both: a smuggling attempt, refused
             self.close_connection = True  # the unread body would be taken for the next request
             raise RequestError("missing Content-Length (chunked request bodies are not supported)",
                                status=HTTPStatus.LENGTH_REQUIRED)

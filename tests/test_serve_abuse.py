@@ -52,3 +52,13 @@ def test_whole_answer_that_takes_longer_than_the_read_timeout(server):
     assert took > 2 * READ_TIMEOUT, f"{n} tokens in {took:.2f} s: the request must outlast the read timeout"
     assert status == 200 and answer["usage"]["completion_tokens"] == n, answer
 
+
+def test_transfer_encoding_with_content_length_is_refused(server):
+    """Both framings at once (request smuggling): refused, the connection closed, the body not
+    taken as a request."""
+    inner = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b'{"prompt": "x", "max_tokens": 1}' + inner
+    status, answer, rest = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                            b"Content-Length: 32\r\n\r\n" + body)
+    assert status == 411 and answer["error"]["type"] == "invalid_request_error", answer
+    assert rest == b"", f"the smuggled request was answered: {rest[:200]!r}"
