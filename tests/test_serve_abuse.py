@@ -62,3 +62,21 @@ def test_transfer_encoding_with_content_length_is_refused(server):
                                             b"Content-Length: 32\r\n\r\n" + body)
     assert status == 411 and answer["error"]["type"] == "invalid_request_error", answer
     assert rest == b"", f"the smuggled request was answered: {rest[:200]!r}"
+
+
+def test_short_prompt_is_not_queued_behind_a_long_prefill():
+    """A short prompt submitted with a long one gets its first token while the long one is still
+    in prefill (the prompt step serves the shortest remaining prompt first)."""
+    from colibri_mlx.batch_engine import BatchEngine
+
+    model, tokenizer = colibri_mlx.load(None)
+    engine = BatchEngine(model, tokenizer, prefill_step_size=16)
+    try:
+        long, short = engine.submit_all([dict(prompt_ids=list(range(10, 210)), max_tokens=1),
+                                         dict(prompt_ids=[5, 6, 7, 8], max_tokens=1)])
+        next(iter(short))
+        long_started = not long._request.events.empty()
+        assert not long_started, "the short prompt waited for the long prompt's whole prefill"
+        assert len(list(long)) == 1
+    finally:
+        engine.close()
