@@ -484,16 +484,21 @@ class RequestHandler(BaseHTTPRequestHandler):
         if self.server.log is None:
             return
         s = getattr(handle, "stats", None) or {}
-        prompt_tps = len(req.prompt_ids) / max(s.get("prompt_time", 0.0), 1e-9)
-        gen_tps = s.get("generation_tokens", 0) / max(s.get("generation_time", 0.0), 1e-9)
+        prompt_tps = _rate(len(req.prompt_ids), s.get("prompt_time", 0.0))
+        gen_tps = _rate(s.get("generation_tokens", 0), s.get("generation_time", 0.0))
         note = _draft_note(s) if "draft_steps" in s else ""
-        print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps:.1f} tok/s | generation: "
-              f"{text.completion_tokens} tokens, {gen_tps:.1f} tok/s | finish: {text.finish_reason}{note}",
+        print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps} tok/s | generation: "
+              f"{text.completion_tokens} tokens, {gen_tps} tok/s | finish: {text.finish_reason}{note}",
               file=self.server.log, flush=True)
 
 
 class _ClientGone(Exception):
     """The client of a stream left."""
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    """Tokens per second; "-" without a measured time (one token: the first comes with the prompt)."""
+    return f"{tokens / seconds:.1f}" if seconds > 0 else "-"
 
 
 def _chain(first, rest):

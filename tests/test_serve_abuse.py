@@ -80,3 +80,12 @@ def test_short_prompt_is_not_queued_behind_a_long_prefill():
         assert len(list(long)) == 1
     finally:
         engine.close()
+
+
+def test_stats_line_of_a_one_token_answer_has_no_made_up_rate(server):
+    body = json.dumps({"prompt": "In the beginning", "max_tokens": 1}).encode()
+    status, _, _ = exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert status == 200
+    line = [x for x in server.log.getvalue().splitlines() if "generation:" in x][-1]
+    assert "generation: 1 tokens, - tok/s" in line, line
