@@ -785,6 +785,35 @@ def _short_during_long_prefill(port):
     return "" if short < max(2.0, total / 3) else f"the short request took {short:.1f} s of the long one's {total:.1f} s"
 
 
+def _full_server():
+    """A server with 2 slots (and 8 waiting places) under 40 requests at once: each one answered, the
+    ones past the waiting places with 503 and Retry-After, none reset."""
+    srv = Server("--max-connections", "2")
+    try:
+        barrier = threading.Barrier(40)
+
+        def one(i):
+            barrier.wait()
+            try:
+                r = raw(srv.port, request_bytes("POST", COMP, {"prompt": f"Full {i}", "max_tokens": 8}), 60)
+            except Exception as e:  # noqa: BLE001
+                return f"{type(e).__name__}: {e}"
+            return r.status if r.status == 200 else (is_openai_error(r, {503}) or 503)
+
+        with ThreadPoolExecutor(40) as ex:
+            res = list(ex.map(one, range(40)))
+        bad = [r for r in res if r not in (200, 503)]
+        if bad:
+            return f"{len(bad)} bad: {bad[:3]}"
+        if 503 not in res or 200 not in res:
+            return f"expected both 200 and 503: {res.count(200)} x 200, {res.count(503)} x 503"
+        why = expect_ok(srv.port, COMP, {"prompt": "after", "max_tokens": 2})
+        rc = srv.stop(signal.SIGTERM)
+        return why or ("" if rc == 0 else f"exit {rc}")
+    finally:
+        srv.stop(signal.SIGKILL, 5)
+
+
 def _template_failures(base: str):
     """A chat template that raises, divides by zero or loops without end: a 400 each, quickly."""
     import tempfile
@@ -960,6 +989,7 @@ def main():
     run("slow: idle keep-alive closed after the read timeout", _idle_keepalive, port)
     run("load: a short request during a long prefill", _short_during_long_prefill, port)
     run("load: 64 openai clients at once", _openai_crowd, port, 64)
+    run("load: 200 openai clients at once", _openai_crowd, port, 200)
     run("load: 200 raw clients at once", _raw_crowd, port, 200)
     run("load: 200 raw streams at once", _raw_crowd, port, 200, True)
     run("load: 1000 connections opened before sending", _connect_storm, port, 1000)
@@ -981,6 +1011,8 @@ def main():
             check(name, _signal_mid_stream, sig)
     if args.k in "shutdown: second signal during the drain":
         check("shutdown: second signal during the drain", _second_signal_during_drain)
+    if args.k in "load: 503 with Retry-After when full":
+        check("load: 503 with Retry-After when full", _full_server)
     if args.k in "template: failing chat templates":
         check("template: failing chat templates", _template_failures,
               os.path.join(os.path.dirname(colibri_mlx.__file__), "demo"))
