@@ -442,8 +442,8 @@ def protocol_checks(port, context):
     P += [("http: HTTP/1.0", lambda: _http10(port)),
           ("http: HTTP/1.0 keep-alive", lambda: _http10(port, keep=True)),
           ("http: keep-alive reuse x5", lambda: _keepalive(port)),
-          ("http: pipelined 4 requests", lambda: _pipelined(port)),
-          ("http: pipelined error then ok", lambda: _pipelined_error(port)),
+          ("http: pipelined 4 requests", lambda: _pipelined(port, PIPELINED, [200] * 4)),
+          ("http: pipelined error then ok", lambda: _pipelined(port, PIPELINED_ERROR, [400, 200])),
           ("cors: preflight", lambda: _preflight(port)),
           ("cors: origin on errors", lambda: _cors_on_error(port)),
           ("auth: missing key", err(request_bytes("POST", COMP, {"prompt": "x"}, auth=False), (401,))),
@@ -522,29 +522,22 @@ def _keepalive(port):
     return ""
 
 
-def _pipelined(port):
-    reqs = [request_bytes("POST", COMP, {"prompt": "Hello", "max_tokens": 2}, close=False),
-            request_bytes("GET", "/v1/models", close=False),
-            request_bytes("POST", CHAT, {"messages": msgs(), "max_tokens": 2}, close=False),
-            request_bytes("GET", "/health")]
+def _pipelined(port, reqs: list, expected: list) -> str:
+    """``reqs`` sent in one write on one connection: answered in order with ``expected`` statuses."""
     with connect(port, 30) as s:
         s.sendall(b"".join(reqs))
         rest, statuses = b"", []
         for _ in reqs:
             r, rest = read_reply(s, rest)
             statuses.append(r.status)
-    return "" if statuses == [200] * 4 else f"statuses {statuses}"
+    return "" if statuses == expected else f"statuses {statuses}"
 
 
-def _pipelined_error(port):
-    reqs = [request_bytes("POST", COMP, b"{bad", close=False), request_bytes("GET", "/health")]
-    with connect(port, 30) as s:
-        s.sendall(b"".join(reqs))
-        rest, statuses = b"", []
-        for _ in reqs:
-            r, rest = read_reply(s, rest)
-            statuses.append(r.status)
-    return "" if statuses == [400, 200] else f"statuses {statuses}"
+PIPELINED = [request_bytes("POST", COMP, {"prompt": "Hello", "max_tokens": 2}, close=False),
+             request_bytes("GET", "/v1/models", close=False),
+             request_bytes("POST", CHAT, {"messages": msgs(), "max_tokens": 2}, close=False),
+             request_bytes("GET", "/health")]
+PIPELINED_ERROR = [request_bytes("POST", COMP, b"{bad", close=False), request_bytes("GET", "/health")]
 
 
 def _preflight(port):
