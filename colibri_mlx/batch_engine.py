@@ -20,9 +20,10 @@ A loop iteration (a *step*):
 2. waiting requests are admitted while fewer than ``prompt_concurrency`` prompts are in
    prefill and fewer than ``decode_concurrency`` requests are admitted in all; an admitted
    request starts from the prompt cache's longest matching prefix (colibri_mlx.prompt_cache);
-3. prompts in prefill advance by one chunk each (at most ``prefill_step_size`` tokens a chunk,
-   and about as many in all for the step), so a long prompt never stalls the running decode
-   for longer than one chunk; the chunk that ends a prompt gives the request's first token;
+3. prompts in prefill advance by one chunk each, the shortest remaining first (at most
+   ``prefill_step_size`` tokens a chunk, and about as many in all for the step), so a long
+   prompt never stalls the running decode, nor a short prompt that arrives after it, for longer
+   than one chunk; the chunk that ends a prompt gives the request's first token;
 4. every running request gets one token from one batched decode step
    (colibri_mlx.models.batch_decode), each sampled with the request's own sampler: its own
    parameters and seed, so seeded output does not depend on what else is in the batch.
@@ -309,7 +310,9 @@ class BatchEngine:
 
     def _prefill_step(self) -> None:
         budget = self.prefill_step_size
-        for r in list(self._prefilling):
+        # shortest remaining prompt first: a short request that arrives while a long prompt is in
+        # prefill gets its first token at once instead of after the long one's last chunk
+        for r in sorted(self._prefilling, key=lambda r: len(r.prompt) - r.prefilled):
             if budget <= 0:
                 break
             n = min(self.prefill_step_size, len(r.prompt) - r.prefilled, budget)

@@ -16,6 +16,7 @@ import collections
 import hmac
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -251,7 +252,7 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def _read_json(self):
         length = self.headers.get("Content-Length")
-        if length is None:
+        if length is None or "Transfer-Encoding" in self.headers:  # both: a smuggling attempt, refused
             self.close_connection = True  # the unread body would be taken for the next request
             raise RequestError("missing Content-Length (chunked request bodies are not supported)",
                                status=HTTPStatus.LENGTH_REQUIRED)
@@ -426,12 +427,18 @@ class RequestHandler(BaseHTTPRequestHandler):
     def _watch_disconnect(self, handle, done: threading.Event) -> None:
         """Cancel the request when the client closes its connection while it waits for a whole answer."""
         sock = self.connection
+        poller = select.poll()  # not select(): connection numbers go past its FD_SETSIZE under load
+        poller.register(sock, select.POLLIN)
         while not done.wait(0.1):
             if self.server.stopping.is_set():  # drain() shut the reading side: not the client leaving
                 return
-            try:  # not select(): connection numbers go past its FD_SETSIZE under load
+            # poll first: the socket has the read timeout, so recv would wait that long for data and
+            # then raise a TimeoutError, which is not the client leaving
+            if not poller.poll(0):
+                continue
+            try:
                 gone = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, TimeoutError):
                 continue
             except OSError:
                 gone = True
@@ -477,16 +484,21 @@ class RequestHandler(BaseHTTPRequestHandler):
         if self.server.log is None:
             return
         s = getattr(handle, "stats", None) or {}
-        prompt_tps = len(req.prompt_ids) / max(s.get("prompt_time", 0.0), 1e-9)
-        gen_tps = s.get("generation_tokens", 0) / max(s.get("generation_time", 0.0), 1e-9)
+        prompt_tps = _rate(len(req.prompt_ids), s.get("prompt_time", 0.0))
+        gen_tps = _rate(s.get("generation_tokens", 0), s.get("generation_time", 0.0))
         note = _draft_note(s) if "draft_steps" in s else ""
-        print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps:.1f} tok/s | generation: "
-              f"{text.completion_tokens} tokens, {gen_tps:.1f} tok/s | finish: {text.finish_reason}{note}",
+        print(f"  prompt: {len(req.prompt_ids)} tokens, {prompt_tps} tok/s | generation: "
+              f"{text.completion_tokens} tokens, {gen_tps} tok/s | finish: {text.finish_reason}{note}",
               file=self.server.log, flush=True)
 
 
 class _ClientGone(Exception):
     """The client of a stream left."""
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    """Tokens per second; "-" without a measured time (one token: the first comes with the prompt)."""
+    return f"{tokens / seconds:.1f}" if seconds > 0 else "-"
 
 
 def _chain(first, rest):
