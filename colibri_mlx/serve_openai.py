@@ -248,10 +248,10 @@ def _messages(body: dict) -> list[dict]:
 def _tools(body: dict) -> tuple[Optional[list], bool]:
     """``(tools for the template, parse tool calls)``."""
     tools = body.get("tools")
-    choice = body.get("tool_choice", "auto" if tools else "none")
-    if tools is None:
-        if choice not in (None, "none", "auto"):
-            raise RequestError("'tool_choice' needs 'tools'", "tool_choice")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice is not None:  # as OpenAI answers it, whatever the value
+            raise RequestError("'tool_choice' is only allowed when 'tools' are specified", "tool_choice")
         return None, False
     if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
                                               and isinstance(t.get("function"), dict)
@@ -260,7 +260,7 @@ def _tools(body: dict) -> tuple[Optional[list], bool]:
                            "parameters}}", "tools")
     if choice == "none":
         return None, False
-    if choice != "auto":
+    if choice not in (None, "auto"):
         raise RequestError(f"'tool_choice' {json.dumps(choice)} is not supported (no constrained decoding): "
                            "use \"auto\" or \"none\"", "tool_choice")
     return tools, True

@@ -377,6 +377,12 @@ def test_tool_results_in_the_conversation(tool_server):
                                                                            "content": "fail at run time"}])
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client(tool_server).chat.completions.create(model="x", messages=CHAT, tools=TOOLS, tool_choice="required")
+    for tools in (None, []):  # a tool_choice without tools, even "none" or "auto": a 400 as OpenAI gives
+        for choice in ("none", "auto"):
+            extra = {} if tools is None else {"tools": tools}
+            with pytest.raises(openai.BadRequestError, match="'tool_choice' is only allowed when 'tools'"):
+                client(tool_server).chat.completions.create(model="x", messages=CHAT, tool_choice=choice,
+                                                            max_tokens=1, **extra)
     t0 = time.perf_counter()
     with pytest.raises(openai.BadRequestError, match="runaway"):  # 10**12 iterations: the render budget stops it
         client(tool_server).chat.completions.create(model="x", messages=[{"role": "user", "content": "loop"}])
