@@ -345,10 +345,9 @@ class StopStringFilter(HeldBackText):
     def add(self, delta: str) -> tuple[str, bool]:
         """``(text safe to send, stopped)``."""
         self.text += delta
-        start = max(0, len(self.text) - len(delta) - self.longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
+        stop = self._find(self.stops, self.longest, len(delta))
+        if stop >= 0:
+            self.text = self.text[:stop]
             return self._send(len(self.text)), True
         return self._send(len(self.text) - self._partial(self.stops, self.longest)), False
 

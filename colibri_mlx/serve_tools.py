@@ -62,7 +62,7 @@ def _glm_value(text: str, as_string: bool):
 
 def parse_tool_calls(text: str, tools: Optional[list] = None) -> tuple[Optional[str], list[dict]]:
     """``(content, tool_calls)`` of a completion's text; ``([text], [])`` when it has no call."""
-    start = first_start(text)
+    start = find_first(text, STARTS)
     if start < 0:
         return text, []
     content, section = text[:start], text[start:]
@@ -83,8 +83,9 @@ def parse_tool_calls(text: str, tools: Optional[list] = None) -> tuple[Optional[
     return content, calls
 
 
-def first_start(text: str) -> int:
-    found = [i for i in (text.find(s) for s in STARTS) if i >= 0]
+def find_first(text: str, markers, start: int = 0) -> int:
+    """Where the first of ``markers`` in ``text[start:]`` begins; -1 when none is there."""
+    found = [i for i in (text.find(s, start) for s in markers) if i >= 0]
     return min(found) if found else -1
 
 
@@ -101,6 +102,11 @@ class HeldBackText:
             if any(s.startswith(self.text[-k:]) for s in markers):
                 return k
         return 0
+
+    def _find(self, markers, longest: int, added: int) -> int:
+        """Where the first of ``markers`` begins, searched for in the last ``added`` characters and
+        the ``longest - 1`` before them only (the text before that was searched as it came)."""
+        return find_first(self.text, markers, max(0, len(self.text) - added - longest + 1))
 
     def _send(self, end: int) -> str:
         end = max(end, self.sent)
@@ -122,7 +128,7 @@ class ToolCallFilter(HeldBackText):
         self.text += delta
         if self.held:
             return ""
-        start = first_start(self.text)
+        start = self._find(STARTS, self.LONGEST, len(delta))
         if start >= 0:
             self.held = True
             return self._send(start)
