@@ -49,15 +49,12 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .generate import SamplingParams, adjust_logits, log_softmax32, make_sampler
+from .generate import SamplingParams, _stop_ids, adjust_logits, log_softmax32, make_sampler
 from .models.batch_decode import DecodeBatch
 from .prompt_cache import PromptCache
-from .serve_engine import TokenEvent
+from .serve_engine import ENGINE_OPTIONS, TokenEvent, sorted_pairs, top_logprobs
 
-DECODE_CONCURRENCY = 32        # mlx-lm's server defaults (--decode-concurrency, --prompt-concurrency,
-PROMPT_CONCURRENCY = 8         # --prefill-step-size; --prompt-cache-size 10 entries, --prompt-cache-bytes
-PREFILL_STEP_SIZE = 2048       # unbounded)
-PROMPT_CACHE_ENTRIES = 10
+PROMPT_CACHE_ENTRIES = 10      # mlx-lm's server default (--prompt-cache-size)
 
 
 _CANCELLED = object()           # a request's queue: it ended without a finish_reason
@@ -123,10 +120,6 @@ class RequestHandle:
         """Prompt tokens served from the prompt cache (known once the first event has come)."""
         return self._request.cached_tokens
 
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._request.prompt)
-
 
 class BatchEngine:
     """Serves :meth:`submit` calls from one model thread (module docstring)."""
@@ -134,8 +127,10 @@ class BatchEngine:
     takes_draft = False
 
     def __init__(self, model, tokenizer=None, draft: Optional[str] = None, num_draft: Optional[int] = None,
-                 decode_concurrency: int = DECODE_CONCURRENCY, prompt_concurrency: int = PROMPT_CONCURRENCY,
-                 prefill_step_size: int = PREFILL_STEP_SIZE, prompt_cache_bytes: Optional[int] = None,
+                 decode_concurrency: int = ENGINE_OPTIONS["decode_concurrency"],
+                 prompt_concurrency: int = ENGINE_OPTIONS["prompt_concurrency"],
+                 prefill_step_size: int = ENGINE_OPTIONS["prefill_step_size"],
+                 prompt_cache_bytes: Optional[int] = ENGINE_OPTIONS["prompt_cache_bytes"],
                  prompt_cache_entries: int = PROMPT_CACHE_ENTRIES, stop_ids: Optional[Sequence[int]] = None):
         if draft not in (None, "none"):
             raise ValueError(f"the batching engine decodes without speculation (draft={draft!r}): "
@@ -154,9 +149,7 @@ class BatchEngine:
         self.prompt_concurrency = min(prompt_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
         self.prompt_cache = PromptCache(prompt_cache_bytes, prompt_cache_entries)
-        if stop_ids is None:
-            stop_ids = set(getattr(tokenizer, "eos_token_ids", ()) or ()) | set(model.args.eos_token_id)
-        self.stop_ids = frozenset(int(s) for s in stop_ids)
+        self.stop_ids = frozenset(int(s) for s in (_stop_ids(model, tokenizer) if stop_ids is None else stop_ids))
         self.vocab_size = model.args.vocab_size
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "prefill_tokens": 0, "cached_tokens": 0,
                       "steps_ahead": 0}
@@ -393,8 +386,7 @@ class BatchEngine:
             if r.logprobs == 0:
                 extras.append((logp[tok],))
             else:
-                top = mx.argpartition(-logp, r.logprobs - 1)[: r.logprobs]
-                extras.append((logp[tok], top, logp[top]))
+                extras.append((logp[tok], *top_logprobs(logp, r.logprobs)))
         return mx.stack(tokens).astype(mx.int32), extras
 
     def _emit(self, rows: list, tokens: mx.array, extras: list) -> None:
@@ -411,8 +403,7 @@ class BatchEngine:
             if extra:
                 logprob = float(extra[0].item())
                 if len(extra) == 3:
-                    pairs = zip(extra[1].tolist(), extra[2].tolist())
-                    top = sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: -p[1])
+                    top = sorted_pairs(*extra[1:])
             if token in self.stop_ids:
                 finish = "stop"
             elif len(r.generated) >= r.max_tokens or len(r.prompt) + len(r.generated) > self.model.max_length:

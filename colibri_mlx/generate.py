@@ -343,7 +343,7 @@ def _token_id(t) -> int:
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
-    return set(getattr(tokenizer, "eos_token_ids", ())) | set(model.args.eos_token_id)
+    return set(getattr(tokenizer, "eos_token_ids", None) or ()) | set(model.args.eos_token_id)
 
 
 

@@ -51,6 +51,20 @@ ENGINE_OPTIONS = {"decode_concurrency": 32, "prompt_concurrency": 8, "prefill_st
 MAX_TOP_LOGPROBS = 20
 
 
+def top_logprobs(logp, k: int) -> tuple:
+    """The ``k`` largest entries of a log-softmax row, lazily and unordered: ``(ids, values)``
+    (a partition, not a sort of the vocabulary)."""
+    import mlx.core as mx
+
+    ids = mx.argpartition(-logp, k - 1)[:k]
+    return ids, logp[ids]
+
+
+def sorted_pairs(ids, values) -> list:
+    """``[(token id, logprob)]`` of :func:`top_logprobs`'s arrays, most likely first."""
+    return sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     token: int
@@ -67,8 +81,8 @@ class SerialHandle:
 
     cached_tokens = 0
 
-    def __init__(self, engine: "SerialEngine", job: tuple):
-        self.engine, self.job = engine, job
+    def __init__(self, job: tuple):
+        self.job = job
         self.events: queue.Queue = queue.Queue()
         self.cancelled = threading.Event()
 
@@ -77,17 +91,12 @@ class SerialHandle:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
-            item = self.next_event()
+            item = self.events.get()
             if item is _DONE:
                 return
+            if isinstance(item, BaseException):
+                raise item
             yield item
-
-    def next_event(self, timeout: Optional[float] = None):
-        """The next event, ``_DONE`` at the end; raises ``queue.Empty`` after ``timeout`` seconds."""
-        item = self.events.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
 
 class SerialEngine:
@@ -126,7 +135,7 @@ class SerialEngine:
             draft = self.draft  # the server's default; a request that needs plain decoding gets it
         job = (list(prompt_ids), params, max_tokens, seed, logprobs, draft,
                self.num_draft if num_draft is None else num_draft)
-        handle = SerialHandle(self, job)
+        handle = SerialHandle(job)
         with self.lock:
             if self.closed:
                 raise RuntimeError("the engine is closed")
@@ -168,8 +177,6 @@ class SerialEngine:
                     self.live.discard(handle)
 
     def _generate(self, handle: SerialHandle) -> None:
-        import mlx.core as mx
-
         from .generate import generate_tokens
 
         prompt_ids, params, max_tokens, seed, logprobs, draft, num_draft = handle.job
@@ -182,10 +189,7 @@ class SerialEngine:
                     lp = stats["logprobs"]
                     chosen = lp[token].item()
                     if logprobs > 0:
-                        best = mx.argpartition(-lp, logprobs - 1)[:logprobs]  # not a sort of the vocabulary
-                        values = lp[best]
-                        order = mx.argsort(-values)
-                        top = list(zip(best[order].tolist(), values[order].tolist()))
+                        top = sorted_pairs(*top_logprobs(lp, logprobs))
                 handle.events.put(TokenEvent(token, chosen, top, stats["finish_reason"]))
                 handle.stats = stats
                 if handle.cancelled.is_set():
