@@ -30,7 +30,7 @@ from .batch_engine import BatchEngine
 from .serve_engine import ENGINE_OPTIONS, SerialEngine
 from .serve_reader import ConnectionReader, RequestReader
 from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
-                           StopStringFilter, error_body, model_card, parse_completion, parse_sampling, usage)
+                           StopStringFilter, error_body, model_card, parse_completion, parse_sampling)
 
 MAX_BODY_BYTES = 16 << 20
 LISTEN_BACKLOG = 512
@@ -419,8 +419,8 @@ class RequestHandler(BaseHTTPRequestHandler):
         if self.client_gone:
             self.close_connection = True
             return
-        u = usage(len(req.prompt_ids), text.completion_tokens, getattr(handle, "cached_tokens", 0))
-        self._send_json(HTTPStatus.OK, resp.whole("".join(parts), text.finish_reason, u, logprobs, text.tool_calls))
+        self._send_json(HTTPStatus.OK, resp.whole("".join(parts), text.finish_reason, text.usage(), logprobs,
+                                                  text.tool_calls))
 
     client_gone = False
 
@@ -467,8 +467,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                 self._event(resp.chunk(None, tool_calls=text.tool_calls))
             self._event(resp.chunk(None, text.finish_reason), done=not req.include_usage)
             if req.include_usage:
-                self._event(resp.usage_chunk(usage(len(req.prompt_ids), text.completion_tokens,
-                                                   getattr(handle, "cached_tokens", 0))), done=True)
+                self._event(resp.usage_chunk(text.usage()), done=True)
         except _ClientGone:  # stop generating
             handle.cancel()
             pieces.close()

@@ -123,15 +123,18 @@ def _logit_bias(body: dict, vocab: int) -> Optional[tuple]:
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
-    if chat:
-        on = _field(body, "logprobs", (bool,), False)
-        top = _field(body, "top_logprobs", (int,), None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                     f"an integer in 0..{MAX_TOP_LOGPROBS}")
-        if top is not None and not on:
-            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return (top or 0) if on else None
-    return _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                  f"an integer in 0..{MAX_TOP_LOGPROBS}")
+    """The number of top alternatives per token (chat: ``top_logprobs``; completions: ``logprobs``)."""
+    def count(name: str) -> Optional[int]:
+        return _field(body, name, (int,), None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                      f"an integer in 0..{MAX_TOP_LOGPROBS}")
+
+    if not chat:
+        return count("logprobs")
+    on = _field(body, "logprobs", (bool,), False)
+    top = count("top_logprobs")
+    if top is not None and not on:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _response_format(body: dict) -> None:
@@ -150,10 +153,10 @@ def _response_format(body: dict) -> None:
 def parse_sampling(body: dict, defaults: SamplingDefaults, vocab: int):
     """``(max_tokens, SamplingParams, seed, stop strings, stream, engine extras)`` of a request body."""
     number = (int, float)
-    max_tokens = _field(body, "max_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
+    positive = dict(check=lambda v: v >= 1, what="an integer >= 1")
+    max_tokens = _field(body, "max_tokens", (int,), None, **positive)
     if max_tokens is None:  # the chat API's newer name
-        max_tokens = _field(body, "max_completion_tokens", (int,), defaults.max_tokens, lambda v: v >= 1,
-                            "an integer >= 1")
+        max_tokens = _field(body, "max_completion_tokens", (int,), defaults.max_tokens, **positive)
     n = _field(body, "n", (int,), 1)
     if n != 1:
         raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
@@ -423,6 +426,10 @@ class CompletionText:
                 self.finish_reason = "tool_calls"
         if tail:
             yield Piece(tail, [])
+
+    def usage(self) -> dict:
+        """The response's ``usage`` (after the iteration)."""
+        return usage(len(self.req.prompt_ids), self.completion_tokens, getattr(self.handle, "cached_tokens", 0))
 
 
 # --- responses -----------------------------------------------------------------------------
