@@ -82,11 +82,9 @@ class PromptCache:
         for other in list(self._entries):
             if len(other) >= len(key) and other[: len(key)] == key:
                 self._entries.move_to_end(other)
-                return False             # a longer entry already serves every prefix of this one
+                return False             # an entry as long or longer already serves every prefix of this one
             if len(other) < len(key) and key[: len(other)] == other:
                 self._drop(other)        # this one serves every prefix the shorter entry did
-        if key in self._entries:
-            self._drop(key)
         self._entries[key] = (cache, size)
         self.nbytes += size
         while len(self._entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
