@@ -61,8 +61,7 @@ class ModelServer(ThreadingHTTPServer):
                  max_pending: Optional[int] = None):
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
-        self.engine = engine if engine is not None else engine_class_for(model, defaults)(
-            model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **ENGINE_OPTIONS)
+        self.engine = engine if engine is not None else make_engine(model, tokenizer, defaults)
         self.context_limit = model.max_length
         self.created = int(time.time())
         self.log = log
@@ -526,6 +525,14 @@ def engine_class_for(model, defaults: SamplingDefaults):
     return BatchEngine
 
 
+def make_engine(model, tokenizer, defaults: SamplingDefaults, engine_class=None, **engine_options):
+    """The server's engine: ``engine_class`` (default :func:`engine_class_for`) with the defaults'
+    draft and :data:`serve_engine.ENGINE_OPTIONS` overridden by ``engine_options``."""
+    engine_class = engine_class or engine_class_for(model, defaults)
+    return engine_class(model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft,
+                        **dict(ENGINE_OPTIONS, **engine_options))
+
+
 def model_id_for(path: Optional[str]) -> str:
     return "colibri-demo" if path is None else os.path.basename(os.path.normpath(os.path.abspath(path)))
 
@@ -537,9 +544,7 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
     streams with a final chunk, wait for the generation thread, return (exit status 0).
     ``engine_class``: default :func:`engine_class_for`; ``engine_options``:
     :data:`serve_engine.ENGINE_OPTIONS`; ``server_options``: ModelServer's."""
-    options = dict(ENGINE_OPTIONS, **engine_options)
-    engine_class = engine_class or engine_class_for(model, defaults)
-    engine = engine_class(model, tokenizer, draft=defaults.draft, num_draft=defaults.num_draft, **options)
+    engine = make_engine(model, tokenizer, defaults, engine_class, **engine_options)
     try:
         server = ModelServer((host, port), model, tokenizer, model_id, defaults, engine=engine, **server_options)
     except BaseException:
