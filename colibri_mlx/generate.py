@@ -14,6 +14,7 @@ template by default.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -134,8 +135,8 @@ def needs_plain_decoding(params: SamplingParams, logprobs: bool = False) -> bool
 def apply_openai_penalties(logits: mx.array, generated: Sequence[int], params: SamplingParams) -> mx.array:
     """``logit_bias`` added, then OpenAI's presence and frequency penalties over ``generated``."""
     if params.logit_bias:
-        ids = mx.array([t for t, _ in params.logit_bias], dtype=mx.int32)
-        logits = logits.at[ids].add(mx.array([b for _, b in params.logit_bias], dtype=logits.dtype))
+        ids, bias = _logit_bias_arrays(params.logit_bias, logits.dtype)
+        logits = logits.at[ids].add(bias)
     if generated and (params.presence_penalty or params.frequency_penalty):
         counts: dict[int, int] = {}
         for t in generated:
@@ -144,6 +145,13 @@ def apply_openai_penalties(logits: mx.array, generated: Sequence[int], params: S
         n = mx.array(list(counts.values()), dtype=logits.dtype)
         logits = logits.at[ids].subtract(n * params.frequency_penalty + params.presence_penalty)
     return logits
+
+
+@functools.lru_cache(maxsize=256)
+def _logit_bias_arrays(logit_bias: tuple, dtype) -> tuple[mx.array, mx.array]:
+    """``logit_bias`` as ``(token ids, biases)`` arrays: made once per request, not per token."""
+    return (mx.array([t for t, _ in logit_bias], dtype=mx.int32),
+            mx.array([b for _, b in logit_bias], dtype=dtype))
 
 
 def adjust_logits(logits: mx.array, params: SamplingParams, seen: Sequence[int], generated_from: int) -> mx.array:
