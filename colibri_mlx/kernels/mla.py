@@ -527,7 +527,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
     elif has_sel:
-        # A mask goes with params made masked (step_params' ``masked``): the kernels read it then.
+        # step_params' arrays describe a whole buffer (causal rows attend by position), not a list.
         raise ValueError("mla_decode: step params are for a cache without a position list")
     fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float

@@ -19,7 +19,6 @@ feeds the layer its own output ``x`` as ``h`` (vLLM's recurrent MTP drafting).
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from .. import kernels
 from .cache import LatentCache
@@ -87,8 +86,9 @@ class MTPHead:
                 attn = self.layer.layer.self_attn
                 layer_cache = cache.layers[0]
                 kv, params = attn.step_inputs(hidden, layer_cache, start)
-                slots = mx.array(start, dtype=mx.int32) if L == 1 else \
-                    mx.array(np.arange(start, start + L, dtype=np.int32))
+                backend = kernels.backend()
+                slots = kernels.device_inputs.int32_scalar(start, backend) if L == 1 else \
+                    kernels.device_inputs.int32_range(start, L, backend)
                 logits, x, layer_cache.buffers[CACHE_STREAM] = self._compiled(hidden, next_tokens, slots, kv, params)
                 cache.advance(L)
                 return logits, x
