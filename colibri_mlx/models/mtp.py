@@ -33,7 +33,7 @@ class MTPHead:
     ``last_only``: the logits of the last row only (what drafting reads).
 
     Up to DECODE_ROWS rows of one sequence after its first position run as one compiled graph
-    (kernels.compiled: :meth:`_step`, the layer's 1-row or verify-rows step between the
+    (kernels.compiled: :meth:`_step`, the layer's step of its rows between the
     embedding, eh_proj and the head) when the layer's graph reads no values on the host; a
     drafted token (a lazy argmax) then goes from one draft to the next without a host read.
     """
@@ -60,7 +60,7 @@ class MTPHead:
         """The compiled graph: ``(logits of the last row, x, kv)`` of rows at ``slots``."""
         decoder = self.layer.layer
         x = self._inputs(hidden, next_tokens)
-        x, kv = (decoder._step if x.shape[1] == 1 else decoder._rows_step)(x, slots, kv, params)
+        x, kv = decoder._step(x, slots, kv, params)
         last = x if x.shape[1] == 1 else x[:, -1:]
         logits = kernels.qmatmul(stream_norm(last, self.layer.head_norm, self.eps), self.lm_head, out_dtype=mx.float32)
         return logits, x, kv
