@@ -716,14 +716,15 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         if k_rope is None:
             R = latent.shape[-1] - q_rope.shape[-1]
             latent, k_rope = latent[..., :R], latent[..., R:]
+        length = None if params is None else params[PARAM_LENGTH]
         if params is not None:               # rows past the length do not exist yet: not
-            rows = mx.arange(latent.shape[1]) < params[6]            # attended, not summed
+            rows = mx.arange(latent.shape[1]) < length               # attended, not summed
             latent = mx.where(rows[None, :, None], latent, 0).astype(latent.dtype)
             k_rope = mx.where(rows[None, :, None], k_rope, 0).astype(k_rope.dtype)
             mask = rows[None, None, None] if mask is None else mask & rows[None, None, None]
         if causal:
-            mask = causal_mask(L_rows, latent.shape[1], None if params is None else params[6]) \
-                if mask is None else mask & causal_mask(L_rows, latent.shape[1], params[6])
+            causal_rows = causal_mask(L_rows, latent.shape[1], length)
+            mask = causal_rows if mask is None else mask & causal_rows
         out = reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
                                    qk_nope_head_dim, v_head_dim, selected)
         if causal:
