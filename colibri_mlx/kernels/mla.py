@@ -323,10 +323,7 @@ def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_s
     return _int32s(*_param_values(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint))
 
 
-@functools.lru_cache(maxsize=256)
-def _int32s(*values: int) -> mx.array:
-    """Made once per distinct tuple: the layers of a step (same cache length) share one array."""
-    return mx.array(values, dtype=mx.int32)
+_int32s = device_inputs.host_int32s
 
 
 @dataclass
