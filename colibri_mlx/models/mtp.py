@@ -83,13 +83,13 @@ class MTPHead:
         if cache.offset == 0:
             cache.set_left_padding(None, B)
         start = cache.offset
-        if last_only and kernels.compiled.enabled(kernels.backend()):
+        backend = kernels.backend()
+        if last_only and kernels.compiled.enabled(backend):
             reason = self.step_reason(hidden, L, cache)
             if reason is None:
                 attn = self.layer.layer.self_attn
                 layer_cache = cache.layers[0]
                 kv, params = attn.step_inputs(hidden, layer_cache, start)
-                backend = kernels.backend()
                 slots = kernels.device_inputs.int32_scalar(start, backend) if L == 1 else \
                     kernels.device_inputs.int32_range(start, L, backend)
                 logits, x, layer_cache.buffers[CACHE_STREAM] = self._compiled(hidden, next_tokens, slots, kv, params)
