@@ -959,8 +959,8 @@ class Model:
         if L == 1 and not padded:
             mask = None  # one row per sequence, no padding: it sees every key (mask ops and reads saved)
         else:
-            keys = mx.arange(start + L)
-            mask = ((keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None]))[:, None]
+            # causal (row l sees positions up to start + l) and past each sequence's left padding
+            mask = kernels.mla.causal_mask(L, start + L) & (mx.arange(start + L)[None] >= pad)[:, None, None]
         # One decode row of one sequence: attention rotates with mx.fast.rope at this position
         # (a scalar offset: every MLX backend takes it; batches keep cos/sin).
         rope_offset = positions.reshape(()) if positions.size == 1 else rows_offset
