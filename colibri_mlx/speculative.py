@@ -90,9 +90,13 @@ class MTPDraft:
     prediction for the token after the pending one."""
 
     def __init__(self, model, cache):
+        from .models.deepseek_v3 import commits_layers
         from .models.mtp import mtp_head
 
         self.head = mtp_head(model)
+        # On a GPU the device starts on an MTP step while the next one is built (as a decode
+        # step's layers are handed over: deepseek_v3.commits_layers).
+        self._async = commits_layers(1)
         self.cache = getattr(cache, "mtp_cache", None)
         if self.cache is None:
             self.cache = cache.mtp_cache = self.head.make_cache()
@@ -110,13 +114,8 @@ class MTPDraft:
                                         last_only=True)
         self._commit(self.logits)
 
-    @staticmethod
-    def _commit(*arrays) -> None:
-        """On a GPU the device starts on an MTP step while the next one is built (as a decode
-        step's layers are handed over: deepseek_v3.commits_layers)."""
-        from .models.deepseek_v3 import commits_layers
-
-        if commits_layers(1):
+    def _commit(self, *arrays) -> None:
+        if self._async:
             mx.async_eval(*arrays)
 
     def propose(self, k: int, choose) -> tuple[list, list]:

@@ -1,5 +1,5 @@
 """A few rows of one sequence (a speculative verify step) as one compiled graph a layer
-(DecoderLayer._rows_step, Attention.rows_step): the logits and the cache equal the plain
+(DecoderLayer._step, Attention.step of L rows): the logits and the cache equal the plain
 op-by-op path's, the graph really runs (counted), and greedy speculation with compiled blocks
 gives the tokens of greedy decoding without it.
 
@@ -102,7 +102,7 @@ def test_greedy_speculation_with_compiled_blocks(models, monkeypatch, draft):
 
 
 def _rows_step(model, start, L, index=0):
-    """``L`` rows through layer ``index``'s DecoderLayer._rows_step (what the compiled graph
+    """``L`` rows through layer ``index``'s DecoderLayer._step (what the compiled graph
     traces), plain: the output and the written cache buffer."""
     from colibri_mlx.models.cache import LayerCache
 
@@ -114,7 +114,7 @@ def _rows_step(model, start, L, index=0):
     width = attn.kv_lora_rank + attn.rope_dim
     cache.append("kv", mx.array(rng.standard_normal((1, start, width)).astype(np.float32)), 0)
     kv, params = attn.step_inputs(x, cache, start, {})
-    return layer._rows_step(x, mx.arange(start, start + L, dtype=mx.int32), kv, params)
+    return layer._step(x, mx.arange(start, start + L, dtype=mx.int32), kv, params)
 
 
 @pytest.mark.msl
@@ -140,7 +140,7 @@ def test_rows_step_kernel_path_equals_reference(models, monkeypatch, kind, L):
 
 def _step_graph(model, monkeypatch, index, L):
     """Kernel launches (by name) and the other graph ops (by primitive) of layer ``index``'s
-    compiled-step function for ``L`` rows (``_step`` for one, ``_rows_step`` for more), built
+    compiled-step function (``_step``) for ``L`` rows, built
     as on a GPU with every launch a recorded stand-in (an evaluated output that depends on the
     launch's inputs, so the graph before it stays connected)."""
     import re
@@ -170,7 +170,7 @@ def _step_graph(model, monkeypatch, index, L):
     kv, params = attn.step_inputs(x, cache, start, {})
     slots = mx.array(start, dtype=mx.int32) if L == 1 else mx.arange(start, start + L, dtype=mx.int32)
     mx.eval(x, kv, params, slots)
-    out = (layer._step if L == 1 else layer._rows_step)(x, slots, kv, params)
+    out = layer._step(x, slots, kv, params)
     dot = Path(tempfile.mkdtemp()) / "step.dot"
     mx.export_to_dot(str(dot), *out)
     ops = Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot.read_text()))

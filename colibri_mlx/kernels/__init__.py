@@ -8,6 +8,8 @@ reference) and counts every call and every fallback (:func:`counters`,
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..formats.qtensor import QTensor
@@ -117,10 +119,8 @@ def gather_rows(qt: QTensor, ids: mx.array, compiled_block: bool = True) -> mx.a
     decode are a dozen small ops); False inside a caller's own compiled graph."""
     if not compiled_block:
         return reference.dequantize_take(qt, ids)
-    block = vars(qt).get("_gather_rows")
-    if block is None:    # kept on the weight (QTensor is frozen: its __dict__ written directly)
-        block = vars(qt)["_gather_rows"] = compiled.CompiledBlock(lambda i: reference.dequantize_take(qt, i),
-                                                                  "gather_rows")
+    block = vars(qt).get("_gather_rows") or compiled.kept_block(
+        qt, "_gather_rows", functools.partial(reference.dequantize_take, qt), "gather_rows")
     return block(ids)
 
 

@@ -141,3 +141,12 @@ class CompiledBlock:
             delta = self._deltas[(mode, _signature(args))]
         dispatch.replay(delta)
         return out
+
+
+def kept_block(owner, attr: str, fn: Callable, name: str) -> "CompiledBlock":
+    """The CompiledBlock of ``fn`` kept on ``owner`` (a weight) as ``attr``, made on first use.
+    ``owner.__dict__`` is written directly: QTensor is a frozen dataclass."""
+    block = vars(owner).get(attr)
+    if block is None:
+        block = vars(owner)[attr] = CompiledBlock(fn, name)
+    return block

@@ -32,8 +32,10 @@ def on_device(backend: str) -> bool:
     return backend == dispatch.CUDA
 
 
-@functools.lru_cache(maxsize=64)
-def _host_int32s(values: tuple) -> mx.array:
+@functools.lru_cache(maxsize=256)
+def host_int32s(*values: int) -> mx.array:
+    """int32 ``values`` from host data, made once per distinct tuple: the layers of a step (same
+    cache length) share one array."""
     return mx.array(values, dtype=mx.int32)
 
 
@@ -64,9 +66,9 @@ def int32s_varying(values: tuple, index: int, backend: str) -> mx.array:
     the GPU has migrated it) and the varying one from a device arange, joined by a where on the
     GPU. Elsewhere: the host array, cached per distinct tuple."""
     if not on_device(backend):
-        return _host_int32s(tuple(values))
+        return host_int32s(*values)
     n = len(values)
-    base = _host_int32s(tuple(v if i != index else 0 for i, v in enumerate(values)))
+    base = host_int32s(*(v if i != index else 0 for i, v in enumerate(values)))
     varying = mx.arange(values[index] - index, values[index] - index + n, dtype=mx.int32)  # [index] = value
     return mx.where(_index_mask(n, index), varying, base)
 

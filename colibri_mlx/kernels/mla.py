@@ -323,10 +323,7 @@ def _params(H, nope, v, R, rope, T, P, TT, NT, L, p: Projection, has_mask, has_s
     return _int32s(*_param_values(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint))
 
 
-@functools.lru_cache(maxsize=256)
-def _int32s(*values: int) -> mx.array:
-    """Made once per distinct tuple: the layers of a step (same cache length) share one array."""
-    return mx.array(values, dtype=mx.int32)
+_int32s = device_inputs.host_int32s
 
 
 @dataclass
@@ -527,7 +524,7 @@ def launch_specs(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, nope, v, sel
     if params is None:
         params = _params(H, nope, v, R, rope, T, P, TT, NT, L, p, has_mask, has_sel, Hp, joint)
     elif has_sel:
-        # A mask goes with params made masked (step_params' ``masked``): the kernels read it then.
+        # step_params' arrays describe a whole buffer (causal rows attend by position), not a list.
         raise ValueError("mla_decode: step params are for a cache without a position list")
     fparams = dispatch.float_params(float(scale))
     # Read in the activations' dtype: mla_qabs widens them and writes q' and q_rope as one float
@@ -716,14 +713,15 @@ def mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask, qk_nope_head_d
         if k_rope is None:
             R = latent.shape[-1] - q_rope.shape[-1]
             latent, k_rope = latent[..., :R], latent[..., R:]
+        length = None if params is None else params[PARAM_LENGTH]
         if params is not None:               # rows past the length do not exist yet: not
-            rows = mx.arange(latent.shape[1]) < params[6]            # attended, not summed
+            rows = mx.arange(latent.shape[1]) < length               # attended, not summed
             latent = mx.where(rows[None, :, None], latent, 0).astype(latent.dtype)
             k_rope = mx.where(rows[None, :, None], k_rope, 0).astype(k_rope.dtype)
             mask = rows[None, None, None] if mask is None else mask & rows[None, None, None]
         if causal:
-            mask = causal_mask(L_rows, latent.shape[1], None if params is None else params[6]) \
-                if mask is None else mask & causal_mask(L_rows, latent.shape[1], params[6])
+            causal_rows = causal_mask(L_rows, latent.shape[1], length)
+            mask = causal_rows if mask is None else mask & causal_rows
         out = reference_mla_decode(q_nope, q_rope, latent, k_rope, kv_b, scale, mask,
                                    qk_nope_head_dim, v_head_dim, selected)
         if causal:

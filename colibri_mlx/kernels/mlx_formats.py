@@ -255,9 +255,7 @@ def embedding_rows(qt, ids: mx.array) -> mx.array:
     if block is None:
         from . import compiled
 
-        # QTensor is a frozen dataclass: the block is cached in its __dict__ directly.
-        block = vars(qt)["_embedding_block"] = compiled.CompiledBlock(functools.partial(_embedding_rows, qt),
-                                                                      "embedding")
+        block = compiled.kept_block(qt, "_embedding_block", functools.partial(_embedding_rows, qt), "embedding")
     return block(ids)
 
 

@@ -205,10 +205,10 @@ def stream_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 
 
 def write_row(buffer: mx.array, row: mx.array, slot: mx.array) -> mx.array:
-    """``buffer [1, T, W]`` with ``row [1, 1, W]`` at time ``slot`` (an int32 array): a scatter
+    """``buffer [1, T, W]`` with ``row [1, L, W]`` at times ``slot`` (an int32 array of L): a scatter
     along the time axis is one kernel on GPUs, where a slice_update at an offset held in an array
     is two (the offset is computed on the device, then the copy). MLX donates the buffer."""
-    return mx.put_along_axis(buffer, slot.reshape(1, 1, 1), row, axis=1)
+    return mx.put_along_axis(buffer, slot.reshape(1, -1, 1), row, axis=1)
 
 
 def embedding_rows(table, ids: mx.array, compiled_block: bool = True) -> mx.array:
@@ -340,7 +340,7 @@ class Attention:
         self._params_signature = None      # step_inputs: what this layer's params depend on
         self._compiled_rows = kernels.compiled.CompiledBlock(self._decode_rows, "attention_rows")
         self._compiled_step = kernels.compiled.CompiledBlock(self.step, "attention_step")
-        self._compiled_rows_step = kernels.compiled.CompiledBlock(self.rows_step, "attention_rows_step")
+        self._compiled_rows_step = kernels.compiled.CompiledBlock(self.step, "attention_rows_step")
 
     def _load_x_projections(self, q_x, q_x_bias, kv_a, kv_a_bias):
         """The query projection reading x and kv_a_proj_with_mqa read the same x: when their
@@ -536,39 +536,28 @@ class Attention:
         return kv, params
 
     def step(self, x, slot, kv, params, residual=None):
-        """``(output, kv)``: this row's cache row (latent, rope key) written at ``slot`` of the
-        whole buffer, attention over its first ``params[6]`` rows (kernels.mla.step_params); the
-        output added to ``residual`` (x's shape) when given."""
-        slot = kernels.dispatch.reshaped(slot, 1)   # as each kernel reads it: one view (or none)
-        # The kernel path writes the row into kv itself (kv_row None): a scatter could take the
+        """``(output, kv)`` of the decode rows of one sequence ``x [1, L, D]``: their cache rows
+        (latent, rope key) written at ``slot`` of the whole buffer (one row: its slot; L rows, a
+        verify step of speculative decoding: int32 ``[L]``, consecutive slots), attention over
+        its first ``params[6]`` rows (kernels.mla.step_params; L rows causal, row i attending to
+        the first ``slot[0] + i + 1``); the output added to ``residual`` (x's shape) when given.
+        Any L runs the same launches, each taking all L rows: the stacked x projection, mla_rows
+        writing the cache rows, mla_decode's q_b-folded queries and attention, o_proj."""
+        L = x.shape[1]
+        if L == 1:
+            slot = kernels.dispatch.reshaped(slot, 1)   # as each kernel reads it: one view (or none)
+        # The kernel path writes the rows into kv itself (kv_rows None): a scatter could take the
         # buffer in place only when no earlier step's kernels still hold it (MLX keeps a
         # step's inputs alive until it has run), so a pipelined loop would copy the cache.
-        q_nope, q_rope, kv_row, q_latent, q_proj = self.decode_queries(self._decode_rows(x, slot, kv), x.shape[0])
-        if kv_row is not None:
-            kv = write_row(kv, kv_row, slot)
+        q_nope, q_rope, kv_rows, q_latent, q_proj = self.decode_queries(self._decode_rows(x, slot, kv), x.shape[0])
+        if kv_rows is not None:
+            kv = write_row(kv, kv_rows if kv_rows.dtype == kv.dtype else kv_rows.astype(kv.dtype), slot)
         else:
             kv = written_in_place(kv, q_latent)
         # The core's rows in x's leading shape: o_proj (and its residual add) then write x's
         # shape itself, with no reshape nodes around the kernel.
-        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj)
-        return self.output(attn, residual), kv
-
-    def rows_step(self, x, positions, kv, params, residual=None):
-        """:meth:`step` of ``L`` rows of one sequence ``x [1, L, D]`` at ``positions`` (int32
-        ``[L]``, consecutive slots: a verify step of speculative decoding), with the 1-row step's
-        launches, each taking all L rows: the stacked x projection, mla_rows writing the L cache
-        rows, mla_decode's q_b-folded queries and causal attention (row i attends to the first
-        ``positions[0] + i + 1`` positions: kernels.mla.step_params with ``causal``), o_proj with
-        the residual."""
-        L = x.shape[1]
-        q_nope, q_rope, kv_rows, q_latent, q_proj = self.decode_queries(self._decode_rows(x, positions, kv),
-                                                                        x.shape[0])
-        if kv_rows is not None:
-            kv = mx.put_along_axis(kv, positions.reshape(1, L, 1), kv_rows.astype(kv.dtype), axis=1)
-        else:
-            kv = written_in_place(kv, q_latent)
-        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=positions, rows=x.shape[:-1], q_proj=q_proj,
-                           causal=True)
+        attn = self.attend(q_nope, q_rope, kv, None, params, q_offset=slot, rows=x.shape[:-1], q_proj=q_proj,
+                           causal=L > 1)
         return self.output(attn, residual), kv
 
     def cached(self, kv, layer_cache, start):
@@ -586,7 +575,7 @@ class Attention:
         ``q_offset``: q_rope is unrotated (:meth:`_decode_rows`), to be rotated at this position.
         ``q_proj``: ``(q_latent, q_b)`` of one decode row instead of q_nope / q_rope (None).
         ``causal``: the rows of one sequence at ``q_offset`` (positions ``[L]``), causal over the
-        buffer (:meth:`rows_step`); the output is then ``[1, L, H*v_dim]``."""
+        buffer (:meth:`step` of L rows); the output is then ``[1, L, H*v_dim]``."""
         B, H, L, _ = q_nope.shape if q_proj is None else (1, self.n_heads, 1, None)
         rope = None if q_offset is None else self.rope
         out = latent_attention(q_nope, q_rope, kv, self.kv_b_proj, self.scale, mask,
@@ -792,7 +781,7 @@ class DecoderLayer:
         self._compiled_in = kernels.compiled.CompiledBlock(self._decode_in, "layer_in")
         self._compiled_out = kernels.compiled.CompiledBlock(self._decode_out, "layer_out")
         self._compiled_step = kernels.compiled.CompiledBlock(self._step, "layer_step")
-        self._compiled_rows_step = kernels.compiled.CompiledBlock(self._rows_step, "layer_rows_step")
+        self._compiled_rows_step = kernels.compiled.CompiledBlock(self._step, "layer_rows_step")
 
     def __call__(self, x, cos, sin, mask, layer_cache, start, shared_selection=None, rope_offset=None):
         if rope_offset is not None and x.shape[1] > 1:
@@ -825,16 +814,12 @@ class DecoderLayer:
 
     def rows_reason(self, x, layer_cache, shared_selection):
         """Why the rows of one sequence (:meth:`Model._positions_and_mask` gives them a
-        ``rope_offset``) do not run as one compiled graph (:meth:`Attention.rows_step`), or None."""
+        ``rope_offset``) do not run as one compiled graph (:meth:`Attention.step`), or None."""
         if layer_cache is None:
             return "no cache"
         if self.self_attn.indexer is not None or shared_selection is not None:
             return "DSA selection"
         return self.mlp.host_reason(x)
-
-    def _rows_step(self, x, positions, kv, params):
-        x, kv = self.self_attn.rows_step(stream_norm(x, self.input_norm, self.eps), positions, kv, params, residual=x)
-        return self._feed_forward(x), kv
 
     def _step(self, x, slot, kv, params):
         x, kv = self.self_attn.step(stream_norm(x, self.input_norm, self.eps), slot, kv, params, residual=x)
@@ -974,8 +959,8 @@ class Model:
         if L == 1 and not padded:
             mask = None  # one row per sequence, no padding: it sees every key (mask ops and reads saved)
         else:
-            keys = mx.arange(start + L)
-            mask = ((keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= pad[:, :, None]))[:, None]
+            # causal (row l sees positions up to start + l) and past each sequence's left padding
+            mask = kernels.mla.causal_mask(L, start + L) & (mx.arange(start + L)[None] >= pad)[:, None, None]
         # One decode row of one sequence: attention rotates with mx.fast.rope at this position
         # (a scalar offset: every MLX backend takes it; batches keep cos/sin).
         rope_offset = positions.reshape(()) if positions.size == 1 else rows_offset

@@ -19,11 +19,10 @@ feeds the layer its own output ``x`` as ``h`` (vLLM's recurrent MTP drafting).
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from .. import kernels
 from .cache import LatentCache
-from .deepseek_v3 import CACHE_STREAM, DECODE_ROWS, MTPLayer, embedding_rows, rms_norm, stream_norm
+from .deepseek_v3 import CACHE_STREAM, DECODE_ROWS, MTPLayer, embedding_rows, stream_norm
 
 
 class MTPHead:
@@ -34,7 +33,7 @@ class MTPHead:
     ``last_only``: the logits of the last row only (what drafting reads).
 
     Up to DECODE_ROWS rows of one sequence after its first position run as one compiled graph
-    (kernels.compiled: :meth:`_step`, the layer's 1-row or verify-rows step between the
+    (kernels.compiled: :meth:`_step`, the layer's step of its rows between the
     embedding, eh_proj and the head) when the layer's graph reads no values on the host; a
     drafted token (a lazy argmax) then goes from one draft to the next without a host read.
     """
@@ -49,22 +48,25 @@ class MTPHead:
     def make_cache(self) -> LatentCache:
         return LatentCache(1, self.model.max_length)
 
-    def _inputs(self, hidden, next_tokens):
-        """``x`` of the decoder layer: eh_proj of the normed embedding and hidden state."""
+    def _inputs(self, hidden, next_tokens, first: bool = False, compiled_block: bool = False):
+        """``x`` of the decoder layer: eh_proj of the normed embedding and hidden state (``first``:
+        rows from position 0, which has no embedding)."""
         layer, dtype = self.layer, self.model.dtype
-        e = embedding_rows(self.embed_tokens, next_tokens, compiled_block=False).astype(dtype)
+        e = embedding_rows(self.embed_tokens, next_tokens, compiled_block=compiled_block).astype(dtype)
+        if first:
+            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = mx.concatenate([stream_norm(e, layer.enorm, self.eps),
                             stream_norm(hidden.astype(dtype), layer.hnorm, self.eps)], axis=-1)
         return kernels.qmatmul(x, layer.eh_proj)
 
+    def _logits(self, x):
+        """float32 logits of the rows ``x``."""
+        return kernels.qmatmul(stream_norm(x, self.layer.head_norm, self.eps), self.lm_head, out_dtype=mx.float32)
+
     def _step(self, hidden, next_tokens, slots, kv, params):
         """The compiled graph: ``(logits of the last row, x, kv)`` of rows at ``slots``."""
-        decoder = self.layer.layer
-        x = self._inputs(hidden, next_tokens)
-        x, kv = (decoder._step if x.shape[1] == 1 else decoder._rows_step)(x, slots, kv, params)
-        last = x if x.shape[1] == 1 else x[:, -1:]
-        logits = kernels.qmatmul(stream_norm(last, self.layer.head_norm, self.eps), self.lm_head, out_dtype=mx.float32)
-        return logits, x, kv
+        x, kv = self.layer.layer._step(self._inputs(hidden, next_tokens), slots, kv, params)
+        return self._logits(x if x.shape[1] == 1 else x[:, -1:]), x, kv
 
     def step_reason(self, hidden, L: int, cache: LatentCache):
         """Why these rows do not run as the compiled :meth:`_step`, or None."""
@@ -81,32 +83,24 @@ class MTPHead:
         if cache.offset == 0:
             cache.set_left_padding(None, B)
         start = cache.offset
-        if last_only and kernels.compiled.enabled(kernels.backend()):
+        backend = kernels.backend()
+        if last_only and kernels.compiled.enabled(backend):
             reason = self.step_reason(hidden, L, cache)
             if reason is None:
                 attn = self.layer.layer.self_attn
                 layer_cache = cache.layers[0]
                 kv, params = attn.step_inputs(hidden, layer_cache, start)
-                slots = mx.array(start, dtype=mx.int32) if L == 1 else \
-                    mx.array(np.arange(start, start + L, dtype=np.int32))
+                slots = kernels.device_inputs.int32_scalar(start, backend) if L == 1 else \
+                    kernels.device_inputs.int32_range(start, L, backend)
                 logits, x, layer_cache.buffers[CACHE_STREAM] = self._compiled(hidden, next_tokens, slots, kv, params)
                 cache.advance(L)
                 return logits, x
             kernels.dispatch.record_call("compiled/mtp_step", f"declined: {reason}")
-        dtype = self.model.dtype
-        e = embedding_rows(self.embed_tokens, next_tokens).astype(dtype)
-        if start == 0:
-            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)   # position 0: no embedding
-        layer = self.layer
-        x = mx.concatenate([rms_norm(e, layer.enorm, self.eps), rms_norm(hidden.astype(dtype), layer.hnorm, self.eps)],
-                           axis=-1)
-        x = kernels.qmatmul(x, layer.eh_proj)
+        x = self._inputs(hidden, next_tokens, first=start == 0, compiled_block=True)
         cos, sin, mask, rope_offset = self.model._positions_and_mask(cache.left_padding, start, L, cache.padded)
-        x, _ = layer.layer(x, cos, sin, mask, cache.layers[0], start, None, rope_offset)
+        x, _ = self.layer.layer(x, cos, sin, mask, cache.layers[0], start, None, rope_offset)
         cache.advance(L)
-        logits = kernels.qmatmul(rms_norm(x[:, -1:] if last_only else x, layer.head_norm, self.eps), self.lm_head,
-                                 out_dtype=mx.float32)
-        return logits, x
+        return self._logits(x[:, -1:] if last_only else x), x
 
 
 def mtp_head(model) -> MTPHead | None:
