@@ -39,7 +39,6 @@ DRAFT_KINDS = ("mtp", "ngram", "none")
 DEFAULT_NUM_DRAFT = 3
 MAX_NUM_DRAFT = 7        # a verify step feeds 1 + num_draft rows; the decode paths take 8
 NGRAM_MAX = 3
-ADAPTIVE_VAR = "COLIBRI_ADAPTIVE_DRAFT"   # 1 (default): MTP drafts per step follow acceptance; 0: always num_draft
 
 
 def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) -> str:
@@ -156,11 +155,6 @@ class DraftLength:
         self.k = min(self.k + 1, self.max) if kept == proposed else max(self.k - 1, 1)
 
 
-def adaptive_drafts() -> bool:
-    value = (kernels.dispatch.getenv(ADAPTIVE_VAR) or "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ADAPTIVE_VAR}={value!r}: expected 0 or 1")
-    return value == "1"
 
 
 # ----------------------------------------------------------------------------- acceptance
@@ -286,7 +280,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
     mtp = MTPDraft(model, cache) if draft == "mtp" else None
-    length = DraftLength(num_draft, adaptive=draft == "mtp" and adaptive_drafts())
+    length = DraftLength(num_draft, adaptive=draft == "mtp")   # n-gram drafts cost no model step
     t0 = time.perf_counter()
     h, logits = verify(prompt_ids, last_only=True)
     out = acceptor.accept(logits, [], [])

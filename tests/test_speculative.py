@@ -579,9 +579,9 @@ def test_mtp_step_graph_kernel_path_equals_reference(models, monkeypatch, L):
     assert (got[0].argmax(-1) == want[0].argmax(-1)).all()
 
 
-def test_draft_length_follows_acceptance(monkeypatch):
+def test_draft_length_follows_acceptance():
     """MTP drafts per step: one fewer after a rejection (not below 1), one more after a step
-    that kept every draft (not above num_draft); fixed with COLIBRI_ADAPTIVE_DRAFT=0."""
+    that kept every draft (not above num_draft); fixed for n-gram drafts."""
     length = speculative.DraftLength(3)
     seen = []
     for proposed, kept in [(3, 1), (2, 0), (1, 0), (1, 1), (2, 2), (3, 3), (3, 3), (3, 2)]:
@@ -592,16 +592,9 @@ def test_draft_length_follows_acceptance(monkeypatch):
     fixed = speculative.DraftLength(3, adaptive=False)
     fixed.update(3, 0)
     assert fixed.k == 3
-    monkeypatch.setenv(speculative.ADAPTIVE_VAR, "0")
-    assert not speculative.adaptive_drafts()
-    monkeypatch.setenv(speculative.ADAPTIVE_VAR, "yes")
-    with pytest.raises(ValueError, match="expected 0 or 1"):
-        speculative.adaptive_drafts()
 
 
-@pytest.mark.parametrize("adaptive", ["0", "1"])
-def test_greedy_identity_fixed_and_adaptive_draft_length(models, monkeypatch, adaptive):
-    monkeypatch.setenv(speculative.ADAPTIVE_VAR, adaptive)
+def test_greedy_identity_adaptive_draft_length(models):
     model = models["v3"]
     for prompt in PROMPTS[:3]:
         assert tokens_of(model, prompt, 14, draft="mtp", num_draft=4) == tokens_of(model, prompt, 14, draft="none")

@@ -14,8 +14,7 @@ also on the CPU (every layer whose routing stays off the host: dense layers ther
    included, and fallbacks).
 2. decode tok/s of a model (the bundled demo model unless --model): greedy generation of
    --gen-tokens tokens with --draft none; mtp (when the model has an MTP layer) with the
-   adaptive draft length (up to --num-draft), with --num-draft fixed (COLIBRI_ADAPTIVE_DRAFT=0)
-   and with one draft; and ngram. Each after a warm-up run of the same length, the median of
+   adaptive draft length (up to --num-draft) and with one draft; and ngram. Each after a warm-up run of the same length, the median of
    --repeats timed runs (generate_tokens' own timing); acceptance rate, drafts and tokens per
    verify step. Two prompts: an opening text, and a summarisation-style prompt (a passage,
    then a request to repeat its gist: where ngram finds its drafts).
@@ -106,13 +105,9 @@ def bench_verify(args, res):
     mx.clear_cache()
 
 
-def generation(model, ids, n, draft, num_draft, adaptive=True):
-    import os
-
+def generation(model, ids, n, draft, num_draft):
     from colibri_mlx.generate import generate_tokens
-    from colibri_mlx.speculative import ADAPTIVE_VAR
 
-    os.environ[ADAPTIVE_VAR] = "1" if adaptive else "0"
     tokens, stats = [], {}
     for t, stats in generate_tokens(model, ids, n, draft=draft, num_draft=num_draft):
         tokens.append(t)
@@ -120,9 +115,8 @@ def generation(model, ids, n, draft, num_draft, adaptive=True):
 
 
 def decode_runs(num_draft: int) -> list:
-    """(label, draft, num_draft, adaptive draft length) of each decode run."""
-    return [("none", "none", num_draft, True), ("mtp", "mtp", num_draft, True),
-            ("mtp-fixed", "mtp", num_draft, False), ("mtp-k1", "mtp", 1, False), ("ngram", "ngram", num_draft, True)]
+    """(label, draft, num_draft) of each decode run."""
+    return [("none", "none", num_draft), ("mtp", "mtp", num_draft), ("mtp-k1", "mtp", 1), ("ngram", "ngram", num_draft)]
 
 
 def bench_decode(args, res):
@@ -134,7 +128,7 @@ def bench_decode(args, res):
     has_mtp = bool(model.mtp_layers)
     out, mismatches, reference = {}, [], {}
     for prompt_name, text in (("opening", OPENING), ("summary", SUMMARY_PROMPT)):
-        for label, draft, num_draft, adaptive in decode_runs(args.num_draft):
+        for label, draft, num_draft in decode_runs(args.num_draft):
             key = f"{prompt_name}/{label}"
             if draft == "mtp" and not has_mtp:
                 out[key] = {"skipped": f"{path} has no MTP layer"}
@@ -143,12 +137,12 @@ def bench_decode(args, res):
             n = min(args.gen_tokens, model.max_length - len(ids))
             # Warm-up over the whole length: every row count a verify step can take and every
             # cache capacity the run grows through is traced and compiled before the timed runs.
-            generation(model, ids, n, draft, num_draft, adaptive)
-            timed = [generation(model, ids, n, draft, num_draft, adaptive) for _ in range(args.repeats)]
+            generation(model, ids, n, draft, num_draft)
+            timed = [generation(model, ids, n, draft, num_draft) for _ in range(args.repeats)]
             rates = sorted(st["generation_tokens"] / max(st["generation_time"], 1e-9) for _, st in timed)
             tokens, stats = timed[0]
             row = {"tokens": len(tokens), "tok_s": statistics.median(rates), "tok_s_runs": rates,
-                   "num_draft": num_draft, "adaptive": adaptive and draft == "mtp"}
+                   "num_draft": num_draft}
             if draft != "none":
                 steps = max(stats["draft_steps"], 1)
                 row.update(acceptance=stats["draft_accepted"] / max(stats["draft_proposed"], 1),
