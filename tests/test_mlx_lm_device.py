@@ -298,3 +298,34 @@ def test_stepwise_from_empty_cache_container(monkeypatch, compile_mode):
     compiled.clear()
     _check_stepwise(_container_model(monkeypatch), f"fmt 4 container tiny, COLIBRI_COMPILE={compile_mode}")
     moe.clear_banks()
+
+
+# ---------------------------------------------------------------------------------------
+# 64 greedy tokens, kernels on against the reference, on the same checkpoint
+
+@pytest.mark.parametrize("fmt", ["affine4g64", "affine3g64", "mxfp4"])
+def test_greedy_64_tokens_kernels_equal_reference(tmp_path, fmt):
+    """A tiny mlx-lm checkpoint (mlx-lm's own quantization) decoded with float32 activations: the
+    kernels and the reference then differ by float32 roundings (~1e-6 of a logit), far below the
+    top-2 margins of 64 greedy steps, so any flip is a kernel defect, not a near-tie of bfloat16
+    roundings (the bench model's bf16 run reports those with their margins)."""
+    pytest.importorskip("mlx_lm")
+    sys.path.insert(0, str(BENCH))
+    from bench_mlx_lm_checkpoint import FORMATS, write_checkpoint
+    from colibri_mlx.generate import generate_tokens
+    from colibri_mlx.models.loading import load_model
+
+    mode, bits, gs = FORMATS[fmt]
+    mx.random.seed(0)
+    write_checkpoint(_config(TINY), mode, bits, gs, tmp_path)
+    model = load_model(str(tmp_path), dtype="float32")
+    prompt = [3, 17, 5, 9, 11, 200, 41, 7]
+    kernels.reset_counters()
+    got = [t for t, _ in generate_tokens(model, prompt, 64)]
+    c = kernels.counters()
+    with kernels.force_reference():
+        want = [t for t, _ in generate_tokens(model, prompt, 64)]
+    assert got == want, f"{fmt}: first difference at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    b = dispatch.backend()
+    assert c["calls"].get(f"moe_block/{b}", 0) > 0 and c["calls"].get(f"mla_decode/{b}", 0) > 0, c
+    assert c["calls"].get(f"qgemv/{b}", 0) > 0 and not c["fallbacks"], c
