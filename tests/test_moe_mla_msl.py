@@ -223,6 +223,24 @@ def test_cuda_persistent_grid_defaults():
     assert down(dispatch.CUDA, persistent=0)[:2] == (0, 1024) and gate_up(dispatch.CUDA, persistent=0) == (0, 512)
 
 
+@pytest.mark.parametrize("mode,bits,gs,bounded", [("affine", 4, 64, True), ("affine", 3, 64, True),
+                                                 ("mxfp4", 4, 32, True), ("affine", 6, 64, False)])
+def test_cuda_down_defaults_mlx_formats(mode, bits, gs, bounded):
+    """CUDA, one token: moe_down of the MLX formats qgemv.cuda_tuned takes (at most 4 bits) gets fmt
+    4's launch bounds and persistent grid (same row blocks, same rounds as fmt 4 above); wider
+    codes keep one block a row block, unbounded."""
+    from kernel_oracle import random_mlx_qtensor
+
+    experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, seed=e + 10 * k)
+                     for k, (O, I) in enumerate(((1024, 4096), (1024, 4096), (4096, 1024)))) for e in range(8)]
+    group = moe.resident_bank(experts).groups[0]
+    ids = mx.array([list(range(8))], dtype=mx.int32)
+    spec = moe.down_spec(mx.zeros((8, moe.h_width(group))), group, ids, mx.ones((1, 8)), 1, 8, dispatch.CUDA)
+    t = dict(spec.template)
+    got = (t["PERS"], spec.grid[0] // spec.threadgroup[0], t.get("MINB"))
+    assert got == ((1, 512, 7) if bounded else (0, 1024, None)), got
+
+
 def test_cuda_down_shape_compiled_in():
     """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) by default,
     zeros (read from params) with shape_in=False; Metal has no such template.

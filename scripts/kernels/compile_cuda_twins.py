@@ -315,6 +315,9 @@ def moe_specs(full: bool):
             if S == 1 and pers:   # the shared resident blocks (qgemv.cuda_tuned formats)
                 yield f"gate_up_{gu_label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
             yield f"down_{dn_label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            if S == 1 and pers:   # 4 warps: fmt 4's launch bounds and persistent grid (moe.cuda_down_min_blocks)
+                yield f"down_{dn_label}_S1_nw4", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
+                                                              out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
