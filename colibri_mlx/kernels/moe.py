@@ -37,7 +37,9 @@ MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgro
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
 TARGET_SIMDGROUPS = qgemv.TARGET_SIMDGROUPS
-UNIT_WEIGHTS = {0: 8, **qgemv.UNIT_WEIGHTS}     # qdecode.h units; fmt 0: 8 float32 weights
+# qdecode.h's FMT 60: a float weight held in bfloat16, read as stored (mla_decode's kv_b), 16 a unit
+BF16_ROWS_FMT = 60
+UNIT_WEIGHTS = {0: 8, BF16_ROWS_FMT: 16, **qgemv.UNIT_WEIGHTS}   # qdecode.h units; fmt 0: 8 float32 weights
 HADAMARD_TG = 256
 HADAMARD_MAX_BLOCK = 4096  # 16 KB of threadgroup memory (Metal allows 32 KB)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -130,6 +132,8 @@ class Projection:
             return mlx_formats.kernel_row_bytes(self.fmt, self.I)
         if is_gguf_fmt(self.fmt):
             return row_nbytes(GGUF_FMTS[self.fmt], self.I)
+        if self.fmt == BF16_ROWS_FMT:
+            return 2 * self.I
         return row_bytes(self.fmt, self.I)
 
     @property
