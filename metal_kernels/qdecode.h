@@ -35,13 +35,17 @@ constexpr int qd_mlx_bits(int fmt) {
   return fmt >= 70 ? fmt % 10 : (fmt == 10 ? 8 : 4);
 }
 
+// FMT 60: bfloat16 rows (a float weight held in bfloat16, read as stored: half the bytes of fmt 0's
+// float32), a unit is 16 weights in 8 words, weight j in the low (even j) or high half of word j / 2.
+constexpr int QD_BF16_ROWS = 60;
+
 constexpr int qd_wpu(int fmt) {
-  return qd_gguf(fmt) ? qd_gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return qd_gguf(fmt) ? qd_gg_wpu(fmt) : fmt == 0 ? 8 : ((fmt == 1 || fmt == QD_BF16_ROWS) ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 // Raw 32-bit words of one unit.
 constexpr int qd_words(int fmt) {
-  return qd_gguf(fmt) ? qd_gg_words(fmt) : fmt == 0 ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return qd_gguf(fmt) ? qd_gg_words(fmt) : (fmt == 0 || fmt == QD_BF16_ROWS) ? 8 : (qd_mlx(fmt) ? qd_mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 // Weights per scale segment: fmt 4 with a group size that is not a multiple of 32 changes
@@ -56,8 +60,9 @@ constexpr int qd_seg(int fmt, int gs) {
 // at the row end (fmt 1-4). A packed buffer is only promised 8-byte alignment.
 template <int FMT, int VEC>
 inline void qd_load(const device uint8_t* wrow, int rb, int u, thread uint* r) {
-  if (FMT == 0) {
-    // float32 rows: 4-byte aligned; weights past the row read as 0.
+  if (FMT == 0 || FMT == QD_BF16_ROWS) {
+    // float32 / bfloat16 rows (8 words a unit either way): 4-byte aligned; weights past the row
+    // read as 0.
     const device uint* p = (const device uint*)(wrow) + 8 * u;
     for (int k = 0; k < 8; ++k) {
       r[k] = (32 * u + 4 * k < rb) ? p[k] : 0u;
@@ -231,6 +236,13 @@ inline void qd_decode8(thread const uint* r, int k0, const device uint* e8grid, 
   } else if (FMT == 0) {
     for (int k = 0; k < 8; ++k) {
       q[k] = as_type<float>(r[k0 + k]);
+    }
+  } else if (FMT == QD_BF16_ROWS) {
+    // bfloat16 bits as the high half of a float32 (exact); k0 is even.
+    for (int k = 0; k < 8; k += 2) {
+      const uint w = r[(k0 + k) >> 1];
+      q[k] = as_type<float>(w << 16);
+      q[k + 1] = as_type<float>(w & 0xFFFF0000u);
     }
   } else if (FMT == 1) {
     // Two's complement byte b: (b ^ 0x80) - 128.

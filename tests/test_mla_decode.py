@@ -31,8 +31,10 @@ def inputs(B=1, H=2, L=1, T=37, nope=16, v=16, R=64, rope=16, fmt=4, gs=32, cach
            masked=False, n_sel=None):
     rng = np.random.default_rng(seed)
     f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=gs, seed=seed).to_mlx() if fmt
+    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=gs, seed=seed).to_mlx() if fmt not in (0, "bf16")
             else mx.array(rng.standard_normal((H * (nope + v), R)).astype(np.float32) * 0.1))
+    if fmt == "bf16":   # a float kv_b held in bfloat16 (kernel FMT 60 on a GPU)
+        kv_b = kv_b.astype(mx.bfloat16)
     mask = mx.array(rng.random((B, 1, L, T)) < 0.8) if masked else None
     sel = None
     if n_sel:
@@ -77,9 +79,9 @@ def check(joint=False, variant=None, **kw):
     return assert_attention_close(out, *args, variant=variant, selected=sel, label=str(kw))
 
 
-@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5, "bf16"])
 def test_each_kv_b_fmt(fmt):
-    check(fmt=fmt, seed=fmt)
+    check(fmt=fmt, seed=7 if fmt == "bf16" else fmt)
 
 
 @pytest.mark.parametrize("T", [1, 4095, 4096, 4097])

@@ -223,6 +223,24 @@ def test_cuda_persistent_grid_defaults():
     assert down(dispatch.CUDA, persistent=0)[:2] == (0, 1024) and gate_up(dispatch.CUDA, persistent=0) == (0, 512)
 
 
+@pytest.mark.parametrize("mode,bits,gs,bounded", [("affine", 4, 64, True), ("affine", 3, 64, True),
+                                                 ("mxfp4", 4, 32, True), ("affine", 6, 64, False)])
+def test_cuda_down_defaults_mlx_formats(mode, bits, gs, bounded):
+    """CUDA, one token: moe_down of the MLX formats qgemv.cuda_tuned takes (at most 4 bits) gets fmt
+    4's launch bounds and persistent grid (same row blocks, same rounds as fmt 4 above); wider
+    codes keep one block a row block, unbounded."""
+    from kernel_oracle import random_mlx_qtensor
+
+    experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, seed=e + 10 * k)
+                     for k, (O, I) in enumerate(((1024, 4096), (1024, 4096), (4096, 1024)))) for e in range(8)]
+    group = moe.resident_bank(experts).groups[0]
+    ids = mx.array([list(range(8))], dtype=mx.int32)
+    spec = moe.down_spec(mx.zeros((8, moe.h_width(group))), group, ids, mx.ones((1, 8)), 1, 8, dispatch.CUDA)
+    t = dict(spec.template)
+    got = (t["PERS"], spec.grid[0] // spec.threadgroup[0], t.get("MINB"))
+    assert got == ((1, 512, 7) if bounded else (0, 1024, None)), got
+
+
 def test_cuda_down_shape_compiled_in():
     """moe_down's CUDA template carries the projection's shape (KO, KRB, KNG, KNU) by default,
     zeros (read from params) with shape_in=False; Metal has no such template.
@@ -401,8 +419,10 @@ def mla_inputs(B=1, H=4, L=1, T=37, nope=16, v=8, R=64, rope=8, fmt=4, cache_dty
     those of earlier positions: heads whose running max jumps mid-tile)."""
     rng = np.random.default_rng(seed)
     f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=32, seed=seed) if fmt
+    kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=32, seed=seed) if fmt not in (0, moe.BF16_ROWS_FMT)
             else mx.array(rng.standard_normal((H * (nope + v), R)).astype(np.float32) * 0.1))
+    if fmt == moe.BF16_ROWS_FMT:   # a float kv_b held in bfloat16: read as stored
+        kv_b = kv_b.astype(mx.bfloat16)
     mask = None
     if masked:
         mask = mx.array(rng.random((B, 1, L, T)) < 0.7)
@@ -499,8 +519,10 @@ def test_mla_fixed_capacity_buffer_with_step_params(metal, variant, length):
 
 
 @VARIANTS
-@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("fmt", [0, 1, 2, 3, 4, 5, moe.BF16_ROWS_FMT])
 def test_mla_every_kv_b_fmt(metal, fmt, variant):
+    if fmt == moe.BF16_ROWS_FMT:
+        assert mla.kv_b_projection(mla_inputs(fmt=fmt)[0][4]).fmt == moe.BF16_ROWS_FMT
     run_mla(metal, fmt=fmt, seed=fmt, tile=16, variant=variant)
 
 
@@ -535,7 +557,8 @@ def test_mla_mma_head_blocks_column_tiles_and_chunks(metal, heads, H, R, rope, t
     run_mla(metal, H=H, R=R, rope=rope, T=61, tile=tile, masked=True, seed=40 + H, variant="mma", heads=heads)
 
 
-@pytest.mark.parametrize("fmt,R,nope,v", [(4, 512, 40, 24), (0, 520, 21, 9), (5, 128, 19, 8), (2, 96, 16, 8)])
+@pytest.mark.parametrize("fmt,R,nope,v", [(4, 512, 40, 24), (0, 520, 21, 9), (5, 128, 19, 8), (2, 96, 16, 8),
+                                          (moe.BF16_ROWS_FMT, 520, 21, 9)])
 def test_mla_kv_b_rows_split_over_lanes(metal, fmt, R, nope, v):
     # mla_qabs / mla_out take LW lanes a kv_b row (32 / LW rows side by side), RU rows a lane per
     # step: 16 units (DeepSeek's R 512 fmt 4: two rows a SIMD group, 64 a step of 40 rows),

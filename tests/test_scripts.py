@@ -98,7 +98,7 @@ def test_profile_step_accounts_a_step(capsys):
 
 def test_bench_mlx_quant_rows():
     out = run_script("scripts/bench/bench_mlx_quant.py", "--tiny")
-    for name in ("affine 4b g64", "affine 3b g64", "mxfp4 g32"):
+    for name in ("fmt 4 g64", "affine 4b g64", "affine 3b g64", "mxfp4 g32"):
         assert name in out, out
 
 

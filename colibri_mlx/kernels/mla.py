@@ -40,7 +40,7 @@ from ..formats.gguf_quant import is_gguf_fmt
 from ..formats.mlx_quant import describe
 from ..formats.qtensor import QTensor
 from . import device_inputs, dispatch, gguf_formats, mlx_formats
-from .moe import Projection, kernel_header, read_kernel_sections, weight_format
+from .moe import BF16_ROWS_FMT, Projection, kernel_header, read_kernel_sections, weight_format
 from .qgemv import DEFAULT_NIB, at_least_8, e8grid
 
 MAX_QUERY_ROWS = 8        # query rows a sequence (a verify step of speculative decoding: 1 + 7 drafts)
@@ -136,6 +136,10 @@ def kv_b_projection(kv_b) -> Projection:
         scales = kv_b.scales if isinstance(kv_b.scales, mx.array) else mx.array(np.ascontiguousarray(kv_b.scales, np.float32))
         proj = Projection(fmt, gs, O, I, packed.reshape(-1).view(mx.uint8) if packed.dtype != mx.uint8 else packed.reshape(-1),
                           at_least_8(scales.astype(mx.float32)))
+    elif kv_b.dtype == mx.bfloat16 and kv_b.shape[1] % 2 == 0:
+        # read as stored (FMT 60): half the bytes of float32 rows, the same values
+        O, I = kv_b.shape
+        proj = Projection(BF16_ROWS_FMT, None, O, I, kv_b.reshape(-1).view(mx.uint8), mx.zeros((8,), mx.float32))
     else:
         O, I = kv_b.shape
         proj = Projection(0, None, O, I, kv_b.astype(mx.float32).reshape(-1).view(mx.uint8), mx.zeros((8,), mx.float32))

@@ -37,7 +37,9 @@ MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgro
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
 TARGET_SIMDGROUPS = qgemv.TARGET_SIMDGROUPS
-UNIT_WEIGHTS = {0: 8, **qgemv.UNIT_WEIGHTS}     # qdecode.h units; fmt 0: 8 float32 weights
+# qdecode.h's FMT 60: a float weight held in bfloat16, read as stored (mla_decode's kv_b), 16 a unit
+BF16_ROWS_FMT = 60
+UNIT_WEIGHTS = {0: 8, BF16_ROWS_FMT: 16, **qgemv.UNIT_WEIGHTS}   # qdecode.h units; fmt 0: 8 float32 weights
 HADAMARD_TG = 256
 HADAMARD_MAX_BLOCK = 4096  # 16 KB of threadgroup memory (Metal allows 32 KB)
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -130,6 +132,8 @@ class Projection:
             return mlx_formats.kernel_row_bytes(self.fmt, self.I)
         if is_gguf_fmt(self.fmt):
             return row_nbytes(GGUF_FMTS[self.fmt], self.I)
+        if self.fmt == BF16_ROWS_FMT:
+            return 2 * self.I
         return row_bytes(self.fmt, self.I)
 
     @property
@@ -328,6 +332,16 @@ def _params(p: Projection, K: int, n_slots: int, E: int) -> mx.array:
 CUDA_DOWN_MIN_BLOCKS = {(4, 4): 7}
 
 
+def cuda_down_min_blocks(fmt: int, nw: int) -> int:
+    """:data:`CUDA_DOWN_MIN_BLOCKS` for a kernel FMT code: the MLX formats qgemv.cuda_tuned takes
+    share fmt 4's bound (and with it the persistent grid). Under it their moe_down compiles to
+    64-72 registers without spills at DeepSeek-V3's 2048 -> 7168 (affine 3/4-bit, mxfp4;
+    compile_cuda_twins.py --ptxas), against one block a row block unbounded before."""
+    if mlx_formats.is_mlx_kernel_fmt(fmt) and qgemv.cuda_tuned(fmt):
+        fmt = 4
+    return CUDA_DOWN_MIN_BLOCKS.get((fmt, nw), 0)
+
+
 def _simdgroups(row_blocks: int, units: int) -> int:
     """Split-K SIMD groups per threadgroup: qgemv's rule (fill ~4096 SIMD groups while every
     thread keeps >= 1 unit), with the distinct experts' row blocks as the threadgroups."""
@@ -452,7 +466,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
     unroll = 1 if backend == dispatch.CUDA and S == 1 else None
     if min_blocks is None:
-        min_blocks = CUDA_DOWN_MIN_BLOCKS.get((p.fmt, nw), 0) if backend == dispatch.CUDA and S == 1 else 0
+        min_blocks = cuda_down_min_blocks(p.fmt, nw) if backend == dispatch.CUDA and S == 1 else 0
     # PERS 1: blocks loop over the row blocks, each building the slot table once, not once a row
     # block. CUDA's default where launch bounds say how many blocks an SM keeps: that many a
     # round, balanced (dispatch.balanced_blocks). H200, kernel alone, 8 experts of 2048 -> 7168
@@ -500,7 +514,7 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
-    default, :data:`CUDA_DOWN_MIN_BLOCKS`; 0: none). ``persistent``: threadgroups that loop over
+    default, :func:`cuda_down_min_blocks`; 0: none). ``persistent``: threadgroups that loop over
     the row blocks (0: one a row block; None: on CUDA for one token under launch bounds, the
     resident blocks, balanced). ``shape_in``: CUDA, the projection's shape compiled in (None:
     yes)."""

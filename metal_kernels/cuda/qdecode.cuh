@@ -20,12 +20,15 @@ __device__ constexpr int mlx_bits(int fmt) {
   return fmt >= 70 ? fmt % 10 : (fmt == 10 ? 8 : 4);
 }
 
+// FMT 60: bfloat16 rows (qdecode.h QD_BF16_ROWS).
+__device__ constexpr int BF16_ROWS = 60;
+
 __device__ constexpr int wpu(int fmt) {
-  return gguf(fmt) ? gg_wpu(fmt) : fmt == 0 ? 8 : (fmt == 1 ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
+  return gguf(fmt) ? gg_wpu(fmt) : fmt == 0 ? 8 : ((fmt == 1 || fmt == BF16_ROWS) ? 16 : (fmt == 3 ? 64 : (fmt == 5 ? 64 : 32)));
 }
 
 __device__ constexpr int words(int fmt) {
-  return gguf(fmt) ? gg_words(fmt) : fmt == 0 ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
+  return gguf(fmt) ? gg_words(fmt) : (fmt == 0 || fmt == BF16_ROWS) ? 8 : (mlx(fmt) ? mlx_bits(fmt) + (fmt >= 90 ? 2 : 1) : 6);
 }
 
 __device__ constexpr int seg(int fmt, int gs) {
@@ -36,7 +39,7 @@ __device__ constexpr int seg(int fmt, int gs) {
 // itself is 16-byte aligned (W16, checked once per launch: a row slice may be 8-aligned only).
 template <int FMT, int VEC, bool W16>
 __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_t* r) {
-  if (FMT == 0) {
+  if (FMT == 0 || FMT == BF16_ROWS) {
     const uint32_t* p = reinterpret_cast<const uint32_t*>(wrow) + 8 * u;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -232,6 +235,13 @@ __device__ __forceinline__ void decode8(const uint32_t* r, int k0, const uint32_
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       q[k] = __uint_as_float(r[k0 + k]);
+    }
+  } else if (FMT == BF16_ROWS) {
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+      const uint32_t w = r[(k0 + k) >> 1];
+      q[k] = __uint_as_float(w << 16);
+      q[k + 1] = __uint_as_float(w & 0xFFFF0000u);
     }
   } else if (FMT == 1) {
 #pragma unroll

@@ -160,10 +160,11 @@ def mla_specs(full: bool):
 
     rng = np.random.default_rng(0)
     H, nope, v, R, rope, T = 8, 128, 128, 512, 64, 300
-    for fmt in (0, 1, 2, 3, 4, 5):
+    # fmt 60: a float kv_b held in bfloat16 (mlx-lm's joined split kv_b on a GPU)
+    for fmt in (0, 1, 2, 3, 4, 5, 60):
         for cache, sel in ((mx.bfloat16, False), (mx.float32, True)):
-            kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=64, seed=fmt) if fmt
-                    else mx.zeros((H * (nope + v), R), mx.float32))
+            kv_b = (random_qtensor(fmt, H * (nope + v), R, gs=64, seed=fmt) if fmt not in (0, 60)
+                    else mx.zeros((H * (nope + v), R), mx.float32 if fmt == 0 else mx.bfloat16))
             f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
             mask = mx.array(rng.random((1, 1, 2, T)) < 0.9)
             selected = mx.array(rng.integers(0, T, (1, 2, 64)).astype(np.int32)) if sel else None
@@ -226,6 +227,14 @@ def mla_specs(full: bool):
         run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
                                nope, v, backend=dispatch.CUDA)
         yield f"mla_qabs_{label}", mla.planned_launches(run)[0]
+    # an mlx-lm checkpoint's attention on a GPU: the joined kv_b in bfloat16 (fmt 60), q_b affine 4-bit
+    run = mla.launch_specs(None, None, joint, None, mx.zeros((H * (nope + v), R), mx.bfloat16), 0.1, None, nope, v,
+                           backend=dispatch.CUDA,
+                           q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16),
+                                   random_mlx_qtensor("affine", 4, 64, H * (nope + rope), 1536, mx.bfloat16, seed=4)))
+    specs = mla.planned_launches(run)
+    yield "mla_qb_qabs_kvb_bf16_rows", specs[0]
+    yield "mla_out_kvb_bf16_rows", specs[-1]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):   # mla_rows: DeepSeek-V3's q_a / latent / rope
         y = mx.zeros((1, 1536 + R + rope), dtype)
         yield (f"mla_rows_{dtype}", rows_spec(y, 1536, mx.ones((1536,), dtype), mx.ones((R,), dtype), 1e-6,
@@ -315,6 +324,9 @@ def moe_specs(full: bool):
             if S == 1 and pers:   # the shared resident blocks (qgemv.cuda_tuned formats)
                 yield f"gate_up_{gu_label}_S1_pers", moe.gate_up_spec(x, group, ids, K, dispatch.CUDA, persistent=3)
             yield f"down_{dn_label}_S{S}", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, out_dtype=dtype)
+            if S == 1 and pers:   # 4 warps: fmt 4's launch bounds and persistent grid (moe.cuda_down_min_blocks)
+                yield f"down_{dn_label}_S1_nw4", moe.down_spec(h, group, ids, w, S, K, dispatch.CUDA, simdgroups=4,
+                                                              out_dtype=dtype)
     for n, dtype in ((7168, mx.bfloat16), (2048, mx.float32)):
         yield f"hadamard_{n}_{dtype}", moe.hadamard_spec(random_x(2, n, dtype=dtype), dispatch.CUDA)
 
