@@ -100,6 +100,9 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=12, help="kernel names listed per model")
     ap.add_argument("--no-mlxlm", action="store_true")
+    ap.add_argument("--model", default=None,
+                    help="profile ours on this model directory (a container, an mlx-lm checkpoint such as the one "
+                         "bench_mlx_lm_checkpoint.py --dir D --reuse leaves in D) instead of building the bench model")
     ap.add_argument("--sequence", action="store_true", help="also list one step's kernels in start order")
     ap.add_argument("--rows", type=int, default=1,
                     help="also profile our forward step of this many rows at the same context, rolled back "
@@ -117,7 +120,14 @@ def main():
     print(f"per synchronized decode step, us (median of {args.steps}):")
     print(header)
     tops = []
-    ours = E.our_model(cfg)
+    if args.model:
+        from colibri_mlx.models.loading import load_model
+
+        ours = load_model(args.model)
+        prompt = mx.array(np.random.default_rng(0).integers(0, ours.args.vocab_size, (1, 16)).astype(np.int32))
+        kernels.reset_counters()
+    else:
+        ours = E.our_model(cfg)
     cache = ours.make_cache()
     rows, by_name, sequence = step_profile(lambda t: ours(t, cache), prompt, args.steps)
     tops.append(("ours",) + report("ours", rows, by_name, args.top))
@@ -134,6 +144,8 @@ def main():
         rows, by_name, sequence = step_profile(rows_step, prompt, args.steps)
         tops.append((label,) + report(label, rows, by_name, args.top))
         sequences.append((label, sequence))
+    if args.model:
+        print(f"ours on {args.model}: {kernels.format_counters()}")
     del ours, cache
     kernels.moe.clear_banks()          # the expert banks and compiled traces hold GPU memory
     kernels.compiled.clear()
