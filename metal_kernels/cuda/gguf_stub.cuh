@@ -1,7 +1,7 @@
 // gguf_stub.cuh: CUDA twin of metal_kernels/gguf_stub.h: gguf_decode.cuh's decoders for the
 // launches of every other format (their kernel text stays short); a GGUF FMT does not compile.
 
-template <int FMT>
+template <int FMT, bool A16 = false>
 __device__ __forceinline__ void gg_load(const uint8_t* wrow, int u, uint32_t* r) {
   static_assert(!gguf(FMT), "GGUF FMT without gguf_decode");
 }
