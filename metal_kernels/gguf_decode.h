@@ -424,14 +424,30 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
   }
 }
 
+// Q4_K's codes of weights k0 .. k0 + 7 of a unit as exact fp16 subnormals (qdecode.h
+// qd_nib8_sub's trick for fmt 4): a qs word AND 0x000F000F is the half2 (n of byte 0, n of byte
+// 2) * 2^-24, its >> 8 the same for bytes 1 and 3; weights 32-63 (high nibbles) AND 0x00F000F0:
+// 16 n 2^-24. No magic OR and subtract a weight; qd_seg_dots_gguf scales by 2^24 / 2^20.
+inline void qd_gg_q4k_nib8(thread const uint* r, int k0, thread float* q) {
+  const uint mask = k0 < 32 ? 0x000F000Fu : 0x00F000F0u;
+  for (int h = 0; h < 2; ++h) {
+    const uint w = r[((k0 & 31) >> 2) + h];
+    const float2 f02 = float2(as_type<half2>(w & mask));
+    const uint b = (w >> 8) & mask;
+    const float2 f13 = float2(as_type<half2>(b));
+    q[4 * h] = f02.x; q[4 * h + 1] = f13.x; q[4 * h + 2] = f02.y; q[4 * h + 3] = f13.y;
+  }
+}
+
 // qd_seg_dots for the GGUF fmts: sum code * x over the segment (two FMA chains), then the
 // segment's scale once, and its bias (Q4_K's -dmin * min) times sum x, instead of a scale and a
-// bias per weight.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+// bias per weight. NIB 1 (CUDA's default, as for fmt 2/4): Q4_K's codes from qd_gg_q4k_nib8.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0, int NIB = 0>
 inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                              uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
   constexpr int WPU = qd_gg_wpu(FMT);
   constexpr int SEG = qd_gg_seg(FMT);
+  constexpr bool SUBN = NIB && FMT == 17;
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -446,7 +462,11 @@ inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thr
     const int k0 = SEG * g + c;
     float q[ROWS][8];
     for (int r = 0; r < ROWS; ++r) {
-      qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      if (SUBN) {
+        qd_gg_q4k_nib8(raw[r], k0, q[r]);
+      } else {
+        qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      }
     }
     for (int s = 0; s < S; ++s) {
       if ((xmask >> s) & 1u) {
@@ -466,8 +486,9 @@ inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thr
   }
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
+    const float sc = SUBN ? a.x * (g == 0 ? 16777216.0f : 1048576.0f) : a.x;
     for (int s = 0; s < S; ++s) {
-      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
     }
   }
 }

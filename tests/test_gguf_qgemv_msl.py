@@ -122,10 +122,32 @@ def test_low_precision_x(name, dtype):
 # The launch variants bench_gguf_gemv.py times (and split-K over 4 SIMD groups).
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", [dict(simdgroups=4, rows=2, unroll=1), dict(prefetch=1, unroll=1),
-                                    dict(rows=8, unroll=1), dict(simdgroups=2)], ids=str)
+                                    dict(rows=8, unroll=1), dict(simdgroups=2), dict(nib=1, prefetch=1, unroll=1, rows=6)],
+                         ids=str)
 @pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS"])
 def test_launch_variants(name, tuning):
     run_case(name, 9, 256 * 20, 1, **tuning)
+
+
+# NIB 1 (CUDA's default): Q4_K's codes as fp16 subnormals (qd_gg_q4k_nib8), every unit position of
+# a block, both sub-blocks of a pair, rows of x with and without sum x reuse.
+@pytest.mark.parametrize("S", [1, 3])
+def test_q4k_subnormal_codes(S):
+    run_case("Q4_K", 5, 768, S, seed=7 + S, nib=1)
+
+
+@pytest.mark.parametrize("good,bad", [("(g == 0 ? 16777216.0f : 1048576.0f)", "16777216.0f"),
+                                      ("const uint b = (w >> 8) & mask;", "const uint b = w & mask;")],
+                         ids=["high sub-block scaled as the low", "bytes 1 and 3 read as 0 and 2"])
+def test_q4k_subnormal_defect_is_caught(good, bad):
+    qt = random_gguf_qtensor("Q4_K", 3, 512, seed=5)
+    x = random_x(2, 512, seed=6)
+    spec = qgemv.launch_spec(x, qt, nib=1)
+    assert spec.header.count(good) == 1, f"{good!r} not found once"
+    spec.header = spec.header.replace(good, bad)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_close(simulate(spec), x, qt, bad)
+    assert "failed to compile" not in str(caught.value)
 
 
 # Planted decoder defects, each in the branch of the type it names: each must fail the comparison.

@@ -429,14 +429,33 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
   }
 }
 
+// gguf_decode.h qd_gg_q4k_nib8: Q4_K's codes as exact fp16 subnormals.
+__device__ __forceinline__ void gg_q4k_nib8(const uint32_t* r, int k0, float* q) {
+  const uint32_t mask = k0 < 32 ? 0x000F000Fu : 0x00F000F0u;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t w = r[((k0 & 31) >> 2) + h];
+    const uint32_t a = w & mask;
+    const uint32_t b = (w >> 8) & mask;
+    __half2 ha;
+    __half2 hb;
+    memcpy(&ha, &a, 4);
+    memcpy(&hb, &b, 4);
+    const float2 f02 = __half22float2(ha);
+    const float2 f13 = __half22float2(hb);
+    q[4 * h] = f02.x; q[4 * h + 1] = f13.x; q[4 * h + 2] = f02.y; q[4 * h + 3] = f13.y;
+  }
+}
+
 // seg_dots for the GGUF fmts (gguf_decode.h qd_seg_dots_gguf): sum code * x over the segment, then the
 // segment's scale once and its bias times sum x.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0, int NIB = 0>
 __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
                                               uint32_t xmask, int I, int u, int g, const uint32_t* lut,
                                               float (*d)[S]) {
   constexpr int WPU = gg_wpu(FMT);
   constexpr int SEG = gg_seg(FMT);
+  constexpr bool SUBN = NIB && FMT == 17;
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -455,7 +474,11 @@ __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T*
     float q[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      if (SUBN) {
+        gg_q4k_nib8(raw[r], k0, q[r]);
+      } else {
+        gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      }
     }
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -479,9 +502,10 @@ __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T*
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = gg_seg_affine<FMT>(raw[r], g);
+    const float sc = SUBN ? a.x * (g == 0 ? 16777216.0f : 1048576.0f) : a.x;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
     }
   }
 }

@@ -505,7 +505,7 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
     return;
   }
   if (gguf(FMT)) {
-    seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, e8grid, d);
+    seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP, NIB>(raw, x, xoff, xmask, I, u, g, e8grid, d);
     return;
   }
 #pragma unroll
