@@ -425,15 +425,17 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
 }
 
 // Q4_K's codes of weights k0 .. k0 + 7 of a unit as exact fp16 subnormals (qdecode.h
-// qd_nib8_sub's trick for fmt 4): a qs word AND 0x000F000F is the half2 (n of byte 0, n of byte
-// 2) * 2^-24, its >> 8 the same for bytes 1 and 3; weights 32-63 (high nibbles) AND 0x00F000F0:
-// 16 n 2^-24. No magic OR and subtract a weight; qd_seg_dots_gguf scales by 2^24 / 2^20.
+// qd_nib8_sub's trick for fmt 4): a qs word shifted by sh AND 0x000F000F is the half2 (n of byte
+// 0, n of byte 2) * 2^-24, shifted by sh + 8 the same for bytes 1 and 3; sh 4 for weights 32-63
+// (the high nibbles). Each sub-block's codes from their own shifts: no value shared between the
+// two segments stays live (CUDA qgemv S = 1: 167 registers a thread, not 204). No magic OR and
+// subtract a weight; qd_seg_dots_gguf scales by 2^24.
 inline void qd_gg_q4k_nib8(thread const uint* r, int k0, thread float* q) {
-  const uint mask = k0 < 32 ? 0x000F000Fu : 0x00F000F0u;
+  const uint sh = k0 < 32 ? 0u : 4u;
   for (int h = 0; h < 2; ++h) {
     const uint w = r[((k0 & 31) >> 2) + h];
-    const float2 f02 = float2(as_type<half2>(w & mask));
-    const uint b = (w >> 8) & mask;
+    const float2 f02 = float2(as_type<half2>((w >> sh) & 0x000F000Fu));
+    const uint b = (w >> (sh + 8u)) & 0x000F000Fu;
     const float2 f13 = float2(as_type<half2>(b));
     q[4 * h] = f02.x; q[4 * h + 1] = f13.x; q[4 * h + 2] = f02.y; q[4 * h + 3] = f13.y;
   }
@@ -486,7 +488,7 @@ inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thr
   }
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
-    const float sc = SUBN ? a.x * (g == 0 ? 16777216.0f : 1048576.0f) : a.x;
+    const float sc = SUBN ? a.x * 16777216.0f : a.x;
     for (int s = 0; s < S; ++s) {
       d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
     }

@@ -136,9 +136,10 @@ def test_q4k_subnormal_codes(S):
     run_case("Q4_K", 5, 768, S, seed=7 + S, nib=1)
 
 
-@pytest.mark.parametrize("good,bad", [("(g == 0 ? 16777216.0f : 1048576.0f)", "16777216.0f"),
-                                      ("const uint b = (w >> 8) & mask;", "const uint b = w & mask;")],
-                         ids=["high sub-block scaled as the low", "bytes 1 and 3 read as 0 and 2"])
+@pytest.mark.parametrize("good,bad", [("const uint sh = k0 < 32 ? 0u : 4u;", "const uint sh = 0u;"),
+                                      ("const uint b = (w >> (sh + 8u)) & 0x000F000Fu;",
+                                       "const uint b = (w >> sh) & 0x000F000Fu;")],
+                         ids=["high sub-block reads the low nibbles", "bytes 1 and 3 read as 0 and 2"])
 def test_q4k_subnormal_defect_is_caught(good, bad):
     qt = random_gguf_qtensor("Q4_K", 3, 512, seed=5)
     x = random_x(2, 512, seed=6)

@@ -429,14 +429,15 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
   }
 }
 
-// gguf_decode.h qd_gg_q4k_nib8: Q4_K's codes as exact fp16 subnormals.
+// gguf_decode.h qd_gg_q4k_nib8: Q4_K's codes as exact fp16 subnormals (each sub-block from its own
+// shifts: nothing shared between the segments stays live).
 __device__ __forceinline__ void gg_q4k_nib8(const uint32_t* r, int k0, float* q) {
-  const uint32_t mask = k0 < 32 ? 0x000F000Fu : 0x00F000F0u;
+  const uint32_t sh = k0 < 32 ? 0u : 4u;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t w = r[((k0 & 31) >> 2) + h];
-    const uint32_t a = w & mask;
-    const uint32_t b = (w >> 8) & mask;
+    const uint32_t a = (w >> sh) & 0x000F000Fu;
+    const uint32_t b = (w >> (sh + 8u)) & 0x000F000Fu;
     __half2 ha;
     __half2 hb;
     memcpy(&ha, &a, 4);
@@ -502,7 +503,7 @@ __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T*
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = gg_seg_affine<FMT>(raw[r], g);
-    const float sc = SUBN ? a.x * (g == 0 ? 16777216.0f : 1048576.0f) : a.x;
+    const float sc = SUBN ? a.x * 16777216.0f : a.x;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
       d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
