@@ -252,6 +252,23 @@ def _gguf_weights(monkeypatch, name):
     return t
 
 
+def test_moe_gguf_q4k_subnormal_codes(metal, monkeypatch):
+    """moe_block's gate_up and down (x in xp_index's layout) with Q4_K at NIB 1 (CUDA's default)."""
+    from test_moe_mla_msl import run_moe
+
+    monkeypatch.setitem(qgemv.DEFAULT_NIB, dispatch.METAL, 1)
+    simulated, nibs = dispatch.launch, []
+
+    def launch(backend, spec):
+        nibs.append(dict(spec.template).get("NIB"))
+        return simulated(backend, spec)
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    run_moe(gguf_experts([("Q4_K", "Q4_K")] * 2, D=256, inter=256, seed=4), N=2, K=2, seed=2)
+    assert "moe_gate_up" in metal and "moe_down" in metal
+    assert nibs and set(nibs) == {1}, nibs
+
+
 @pytest.mark.parametrize("name", ["Q6_K", pytest.param("Q8_0", marks=pytest.mark.slow),
                                   pytest.param("IQ4_XS", marks=pytest.mark.slow),
                                   pytest.param("IQ2_XXS", marks=pytest.mark.slow),
