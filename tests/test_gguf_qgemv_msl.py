@@ -122,7 +122,7 @@ def test_low_precision_x(name, dtype):
 # The launch variants bench_gguf_gemv.py times (and split-K over 4 SIMD groups).
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", [dict(simdgroups=4, rows=2, unroll=1), dict(prefetch=1, unroll=1),
-                                    dict(rows=8, unroll=1), dict(simdgroups=2), dict(nib=1, prefetch=1, unroll=1, rows=6)],
+                                    dict(rows=8, unroll=1), dict(simdgroups=2), dict(nib=1, prefetch=1, unroll=1, rows=2, persistent=2)],
                          ids=str)
 @pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS"])
 def test_launch_variants(name, tuning):

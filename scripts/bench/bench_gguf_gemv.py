@@ -144,7 +144,10 @@ def check(name: str, host, x, tuning=None) -> float:
     rows = min(256, O)
     part = QTensor(host.packed[:rows], host.scales, host.fmt, rows, I, host.gs, f"check.{name}")
     w64 = dequantize_gguf(host.fmt, part.packed).astype(np.float64)
-    y = gemv(x, part.to_mlx(), **(tuning or {}))
+    tuning = resolve(tuning or {})
+    if tuning.get("persistent"):   # 256 rows fill no persistent grid: 7 threadgroups looping, unevenly
+        tuning = {**tuning, "persistent": 7}
+    y = gemv(x, part.to_mlx(), **tuning)
     x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
     got = np.asarray(y.astype(mx.float32)).astype(np.float64)
     return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
