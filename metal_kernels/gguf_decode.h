@@ -317,6 +317,14 @@ inline float qd_gg_code(uint c, float magic_plus_offset) {
   return qd_gg_f(0x4B000000u | c) - magic_plus_offset;
 }
 
+// IQ4_NL's value for code n (0-15) from a 16-byte table in registers: kvalues_iq4nl + 128 as the
+// bytes of four words (byte n), then the magic-number code minus 128. No table load a weight.
+inline float qd_gg_iq4nl(uint n) {
+  const uint lo = (n & 4u) ? 0x766A5D4Fu : 0x3F2D1801u;
+  const uint hi = (n & 4u) ? 0xF1D9C5B5u : 0xA6998D81u;
+  return qd_gg_code((((n & 8u) ? hi : lo) >> (8u * (n & 3u))) & 0xFFu, 8388736.0f);
+}
+
 // Eight grid bytes (g0: bytes 0-3, g1: 4-7) as magnitudes, negated where sign bit k of s8 is set.
 inline void qd_gg_signed8(uint g0, uint g1, uint s8, thread float* q) {
   for (int k = 0; k < 8; ++k) {
@@ -358,7 +366,7 @@ inline void qd_gg_codes8(thread const uint* r, int k0, const device uint* lut, t
         const uint c = n | (((r[4] >> (k0 + k)) & 1u) << 4);
         q[k] = qd_gg_code(c, FMT == 13 ? 8388624.0f : 8388608.0f);
       } else {
-        q[k] = qd_gg_f(lut[QD_GG_IQ4NL + n]);
+        q[k] = qd_gg_iq4nl(n);
       }
     }
   } else if (FMT == 15 || FMT == 16 || FMT == 18 || FMT == 19) {
@@ -416,14 +424,32 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
   }
 }
 
+// Q4_K's codes of weights k0 .. k0 + 7 of a unit as exact fp16 subnormals (qdecode.h
+// qd_nib8_sub's trick for fmt 4): a qs word shifted by sh AND 0x000F000F is the half2 (n of byte
+// 0, n of byte 2) * 2^-24, shifted by sh + 8 the same for bytes 1 and 3; sh 4 for weights 32-63
+// (the high nibbles). Each sub-block's codes from their own shifts: no value shared between the
+// two segments stays live (CUDA qgemv S = 1: 167 registers a thread, not 204). No magic OR and
+// subtract a weight; qd_seg_dots_gguf scales by 2^24.
+inline void qd_gg_q4k_nib8(thread const uint* r, int k0, thread float* q) {
+  const uint sh = k0 < 32 ? 0u : 4u;
+  for (int h = 0; h < 2; ++h) {
+    const uint w = r[((k0 & 31) >> 2) + h];
+    const float2 f02 = float2(as_type<half2>((w >> sh) & 0x000F000Fu));
+    const uint b = (w >> (sh + 8u)) & 0x000F000Fu;
+    const float2 f13 = float2(as_type<half2>(b));
+    q[4 * h] = f02.x; q[4 * h + 1] = f13.x; q[4 * h + 2] = f02.y; q[4 * h + 3] = f13.y;
+  }
+}
+
 // qd_seg_dots for the GGUF fmts: sum code * x over the segment (two FMA chains), then the
 // segment's scale once, and its bias (Q4_K's -dmin * min) times sum x, instead of a scale and a
-// bias per weight.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+// bias per weight. NIB 1 (CUDA's default, as for fmt 2/4): Q4_K's codes from qd_gg_q4k_nib8.
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0, int NIB = 0>
 inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                              uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
   constexpr int WPU = qd_gg_wpu(FMT);
   constexpr int SEG = qd_gg_seg(FMT);
+  constexpr bool SUBN = NIB && FMT == 17;
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -438,7 +464,11 @@ inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thr
     const int k0 = SEG * g + c;
     float q[ROWS][8];
     for (int r = 0; r < ROWS; ++r) {
-      qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      if (SUBN) {
+        qd_gg_q4k_nib8(raw[r], k0, q[r]);
+      } else {
+        qd_gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      }
     }
     for (int s = 0; s < S; ++s) {
       if ((xmask >> s) & 1u) {
@@ -458,8 +488,9 @@ inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thr
   }
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = qd_gg_seg_affine<FMT>(raw[r], g);
+    const float sc = SUBN ? a.x * 16777216.0f : a.x;
     for (int s = 0; s < S; ++s) {
-      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+      d[r][s] = qd_gg_has_bias(FMT) ? fma(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
     }
   }
 }

@@ -24,7 +24,7 @@ inline void qd_gg_decode8(thread const uint* r, int k0, const device uint* lut, 
   static_assert(!qd_gguf(FMT), "GGUF FMT without gguf_decode");
 }
 
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0, int NIB = 0>
 inline void qd_seg_dots_gguf(thread const uint (*raw)[W], const device T* x, thread const int* xoff,
                              uint xmask, int I, int u, int g, const device uint* lut, thread float (*d)[S]) {
   static_assert(!qd_gguf(FMT), "GGUF FMT without gguf_decode");

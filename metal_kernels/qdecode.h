@@ -502,7 +502,7 @@ inline void qd_seg_dots(thread const uint (*raw)[W], const device T* x, thread c
     return;
   }
   if (qd_gguf(FMT)) {
-    qd_seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, e8grid, d);
+    qd_seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP, NIB>(raw, x, xoff, xmask, I, u, g, e8grid, d);
     return;
   }
   for (int r = 0; r < ROWS; ++r) {

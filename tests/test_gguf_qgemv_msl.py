@@ -122,10 +122,33 @@ def test_low_precision_x(name, dtype):
 # The launch variants bench_gguf_gemv.py times (and split-K over 4 SIMD groups).
 @pytest.mark.slow
 @pytest.mark.parametrize("tuning", [dict(simdgroups=4, rows=2, unroll=1), dict(prefetch=1, unroll=1),
-                                    dict(rows=8, unroll=1), dict(simdgroups=2)], ids=str)
+                                    dict(rows=8, unroll=1), dict(simdgroups=2), dict(nib=1, prefetch=1, unroll=1, rows=2, persistent=2)],
+                         ids=str)
 @pytest.mark.parametrize("name", ["Q4_K", "IQ4_XS"])
 def test_launch_variants(name, tuning):
     run_case(name, 9, 256 * 20, 1, **tuning)
+
+
+# NIB 1 (CUDA's default): Q4_K's codes as fp16 subnormals (qd_gg_q4k_nib8), every unit position of
+# a block, both sub-blocks of a pair, rows of x with and without sum x reuse.
+@pytest.mark.parametrize("S", [1, 3])
+def test_q4k_subnormal_codes(S):
+    run_case("Q4_K", 5, 768, S, seed=7 + S, nib=1)
+
+
+@pytest.mark.parametrize("good,bad", [("const uint sh = k0 < 32 ? 0u : 4u;", "const uint sh = 0u;"),
+                                      ("const uint b = (w >> (sh + 8u)) & 0x000F000Fu;",
+                                       "const uint b = (w >> sh) & 0x000F000Fu;")],
+                         ids=["high sub-block reads the low nibbles", "bytes 1 and 3 read as 0 and 2"])
+def test_q4k_subnormal_defect_is_caught(good, bad):
+    qt = random_gguf_qtensor("Q4_K", 3, 512, seed=5)
+    x = random_x(2, 512, seed=6)
+    spec = qgemv.launch_spec(x, qt, nib=1)
+    assert spec.header.count(good) == 1, f"{good!r} not found once"
+    spec.header = spec.header.replace(good, bad)
+    with pytest.raises((AssertionError, simulator.SimulatorError)) as caught:
+        assert_close(simulate(spec), x, qt, bad)
+    assert "failed to compile" not in str(caught.value)
 
 
 # Planted decoder defects, each in the branch of the type it names: each must fail the comparison.
@@ -227,6 +250,23 @@ def _gguf_weights(monkeypatch, name):
 
     monkeypatch.setattr(t, "random_qtensor", lambda fmt, O, I, gs=None, seed=0: random_gguf_qtensor(name, O, I, seed))
     return t
+
+
+def test_moe_gguf_q4k_subnormal_codes(metal, monkeypatch):
+    """moe_block's gate_up and down (x in xp_index's layout) with Q4_K at NIB 1 (CUDA's default)."""
+    from test_moe_mla_msl import run_moe
+
+    monkeypatch.setitem(qgemv.DEFAULT_NIB, dispatch.METAL, 1)
+    simulated, nibs = dispatch.launch, []
+
+    def launch(backend, spec):
+        nibs.append(dict(spec.template).get("NIB"))
+        return simulated(backend, spec)
+
+    monkeypatch.setattr(dispatch, "launch", launch)
+    run_moe(gguf_experts([("Q4_K", "Q4_K")] * 2, D=256, inter=256, seed=4), N=2, K=2, seed=2)
+    assert "moe_gate_up" in metal and "moe_down" in metal
+    assert nibs and set(nibs) == {1}, nibs
 
 
 @pytest.mark.parametrize("name", ["Q6_K", pytest.param("Q8_0", marks=pytest.mark.slow),

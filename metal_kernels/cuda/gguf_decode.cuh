@@ -96,7 +96,9 @@ __device__ __forceinline__ uint32_t gg_q3k_scale(int i, uint32_t s0, uint32_t s1
   return (lo & 0xFu) | ((hi & 3u) << 4);
 }
 
-template <int FMT>
+// A16: the row starts 16-byte aligned (qdecode.cuh load's W16; Q4_K rows are a multiple of 144 =
+// 9 x 16 bytes): Q4_K's header and its 32 bytes of qs as three 16-byte loads instead of six 8-byte.
+template <int FMT, bool A16 = false>
 __device__ __forceinline__ void gg_load(const uint8_t* wrow, int u, uint32_t* r) {
   const int ib = u & 7;
   if (FMT == 11) {
@@ -159,13 +161,26 @@ __device__ __forceinline__ void gg_load(const uint8_t* wrow, int u, uint32_t* r)
     // d, dmin, scales[12], qs[128]: sub-blocks 2p (low nibbles) and 2p + 1 of qs[32p ..].
     const uint8_t* blk = wrow + 144 * (u >> 2);
     const int p = u & 3;
-    const uint2 h0 = gg_load8(blk);
-    const uint2 h1 = gg_load8(blk + 8);
+    uint2 h0;
+    uint2 h1;
+    if (A16) {
+      const uint4* b16 = reinterpret_cast<const uint4*>(blk);
+      const uint4 h = b16[0];
+      const uint4 v0 = b16[1 + 2 * p];
+      const uint4 v1 = b16[2 + 2 * p];
+      h0 = make_uint2(h.x, h.y);
+      h1 = make_uint2(h.z, h.w);
+      r[0] = v0.x; r[1] = v0.y; r[2] = v0.z; r[3] = v0.w;
+      r[4] = v1.x; r[5] = v1.y; r[6] = v1.z; r[7] = v1.w;
+    } else {
+      h0 = gg_load8(blk);
+      h1 = gg_load8(blk + 8);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint2 v = gg_load8(blk + 16 + 32 * p + 8 * k);
-      r[2 * k] = v.x;
-      r[2 * k + 1] = v.y;
+      for (int k = 0; k < 4; ++k) {
+        const uint2 v = gg_load8(blk + 16 + 32 * p + 8 * k);
+        r[2 * k] = v.x;
+        r[2 * k + 1] = v.y;
+      }
     }
     r[8] = h0.x;
     r[9] = gg_scale_min_k4(2 * p, h0.y, h1.x, h1.y) | (gg_scale_min_k4(2 * p + 1, h0.y, h1.x, h1.y) << 16);
@@ -300,6 +315,14 @@ __device__ __forceinline__ float gg_code(uint32_t c, float magic_plus_offset) {
   return gg_f(0x4B000000u | c) - magic_plus_offset;
 }
 
+// gguf_decode.h qd_gg_iq4nl: byte n of the register table (bits 0-2 pick it from a word pair,
+// bit 3 the pair), minus 128.
+__device__ __forceinline__ float gg_iq4nl(uint32_t n) {
+  const uint32_t lo = __byte_perm(0x3F2D1801u, 0x766A5D4Fu, n);
+  const uint32_t hi = __byte_perm(0xA6998D81u, 0xF1D9C5B5u, n);
+  return gg_code(((n & 8u) ? hi : lo) & 0xFFu, 8388736.0f);
+}
+
 // Eight grid bytes (g0: bytes 0-3, g1: 4-7) as magnitudes, negated where sign bit k of s8 is set.
 __device__ __forceinline__ void gg_signed8(uint32_t g0, uint32_t g1, uint32_t s8, float* q) {
 #pragma unroll
@@ -345,7 +368,7 @@ __device__ __forceinline__ void gg_codes8(const uint32_t* r, int k0, const uint3
         const uint32_t c = n | (((r[4] >> (k0 + k)) & 1u) << 4);
         q[k] = gg_code(c, FMT == 13 ? 8388624.0f : 8388608.0f);
       } else {
-        q[k] = gg_f(lut[GG_IQ4NL + n]);
+        q[k] = gg_iq4nl(n);
       }
     }
   } else if (FMT == 15 || FMT == 16 || FMT == 18 || FMT == 19) {
@@ -406,14 +429,34 @@ __device__ __forceinline__ void gg_decode8(const uint32_t* r, int k0, const uint
   }
 }
 
+// gguf_decode.h qd_gg_q4k_nib8: Q4_K's codes as exact fp16 subnormals (each sub-block from its own
+// shifts: nothing shared between the segments stays live).
+__device__ __forceinline__ void gg_q4k_nib8(const uint32_t* r, int k0, float* q) {
+  const uint32_t sh = k0 < 32 ? 0u : 4u;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t w = r[((k0 & 31) >> 2) + h];
+    const uint32_t a = (w >> sh) & 0x000F000Fu;
+    const uint32_t b = (w >> (sh + 8u)) & 0x000F000Fu;
+    __half2 ha;
+    __half2 hb;
+    memcpy(&ha, &a, 4);
+    memcpy(&hb, &b, 4);
+    const float2 f02 = __half22float2(ha);
+    const float2 f13 = __half22float2(hb);
+    q[4 * h] = f02.x; q[4 * h + 1] = f13.x; q[4 * h + 2] = f02.y; q[4 * h + 3] = f13.y;
+  }
+}
+
 // seg_dots for the GGUF fmts (gguf_decode.h qd_seg_dots_gguf): sum code * x over the segment, then the
 // segment's scale once and its bias times sum x.
-template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0>
+template <int FMT, int S, int ROWS, int XV, int W, typename T, int XP = 0, int NIB = 0>
 __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T* x, const int* xoff,
                                               uint32_t xmask, int I, int u, int g, const uint32_t* lut,
                                               float (*d)[S]) {
   constexpr int WPU = gg_wpu(FMT);
   constexpr int SEG = gg_seg(FMT);
+  constexpr bool SUBN = NIB && FMT == 17;
   float lo[ROWS][S];
   float hi[ROWS][S];
   float sx[S];
@@ -432,7 +475,11 @@ __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T*
     float q[ROWS][8];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      if (SUBN) {
+        gg_q4k_nib8(raw[r], k0, q[r]);
+      } else {
+        gg_codes8<FMT>(raw[r], k0, lut, q[r]);
+      }
     }
 #pragma unroll
     for (int s = 0; s < S; ++s) {
@@ -456,9 +503,10 @@ __device__ __forceinline__ void seg_dots_gguf(const uint32_t (*raw)[W], const T*
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const float2 a = gg_seg_affine<FMT>(raw[r], g);
+    const float sc = SUBN ? a.x * 16777216.0f : a.x;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * a.x) : (lo[r][s] + hi[r][s]) * a.x;
+      d[r][s] = gg_has_bias(FMT) ? fmaf(a.y, sx[s], (lo[r][s] + hi[r][s]) * sc) : (lo[r][s] + hi[r][s]) * sc;
     }
   }
 }

@@ -62,7 +62,8 @@ __device__ __forceinline__ void load(const uint8_t* wrow, int rb, int u, uint32_
     r[2] = uint32_t(sw[0]) | (uint32_t(sw[1]) << 16);
     r[3] = uint32_t(dd[0]);
   } else if (gguf(FMT)) {
-    gg_load<FMT>(wrow, u, r);
+    // Q4_K rows are a multiple of 144 = 9 x 16 bytes: a 16-byte aligned buffer keeps them aligned.
+    gg_load<FMT, W16 && FMT == 17>(wrow, u, r);
   } else if (mlx(FMT)) {
     constexpr int B = mlx_bits(FMT);
     if ((B == 4 || B == 8) && W16 && (rb & 15) == 0) {
@@ -514,7 +515,7 @@ __device__ __forceinline__ void seg_dots(const uint32_t (*raw)[W], const T* x, c
     return;
   }
   if (gguf(FMT)) {
-    seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP>(raw, x, xoff, xmask, I, u, g, e8grid, d);
+    seg_dots_gguf<FMT, S, ROWS, XV, W, T, XP, NIB>(raw, x, xoff, xmask, I, u, g, e8grid, d);
     return;
   }
 #pragma unroll

@@ -6,7 +6,7 @@
 
 Shape 18432x7168 (DeepSeek-V3's gate/up at hidden 7168), one row of bf16 x, GGUF Q4_K, Q6_K,
 IQ4_XS, IQ2_XXS and Q8_0 (random blocks with finite fp16 scales: tests/kernel_oracle.py), each at
-its default launch and a few launch variants; the baseline is mx.quantized_matmul affine 4-bit,
+its default launch and launch variants (TUNINGS, VARIANT_COUNT); the baseline is mx.quantized_matmul affine 4-bit,
 group 64, bfloat16 scales and biases.
 
 Method (strata's): paired, alternating A/B timing. A pair is one evaluation of ours and one of
@@ -15,7 +15,7 @@ GEMVs cycling through enough weight copies to exceed the 60 MB L2 several times 
 HBM), the graph built before the clock starts, the clock stopped after mx.synchronize(). Pairs
 whose A + B took over 1.15x the best pair's are dropped; the figure is the median of the rest, per
 GEMV. Bytes = the packed weights (+ scales and biases for the baseline) + x; GB/s as a percentage
-of 4.3 TB/s (the H200's measured copy bandwidth). Each type's kernel output is first checked against
+of 4.3 TB/s (the H200's measured copy bandwidth). Each launch's output is first checked against
 the float64 product with formats/gguf_quant.py's decode (|delta| / sum|x w|; bf16 output, so up to
 ~2^-8). After the timings, every GGUF type not timed is checked the same way at 512x2048
 with three rows of x (--no-check-all skips it).
@@ -53,10 +53,17 @@ OUTLIER = 1.15
 TINY = False
 # The default launch first, then (for VARIANT_TYPES) variants: PF = the next step's loads issued
 # before this step's arithmetic (CUDA's default for fmt 2/4), rows per threadgroup, unroll, SIMD
-# groups a threadgroup (split-K).
-TUNINGS = [{}, {"prefetch": 1, "unroll": 1}, {"rows": 2, "unroll": 1}, {"rows": 8, "unroll": 1},
-           {"rows": 4, "unroll": 1}, {"simdgroups": 2}]
-VARIANT_TYPES = ("Q4_K", "IQ4_XS")
+# groups a threadgroup (split-K), "persistent": "auto" = fmt 4's one-row launch on CUDA (a grid
+# of dispatch.balanced_blocks over qgemv.CUDA_PERSISTENT_ROWS_BLOCKS, the shape compiled in), nib
+# = Q4_K's codes (1: fp16 subnormals, CUDA's default; 0: magic-number codes). The first
+# VARIANT_COUNT[type] entries are timed for a type (the default alone for the others).
+TUNINGS = [{}, {"prefetch": 1, "unroll": 1},
+           {"prefetch": 1, "unroll": 1, "rows": 6, "persistent": "auto", "shape_in": True},
+           {"rows": 8, "unroll": 1}, {"rows": 2, "unroll": 2}, {"prefetch": 1, "unroll": 2},
+           {"rows": 6, "unroll": 2}, {"simdgroups": 2},
+           {"nib": 0}, {"nib": 0, "prefetch": 1, "unroll": 1, "rows": 6, "persistent": "auto", "shape_in": True}]
+VARIANT_COUNT = {"Q4_K": 10, "IQ4_XS": 8, "Q6_K": 4, "IQ2_XXS": 4}
+VARIANT_TYPES = tuple(VARIANT_COUNT)
 
 
 def n_copies(nbytes: int) -> int:
@@ -86,10 +93,18 @@ def qmm_copies() -> list:
     return out
 
 
+def resolve(tuning: dict) -> dict:
+    """``tuning`` with persistent "auto" as fmt 4's persistent grid size for this shape and rows."""
+    if tuning.get("persistent") != "auto":
+        return tuning
+    n_blocks = -(-O // tuning.get("rows", qgemv.CUDA_PERSISTENT_ROWS))
+    return {**tuning, "persistent": dispatch.balanced_blocks(n_blocks, qgemv.CUDA_PERSISTENT_ROWS_BLOCKS)}
+
+
 def gemv(x, qt, **tuning):
     """Ours: the CUDA kernel (with ``tuning``); without a CUDA GPU (--tiny) the backend's qmatmul."""
     if dispatch.gpu_backend() == dispatch.CUDA:
-        return qgemv.qgemv(x, qt, dispatch.CUDA, **tuning)
+        return qgemv.qgemv(x, qt, dispatch.CUDA, **resolve(tuning))
     return kernels.qmatmul(x, qt)
 
 
@@ -123,13 +138,16 @@ def paired(make_a, make_b) -> dict:
             "kept": len(kept), "pairs": len(pairs)}
 
 
-def check(name: str, host, x) -> float:
-    """Worst |delta| / sum|x w| of the default launch over the first rows against the float64 product
+def check(name: str, host, x, tuning=None) -> float:
+    """Worst |delta| / sum|x w| of the launch with ``tuning`` over the first rows against the float64 product
     with formats/gguf_quant.py's decode (bit-equal to ggml's and gguf-py's)."""
     rows = min(256, O)
     part = QTensor(host.packed[:rows], host.scales, host.fmt, rows, I, host.gs, f"check.{name}")
     w64 = dequantize_gguf(host.fmt, part.packed).astype(np.float64)
-    y = gemv(x, part.to_mlx())
+    tuning = resolve(tuning or {})
+    if tuning.get("persistent"):   # 256 rows fill no persistent grid: 7 threadgroups looping, unevenly
+        tuning = {**tuning, "persistent": 7}
+    y = gemv(x, part.to_mlx(), **tuning)
     x64 = np.asarray(x.astype(mx.float32)).astype(np.float64)
     got = np.asarray(y.astype(mx.float32)).astype(np.float64)
     return float((np.abs(got - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
@@ -153,8 +171,11 @@ def write_json(path, rows) -> None:
 
 
 def launch_label(qt, x, tuning) -> str:
-    t = dict(qgemv.launch_spec(x, qt, dispatch.CUDA, **tuning).template)
-    return f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']} PF{t['PF']}" + (" (default)" if not tuning else "")
+    spec = qgemv.launch_spec(x, qt, dispatch.CUDA, **resolve(tuning))
+    t = dict(spec.template)
+    pers = f" P{spec.grid[0] // spec.threadgroup[0]}" if t["PERS"] else ""
+    return (f"R{t['ROWS']} NW{t['NW']} U{t['UNROLL']} PF{t['PF']} N{t['NIB']}{pers}"
+            + (" (default)" if not tuning else ""))
 
 
 def row(kernel, t, nbytes, t_base=None, **extra) -> dict:
@@ -168,7 +189,7 @@ def row(kernel, t, nbytes, t_base=None, **extra) -> dict:
 
 
 def format_row(r) -> str:
-    return (f"{r['kernel']:34s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} {r.get('x_vs_qmm', 1.0):6.2f}"
+    return (f"{r['kernel']:44s} {r['us']:8.2f} {r['GB/s']:7.0f} {r['pct_peak']:8.1f} {r.get('x_vs_qmm', 1.0):6.2f}"
             f" {r.get('kept', ''):>5} {'' if r.get('check') is None else format(r['check'], '.2g'):>8}")
 
 
@@ -197,17 +218,21 @@ def main() -> int:
                 for k in range(GEMVS_PER_EVAL)]
 
     rows = []
-    print(f"{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}", flush=True)
+    t_start = time.perf_counter()
+    print(f"{'kernel':44s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}", flush=True)
     for name in args.types:
         qts, host = gguf_copies(name)
         nbytes = host.packed.nbytes + x.nbytes
-        err = check(name, host, x)
-        for tuning in TUNINGS if name in VARIANT_TYPES and variants else TUNINGS[:1]:
+        if not variants and not args.no_variants:   # --tiny: the CUDA launches the H200 run times, built
+            print(f"  {name} variants on CUDA: " + "; ".join(launch_label(qts[0], x, t)
+                                                           for t in TUNINGS[:VARIANT_COUNT.get(name, 1)]))
+        for tuning in TUNINGS[:VARIANT_COUNT.get(name, 1) if variants else 1]:
             def ours(tuning=tuning):
                 return [gemv(x, qts[k % len(qts)], **tuning) for k in range(GEMVS_PER_EVAL)]
 
             label = f"{name} {launch_label(qts[0], x, tuning)}"
             try:
+                err = check(name, host, x, tuning)
                 res = paired(ours, theirs)
             except Exception as e:   # a variant that fails to build or run: reported, the others still timed
                 print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -217,12 +242,13 @@ def main() -> int:
                 rows.append(row("mx.quantized_matmul 4b g64", res["b"], qmm_bytes, kept=f"{res['kept']}/{res['pairs']}",
                                 paired_with=name))
             rows.append(row(label, res["a"], nbytes, res["b"], kept=f"{res['kept']}/{res['pairs']}",
-                            check=err if not tuning else None, type=name, tuning=tuning))
+                            check=err, type=name, tuning=resolve(tuning),
+                            elapsed_s=round(time.perf_counter() - t_start, 1)))
         del qts
     write_json(args.json, rows)
-    print(f"\n{'kernel':34s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}")
+    print(f"\n{'kernel':44s} {'us':>8s} {'GB/s':>7s} {'%4.3TB/s':>8s} {'x qmm':>6s} {'kept':>5s} {'check':>8s}")
     for r in rows:
-        print(format_row(r) if "error" not in r else f"{r['kernel']:34s} {r['error']}")
+        print(format_row(r) if "error" not in r else f"{r['kernel']:44s} {r['error']}")
     if not args.no_check_all:   # after the timings: a run cut short by its time limit keeps them
         print("\nevery other GGUF type, default launch, 512x2048 S=3, worst |delta|/sum|xw| vs float64:")
         for name in (n for n in GGUF_TYPES if n not in args.types):
@@ -231,7 +257,7 @@ def main() -> int:
             print(f"  {name:8s} {err:.2g}", flush=True)
         write_json(args.json, rows)
     print(f"\n{O}x{I}, S=1 bf16 x; paired A/B vs mx.quantized_matmul (pairs over {OUTLIER}x the best dropped); "
-          "check = worst |delta|/sum|xw| of the default launch vs float64 (bf16 output: <= ~4e-3)")
+          "check = worst |delta|/sum|xw| of each launch vs float64 (bf16 output: <= ~4e-3)")
     return 0
 
 

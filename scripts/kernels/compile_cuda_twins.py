@@ -140,9 +140,14 @@ def qgemv_specs(full: bool):
         for S, dtype in ((1, mx.bfloat16), (8, mx.bfloat16), (3, mx.float32)) if hot else ((1, mx.bfloat16),):
             x = random_x(S, 4096, dtype=dtype)
             yield f"gguf_{name}_S{S}_{dtype}", qgemv.launch_spec(x, qt, dispatch.CUDA)
-        if hot:   # the prefetch loop (bench_gguf_gemv.py's variant)
+        if hot:   # bench_gguf_gemv.py's variants: the prefetch loop, fmt 4's persistent one-row launch
             x = random_x(1, 4096, dtype=mx.bfloat16)
             yield f"gguf_{name}_S1_pf1", qgemv.launch_spec(x, qt, dispatch.CUDA, prefetch=1, unroll=1)
+            yield (f"gguf_{name}_S1_pers_rows{qgemv.CUDA_PERSISTENT_ROWS}",
+                   qgemv.launch_spec(x, qt, dispatch.CUDA, prefetch=1, unroll=1, rows=qgemv.CUDA_PERSISTENT_ROWS,
+                                     persistent=3, shape_in=True))
+            if name == "Q4_K":   # magic-number codes (NIB 0) against the fp16-subnormal default
+                yield f"gguf_{name}_S1_nib0", qgemv.launch_spec(x, qt, dispatch.CUDA, nib=0)
     if full:
         qt = random_qtensor(4, 7, 2048, gs=64, seed=1)
         for rows, nw, unroll in ((1, 1, 1), (2, 2, 3), (8, 1, 2), (4, 4, 4)):
