@@ -317,14 +317,6 @@ inline float qd_gg_code(uint c, float magic_plus_offset) {
   return qd_gg_f(0x4B000000u | c) - magic_plus_offset;
 }
 
-// IQ4_NL's value for code n (0-15) from a 16-byte table in registers: kvalues_iq4nl + 128 as the
-// bytes of four words (byte n), then the magic-number code minus 128. No table load a weight.
-inline float qd_gg_iq4nl(uint n) {
-  const uint lo = (n & 4u) ? 0x766A5D4Fu : 0x3F2D1801u;
-  const uint hi = (n & 4u) ? 0xF1D9C5B5u : 0xA6998D81u;
-  return qd_gg_code((((n & 8u) ? hi : lo) >> (8u * (n & 3u))) & 0xFFu, 8388736.0f);
-}
-
 // Eight grid bytes (g0: bytes 0-3, g1: 4-7) as magnitudes, negated where sign bit k of s8 is set.
 inline void qd_gg_signed8(uint g0, uint g1, uint s8, thread float* q) {
   for (int k = 0; k < 8; ++k) {
@@ -366,7 +358,7 @@ inline void qd_gg_codes8(thread const uint* r, int k0, const device uint* lut, t
         const uint c = n | (((r[4] >> (k0 + k)) & 1u) << 4);
         q[k] = qd_gg_code(c, FMT == 13 ? 8388624.0f : 8388608.0f);
       } else {
-        q[k] = qd_gg_iq4nl(n);
+        q[k] = qd_gg_f(lut[QD_GG_IQ4NL + n]);
       }
     }
   } else if (FMT == 15 || FMT == 16 || FMT == 18 || FMT == 19) {

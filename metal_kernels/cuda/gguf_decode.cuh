@@ -315,14 +315,6 @@ __device__ __forceinline__ float gg_code(uint32_t c, float magic_plus_offset) {
   return gg_f(0x4B000000u | c) - magic_plus_offset;
 }
 
-// gguf_decode.h qd_gg_iq4nl: byte n of the register table (bits 0-2 pick it from a word pair,
-// bit 3 the pair), minus 128.
-__device__ __forceinline__ float gg_iq4nl(uint32_t n) {
-  const uint32_t lo = __byte_perm(0x3F2D1801u, 0x766A5D4Fu, n);
-  const uint32_t hi = __byte_perm(0xA6998D81u, 0xF1D9C5B5u, n);
-  return gg_code(((n & 8u) ? hi : lo) & 0xFFu, 8388736.0f);
-}
-
 // Eight grid bytes (g0: bytes 0-3, g1: 4-7) as magnitudes, negated where sign bit k of s8 is set.
 __device__ __forceinline__ void gg_signed8(uint32_t g0, uint32_t g1, uint32_t s8, float* q) {
 #pragma unroll
@@ -368,7 +360,7 @@ __device__ __forceinline__ void gg_codes8(const uint32_t* r, int k0, const uint3
         const uint32_t c = n | (((r[4] >> (k0 + k)) & 1u) << 4);
         q[k] = gg_code(c, FMT == 13 ? 8388624.0f : 8388608.0f);
       } else {
-        q[k] = gg_iq4nl(n);
+        q[k] = gg_f(lut[GG_IQ4NL + n]);
       }
     }
   } else if (FMT == 15 || FMT == 16 || FMT == 18 || FMT == 19) {
