@@ -42,7 +42,7 @@ def exchange(srv, data: bytes, timeout: float = 60.0) -> tuple[int, dict, bytes]
 
 def test_whole_answer_that_takes_longer_than_the_read_timeout(server):
     """The disconnect watcher must not take the read timeout's expiry for the client leaving."""
-    n = 48
+    n = 200     # about 2 s of the demo model on a CPU: well past 2 read timeouts on a fast machine too
     body = json.dumps({"prompt": "And the LORD spake unto Moses, saying", "max_tokens": n,
                        "logit_bias": {str(i): -100 for i in server.tokenizer.eos_token_ids}}).encode()
     t0 = time.monotonic()

@@ -9,8 +9,10 @@ rotate the layer input once and their SwiGLU outputs once (``hadamard``).
 The experts of a group are stacked in one byte buffer and one scale buffer (an
 :class:`ExpertBank`, built once per resident layer, or per call from the selected experts of
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
-routing ids never leave the GPU on the resident path. Prefill (N > 8) groups tokens by expert
-and reads each selected expert once through ``qmatmul`` (dequantized tiles + matmul).
+routing ids never leave the GPU on the resident path. A short prefill (up to
+``qgemv.PREFILL_KERNEL_ROWS`` tokens) runs those kernels on groups of 8 tokens; a longer one
+(or a streamed layer's) groups tokens by expert and reads each selected expert once through
+``qmatmul`` (dequantized tiles + matmul).
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
 MLX gets; the MSL simulator tests run the same objects.
@@ -32,7 +34,7 @@ from . import dispatch, gguf_formats, mlx_formats, qgemv, reference
 from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
-MAX_TOKENS = 8          # N above this is prefill (grouped by expert, dequantized matmul)
+MAX_TOKENS = 8          # tokens a decode launch takes (more: prefill, in groups or by expert)
 MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
@@ -607,7 +609,7 @@ def host_reason(x: mx.array, experts: Sequence, K: int) -> Optional[str]:
     if dispatch.backend() == dispatch.REFERENCE:
         return "reference path groups tokens by expert on the host"
     if x.shape[0] > MAX_TOKENS:
-        return "prefill groups tokens by expert on the host"
+        return "prefill: more tokens than a decode launch takes"
     if getattr(experts, "prepare", None) is not None:
         return "experts streamed from disk"
     reason = decline_reason(x, K)
@@ -638,6 +640,10 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     N, K = ids.shape
     impl = dispatch.backend()
     streamed = getattr(experts, "prepare", None) is not None
+    # A short prefill of resident experts: the decode kernels on groups of MAX_TOKENS tokens
+    # (qgemv.PREFILL_KERNEL_ROWS). A streamed layer reads each chosen expert from disk once, grouped.
+    if impl != dispatch.REFERENCE and MAX_TOKENS < N <= qgemv.PREFILL_KERNEL_ROWS and not streamed:
+        return _moe_row_groups(x, experts, ids, weights, residual), residual is not None
     if impl == dispatch.REFERENCE or N > MAX_TOKENS:
         dispatch.record_call("moe_block", dispatch.REFERENCE if impl == dispatch.REFERENCE else "grouped-prefill")
         return reference_moe_block(x, experts, ids, weights), False
@@ -680,6 +686,20 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
     return (y if y.dtype == x.dtype else y.astype(x.dtype)), False
+
+
+def _moe_row_groups(x, experts, ids, weights, residual) -> mx.array:
+    """moe_block of ``x [N, D]`` as groups of MAX_TOKENS tokens, each one decode call (kernels,
+    declines counted), plus ``residual`` when given (in its shape)."""
+    N = x.shape[0]
+    res = None if residual is None else dispatch.reshaped(residual, N, x.shape[-1])
+    parts = []
+    for i in range(0, N, MAX_TOKENS):
+        r = None if res is None else res[i:i + MAX_TOKENS]
+        y, added = _moe_block(x[i:i + MAX_TOKENS], experts, ids[i:i + MAX_TOKENS], weights[i:i + MAX_TOKENS], r)
+        parts.append(y if r is None or added else r + dispatch.reshaped(y, *r.shape))
+    y = mx.concatenate(parts, axis=0)
+    return y if residual is None else dispatch.reshaped(y, *residual.shape)
 
 
 def _declined_part(x, experts, ids, weights, bank):
