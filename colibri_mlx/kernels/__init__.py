@@ -13,7 +13,7 @@ import functools
 import mlx.core as mx
 
 from ..formats.qtensor import QTensor
-from . import compiled, dispatch, gguf_formats, mlx_formats, qgemv as _qgemv, reference, router
+from . import compiled, dispatch, gguf_formats, mlx_formats, mlx_qmm, qgemv as _qgemv, reference, router
 from .mla import mla_decode
 from . import device_inputs  # noqa: F401 (kernels.device_inputs)
 from .rows import mla_rows
@@ -98,11 +98,17 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
         dispatch.record_fallback("qgemv", reason)
         y = reference.qmatmul(xr, qt)
     elif qt.fmt == 0 or S > _qgemv.MAX_ROWS:
-        # Prefill / f32 weights: dequantized tiles + matmul (in x's dtype on GPUs, where the
-        # matmul accumulates in float32; float32 on the CPU backend).
+        # Prefill / f32 weights on a GPU: MLX's quantized matmul where it reads the stored
+        # layout (kernels.mlx_qmm), else dequantized tiles + matmul (in x's dtype on GPUs, where
+        # the matmul accumulates in float32; float32 on the CPU backend).
+        gpu = impl in (METAL, CUDA) and x.dtype in (mx.float16, mx.bfloat16)
+        if gpu and qt.fmt != 0 and mlx_qmm.decline_reason(qt, x.dtype) is None:
+            dispatch.record_call("qmm", "mlx-quantized-matmul")
+            y = mlx_qmm.qmatmul(x, qt)
+            y = y if residual is None else residual + y
+            return y if out_dtype is None or y.dtype == out_dtype else y.astype(out_dtype)
         path = "f32" if qt.fmt == 0 else "qmm"
         dispatch.record_call(path, "dequant-matmul")
-        gpu = impl in (METAL, CUDA) and x.dtype in (mx.float16, mx.bfloat16)
         if not gpu and qt.fmt != 0:
             y = reference.cached_qmatmul(xr, qt)
         else:

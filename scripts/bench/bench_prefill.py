@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Prefill time of a short prompt (a server's time to first token) on the end-to-end bench's
-model: the decode kernels on groups of 8 rows (``qgemv.PREFILL_KERNEL_ROWS``) against the
-dequantize-and-matmul route, and mlx-lm's prefill of the same prompt in the same process.
+"""Prefill time of a prompt (a server's time to first token) on the end-to-end bench's model,
+each of kernels.qmatmul's prefill routes forced for the whole forward, and mlx-lm's prefill of
+the same prompt in the same process:
+
+* ``groups``: the decode kernels on groups of 8 rows (``qgemv.PREFILL_KERNEL_ROWS`` set to P);
+* ``mlx-qmm``: ``mx.quantized_matmul`` on the stored bytes (kernels/mlx_qmm.py; the routed
+  experts grouped by token);
+* ``dequant``: dequantized tiles + matmul (mlx_qmm declined).
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_prefill.py [--tokens 9 16 32 64]
     PYTHONPATH=$PWD python3 scripts/bench/bench_prefill.py --tiny      # CPU smoke run
 
-Method: for each prompt length P, --pairs pairs of prefills from an empty cache (the model's
-forward over P tokens, logits of the last position evaluated, ``mx.synchronize()``), the two
-routes of a pair in alternating order (AB, BA, ...); ``PREFILL_KERNEL_ROWS`` is set to P (row
-groups) or 8 (dequantize) for the whole forward. Pairs whose sum took over 1.15x the best pair's
-are dropped; the figure is the median of the rest. One unrecorded pair first (JIT, allocator).
+Method: for each prompt length P, --rounds rounds of prefills from an empty cache (the model's
+forward over P tokens, logits of the last position evaluated, ``mx.synchronize()``), one per
+route, the order rotated each round (ABC, BCA, CAB, ...). Rounds whose sum took over 1.15x the
+best round's are dropped; the figure is the median of the rest. One unrecorded round first (JIT,
+allocator). ``groups`` only up to --max-group-tokens.
 mlx-lm (0.32.2, affine 4-bit g64, the same shapes, random weights) is timed after ours is freed:
-median of --pairs prefills. On the CPU both routes are the reference path: a smoke run only.
+median of --rounds prefills. On the CPU every route is the reference path: a smoke run only.
 """
 
 from __future__ import annotations
@@ -34,19 +39,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402
-from colibri_mlx.kernels import qgemv  # noqa: E402
+from colibri_mlx.kernels import mlx_qmm, qgemv  # noqa: E402
 
 OUTLIER = 1.15
+ROUTES = ("groups", "mlx-qmm", "dequant")
 
 
 @contextlib.contextmanager
-def kernel_rows(n: int):
-    saved = qgemv.PREFILL_KERNEL_ROWS
-    qgemv.PREFILL_KERNEL_ROWS = n
+def route(name: str, P: int):
+    """kernels.qmatmul / moe_block take prefill route ``name`` for P rows inside the block."""
+    rows, decline = qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason
+    qgemv.PREFILL_KERNEL_ROWS = P if name == "groups" else qgemv.MAX_ROWS
+    if name == "dequant":
+        mlx_qmm.decline_reason = lambda qt, dtype: "forced off (bench_prefill --routes)"
     try:
         yield
     finally:
-        qgemv.PREFILL_KERNEL_ROWS = saved
+        qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason = rows, decline
 
 
 def prefill_seconds(forward, prompt) -> float:
@@ -60,28 +69,30 @@ def ours_forward(model):
     return lambda prompt: model(prompt, model.make_cache())
 
 
-def paired(forward, prompt, rows: int, pairs: int) -> tuple[float, float, int]:
-    """Median seconds of the row-group and dequantize routes over the pairs kept."""
-    def one(route):
-        with kernel_rows(rows if route == "groups" else qgemv.MAX_ROWS):
+def rotated_rounds(forward, prompt, routes: list, rounds: int) -> tuple[dict, int]:
+    """Median seconds a route over the rounds kept, and how many were kept."""
+    def one(name):
+        with route(name, prompt.shape[1]):
             return prefill_seconds(forward, prompt)
 
-    one("groups"), one("dequant")                    # unrecorded
+    for name in routes:                                   # unrecorded
+        one(name)
     kept = []
-    for i in range(pairs):
-        order = ("groups", "dequant") if i % 2 == 0 else ("dequant", "groups")
-        t = {r: one(r) for r in order}
-        kept.append((t["groups"], t["dequant"]))
-    best = min(a + b for a, b in kept)
-    kept = [p for p in kept if p[0] + p[1] <= OUTLIER * best]
-    return statistics.median(p[0] for p in kept), statistics.median(p[1] for p in kept), len(kept)
+    for i in range(rounds):
+        order = routes[i % len(routes):] + routes[:i % len(routes)]
+        kept.append({name: one(name) for name in order})
+    best = min(sum(r.values()) for r in kept)
+    kept = [r for r in kept if sum(r.values()) <= OUTLIER * best]
+    return {name: statistics.median(r[name] for r in kept) for name in routes}, len(kept)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     E.add_model_args(ap)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[9, 16, 24, 32, 48, 64])
-    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128, 512])
+    ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
+    ap.add_argument("--max-group-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-mlxlm", action="store_true", help="ours only")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -92,14 +103,17 @@ def main():
            "kernel_rows_default": qgemv.PREFILL_KERNEL_ROWS, "rows": []}
     model = E.our_model(cfg)
     forward = ours_forward(model)
-    print(f"{'P':>4s} {'groups ms':>10s} {'dequant ms':>11s} {'dequant/groups':>15s} {'pairs':>6s}", flush=True)
+    print(f"{'P':>5s} " + " ".join(f"{r + ' ms':>12s}" for r in ROUTES) + "  rounds  default route", flush=True)
     for P in args.tokens:
+        routes = [r for r in args.routes if r != "groups" or P <= args.max_group_tokens]
         kernels.reset_counters()
-        g, d, n = paired(forward, prompts[P], P, args.pairs)
-        row = {"tokens": P, "groups_ms": g * 1e3, "dequant_ms": d * 1e3, "pairs_kept": n,
+        times, n = rotated_rounds(forward, prompts[P], routes, args.rounds)
+        row = {"tokens": P, **{f"{r}_ms": t * 1e3 for r, t in times.items()}, "rounds_kept": n,
                "fallbacks": kernels.counters()["fallbacks"]}
         res["rows"].append(row)
-        print(f"{P:4d} {g * 1e3:10.2f} {d * 1e3:11.2f} {d / g:15.2f} {n:3d}/{args.pairs}", flush=True)
+        default = "groups" if P <= res["kernel_rows_default"] else "mlx-qmm"
+        cells = " ".join(f"{times[r] * 1e3:12.2f}" if r in times else f"{'-':>12s}" for r in ROUTES)
+        print(f"{P:5d} {cells}  {n:2d}/{args.rounds}  {default}", flush=True)
     del model, forward
     kernels.moe.clear_banks()
     mx.clear_cache()
@@ -111,9 +125,10 @@ def main():
         for row in res["rows"]:
             prompt = prompts[row["tokens"]]
             prefill_seconds(lm_forward, prompt)
-            row["mlxlm_ms"] = statistics.median(prefill_seconds(lm_forward, prompt) for _ in range(args.pairs)) * 1e3
-            print(f"{row['tokens']:4d} mlx-lm {row['mlxlm_ms']:.2f} ms (ours with row groups: "
-                  f"{row['mlxlm_ms'] / row['groups_ms']:.2f}x)", flush=True)
+            row["mlxlm_ms"] = statistics.median(prefill_seconds(lm_forward, prompt) for _ in range(args.rounds)) * 1e3
+            ours = min(v for k, v in row.items() if k.endswith("_ms") and k != "mlxlm_ms")
+            print(f"{row['tokens']:5d} mlx-lm {row['mlxlm_ms']:.2f} ms; mlx-lm / our fastest route "
+                  f"{row['mlxlm_ms'] / ours:.2f}x", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
 

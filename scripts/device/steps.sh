@@ -123,9 +123,9 @@ for s in "${steps[@]}"; do
                    # (openai==3.51.0 and its dependencies installed; without it the HTTP rows report the error)
                    step bench_serve_http 300 python3 scripts/bench/bench_serve.py --http --no-mlx-lm \
                        --out "$out/bench_serve_http.json" ;;
-    bench_prefill) # a short prompt's prefill: the decode kernels on 8-row groups vs dequantize + matmul, and
+    bench_prefill) # prefill at 16-512 tokens by each route (8-row kernel groups, mx.quantized_matmul, dequantize), and
                    # mlx-lm's prefill of the same prompt (the server's time to first token)
-                   step bench_prefill 240 python3 scripts/bench/bench_prefill.py --json "$out/bench_prefill.json" ;;
+                   step bench_prefill 300 python3 scripts/bench/bench_prefill.py --json "$out/bench_prefill.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
     gguf_e2e)      # bench_e2e's model as Q4_K_M and IQ2_XXS-experts GGUF files against fmt 4, paired A/B
                    step gguf_e2e 300 python3 scripts/bench/bench_gguf_e2e.py --json "$out/gguf_e2e.json" ;;

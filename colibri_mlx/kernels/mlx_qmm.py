@@ -1,0 +1,83 @@
+"""Prefill rows through MLX's own quantized matmul, for the weights it reads as they are stored.
+
+Above ``qgemv.PREFILL_KERNEL_ROWS`` rows on a GPU, ``kernels.qmatmul`` multiplies instead of
+running the GEMV kernel. Dequantizing writes a float copy of every weight and reads it back;
+``mx.quantized_matmul`` reads the packed codes once, as mlx-lm's prefill does:
+
+* MLX's formats (fmt 7-10, mlx-lm checkpoints): the arrays as stored;
+* fmt 2 / 3 / 4 (int4 per row, int2 per row, int4 grouped): MLX's affine layout carries the same
+  numbers. Codes are packed LSB-first in both, so the bytes read as uint32 words are MLX's packed
+  weight; ``w = (q - z) s`` is ``q s + b`` with ``b = -z s`` (z = 8 for 4 bits, 2 for 2 bits),
+  a per-row scale repeated over every group of the row.
+
+Scales and biases go in x's dtype, as MLX's kernels take them (cast per call: they are 1/16 of
+the weight bytes or less). With bfloat16 x that rounds a float32 scale to bfloat16; ``-z s``
+stays exact (z is a power of two), so a weight becomes ``(q - z) * bf16(s)``: off by at most
+2^-9 relatively, as the dequantized bfloat16 weight of the other route is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..formats.mlx_quant import MLX_FMTS
+from ..formats.qtensor import QTensor
+from .mlx_formats import _float_scales, _mx
+
+# colibri fmt -> (bits, zero point): w = (q - zero) * scale
+CONTAINER_AFFINE = {2: (4, 8), 3: (2, 2), 4: (4, 8)}
+GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewer scales to cast)
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def decline_reason(qt: QTensor, dtype) -> Optional[str]:
+    """Why ``mx.quantized_matmul`` cannot take ``qt`` with x of ``dtype`` as stored, or None."""
+    if dtype not in FLOAT_DTYPES:
+        return f"x dtype {dtype}"
+    if qt.fmt in MLX_FMTS:
+        return None
+    if qt.fmt not in CONTAINER_AFFINE:
+        return f"fmt {qt.fmt} has no MLX layout"
+    bits, _ = CONTAINER_AFFINE[qt.fmt]
+    if qt.I % (32 // bits):
+        return f"row of {qt.I} weights is not whole uint32 words"
+    if qt.fmt == 4 and qt.gs not in GROUP_SIZES:
+        return f"group size {qt.gs} is not one of MLX's {GROUP_SIZES}"
+    if qt.fmt == 4 and qt.I % qt.gs:
+        return f"row of {qt.I} weights ends in a partial group of {qt.gs}"
+    if qt.fmt != 4 and not any(qt.I % g == 0 for g in GROUP_SIZES):
+        return f"row of {qt.I} weights is not a multiple of 32"
+    return None
+
+
+def _affine_arrays(qt: QTensor, dtype) -> tuple:
+    """``(w uint32 [O, I*bits/32], scales, biases, group_size, bits)`` of a fmt 2/3/4 QTensor."""
+    bits, zero = CONTAINER_AFFINE[qt.fmt]
+    w = _mx(qt.packed).reshape(-1).view(mx.uint32).reshape(qt.O, qt.I * bits // 32)
+    scales = _mx(qt.scales)
+    if qt.fmt == 4:
+        gs = qt.gs
+        s = scales.reshape(qt.O, qt.I // gs)
+    else:
+        gs = next(g for g in GROUP_SIZES if qt.I % g == 0)
+        s = mx.broadcast_to(scales.reshape(qt.O, 1), (qt.O, qt.I // gs))
+    s = s.astype(dtype)
+    return w, s, s * -float(zero), gs, bits
+
+
+def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
+    """``x [N, I] @ W.T`` in x's dtype by ``mx.quantized_matmul`` (:func:`decline_reason` None)."""
+    if qt.fmt in MLX_FMTS:
+        m = MLX_FMTS[qt.fmt]
+        if m.has_biases:
+            scales, biases = _float_scales(qt.scales), _float_scales(qt.biases)
+            if scales.dtype != x.dtype:
+                scales, biases = scales.astype(x.dtype), biases.astype(x.dtype)
+        else:
+            scales, biases = _mx(qt.scales), None
+        return mx.quantized_matmul(x, _mx(qt.packed), scales, biases, transpose=True, group_size=qt.gs,
+                                   bits=qt.bits, mode=m.mode)
+    w, s, b, gs, bits = _affine_arrays(qt, x.dtype)
+    return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode="affine")

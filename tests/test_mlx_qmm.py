@@ -1,0 +1,81 @@
+"""kernels.mlx_qmm: prefill rows through mx.quantized_matmul on the stored bytes (MLX's formats
+as they are; fmt 2/3/4 read as MLX affine), against the float64 decode of the same weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from colibri_mlx import kernels
+from colibri_mlx.kernels import mlx_qmm, qgemv
+from kernel_oracle import MLX_KERNEL_CASES, assert_close, random_gguf_qtensor, random_mlx_qtensor, random_qtensor, random_x
+
+# float32 x: MLX's CPU quantized_matmul accumulates float32 products, so any layout slip (nibble
+# order, zero point, group, row scale) is far above the 1e-4 |delta| / sum|x w| bound.
+CONTAINER_CASES = [(2, None, 256), (3, None, 320), (4, 32, 256), (4, 64, 384), (4, 128, 512)]
+
+
+@pytest.mark.parametrize("fmt,gs,I", CONTAINER_CASES, ids=[f"fmt{f}-gs{g}-I{i}" for f, g, i in CONTAINER_CASES])
+def test_container_formats_read_as_mlx_affine(fmt, gs, I):
+    qt = random_qtensor(fmt, 24, I, gs=gs, seed=fmt + I)
+    assert mlx_qmm.decline_reason(qt, mx.float32) is None
+    x = random_x(40, I, seed=3)
+    assert_close(mlx_qmm.qmatmul(x, qt), x, qt, f"fmt {fmt} as affine")
+
+
+@pytest.mark.parametrize("mode,bits,gs,sdtype", MLX_KERNEL_CASES, ids=[f"{m}{b}g{g}" for m, b, g, _ in MLX_KERNEL_CASES])
+def test_mlx_formats_as_stored(mode, bits, gs, sdtype):
+    qt = random_mlx_qtensor(mode, bits, gs, 24, 256, scale_dtype=sdtype, seed=bits + gs)
+    assert mlx_qmm.decline_reason(qt, mx.float32) is None
+    x = random_x(40, 256, seed=4)
+    assert_close(mlx_qmm.qmatmul(x, qt), x, qt, f"{mode} {bits}-bit g{gs}")
+
+
+def test_formats_without_an_mlx_layout_are_declined():
+    cases = {
+        "fmt 1 has no MLX layout": random_qtensor(1, 8, 256),
+        "fmt 5 has no MLX layout": random_qtensor(5, 8, 256),
+        "fmt 6 has no MLX layout": random_qtensor(6, 8, 256),
+        "fmt 17 has no MLX layout": random_gguf_qtensor("Q4_K", 8, 256),
+        "group size 16 is not one of MLX's (128, 64, 32)": random_qtensor(4, 8, 256, gs=16),
+        "row of 96 weights ends in a partial group of 64": random_qtensor(4, 8, 96, gs=64),
+        "row of 100 weights is not whole uint32 words": random_qtensor(2, 8, 100),
+        "row of 40 weights is not a multiple of 32": random_qtensor(2, 8, 40),
+    }
+    for want, qt in cases.items():
+        assert mlx_qmm.decline_reason(qt, mx.bfloat16) == want
+    assert mlx_qmm.decline_reason(random_qtensor(4, 8, 256, gs=64), mx.int32) == "x dtype mlx.core.int32"
+
+
+def test_gpu_prefill_route_is_counted(monkeypatch):
+    """On a GPU backend, more than qgemv.PREFILL_KERNEL_ROWS bfloat16 rows take mx.quantized_matmul
+    for a format it reads (counted as qmm/mlx-quantized-matmul) and dequantize-and-multiply for
+    one it does not; the residual is added."""
+    monkeypatch.setattr(kernels, "backend", lambda: kernels.CUDA)
+    kernels.reset_counters()
+    S = qgemv.PREFILL_KERNEL_ROWS + 8
+    qt = random_qtensor(4, 24, 256, gs=64, seed=5)
+    x = random_x(S, 256, mx.bfloat16, seed=6)
+    res = random_x(S, 24, mx.bfloat16, seed=7)
+    y = kernels.qmatmul(x, qt, residual=res)
+    assert kernels.counters()["calls"] == {"qmm/mlx-quantized-matmul": 1}
+    assert np.array_equal(np.array(y.astype(mx.float32)), np.array((res + mlx_qmm.qmatmul(x, qt)).astype(mx.float32)))
+    kernels.qmatmul(x, random_qtensor(5, 24, 256, seed=8))
+    assert kernels.counters()["calls"] == {"qmm/mlx-quantized-matmul": 1, "qmm/dequant-matmul": 1}
+    kernels.reset_counters()
+
+
+@pytest.mark.parametrize("fmt,gs,I", CONTAINER_CASES, ids=[f"fmt{f}-gs{g}-I{i}" for f, g, i in CONTAINER_CASES])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.device
+@pytest.mark.skipif(kernels.dispatch.gpu_backend() is None, reason="needs a GPU backend (CUDA or Metal)")
+def test_prefill_route_on_the_gpu(fmt, gs, I, dtype):
+    """The GPU's quantized matmul on 64 rows: float32 accumulation, the scale rounded to x's dtype
+    (2^-9 relatively for bfloat16) and the output rounded once: within the qgemv tolerance."""
+    qt = random_qtensor(fmt, 96, I, gs=gs, seed=fmt + I).to_mlx()
+    x = random_x(64, I, dtype, seed=9)
+    kernels.reset_counters()
+    y = kernels.qmatmul(x, qt)
+    assert kernels.counters()["calls"] == {"qmm/mlx-quantized-matmul": 1}
+    assert_close(y, x, qt, f"fmt {fmt} {dtype} prefill")
