@@ -79,3 +79,69 @@ def test_prefill_route_on_the_gpu(fmt, gs, I, dtype):
     y = kernels.qmatmul(x, qt)
     assert kernels.counters()["calls"] == {"qmm/mlx-quantized-matmul": 1}
     assert_close(y, x, qt, f"fmt {fmt} {dtype} prefill")
+
+
+# ---------------------------------------------------------------------------------------
+# moe_block's long prefill: mx.gather_qmm over the resident bank
+
+
+def bank_experts(fmt, gs, E=7, D=256, inter=128, seed=0):
+    return [tuple(random_qtensor(fmt, O, I, gs=gs, seed=seed + 3 * e + k).to_mlx()
+                  for k, (O, I) in enumerate(((inter, D), (inter, D), (D, inter))))
+            for e in range(E)]
+
+
+@pytest.mark.parametrize("fmt,gs", [(4, 32), (2, None), (3, None)])
+def test_moe_gather_qmm_matches_float64(fmt, gs):
+    """Every (token, slot) row through mx.gather_qmm of the stacked gate+up and down, sorted by
+    expert and back, weighted in float32: against the float64 MoE. Slots dropped by top-p (-1)
+    and an id past the experts weigh nothing; one expert chosen by every token."""
+    from colibri_mlx.kernels import moe
+    from moe_mla_oracle import assert_moe_close
+
+    experts = bank_experts(fmt, gs, seed=fmt)
+    N, K = 40, 3
+    rng = np.random.default_rng(fmt)
+    ids = np.stack([rng.choice(len(experts), K, replace=False) for _ in range(N)]).astype(np.int32)
+    ids[:, 0] = 5
+    ids[3, 2], ids[7, 1] = -1, len(experts) + 2
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = random_x(N, 256, seed=fmt + 10)
+    bank = moe.build_bank(experts)
+    assert moe.gather_reason(bank, mx.bfloat16) is None
+    y = moe.moe_gather_qmm(x, bank.groups[0], mx.array(ids), w)
+    assert y.shape == (N, 256) and y.dtype == mx.float32
+    assert_moe_close(y, x, experts, mx.array(ids), w, f"gather_qmm fmt {fmt}")
+
+
+def test_moe_gather_qmm_declines():
+    from colibri_mlx.kernels import moe
+
+    assert moe.gather_reason(moe.build_bank(bank_experts(4, 64)), mx.float32) == "x dtype mlx.core.float32"
+    assert moe.gather_reason(moe.build_bank(bank_experts(4, 16)), mx.bfloat16) == \
+        "group size 16 is not one of MLX's (128, 64, 32)"
+    assert moe.gather_reason(moe.build_bank(bank_experts(5, None)), mx.bfloat16) == "fmt 5 has no MLX layout"
+    mixed = bank_experts(4, 64)[:3] + bank_experts(2, None)[3:]
+    assert moe.gather_reason(moe.build_bank(mixed), mx.bfloat16) == "2 expert groups"
+
+
+def test_moe_long_prefill_route_is_counted(monkeypatch):
+    """On a GPU backend more than qgemv.PREFILL_KERNEL_ROWS tokens of a resident fmt 4 layer take
+    mx.gather_qmm (moe_block/gather-qmm); the residual is the separate add."""
+    from colibri_mlx.kernels import dispatch, moe
+
+    monkeypatch.setattr(dispatch, "backend", lambda: dispatch.CUDA)
+    experts = bank_experts(4, 64, seed=3)
+    N = qgemv.PREFILL_KERNEL_ROWS + 4
+    rng = np.random.default_rng(3)
+    ids = mx.array(np.stack([rng.choice(len(experts), 2, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, 2)).astype(np.float32))
+    x = random_x(N, 256, mx.bfloat16, seed=4)
+    res = random_x(N, 256, mx.bfloat16, seed=5)
+    kernels.reset_counters()
+    y = kernels.moe_block(x, experts, ids, w, residual=res)
+    assert kernels.counters()["calls"] == {"moe_block/gather-qmm": 1}
+    want = res + moe.moe_gather_qmm(x, moe.resident_bank(experts).groups[0], ids, w)
+    assert np.array_equal(np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    moe.clear_banks()
+    kernels.reset_counters()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..formats.mlx_quant import MLX_FMTS
 from ..formats.qtensor import QTensor
@@ -32,39 +33,47 @@ GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewe
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
+def layout_reason(fmt: int, gs, I: int) -> Optional[str]:
+    """Why a fmt 2/3/4 matrix of rows of ``I`` weights has no MLX affine reading, or None."""
+    if fmt not in CONTAINER_AFFINE:
+        return f"fmt {fmt} has no MLX layout"
+    bits, _ = CONTAINER_AFFINE[fmt]
+    if I % (32 // bits):
+        return f"row of {I} weights is not whole uint32 words"
+    if fmt == 4 and gs not in GROUP_SIZES:
+        return f"group size {gs} is not one of MLX's {GROUP_SIZES}"
+    if fmt == 4 and I % gs:
+        return f"row of {I} weights ends in a partial group of {gs}"
+    if fmt != 4 and not any(I % g == 0 for g in GROUP_SIZES):
+        return f"row of {I} weights is not a multiple of 32"
+    return None
+
+
 def decline_reason(qt: QTensor, dtype) -> Optional[str]:
     """Why ``mx.quantized_matmul`` cannot take ``qt`` with x of ``dtype`` as stored, or None."""
     if dtype not in FLOAT_DTYPES:
         return f"x dtype {dtype}"
     if qt.fmt in MLX_FMTS:
         return None
-    if qt.fmt not in CONTAINER_AFFINE:
-        return f"fmt {qt.fmt} has no MLX layout"
-    bits, _ = CONTAINER_AFFINE[qt.fmt]
-    if qt.I % (32 // bits):
-        return f"row of {qt.I} weights is not whole uint32 words"
-    if qt.fmt == 4 and qt.gs not in GROUP_SIZES:
-        return f"group size {qt.gs} is not one of MLX's {GROUP_SIZES}"
-    if qt.fmt == 4 and qt.I % qt.gs:
-        return f"row of {qt.I} weights ends in a partial group of {qt.gs}"
-    if qt.fmt != 4 and not any(qt.I % g == 0 for g in GROUP_SIZES):
-        return f"row of {qt.I} weights is not a multiple of 32"
-    return None
+    return layout_reason(qt.fmt, qt.gs, qt.I)
 
 
-def _affine_arrays(qt: QTensor, dtype) -> tuple:
-    """``(w uint32 [O, I*bits/32], scales, biases, group_size, bits)`` of a fmt 2/3/4 QTensor."""
-    bits, zero = CONTAINER_AFFINE[qt.fmt]
-    w = _mx(qt.packed).reshape(-1).view(mx.uint32).reshape(qt.O, qt.I * bits // 32)
-    scales = _mx(qt.scales)
-    if qt.fmt == 4:
-        gs = qt.gs
-        s = scales.reshape(qt.O, qt.I // gs)
+def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
+                  dtype) -> tuple:
+    """``(w uint32 [*lead, O, I*bits/32], scales, biases [*lead, O, I/group], group_size, bits)``
+    of fmt 2/3/4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
+    (float32, per row or per group; only the first ones are read)."""
+    bits, zero = CONTAINER_AFFINE[fmt]
+    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)
+    n = int(np.prod(lead, dtype=np.int64)) * O
+    if fmt == 4:
+        group = gs
+        s = scales.reshape(-1)[: n * (I // gs)].reshape(*lead, O, I // gs)
     else:
-        gs = next(g for g in GROUP_SIZES if qt.I % g == 0)
-        s = mx.broadcast_to(scales.reshape(qt.O, 1), (qt.O, qt.I // gs))
+        group = next(g for g in GROUP_SIZES if I % g == 0)
+        s = mx.broadcast_to(scales.reshape(-1)[:n].reshape(*lead, O, 1), (*lead, O, I // group))
     s = s.astype(dtype)
-    return w, s, s * -float(zero), gs, bits
+    return w, s, s * -float(zero), group, bits
 
 
 def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
@@ -79,5 +88,5 @@ def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
             scales, biases = _mx(qt.scales), None
         return mx.quantized_matmul(x, _mx(qt.packed), scales, biases, transpose=True, group_size=qt.gs,
                                    bits=qt.bits, mode=m.mode)
-    w, s, b, gs, bits = _affine_arrays(qt, x.dtype)
+    w, s, b, gs, bits = affine_arrays(qt.fmt, qt.gs, (), qt.O, qt.I, _mx(qt.packed), _mx(qt.scales), x.dtype)
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode="affine")

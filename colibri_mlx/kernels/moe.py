@@ -11,8 +11,9 @@ The experts of a group are stacked in one byte buffer and one scale buffer (an
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
 routing ids never leave the GPU on the resident path. A short prefill (up to
 ``qgemv.PREFILL_KERNEL_ROWS`` tokens) runs those kernels on groups of 8 tokens; a longer one
-(or a streamed layer's) groups tokens by expert and reads each selected expert once through
-``qmatmul`` (dequantized tiles + matmul).
+of a resident layer of fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes (read as MLX
+affine: :func:`moe_gather_qmm`); any other (a streamed layer's, other formats) groups tokens by
+expert and reads each selected expert once through ``qmatmul``.
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
 MLX gets; the MSL simulator tests run the same objects.
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..formats.gguf_quant import GGUF_FMTS, is_gguf_fmt, row_nbytes
 from ..formats.qtensor import QTensor
-from . import dispatch, gguf_formats, mlx_formats, qgemv, reference
+from . import dispatch, gguf_formats, mlx_formats, mlx_qmm, qgemv, reference
 from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
@@ -645,6 +646,11 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     if impl != dispatch.REFERENCE and MAX_TOKENS < N <= qgemv.PREFILL_KERNEL_ROWS and not streamed:
         return _moe_row_groups(x, experts, ids, weights, residual), residual is not None
     if impl == dispatch.REFERENCE or N > MAX_TOKENS:
+        if impl != dispatch.REFERENCE and not streamed:
+            bank = resident_bank(experts)
+            if gather_reason(bank, x.dtype) is None:
+                dispatch.record_call("moe_block", "gather-qmm")
+                return moe_gather_qmm(x, bank.groups[0], ids, weights), False
         dispatch.record_call("moe_block", dispatch.REFERENCE if impl == dispatch.REFERENCE else "grouped-prefill")
         return reference_moe_block(x, experts, ids, weights), False
     reason = decline_reason(x, K)
@@ -686,6 +692,48 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     if y is None:
         y = mx.zeros(x.shape, mx.float32)
     return (y if y.dtype == x.dtype else y.astype(x.dtype)), False
+
+
+def gather_reason(bank: ExpertBank, dtype) -> Optional[str]:
+    """Why a long prefill of a resident layer cannot run as ``mx.gather_qmm`` over its bank's
+    stacked bytes (moe_gather_qmm), or None."""
+    if dtype not in (mx.float16, mx.bfloat16):
+        return f"x dtype {dtype}"
+    if bank.declined:
+        return "some experts run on the reference path"
+    if len(bank.groups) != 1:
+        return f"{len(bank.groups)} expert groups"
+    for p in (bank.groups[0].gate_up, bank.groups[0].down):
+        why = mlx_qmm.layout_reason(p.fmt, p.gs, p.I)
+        if why is not None:
+            return why
+    return None
+
+
+def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array) -> mx.array:
+    """``[N, D]`` in x's dtype: a long prefill as mlx-lm's SwitchGLU computes it, over the
+    group's stacked fmt 2/3/4 bytes read as MLX affine (kernels/mlx_qmm.py). The N * K
+    (token, slot) rows are sorted by expert, so each selected expert's weights are read once for
+    all its rows: ``mx.gather_qmm`` of gate+up (one matrix of 2 * inter rows an expert), SwiGLU,
+    ``mx.gather_qmm`` of down, then the rows unsorted and summed with the routing weights in
+    float32. Dropped slots (ids < 0, from router top-p) weigh 0."""
+    N, K = ids.shape
+    E = len(group.experts)
+    gu, dn = group.gate_up, group.down
+    valid = (ids >= 0) & (ids < group.n_layer_experts)
+    slot = mx.where(valid, group.lut[mx.clip(ids, 0, group.n_layer_experts - 1)], 0).reshape(-1)
+    w = mx.where(valid, weights.astype(mx.float32), 0.0)
+    order = mx.argsort(slot)
+    idx = slot[order]
+    rows = x[order // K][:, None, :]                                   # [N*K, 1, D]
+    wq, s, b, gs, bits = mlx_qmm.affine_arrays(gu.fmt, gu.gs, (E,), 2 * gu.O, gu.I, gu.packed, gu.scales, x.dtype)
+    h = mx.gather_qmm(rows, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits,
+                      sorted_indices=True)
+    a = silu(h[..., :gu.O]) * h[..., gu.O:]
+    wq, s, b, gs, bits = mlx_qmm.affine_arrays(dn.fmt, dn.gs, (E,), dn.O, dn.I, dn.packed, dn.scales, x.dtype)
+    y = mx.gather_qmm(a, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=True)
+    y = y[mx.argsort(order)].reshape(N, K, dn.O)
+    return (y.astype(mx.float32) * w[..., None]).sum(axis=1).astype(x.dtype)
 
 
 def _moe_row_groups(x, experts, ids, weights, residual) -> mx.array:

@@ -4,9 +4,10 @@ each of kernels.qmatmul's prefill routes forced for the whole forward, and mlx-l
 the same prompt in the same process:
 
 * ``groups``: the decode kernels on groups of 8 rows (``qgemv.PREFILL_KERNEL_ROWS`` set to P);
-* ``mlx-qmm``: ``mx.quantized_matmul`` on the stored bytes (kernels/mlx_qmm.py; the routed
-  experts grouped by token);
-* ``dequant``: dequantized tiles + matmul (mlx_qmm declined).
+* ``mlx-qmm``: ``mx.quantized_matmul`` on the stored bytes (kernels/mlx_qmm.py), the routed
+  experts by ``mx.gather_qmm`` over the layer's stacked bytes (moe.moe_gather_qmm);
+* ``dequant``: dequantized tiles + matmul, the routed experts grouped by token (each expert's
+  rows through qmatmul: its GEMV kernel up to 8 rows).
 
     PYTHONPATH=/root/site:/tmp/site:$PWD python3 scripts/bench/bench_prefill.py [--tokens 9 16 32 64]
     PYTHONPATH=$PWD python3 scripts/bench/bench_prefill.py --tiny      # CPU smoke run
@@ -15,7 +16,8 @@ Method: for each prompt length P, --rounds rounds of prefills from an empty cach
 forward over P tokens, logits of the last position evaluated, ``mx.synchronize()``), one per
 route, the order rotated each round (ABC, BCA, CAB, ...). Rounds whose sum took over 1.15x the
 best round's are dropped; the figure is the median of the rest. One unrecorded round first (JIT,
-allocator). ``groups`` only up to --max-group-tokens.
+allocator). ``groups`` only up to --max-group-tokens. Before the timing, each route's logits at the
+last position are compared with the dequantize route's (max |delta| / max |logit|).
 mlx-lm (0.32.2, affine 4-bit g64, the same shapes, random weights) is timed after ours is freed:
 median of --rounds prefills. On the CPU every route is the reference path: a smoke run only.
 """
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_e2e as E  # noqa: E402
 from colibri_mlx import kernels  # noqa: E402
-from colibri_mlx.kernels import mlx_qmm, qgemv  # noqa: E402
+from colibri_mlx.kernels import mlx_qmm, moe, qgemv  # noqa: E402
 
 OUTLIER = 1.15
 ROUTES = ("groups", "mlx-qmm", "dequant")
@@ -48,14 +50,15 @@ ROUTES = ("groups", "mlx-qmm", "dequant")
 @contextlib.contextmanager
 def route(name: str, P: int):
     """kernels.qmatmul / moe_block take prefill route ``name`` for P rows inside the block."""
-    rows, decline = qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason
+    rows, decline, gather = qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason, moe.gather_reason
     qgemv.PREFILL_KERNEL_ROWS = P if name == "groups" else qgemv.MAX_ROWS
     if name == "dequant":
         mlx_qmm.decline_reason = lambda qt, dtype: "forced off (bench_prefill --routes)"
+        moe.gather_reason = lambda bank, dtype: "forced off (bench_prefill --routes)"
     try:
         yield
     finally:
-        qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason = rows, decline
+        qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason, moe.gather_reason = rows, decline, gather
 
 
 def prefill_seconds(forward, prompt) -> float:
@@ -67,6 +70,19 @@ def prefill_seconds(forward, prompt) -> float:
 
 def ours_forward(model):
     return lambda prompt: model(prompt, model.make_cache())
+
+
+def route_agreement(model, prompt, routes: list) -> dict:
+    """Each route's last-position logits against the dequantize route's: max |delta| / max |logit|."""
+    out = {}
+    for name in routes:
+        with route(name, prompt.shape[1]):
+            out[name] = model(prompt, model.make_cache())[0, -1].astype(mx.float32)
+    base = out.get("dequant")
+    if base is None:
+        return {}
+    scale = float(mx.abs(base).max())
+    return {name: float(mx.abs(v - base).max()) / scale for name, v in out.items() if name != "dequant"}
 
 
 def rotated_rounds(forward, prompt, routes: list, rounds: int) -> tuple[dict, int]:
@@ -107,13 +123,16 @@ def main():
     for P in args.tokens:
         routes = [r for r in args.routes if r != "groups" or P <= args.max_group_tokens]
         kernels.reset_counters()
+        agree = route_agreement(model, prompts[P], routes)
         times, n = rotated_rounds(forward, prompts[P], routes, args.rounds)
         row = {"tokens": P, **{f"{r}_ms": t * 1e3 for r, t in times.items()}, "rounds_kept": n,
-               "fallbacks": kernels.counters()["fallbacks"]}
+               "vs_dequant": agree, "fallbacks": kernels.counters()["fallbacks"],
+               "calls": kernels.counters()["calls"]}
         res["rows"].append(row)
         default = "groups" if P <= res["kernel_rows_default"] else "mlx-qmm"
         cells = " ".join(f"{times[r] * 1e3:12.2f}" if r in times else f"{'-':>12s}" for r in ROUTES)
-        print(f"{P:5d} {cells}  {n:2d}/{args.rounds}  {default}", flush=True)
+        print(f"{P:5d} {cells}  {n:2d}/{args.rounds}  {default}; logits vs dequant (max |delta| / max |logit|): "
+              + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()), flush=True)
     del model, forward
     kernels.moe.clear_banks()
     mx.clear_cache()
