@@ -145,3 +145,22 @@ def test_moe_long_prefill_route_is_counted(monkeypatch):
     assert np.array_equal(np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32)))
     moe.clear_banks()
     kernels.reset_counters()
+
+
+@pytest.mark.parametrize("mode,bits,gs,sdtype", MLX_KERNEL_CASES, ids=[f"{m}{b}g{g}" for m, b, g, _ in MLX_KERNEL_CASES])
+def test_moe_gather_qmm_mlx_formats(mode, bits, gs, sdtype):
+    """An mlx-lm checkpoint's experts: the bank's kernel inputs (scale and bias words, padded fp
+    scale bytes) read back for mx.gather_qmm, against the float64 MoE."""
+    from colibri_mlx.kernels import moe
+    from moe_mla_oracle import assert_moe_close
+
+    experts = [tuple(random_mlx_qtensor(mode, bits, gs, O, I, scale_dtype=sdtype, seed=7 * e + k)
+                     for k, (O, I) in enumerate(((128, 256), (128, 256), (256, 128)))) for e in range(5)]
+    N, K = 36, 2
+    rng = np.random.default_rng(bits)
+    ids = mx.array(np.stack([rng.choice(5, K, replace=False) for _ in range(N)]).astype(np.int32))
+    w = mx.array(rng.uniform(0.1, 1.0, (N, K)).astype(np.float32))
+    x = random_x(N, 256, seed=bits)
+    bank = moe.build_bank(experts)
+    assert moe.gather_reason(bank, mx.bfloat16) is None
+    assert_moe_close(moe.moe_gather_qmm(x, bank.groups[0], ids, w), x, experts, ids, w, f"gather {mode}{bits}")

@@ -25,12 +25,16 @@ import numpy as np
 
 from ..formats.mlx_quant import MLX_FMTS
 from ..formats.qtensor import QTensor
-from .mlx_formats import _float_scales, _mx
+from .mlx_formats import _float_scales, _mx, is_mlx_kernel_fmt, kernel_bits
 
 # colibri fmt -> (bits, zero point): w = (q - zero) * scale
 CONTAINER_AFFINE = {2: (4, 8), 3: (2, 2), 4: (4, 8)}
 GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewer scales to cast)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+# The kernels' FMT codes of MLX's formats (kernels/mlx_formats.py): affine 70 / 80 / 90 + bits
+# with bfloat16 / float16 / float32 scales, then the fp modes.
+AFFINE_SCALE_DTYPES = {70: mx.bfloat16, 80: mx.float16, 90: mx.float32}
+FP_KERNEL_MODES = {8: "mxfp4", 9: "nvfp4", 10: "mxfp8"}
 
 
 def layout_reason(fmt: int, gs, I: int) -> Optional[str]:
@@ -90,3 +94,35 @@ def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
                                    bits=qt.bits, mode=m.mode)
     w, s, b, gs, bits = affine_arrays(qt.fmt, qt.gs, (), qt.O, qt.I, _mx(qt.packed), _mx(qt.scales), x.dtype)
     return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode="affine")
+
+
+def stacked_reason(kfmt: int, gs, I: int) -> Optional[str]:
+    """:func:`layout_reason` for stacked matrices of kernel FMT code ``kfmt`` (moe's banks)."""
+    return None if is_mlx_kernel_fmt(kfmt) else layout_reason(kfmt, gs, I)
+
+
+def stacked_arrays(kfmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
+                   dtype) -> tuple:
+    """``(w, scales, biases or None, group_size, bits, mode)`` for ``mx.gather_qmm`` of matrices
+    stored back to back as the kernels take them (moe's ExpertBank): fmt 2/3/4 read as affine
+    (:func:`affine_arrays`); MLX's formats from their kernel inputs (mlx_formats.kernel_scales:
+    affine 16-bit scale and bias in one word, or two float32 words; fp modes the scale bytes,
+    rows padded to whole words)."""
+    if not is_mlx_kernel_fmt(kfmt):
+        return (*affine_arrays(kfmt, gs, lead, O, I, packed, scales, dtype), "affine")
+    bits = kernel_bits(kfmt)
+    n, ng = int(np.prod(lead, dtype=np.int64)) * O, I // gs
+    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)
+    if kfmt in FP_KERNEL_MODES:
+        padded = 4 * -(-ng // 4)
+        s = scales.reshape(-1).view(mx.uint8)[: n * padded].reshape(*lead, O, padded)[..., :ng]
+        return w, s, None, gs, bits, FP_KERNEL_MODES[kfmt]
+    stored = AFFINE_SCALE_DTYPES[kfmt - bits]
+    if stored == mx.float32:
+        pairs = scales.reshape(-1)[: 2 * n * ng].reshape(*lead, O, ng, 2)
+        s, b = pairs[..., 0], pairs[..., 1]
+    else:
+        words = scales.reshape(-1).view(mx.uint32)[: n * ng].reshape(*lead, O, ng)
+        s = (words & 0xFFFF).astype(mx.uint16).view(stored)
+        b = (words >> 16).astype(mx.uint16).view(stored)
+    return w, s.astype(dtype), b.astype(dtype), gs, bits, "affine"

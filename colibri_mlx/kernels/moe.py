@@ -11,8 +11,8 @@ The experts of a group are stacked in one byte buffer and one scale buffer (an
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
 routing ids never leave the GPU on the resident path. A short prefill (up to
 ``qgemv.PREFILL_KERNEL_ROWS`` tokens) runs those kernels on groups of 8 tokens; a longer one
-of a resident layer of fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes (read as MLX
-affine: :func:`moe_gather_qmm`); any other (a streamed layer's, other formats) groups tokens by
+of a resident layer of MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes
+(fmt 2/3/4 read as MLX affine: :func:`moe_gather_qmm`); any other (a streamed layer's, other formats) groups tokens by
 expert and reads each selected expert once through ``qmatmul``.
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
@@ -704,7 +704,7 @@ def gather_reason(bank: ExpertBank, dtype) -> Optional[str]:
     if len(bank.groups) != 1:
         return f"{len(bank.groups)} expert groups"
     for p in (bank.groups[0].gate_up, bank.groups[0].down):
-        why = mlx_qmm.layout_reason(p.fmt, p.gs, p.I)
+        why = mlx_qmm.stacked_reason(p.fmt, p.gs, p.I)
         if why is not None:
             return why
     return None
@@ -712,7 +712,7 @@ def gather_reason(bank: ExpertBank, dtype) -> Optional[str]:
 
 def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array) -> mx.array:
     """``[N, D]`` in x's dtype: a long prefill as mlx-lm's SwitchGLU computes it, over the
-    group's stacked fmt 2/3/4 bytes read as MLX affine (kernels/mlx_qmm.py). The N * K
+    group's stacked bytes (MLX's formats, or fmt 2/3/4 read as MLX affine: kernels/mlx_qmm.py). The N * K
     (token, slot) rows are sorted by expert, so each selected expert's weights are read once for
     all its rows: ``mx.gather_qmm`` of gate+up (one matrix of 2 * inter rows an expert), SwiGLU,
     ``mx.gather_qmm`` of down, then the rows unsorted and summed with the routing weights in
@@ -726,12 +726,14 @@ def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.a
     order = mx.argsort(slot)
     idx = slot[order]
     rows = x[order // K][:, None, :]                                   # [N*K, 1, D]
-    wq, s, b, gs, bits = mlx_qmm.affine_arrays(gu.fmt, gu.gs, (E,), 2 * gu.O, gu.I, gu.packed, gu.scales, x.dtype)
-    h = mx.gather_qmm(rows, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits,
+    wq, s, b, gs, bits, mode = mlx_qmm.stacked_arrays(gu.fmt, gu.gs, (E,), 2 * gu.O, gu.I, gu.packed, gu.scales,
+                                                      x.dtype)
+    h = mx.gather_qmm(rows, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, mode=mode,
                       sorted_indices=True)
     a = silu(h[..., :gu.O]) * h[..., gu.O:]
-    wq, s, b, gs, bits = mlx_qmm.affine_arrays(dn.fmt, dn.gs, (E,), dn.O, dn.I, dn.packed, dn.scales, x.dtype)
-    y = mx.gather_qmm(a, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, sorted_indices=True)
+    wq, s, b, gs, bits, mode = mlx_qmm.stacked_arrays(dn.fmt, dn.gs, (E,), dn.O, dn.I, dn.packed, dn.scales, x.dtype)
+    y = mx.gather_qmm(a, wq, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, mode=mode,
+                      sorted_indices=True)
     y = y[mx.argsort(order)].reshape(N, K, dn.O)
     return (y.astype(mx.float32) * w[..., None]).sum(axis=1).astype(x.dtype)
 
