@@ -720,8 +720,9 @@ def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.a
     N, K = ids.shape
     E = len(group.experts)
     gu, dn = group.gate_up, group.down
-    valid = (ids >= 0) & (ids < group.n_layer_experts)
-    slot = mx.where(valid, group.lut[mx.clip(ids, 0, group.n_layer_experts - 1)], 0).reshape(-1)
+    slot = group.lut[mx.clip(ids, 0, group.n_layer_experts - 1)]
+    valid = (ids >= 0) & (ids < group.n_layer_experts) & (slot >= 0)
+    slot = mx.where(valid, slot, 0).reshape(-1)
     w = mx.where(valid, weights.astype(mx.float32), 0.0)
     order = mx.argsort(slot)
     idx = slot[order]
