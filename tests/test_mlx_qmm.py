@@ -13,7 +13,7 @@ from kernel_oracle import MLX_KERNEL_CASES, assert_close, random_gguf_qtensor, r
 
 # float32 x: MLX's CPU quantized_matmul accumulates float32 products, so any layout slip (nibble
 # order, zero point, group, row scale) is far above the 1e-4 |delta| / sum|x w| bound.
-CONTAINER_CASES = [(2, None, 256), (3, None, 320), (4, 32, 256), (4, 64, 384), (4, 128, 512)]
+CONTAINER_CASES = [(1, None, 256), (2, None, 256), (3, None, 320), (4, 32, 256), (4, 64, 384), (4, 128, 512)]
 
 
 @pytest.mark.parametrize("fmt,gs,I", CONTAINER_CASES, ids=[f"fmt{f}-gs{g}-I{i}" for f, g, i in CONTAINER_CASES])
@@ -34,13 +34,13 @@ def test_mlx_formats_as_stored(mode, bits, gs, sdtype):
 
 def test_formats_without_an_mlx_layout_are_declined():
     cases = {
-        "fmt 1 has no MLX layout": random_qtensor(1, 8, 256),
+        "row of 102 weights is not whole uint32 words": random_qtensor(1, 8, 102),
         "fmt 5 has no MLX layout": random_qtensor(5, 8, 256),
         "fmt 6 has no MLX layout": random_qtensor(6, 8, 256),
         "fmt 17 has no MLX layout": random_gguf_qtensor("Q4_K", 8, 256),
         "group size 16 is not one of MLX's (128, 64, 32)": random_qtensor(4, 8, 256, gs=16),
         "row of 96 weights ends in a partial group of 64": random_qtensor(4, 8, 96, gs=64),
-        "row of 100 weights is not whole uint32 words": random_qtensor(2, 8, 100),
+        "row of 36 weights is not whole uint32 words": random_qtensor(2, 8, 36),
         "row of 40 weights is not a multiple of 32": random_qtensor(2, 8, 40),
     }
     for want, qt in cases.items():
@@ -121,6 +121,8 @@ def test_moe_gather_qmm_declines():
     assert moe.gather_reason(moe.build_bank(bank_experts(4, 16)), mx.bfloat16) == \
         "group size 16 is not one of MLX's (128, 64, 32)"
     assert moe.gather_reason(moe.build_bank(bank_experts(5, None)), mx.bfloat16) == "fmt 5 has no MLX layout"
+    assert moe.gather_reason(moe.build_bank(bank_experts(1, None)), mx.bfloat16) == \
+        "fmt 1 experts (a flipped copy of every expert's bytes a call)"
     mixed = bank_experts(4, 64)[:3] + bank_experts(2, None)[3:]
     assert moe.gather_reason(moe.build_bank(mixed), mx.bfloat16) == "2 expert groups"
 

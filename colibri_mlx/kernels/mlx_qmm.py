@@ -5,10 +5,11 @@ running the GEMV kernel. Dequantizing writes a float copy of every weight and re
 ``mx.quantized_matmul`` reads the packed codes once, as mlx-lm's prefill does:
 
 * MLX's formats (fmt 7-10, mlx-lm checkpoints): the arrays as stored;
-* fmt 2 / 3 / 4 (int4 per row, int2 per row, int4 grouped): MLX's affine layout carries the same
-  numbers. Codes are packed LSB-first in both, so the bytes read as uint32 words are MLX's packed
-  weight; ``w = (q - z) s`` is ``q s + b`` with ``b = -z s`` (z = 8 for 4 bits, 2 for 2 bits),
-  a per-row scale repeated over every group of the row.
+* fmt 1 / 2 / 3 / 4 (int8, int4 and int2 per row, int4 grouped): MLX's affine layout carries the
+  same numbers. Codes are packed LSB-first in both, so the bytes read as uint32 words are MLX's
+  packed weight; ``w = (q - z) s`` is ``q s + b`` with ``b = -z s`` (z = 8 for 4 bits, 2 for 2
+  bits, 128 for fmt 1's int8 codes with their top bit flipped), a per-row scale repeated over
+  every group of the row.
 
 Scales and biases go in x's dtype, as MLX's kernels take them (cast per call: they are 1/16 of
 the weight bytes or less). With bfloat16 x that rounds a float32 scale to bfloat16; ``-z s``
@@ -27,8 +28,9 @@ from ..formats.mlx_quant import MLX_FMTS
 from ..formats.qtensor import QTensor
 from .mlx_formats import _float_scales, _mx, is_mlx_kernel_fmt, kernel_bits
 
-# colibri fmt -> (bits, zero point): w = (q - zero) * scale
-CONTAINER_AFFINE = {2: (4, 8), 3: (2, 2), 4: (4, 8)}
+# colibri fmt -> (bits, zero point): w = (q - zero) * scale, q unsigned. fmt 1's int8 codes
+# become unsigned with their top bit flipped (q + 128), a pass over the bytes per call.
+CONTAINER_AFFINE = {1: (8, 128), 2: (4, 8), 3: (2, 2), 4: (4, 8)}
 GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewer scales to cast)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # The kernels' FMT codes of MLX's formats (kernels/mlx_formats.py): affine 70 / 80 / 90 + bits
@@ -68,7 +70,10 @@ def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, s
     of fmt 2/3/4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
     (float32, per row or per group; only the first ones are read)."""
     bits, zero = CONTAINER_AFFINE[fmt]
-    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)
+    packed = packed.reshape(-1)
+    if fmt == 1:
+        packed = packed.view(mx.uint8) ^ 0x80
+    w = packed.view(mx.uint32).reshape(*lead, O, I * bits // 32)
     n = int(np.prod(lead, dtype=np.int64)) * O
     if fmt == 4:
         group = gs
@@ -97,7 +102,10 @@ def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
 
 
 def stacked_reason(kfmt: int, gs, I: int) -> Optional[str]:
-    """:func:`layout_reason` for stacked matrices of kernel FMT code ``kfmt`` (moe's banks)."""
+    """:func:`layout_reason` for stacked matrices of kernel FMT code ``kfmt`` (moe's banks; not
+    fmt 1, whose byte pass would copy every expert of the layer)."""
+    if kfmt == 1:
+        return "fmt 1 experts (a flipped copy of every expert's bytes a call)"
     return None if is_mlx_kernel_fmt(kfmt) else layout_reason(kfmt, gs, I)
 
 
