@@ -123,6 +123,10 @@ for s in "${steps[@]}"; do
                    # (openai==3.51.0 and its dependencies installed; without it the HTTP rows report the error)
                    step bench_serve_http 300 python3 scripts/bench/bench_serve.py --http --no-mlx-lm \
                        --out "$out/bench_serve_http.json" ;;
+    prefill_tests) # prefill's GPU routes: mx.quantized_matmul on the stored bytes against float64, and the
+                   # 64 greedy tokens of mlx-lm checkpoints, kernels against the reference
+                   step prefill_tests 300 python3 -m pytest -q -m device $(xdist_args) tests/test_mlx_qmm.py \
+                     tests/test_mlx_lm_device.py -k "prefill_route or greedy_64"; reap ;;
     bench_prefill) # prefill at 16-512 tokens by each route (8-row kernel groups, mx.quantized_matmul, dequantize), and
                    # mlx-lm's prefill of the same prompt (the server's time to first token)
                    step bench_prefill 300 python3 scripts/bench/bench_prefill.py --json "$out/bench_prefill.json" ;;
