@@ -40,7 +40,7 @@ FP_KERNEL_MODES = {8: "mxfp4", 9: "nvfp4", 10: "mxfp8"}
 
 
 def layout_reason(fmt: int, gs, I: int) -> Optional[str]:
-    """Why a fmt 2/3/4 matrix of rows of ``I`` weights has no MLX affine reading, or None."""
+    """Why a fmt 1-4 matrix of rows of ``I`` weights has no MLX affine reading, or None."""
     if fmt not in CONTAINER_AFFINE:
         return f"fmt {fmt} has no MLX layout"
     bits, _ = CONTAINER_AFFINE[fmt]
@@ -67,7 +67,7 @@ def decline_reason(qt: QTensor, dtype) -> Optional[str]:
 def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
                   dtype) -> tuple:
     """``(w uint32 [*lead, O, I*bits/32], scales, biases [*lead, O, I/group], group_size, bits)``
-    of fmt 2/3/4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
+    of fmt 1-4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
     (float32, per row or per group; only the first ones are read)."""
     bits, zero = CONTAINER_AFFINE[fmt]
     packed = packed.reshape(-1)
