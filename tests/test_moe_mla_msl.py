@@ -327,6 +327,15 @@ def test_moe_short_prefill_runs_the_kernels_in_groups_of_8(metal, N):
     assert np.array_equal(np.array(with_res), np.array(res + got.reshape(1, N, 96)))
 
 
+@pytest.mark.parametrize("n", [256, 300, 2048 + 512 + 8])
+def test_hadamard_matches_float64(n):
+    x = x_of(3, n, seed=n)
+    (y,) = simulate(moe.hadamard_spec(x), simulator)
+    want = np.asarray(x).astype(np.float64) @ hadamard_f64(n)
+    err = np.abs(np.asarray(y) - want).max() / np.abs(want).max()
+    assert err < 1e-6, err
+
+
 # ---------------------------------------------------------------------------------------
 # Planted defects
 
