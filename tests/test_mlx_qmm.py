@@ -49,12 +49,12 @@ def test_formats_without_an_mlx_layout_are_declined():
 
 
 def test_gpu_prefill_route_is_counted(monkeypatch):
-    """On a GPU backend, more than qgemv.PREFILL_KERNEL_ROWS bfloat16 rows take mx.quantized_matmul
+    """On a GPU backend, more than qgemv.MAX_ROWS bfloat16 rows take mx.quantized_matmul
     for a format it reads (counted as qmm/mlx-quantized-matmul) and dequantize-and-multiply for
     one it does not; the residual is added."""
     monkeypatch.setattr(kernels, "backend", lambda: kernels.CUDA)
     kernels.reset_counters()
-    S = qgemv.PREFILL_KERNEL_ROWS + 8
+    S = qgemv.MAX_ROWS + 8
     qt = random_qtensor(4, 24, 256, gs=64, seed=5)
     x = random_x(S, 256, mx.bfloat16, seed=6)
     res = random_x(S, 24, mx.bfloat16, seed=7)
@@ -128,13 +128,13 @@ def test_moe_gather_qmm_declines():
 
 
 def test_moe_long_prefill_route_is_counted(monkeypatch):
-    """On a GPU backend more than qgemv.PREFILL_KERNEL_ROWS tokens of a resident fmt 4 layer take
+    """On a GPU backend more than qgemv.MAX_ROWS tokens of a resident fmt 4 layer take
     mx.gather_qmm (moe_block/gather-qmm); the residual is the separate add."""
     from colibri_mlx.kernels import dispatch, moe
 
     monkeypatch.setattr(dispatch, "backend", lambda: dispatch.CUDA)
     experts = bank_experts(4, 64, seed=3)
-    N = qgemv.PREFILL_KERNEL_ROWS + 4
+    N = qgemv.MAX_ROWS + 4
     rng = np.random.default_rng(3)
     ids = mx.array(np.stack([rng.choice(len(experts), 2, replace=False) for _ in range(N)]).astype(np.int32))
     w = mx.array(rng.uniform(0.1, 1.0, (N, 2)).astype(np.float32))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from colibri_mlx import kernels
-from colibri_mlx.kernels import dispatch, moe, qgemv
+from colibri_mlx.kernels import dispatch, moe
 from kernel_oracle import random_qtensor
 from moe_mla_oracle import assert_moe_close, hadamard_f64, route_launches_to_simulator, simulate
 
@@ -294,37 +294,10 @@ def test_moe_persistent_planted_defect_is_caught(metal, monkeypatch, kernel, goo
 
 
 def test_moe_prefill_groups_tokens(metal):
-    """Above qgemv.PREFILL_KERNEL_ROWS tokens: grouped by expert, dequantized, no kernel."""
     experts = make_experts([4] * 5, D=64, inter=32, gs=32, seed=13)
-    run_moe(experts, N=qgemv.PREFILL_KERNEL_ROWS + 1, K=2, seed=13)
+    run_moe(experts, N=12, K=2, seed=13)
     assert "moe_gate_up" not in metal
     assert kernels.counters()["calls"].get("moe_block/grouped-prefill") == 1
-
-
-@pytest.mark.parametrize("N", [9, 20])
-def test_moe_short_prefill_runs_the_kernels_in_groups_of_8(metal, N):
-    """A short prefill (8 < N <= qgemv.PREFILL_KERNEL_ROWS) is the decode kernels on 8-token
-    groups: the whole matches float64, each group's rows equal the same rows run as a decode
-    call bit for bit (a prompt's tokens do not depend on how it was split), and the residual
-    add is the separate add."""
-    experts = make_experts([4] * 6, D=96, inter=40, gs=32, seed=21)
-    ids, w = routing(N, 3, len(experts), seed=21)
-    x = x_of(N, 96, seed=22)
-    got = kernels.moe_block(x, experts, ids, w)
-    assert got.shape == (N, 96) and got.dtype == mx.float32
-    c = kernels.counters()
-    groups = -(-N // 8)
-    assert c["calls"].get("moe_block/metal") == groups and "moe_block/grouped-prefill" not in c["calls"], c
-    assert not c["fallbacks"], c
-    assert metal.count("moe_gate_up") == groups and metal.count("moe_down") == groups
-    assert_moe_close(got, x, experts, ids, w, f"short prefill N={N}")
-    for a in range(0, N, 8):
-        part = kernels.moe_block(x[a:a + 8], experts, ids[a:a + 8], w[a:a + 8])
-        assert np.array_equal(np.array(got[a:a + 8]), np.array(part)), f"rows {a}.."
-    res = (x_of(N, 96, seed=23) * 10).reshape(1, N, 96)
-    with_res = kernels.moe_block(x, experts, ids, w, residual=res)
-    assert with_res.shape == (1, N, 96)
-    assert np.array_equal(np.array(with_res), np.array(res + got.reshape(1, N, 96)))
 
 
 @pytest.mark.parametrize("n", [256, 300, 2048 + 512 + 8])

@@ -88,8 +88,6 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
     impl = backend()
     # The reference computes in float32: float32 logits skip the rounding to x's dtype there too.
     xr = x.astype(mx.float32) if out_dtype is not None and out_dtype == mx.float32 and residual is None else x
-    if qt.fmt != 0 and _qgemv.MAX_ROWS < S <= _qgemv.PREFILL_KERNEL_ROWS and impl != REFERENCE:
-        return _qmatmul_row_groups(x, qt, S, residual, out_dtype)
     if qt.fmt != 0 and S <= _qgemv.MAX_ROWS and impl != REFERENCE:
         reason = _qgemv.decline_reason_for(qt, S, x.dtype)
         if reason is None:
@@ -118,15 +116,6 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
         y = reference.cached_qmatmul(xr, qt)
     y = y if residual is None else residual + y
     return y if out_dtype is None or y.dtype == out_dtype else y.astype(out_dtype)
-
-
-def _qmatmul_row_groups(x: mx.array, qt: QTensor, S: int, residual, out_dtype) -> mx.array:
-    """A short prefill (``x [S, I]``, qgemv.PREFILL_KERNEL_ROWS): the GEMV kernel on groups of
-    qgemv.MAX_ROWS rows, each group routed (and any decline counted) as decode rows are."""
-    step = _qgemv.MAX_ROWS
-    parts = [_qmatmul_2d(x[i:i + step], qt, min(step, S - i), None if residual is None else residual[i:i + step],
-                         out_dtype) for i in range(0, S, step)]
-    return mx.concatenate(parts, axis=0)
 
 
 def gather_rows(qt: QTensor, ids: mx.array, compiled_block: bool = True) -> mx.array:

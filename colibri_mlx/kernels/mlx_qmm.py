@@ -1,7 +1,7 @@
 """Prefill rows through MLX's own quantized matmul, for the weights it reads as they are stored.
 
-Above ``qgemv.PREFILL_KERNEL_ROWS`` rows on a GPU, ``kernels.qmatmul`` multiplies instead of
-running the GEMV kernel. Dequantizing writes a float copy of every weight and reads it back;
+Above ``qgemv.MAX_ROWS`` rows on a GPU, ``kernels.qmatmul`` multiplies instead of running the
+GEMV kernel. Dequantizing writes a float copy of every weight and reads it back;
 ``mx.quantized_matmul`` reads the packed codes once, as mlx-lm's prefill does:
 
 * MLX's formats (fmt 7-10, mlx-lm checkpoints): the arrays as stored;
@@ -80,7 +80,8 @@ def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, s
         s = scales.reshape(-1)[: n * (I // gs)].reshape(*lead, O, I // gs)
     else:
         group = next(g for g in GROUP_SIZES if I % g == 0)
-        s = mx.broadcast_to(scales.reshape(-1)[:n].reshape(*lead, O, 1), (*lead, O, I // group))
+        # materialized: MLX's GPU quantized matmul reads the scales as a dense [.., O, groups] array
+        s = mx.contiguous(mx.broadcast_to(scales.reshape(-1)[:n].reshape(*lead, O, 1), (*lead, O, I // group)))
     s = s.astype(dtype)
     return w, s, s * -float(zero), group, bits
 
@@ -124,11 +125,11 @@ def stacked_arrays(kfmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array,
     if kfmt in FP_KERNEL_MODES:
         padded = 4 * -(-ng // 4)
         s = scales.reshape(-1).view(mx.uint8)[: n * padded].reshape(*lead, O, padded)[..., :ng]
-        return w, s, None, gs, bits, FP_KERNEL_MODES[kfmt]
+        return w, mx.contiguous(s), None, gs, bits, FP_KERNEL_MODES[kfmt]
     stored = AFFINE_SCALE_DTYPES[kfmt - bits]
     if stored == mx.float32:
         pairs = scales.reshape(-1)[: 2 * n * ng].reshape(*lead, O, ng, 2)
-        s, b = pairs[..., 0], pairs[..., 1]
+        s, b = mx.contiguous(pairs[..., 0]), mx.contiguous(pairs[..., 1])
     else:
         words = scales.reshape(-1).view(mx.uint32)[: n * ng].reshape(*lead, O, ng)
         s = (words & 0xFFFF).astype(mx.uint16).view(stored)

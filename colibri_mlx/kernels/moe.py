@@ -9,11 +9,10 @@ rotate the layer input once and their SwiGLU outputs once (``hadamard``).
 The experts of a group are stacked in one byte buffer and one scale buffer (an
 :class:`ExpertBank`, built once per resident layer, or per call from the selected experts of
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
-routing ids never leave the GPU on the resident path. A short prefill (up to
-``qgemv.PREFILL_KERNEL_ROWS`` tokens) runs those kernels on groups of 8 tokens; a longer one
-of a resident layer of MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked
-bytes (fmt 2/3/4 read as MLX affine: :func:`moe_gather_qmm`); any other (a streamed layer's,
-other formats) groups tokens by expert and reads each selected expert once through ``qmatmul``.
+routing ids never leave the GPU on the resident path. Prefill (N > 8) of a resident layer of
+MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes (fmt 2/3/4 read as
+MLX affine: :func:`moe_gather_qmm`); any other (a streamed layer's, other formats) groups
+tokens by expert and reads each selected expert once through ``qmatmul``.
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
 MLX gets; the MSL simulator tests run the same objects.
@@ -35,7 +34,7 @@ from . import dispatch, gguf_formats, mlx_formats, mlx_qmm, qgemv, reference
 from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
-MAX_TOKENS = 8          # tokens a decode launch takes (more: prefill, in groups or by expert)
+MAX_TOKENS = 8          # tokens a decode launch takes (more: prefill, gather_qmm or by expert)
 MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
@@ -641,10 +640,6 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     N, K = ids.shape
     impl = dispatch.backend()
     streamed = getattr(experts, "prepare", None) is not None
-    # A short prefill of resident experts: the decode kernels on groups of MAX_TOKENS tokens
-    # (qgemv.PREFILL_KERNEL_ROWS). A streamed layer reads each chosen expert from disk once, grouped.
-    if impl != dispatch.REFERENCE and MAX_TOKENS < N <= qgemv.PREFILL_KERNEL_ROWS and not streamed:
-        return _moe_row_groups(x, experts, ids, weights, residual), residual is not None
     if impl == dispatch.REFERENCE or N > MAX_TOKENS:
         if impl != dispatch.REFERENCE and not streamed:
             bank = resident_bank(experts)
@@ -737,20 +732,6 @@ def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.a
                       sorted_indices=True)
     y = y[mx.argsort(order)].reshape(N, K, dn.O)
     return (y.astype(mx.float32) * w[..., None]).sum(axis=1).astype(x.dtype)
-
-
-def _moe_row_groups(x, experts, ids, weights, residual) -> mx.array:
-    """moe_block of ``x [N, D]`` as groups of MAX_TOKENS tokens, each one decode call (kernels,
-    declines counted), plus ``residual`` when given (in its shape)."""
-    N = x.shape[0]
-    res = None if residual is None else dispatch.reshaped(residual, N, x.shape[-1])
-    parts = []
-    for i in range(0, N, MAX_TOKENS):
-        r = None if res is None else res[i:i + MAX_TOKENS]
-        y, added = _moe_block(x[i:i + MAX_TOKENS], experts, ids[i:i + MAX_TOKENS], weights[i:i + MAX_TOKENS], r)
-        parts.append(y if r is None or added else r + dispatch.reshaped(y, *r.shape))
-    y = mx.concatenate(parts, axis=0)
-    return y if residual is None else dispatch.reshaped(y, *residual.shape)
 
 
 def _declined_part(x, experts, ids, weights, bank):

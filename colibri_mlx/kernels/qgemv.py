@@ -21,13 +21,6 @@ from .reference import row_bytes, scales_per_row
 
 NAME = "qgemv"
 MAX_ROWS = 8                    # S above this is prefill: dequantized tiles + matmul
-# A short prefill (MAX_ROWS < S <= PREFILL_KERNEL_ROWS) runs the decode kernels on groups of
-# MAX_ROWS rows instead: each group reads the quantized weight once (4 reads of 0.56 bytes a
-# weight for fmt 4 at 32 rows), where dequantizing writes and reads a bfloat16 copy (4+ bytes a
-# weight) of every weight and, in moe_block, of every expert any row chose (32 tokens x 8 slots
-# touch about 110 of 256 experts a layer; 4 groups of 8 tokens read about 57 each). A server's
-# prompts and a chat turn's new tokens are mostly this short. kernels.qmatmul, moe.moe_block.
-PREFILL_KERNEL_ROWS = 32
 SIMD = 32
 KERNEL_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 UNIT_WEIGHTS = {1: 16, 2: 32, 3: 64, 4: 32, 5: 64, 6: 32, **{f: mlx_formats.UNIT for f in (7, 8, 9, 10)},

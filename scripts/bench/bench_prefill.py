@@ -3,9 +3,10 @@
 each of kernels.qmatmul's prefill routes forced for the whole forward, and mlx-lm's prefill of
 the same prompt in the same process:
 
-* ``groups``: the decode kernels on groups of 8 rows (``qgemv.PREFILL_KERNEL_ROWS`` set to P);
 * ``mlx-qmm``: ``mx.quantized_matmul`` on the stored bytes (kernels/mlx_qmm.py), the routed
   experts by ``mx.gather_qmm`` over the layer's stacked bytes (moe.moe_gather_qmm);
+* ``qmm-grouped``: ``mx.quantized_matmul`` as ``mlx-qmm``, the routed experts grouped by token
+  (each expert's rows through qmatmul: its GEMV kernel up to 8 rows, then mx.quantized_matmul);
 * ``dequant``: dequantized tiles + matmul, the routed experts grouped by token (each expert's
   rows through qmatmul: its GEMV kernel up to 8 rows).
 
@@ -16,7 +17,7 @@ Method: for each prompt length P, --rounds rounds of prefills from an empty cach
 forward over P tokens, logits of the last position evaluated, ``mx.synchronize()``), one per
 route, the order rotated each round (ABC, BCA, CAB, ...). Rounds whose sum took over 1.15x the
 best round's are dropped; the figure is the median of the rest. One unrecorded round first (JIT,
-allocator). ``groups`` only up to --max-group-tokens. Before the timing, each route's logits at the
+allocator). Before the timing, each route's logits at the
 last position are compared with the dequantize route's (max |delta| / max |logit|).
 mlx-lm (0.32.2, affine 4-bit g64, the same shapes, random weights) is timed after ours is freed:
 median of --rounds prefills. On the CPU every route is the reference path: a smoke run only.
@@ -44,21 +45,21 @@ from colibri_mlx import kernels  # noqa: E402
 from colibri_mlx.kernels import mlx_qmm, moe, qgemv  # noqa: E402
 
 OUTLIER = 1.15
-ROUTES = ("groups", "mlx-qmm", "dequant")
+ROUTES = ("mlx-qmm", "qmm-grouped", "dequant")
 
 
 @contextlib.contextmanager
-def route(name: str, P: int):
+def route(name: str):
     """kernels.qmatmul / moe_block take prefill route ``name`` for P rows inside the block."""
-    rows, decline, gather = qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason, moe.gather_reason
-    qgemv.PREFILL_KERNEL_ROWS = P if name == "groups" else qgemv.MAX_ROWS
+    decline, gather = mlx_qmm.decline_reason, moe.gather_reason
     if name == "dequant":
         mlx_qmm.decline_reason = lambda qt, dtype: "forced off (bench_prefill --routes)"
+    if name in ("dequant", "qmm-grouped"):
         moe.gather_reason = lambda bank, dtype: "forced off (bench_prefill --routes)"
     try:
         yield
     finally:
-        qgemv.PREFILL_KERNEL_ROWS, mlx_qmm.decline_reason, moe.gather_reason = rows, decline, gather
+        mlx_qmm.decline_reason, moe.gather_reason = decline, gather
 
 
 def prefill_seconds(forward, prompt) -> float:
@@ -76,7 +77,7 @@ def route_agreement(model, prompt, routes: list) -> dict:
     """Each route's last-position logits against the dequantize route's: max |delta| / max |logit|."""
     out = {}
     for name in routes:
-        with route(name, prompt.shape[1]):
+        with route(name):
             out[name] = model(prompt, model.make_cache())[0, -1].astype(mx.float32)
     base = out.get("dequant")
     if base is None:
@@ -88,7 +89,7 @@ def route_agreement(model, prompt, routes: list) -> dict:
 def rotated_rounds(forward, prompt, routes: list, rounds: int) -> tuple[dict, int]:
     """Median seconds a route over the rounds kept, and how many were kept."""
     def one(name):
-        with route(name, prompt.shape[1]):
+        with route(name):
             return prefill_seconds(forward, prompt)
 
     for name in routes:                                   # unrecorded
@@ -107,7 +108,6 @@ def main():
     E.add_model_args(ap)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128, 512])
     ap.add_argument("--routes", nargs="+", default=list(ROUTES), choices=ROUTES)
-    ap.add_argument("--max-group-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-mlxlm", action="store_true", help="ours only")
     ap.add_argument("--json", default=None)
@@ -116,12 +116,12 @@ def main():
     rng = np.random.default_rng(0)
     prompts = {P: mx.array(rng.integers(0, args.vocab, (1, P)).astype(np.int32)) for P in args.tokens}
     res = {"backend": kernels.backend(), "layers": args.layers, "experts": args.experts,
-           "kernel_rows_default": qgemv.PREFILL_KERNEL_ROWS, "rows": []}
+           "rows": []}
     model = E.our_model(cfg)
     forward = ours_forward(model)
-    print(f"{'P':>5s} " + " ".join(f"{r + ' ms':>12s}" for r in ROUTES) + "  rounds  default route", flush=True)
+    print(f"{'P':>5s} " + " ".join(f"{r + ' ms':>12s}" for r in ROUTES) + "  rounds", flush=True)
     for P in args.tokens:
-        routes = [r for r in args.routes if r != "groups" or P <= args.max_group_tokens]
+        routes = list(args.routes)
         kernels.reset_counters()
         agree = route_agreement(model, prompts[P], routes)
         times, n = rotated_rounds(forward, prompts[P], routes, args.rounds)
@@ -129,9 +129,8 @@ def main():
                "vs_dequant": agree, "fallbacks": kernels.counters()["fallbacks"],
                "calls": kernels.counters()["calls"]}
         res["rows"].append(row)
-        default = "groups" if P <= res["kernel_rows_default"] else "mlx-qmm"
         cells = " ".join(f"{times[r] * 1e3:12.2f}" if r in times else f"{'-':>12s}" for r in ROUTES)
-        print(f"{P:5d} {cells}  {n:2d}/{args.rounds}  {default}; logits vs dequant (max |delta| / max |logit|): "
+        print(f"{P:5d} {cells}  {n:2d}/{args.rounds}; logits vs dequant (max |delta| / max |logit|): "
               + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()), flush=True)
     del model, forward
     kernels.moe.clear_banks()

@@ -127,7 +127,7 @@ for s in "${steps[@]}"; do
                    # 64 greedy tokens of mlx-lm checkpoints, kernels against the reference
                    step prefill_tests 300 python3 -m pytest -q -m device $(xdist_args) tests/test_mlx_qmm.py \
                      tests/test_mlx_lm_device.py -k "prefill_route or greedy_64"; reap ;;
-    bench_prefill) # prefill at 16-512 tokens by each route (8-row kernel groups, mx.quantized_matmul, dequantize), and
+    bench_prefill) # prefill at 16-512 tokens by each route (mx.quantized_matmul / gather_qmm, dequantize), and
                    # mlx-lm's prefill of the same prompt (the server's time to first token)
                    step bench_prefill 300 python3 scripts/bench/bench_prefill.py --json "$out/bench_prefill.json" ;;
     bench_e2e)     step bench_e2e 240 python3 scripts/bench/bench_e2e.py --steps 16 ${E2E_ARGS:-} ;;
