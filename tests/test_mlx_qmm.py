@@ -143,6 +143,10 @@ def test_moe_long_prefill_route_is_counted(monkeypatch):
     kernels.reset_counters()
     y = kernels.moe_block(x, experts, ids, w, residual=res)
     assert kernels.counters()["calls"] == {"moe_block/gather-qmm": 1}
+    monkeypatch.setattr(moe, "GATHER_MAX_TOKENS", N - 1)      # longer prefill: grouped by expert
+    monkeypatch.setattr(moe, "reference_moe_block", lambda *a, **k: mx.zeros((N, 256), mx.bfloat16))
+    kernels.moe_block(x, experts, ids, w)
+    assert kernels.counters()["calls"]["moe_block/grouped-prefill"] == 1
     want = res + moe.moe_gather_qmm(x, moe.resident_bank(experts).groups[0], ids, w)
     assert np.array_equal(np.array(y.astype(mx.float32)), np.array(want.astype(mx.float32)))
     moe.clear_banks()

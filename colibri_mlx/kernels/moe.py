@@ -9,10 +9,10 @@ rotate the layer input once and their SwiGLU outputs once (``hadamard``).
 The experts of a group are stacked in one byte buffer and one scale buffer (an
 :class:`ExpertBank`, built once per resident layer, or per call from the selected experts of
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
-routing ids never leave the GPU on the resident path. Prefill (N > 8) of a resident layer of
-MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes (fmt 2/3/4 read as
-MLX affine: :func:`moe_gather_qmm`); any other (a streamed layer's, other formats) groups
-tokens by expert and reads each selected expert once through ``qmatmul``.
+routing ids never leave the GPU on the resident path. Prefill (8 < N <= GATHER_MAX_TOKENS) of
+a resident layer of MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes
+(fmt 2/3/4 read as MLX affine: :func:`moe_gather_qmm`); any other (longer, a streamed layer's,
+other formats) groups tokens by expert and reads each selected expert once through ``qmatmul``.
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
 MLX gets; the MSL simulator tests run the same objects.
@@ -35,6 +35,11 @@ from .qgemv import at_least_8, e8grid
 from .reference import row_bytes, scales_per_row
 
 MAX_TOKENS = 8          # tokens a decode launch takes (more: prefill, gather_qmm or by expert)
+# Prefill of more tokens than this groups them by expert instead of mx.gather_qmm (moe_gather_qmm).
+# H200, the 4-layer bench model (docs/performance.md, "Prefill"): the forward on
+# mx.quantized_matmul + gather_qmm took 75 ms at 128 tokens and 268 at 512, dequantized and
+# grouped by expert 157 and 150; linear between, they cross near 280 tokens.
+GATHER_MAX_TOKENS = 256
 MAX_SLOTS = 96          # N * K: 8 tokens x (8 routed + 1 shared) fit; threadgroup tables are sized by it
 SIMD = 32
 MAX_SIMDGROUPS = qgemv.MAX_SIMDGROUPS
@@ -641,7 +646,7 @@ def _moe_block(x, experts, ids, weights, residual) -> tuple[mx.array, bool]:
     impl = dispatch.backend()
     streamed = getattr(experts, "prepare", None) is not None
     if impl == dispatch.REFERENCE or N > MAX_TOKENS:
-        if impl != dispatch.REFERENCE and not streamed:
+        if impl != dispatch.REFERENCE and not streamed and N <= GATHER_MAX_TOKENS:
             bank = resident_bank(experts)
             if gather_reason(bank, x.dtype) is None:
                 dispatch.record_call("moe_block", "gather-qmm")
