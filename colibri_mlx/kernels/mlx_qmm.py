@@ -5,11 +5,11 @@ GEMV kernel. Dequantizing writes a float copy of every weight and reads it back;
 ``mx.quantized_matmul`` reads the packed codes once, as mlx-lm's prefill does:
 
 * MLX's formats (fmt 7-10, mlx-lm checkpoints): the arrays as stored;
-* fmt 1 / 2 / 3 / 4 (int8, int4 and int2 per row, int4 grouped): MLX's affine layout carries the
-  same numbers. Codes are packed LSB-first in both, so the bytes read as uint32 words are MLX's
-  packed weight; ``w = (q - z) s`` is ``q s + b`` with ``b = -z s`` (z = 8 for 4 bits, 2 for 2
-  bits, 128 for fmt 1's int8 codes with their top bit flipped), a per-row scale repeated over
-  every group of the row.
+* fmt 4 (int4 grouped): MLX's affine layout carries the same numbers. Codes are packed LSB-first
+  in both, so the bytes read as uint32 words are MLX's packed weight; ``w = (q - 8) s`` is
+  ``q s + b`` with ``b = -8 s``. (The per-row formats would need their scale repeated over the
+  row's groups; on the H200, MLX's quantized matmul read such a repeated scale array wrong, so
+  they keep the dequantizing route.)
 
 Scales and biases go in x's dtype, as MLX's kernels take them (cast per call: they are 1/16 of
 the weight bytes or less). With bfloat16 x that rounds a float32 scale to bfloat16; ``-z s``
@@ -28,9 +28,8 @@ from ..formats.mlx_quant import MLX_FMTS
 from ..formats.qtensor import QTensor
 from .mlx_formats import _float_scales, _mx, is_mlx_kernel_fmt, kernel_bits
 
-# colibri fmt -> (bits, zero point): w = (q - zero) * scale, q unsigned. fmt 1's int8 codes
-# become unsigned with their top bit flipped (q + 128), a pass over the bytes per call.
-CONTAINER_AFFINE = {1: (8, 128), 2: (4, 8), 3: (2, 2), 4: (4, 8)}
+# colibri fmt -> (bits, zero point): w = (q - zero) * scale, q unsigned
+CONTAINER_AFFINE = {4: (4, 8)}
 GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewer scales to cast)
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # The kernels' FMT codes of MLX's formats (kernels/mlx_formats.py): affine 70 / 80 / 90 + bits
@@ -40,18 +39,16 @@ FP_KERNEL_MODES = {8: "mxfp4", 9: "nvfp4", 10: "mxfp8"}
 
 
 def layout_reason(fmt: int, gs, I: int) -> Optional[str]:
-    """Why a fmt 1-4 matrix of rows of ``I`` weights has no MLX affine reading, or None."""
+    """Why a matrix of rows of ``I`` weights of colibri fmt ``fmt`` has no MLX affine reading, or None."""
     if fmt not in CONTAINER_AFFINE:
         return f"fmt {fmt} has no MLX layout"
     bits, _ = CONTAINER_AFFINE[fmt]
     if I % (32 // bits):
         return f"row of {I} weights is not whole uint32 words"
-    if fmt == 4 and gs not in GROUP_SIZES:
+    if gs not in GROUP_SIZES:
         return f"group size {gs} is not one of MLX's {GROUP_SIZES}"
-    if fmt == 4 and I % gs:
+    if I % gs:
         return f"row of {I} weights ends in a partial group of {gs}"
-    if fmt != 4 and not any(I % g == 0 for g in GROUP_SIZES):
-        return f"row of {I} weights is not a multiple of 32"
     return None
 
 
@@ -67,23 +64,13 @@ def decline_reason(qt: QTensor, dtype) -> Optional[str]:
 def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
                   dtype) -> tuple:
     """``(w uint32 [*lead, O, I*bits/32], scales, biases [*lead, O, I/group], group_size, bits)``
-    of fmt 1-4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
-    (float32, per row or per group; only the first ones are read)."""
+    of fmt 4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
+    (float32 a group; only the first ones are read)."""
     bits, zero = CONTAINER_AFFINE[fmt]
-    packed = packed.reshape(-1)
-    if fmt == 1:
-        packed = packed.view(mx.uint8) ^ 0x80
-    w = packed.view(mx.uint32).reshape(*lead, O, I * bits // 32)
+    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)
     n = int(np.prod(lead, dtype=np.int64)) * O
-    if fmt == 4:
-        group = gs
-        s = scales.reshape(-1)[: n * (I // gs)].reshape(*lead, O, I // gs)
-    else:
-        group = next(g for g in GROUP_SIZES if I % g == 0)
-        # materialized: MLX's GPU quantized matmul reads the scales as a dense [.., O, groups] array
-        s = mx.contiguous(mx.broadcast_to(scales.reshape(-1)[:n].reshape(*lead, O, 1), (*lead, O, I // group)))
-    s = s.astype(dtype)
-    return w, s, s * -float(zero), group, bits
+    s = scales.reshape(-1)[: n * (I // gs)].reshape(*lead, O, I // gs).astype(dtype)
+    return w, s, s * -float(zero), gs, bits
 
 
 def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
@@ -103,17 +90,14 @@ def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
 
 
 def stacked_reason(kfmt: int, gs, I: int) -> Optional[str]:
-    """:func:`layout_reason` for stacked matrices of kernel FMT code ``kfmt`` (moe's banks; not
-    fmt 1, whose byte pass would copy every expert of the layer)."""
-    if kfmt == 1:
-        return "fmt 1 experts (a flipped copy of every expert's bytes a call)"
+    """:func:`layout_reason` for stacked matrices of kernel FMT code ``kfmt`` (moe's banks)."""
     return None if is_mlx_kernel_fmt(kfmt) else layout_reason(kfmt, gs, I)
 
 
 def stacked_arrays(kfmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
                    dtype) -> tuple:
     """``(w, scales, biases or None, group_size, bits, mode)`` for ``mx.gather_qmm`` of matrices
-    stored back to back as the kernels take them (moe's ExpertBank): fmt 2/3/4 read as affine
+    stored back to back as the kernels take them (moe's ExpertBank): fmt 4 read as affine
     (:func:`affine_arrays`); MLX's formats from their kernel inputs (mlx_formats.kernel_scales:
     affine 16-bit scale and bias in one word, or two float32 words; fp modes the scale bytes,
     rows padded to whole words)."""

@@ -10,8 +10,8 @@ The experts of a group are stacked in one byte buffer and one scale buffer (an
 :class:`ExpertBank`, built once per resident layer, or per call from the selected experts of
 a streamed layer), and ``lut[e]`` maps a layer expert id to its place in the group, so the
 routing ids never leave the GPU on the resident path. Prefill (8 < N <= GATHER_MAX_TOKENS) of
-a resident layer of MLX's formats or fmt 2/3/4 runs ``mx.gather_qmm`` over the stacked bytes
-(fmt 2/3/4 read as MLX affine: :func:`moe_gather_qmm`); any other (longer, a streamed layer's,
+a resident layer of MLX's formats or fmt 4 runs ``mx.gather_qmm`` over the stacked bytes
+(fmt 4 read as MLX affine: :func:`moe_gather_qmm`); any other (longer, a streamed layer's,
 other formats) groups tokens by expert and reads each selected expert once through ``qmatmul``.
 
 ``launch specs`` (``gate_up_spec``, ``down_spec``, ``hadamard_spec``) are the exact launches
@@ -712,7 +712,7 @@ def gather_reason(bank: ExpertBank, dtype) -> Optional[str]:
 
 def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array) -> mx.array:
     """``[N, D]`` in x's dtype: a long prefill as mlx-lm's SwitchGLU computes it, over the
-    group's stacked bytes (MLX's formats, or fmt 2/3/4 read as MLX affine: kernels/mlx_qmm.py).
+    group's stacked bytes (MLX's formats, or fmt 4 read as MLX affine: kernels/mlx_qmm.py).
     The N * K (token, slot) rows are sorted by expert, so each selected expert's weights are read once for
     all its rows: ``mx.gather_qmm`` of gate+up (one matrix of 2 * inter rows an expert), SwiGLU,
     ``mx.gather_qmm`` of down, then the rows unsorted and summed with the routing weights in
