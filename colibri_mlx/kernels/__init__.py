@@ -103,14 +103,12 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
         if gpu and qt.fmt != 0 and mlx_qmm.decline_reason(qt, x.dtype) is None:
             dispatch.record_call("qmm", "mlx-quantized-matmul")
             y = mlx_qmm.qmatmul(x, qt)
-            y = y if residual is None else residual + y
-            return y if out_dtype is None or y.dtype == out_dtype else y.astype(out_dtype)
-        path = "f32" if qt.fmt == 0 else "qmm"
-        dispatch.record_call(path, "dequant-matmul")
-        if not gpu and qt.fmt != 0:
-            y = reference.cached_qmatmul(xr, qt)
         else:
-            y = reference.qmatmul(x, qt, compute_dtype=x.dtype if gpu else mx.float32)
+            dispatch.record_call("f32" if qt.fmt == 0 else "qmm", "dequant-matmul")
+            if not gpu and qt.fmt != 0:
+                y = reference.cached_qmatmul(xr, qt)
+            else:
+                y = reference.qmatmul(x, qt, compute_dtype=x.dtype if gpu else mx.float32)
     else:
         dispatch.record_call("qgemv", REFERENCE)
         y = reference.cached_qmatmul(xr, qt)

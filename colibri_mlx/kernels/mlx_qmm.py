@@ -13,7 +13,7 @@ GEMV kernel. Dequantizing writes a float copy of every weight and reads it back;
 
 Scales and biases go in x's dtype, as MLX's kernels take them (cast per call: they are 1/16 of
 the weight bytes or less). With bfloat16 x that rounds a float32 scale to bfloat16; ``-z s``
-stays exact (z is a power of two), so a weight becomes ``(q - z) * bf16(s)``: off by at most
+stays exact (z = 8 is a power of two), so a weight becomes ``(q - z) * bf16(s)``: off by at most
 2^-9 relatively, as the dequantized bfloat16 weight of the other route is.
 """
 
@@ -28,9 +28,9 @@ from ..formats.mlx_quant import MLX_FMTS
 from ..formats.qtensor import QTensor
 from .mlx_formats import _float_scales, _mx, is_mlx_kernel_fmt, kernel_bits
 
-# colibri fmt -> (bits, zero point): w = (q - zero) * scale, q unsigned
-CONTAINER_AFFINE = {4: (4, 8)}
-GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes, largest first (fewer scales to cast)
+AFFINE_FMT = 4                   # colibri's int4 grouped: w = (q - 8) * scale, q unsigned 4-bit
+AFFINE_BITS, AFFINE_ZERO = 4, 8
+GROUP_SIZES = (128, 64, 32)      # MLX's affine group sizes
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # The kernels' FMT codes of MLX's formats (kernels/mlx_formats.py): affine 70 / 80 / 90 + bits
 # with bfloat16 / float16 / float32 scales, then the fp modes.
@@ -40,11 +40,8 @@ FP_KERNEL_MODES = {8: "mxfp4", 9: "nvfp4", 10: "mxfp8"}
 
 def layout_reason(fmt: int, gs, I: int) -> Optional[str]:
     """Why a matrix of rows of ``I`` weights of colibri fmt ``fmt`` has no MLX affine reading, or None."""
-    if fmt not in CONTAINER_AFFINE:
+    if fmt != AFFINE_FMT:
         return f"fmt {fmt} has no MLX layout"
-    bits, _ = CONTAINER_AFFINE[fmt]
-    if I % (32 // bits):
-        return f"row of {I} weights is not whole uint32 words"
     if gs not in GROUP_SIZES:
         return f"group size {gs} is not one of MLX's {GROUP_SIZES}"
     if I % gs:
@@ -61,16 +58,14 @@ def decline_reason(qt: QTensor, dtype) -> Optional[str]:
     return layout_reason(qt.fmt, qt.gs, qt.I)
 
 
-def affine_arrays(fmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array,
-                  dtype) -> tuple:
-    """``(w uint32 [*lead, O, I*bits/32], scales, biases [*lead, O, I/group], group_size, bits)``
-    of fmt 4 matrices stored back to back in ``packed`` (bytes or words) and ``scales``
-    (float32 a group; only the first ones are read)."""
-    bits, zero = CONTAINER_AFFINE[fmt]
-    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)
+def affine_arrays(gs: int, lead: tuple, O: int, I: int, packed: mx.array, scales: mx.array, dtype) -> tuple:
+    """``(w uint32 [*lead, O, I/8], scales, biases [*lead, O, I/gs])`` of fmt 4 matrices stored
+    back to back in ``packed`` (bytes or words) and ``scales`` (float32 a group; only the first
+    ones are read)."""
+    w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * AFFINE_BITS // 32)
     n = int(np.prod(lead, dtype=np.int64)) * O
     s = scales.reshape(-1)[: n * (I // gs)].reshape(*lead, O, I // gs).astype(dtype)
-    return w, s, s * -float(zero), gs, bits
+    return w, s, s * -float(AFFINE_ZERO)
 
 
 def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
@@ -85,8 +80,8 @@ def qmatmul(x: mx.array, qt: QTensor) -> mx.array:
             scales, biases = _mx(qt.scales), None
         return mx.quantized_matmul(x, _mx(qt.packed), scales, biases, transpose=True, group_size=qt.gs,
                                    bits=qt.bits, mode=m.mode)
-    w, s, b, gs, bits = affine_arrays(qt.fmt, qt.gs, (), qt.O, qt.I, _mx(qt.packed), _mx(qt.scales), x.dtype)
-    return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode="affine")
+    w, s, b = affine_arrays(qt.gs, (), qt.O, qt.I, _mx(qt.packed), _mx(qt.scales), x.dtype)
+    return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=qt.gs, bits=AFFINE_BITS, mode="affine")
 
 
 def stacked_reason(kfmt: int, gs, I: int) -> Optional[str]:
@@ -102,7 +97,7 @@ def stacked_arrays(kfmt: int, gs, lead: tuple, O: int, I: int, packed: mx.array,
     affine 16-bit scale and bias in one word, or two float32 words; fp modes the scale bytes,
     rows padded to whole words)."""
     if not is_mlx_kernel_fmt(kfmt):
-        return (*affine_arrays(kfmt, gs, lead, O, I, packed, scales, dtype), "affine")
+        return (*affine_arrays(gs, lead, O, I, packed, scales, dtype), gs, AFFINE_BITS, "affine")
     bits = kernel_bits(kfmt)
     n, ng = int(np.prod(lead, dtype=np.int64)) * O, I // gs
     w = packed.reshape(-1).view(mx.uint32).reshape(*lead, O, I * bits // 32)

@@ -713,8 +713,8 @@ def gather_reason(bank: ExpertBank, dtype) -> Optional[str]:
 def moe_gather_qmm(x: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array) -> mx.array:
     """``[N, D]`` in x's dtype: a long prefill as mlx-lm's SwitchGLU computes it, over the
     group's stacked bytes (MLX's formats, or fmt 4 read as MLX affine: kernels/mlx_qmm.py).
-    The N * K (token, slot) rows are sorted by expert, so each selected expert's weights are read once for
-    all its rows: ``mx.gather_qmm`` of gate+up (one matrix of 2 * inter rows an expert), SwiGLU,
+    The N * K (token, slot) rows are sorted by expert, so each selected expert's weights are
+    read once for all its rows: ``mx.gather_qmm`` of gate+up (one matrix of 2 * inter rows an expert), SwiGLU,
     ``mx.gather_qmm`` of down, then the rows unsorted and summed with the routing weights in
     float32. Dropped slots (ids < 0, from router top-p) weigh 0."""
     N, K = ids.shape
