@@ -218,10 +218,14 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int a = int(threadgroup_position_in_grid.y);
+  // TOK 1 (S 1): grid.y is a slot of any of the batch's tokens; the block runs the one-token
+  // launch for that slot's token (its K slots, its x row, its h rows).
+  const int tok = TOK ? int(threadgroup_position_in_grid.y) / K : 0;
+  const int slot0 = tok * K;                   // the token's first slot in ids and h
+  const int a = int(threadgroup_position_in_grid.y) - slot0;
   threadgroup int sl[moe_max_slots()];
   threadgroup float red[NW * R2 * S];
-  moe_slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
+  moe_slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
   // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
   // whole units in qd_xp_index's layout, which moe_down's lanes read coalesced.
@@ -237,7 +241,7 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       if (tid < ROWS && row0 + tid < O) {
         // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
         for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
-          h[size_t(a) * hs + (HP > 0 ? qd_xp_index<HPU>(O, row) : row)] = 0.0f;
+          h[size_t(slot0 + a) * hs + (HP > 0 ? qd_xp_index<HPU>(O, row) : row)] = 0.0f;
         }
       }
     }
@@ -264,7 +268,7 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     }
     int xoff[S];
     for (int s = 0; s < S; ++s) {
-      xoff[s] = s * I;
+      xoff[s] = (tok + s) * I;
     }
     float acc[R2][S];
     for (int r = 0; r < R2; ++r) {
@@ -322,9 +326,9 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
         const int hi = HP > 0 ? qd_xp_index<HPU>(O, row) : row;
         for (int b = s * K; b < s * K + K; ++b) {
           if (sl[b] == e) {
-            h[size_t(b) * hs + hi] = hv;
+            h[size_t(slot0 + b) * hs + hi] = hv;
             for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
-              h[size_t(b) * hs + qd_xp_index<HPU>(O, pad)] = 0.0f;
+              h[size_t(slot0 + b) * hs + qd_xp_index<HPU>(O, pad)] = 0.0f;
             }
           }
         }
@@ -360,12 +364,16 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   threadgroup ulong ewo[moe_max_slots()];        // distinct expert: its first down row (bytes)
   threadgroup ulong eso[moe_max_slots()];        // ... and its first scale (floats)
   threadgroup float red[NW * ROWS * S];
+  // TOK 1 (S 1): grid.y is a token of the batch; the block runs the one-token launch for it (its
+  // K slots and h rows, its y row).
+  const int tok = TOK ? int(threadgroup_position_in_grid.y) : 0;
+  const int slot0 = tok * K;
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
   for (int b = tid; b < n_slots; b += 32 * NW) {
-    swt[b] = weights[b];
+    swt[b] = weights[slot0 + b];
   }
-  moe_slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
+  moe_slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   for (int b = tid; b < n_slots; b += 32 * NW) {
     int first = sl[b] >= 0 ? 1 : 0;
     for (int c = 0; c < b; ++c) {
@@ -429,7 +437,7 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
       moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
                                                     raw, scl);
-      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0,
+      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h + size_t(slot0) * hs, sd, e8grid, eso, eslot, ewt, rd, row0,
                                                                   soff, ng, I, hs, n_units, n_items, base, raw,
                                                                   scl, acc);
     }
@@ -446,7 +454,7 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       if (row0 + r < O) {
         // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
         const OT yv = static_cast<OT>(v);
-        const size_t at = size_t(s) * O + row0 + r;
+        const size_t at = size_t(tok + s) * O + row0 + r;
         y[at] = RES ? static_cast<OT>(float(res[at]) + float(yv)) : yv;
       }
     }

@@ -317,8 +317,8 @@ def test_hadamard_matches_float64(n):
 # mix their error stays inside the (fmt 6 dominated) budget.
 FMT4_ONLY = [4, 4, 4, 4, 4]
 MOE_DEFECTS = {
-    "leader writes only its own slot": ("if (sl[b] == e) {\n            h[size_t(b) * hs + hi] = hv;",
-                                        "if (b == a) {\n            h[size_t(b) * hs + hi] = hv;"),
+    "leader writes only its own slot": ("if (sl[b] == e) {\n            h[size_t(slot0 + b) * hs + hi] = hv;",
+                                        "if (b == a) {\n            h[size_t(slot0 + b) * hs + hi] = hv;"),
     # h in qd_xp_index's layout (padded rows of 4-float chunks ordered chunk-major)
     # (fmt 4 only: fmt 6 rotates h in row order, and its large outputs would widen the budget)
     "h padding past O left unwritten": ("for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {",
@@ -1066,6 +1066,57 @@ def test_moe_residual_is_the_separate_add(metal, monkeypatch, dtype, fmts):
     assert np.array_equal(np.array(got.astype(mx.float32)), np.array((res + plain).astype(mx.float32)))
     res_flags = [dict(s.template)["RES"] for s in specs if s.name == "moe_down"]
     assert res_flags == ([1] if len(set(fmts)) == 1 else [0] * len(res_flags)), res_flags
+
+
+@pytest.mark.parametrize("fmts", [[4] * 6, [6] * 6, [2, 4, 2, 4, 5, 1]], ids=["fmt4", "fmt6", "mixed"])
+def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
+    """TOK 1 (per_token): S tokens as one grid of one-token launches give, bit for bit, each
+    token's own one-token moe_block, with and without the residual (the write's row offset),
+    over ragged, dropped, repeated and shared slots; and they are within the float64 bound."""
+    D = 300 if 6 in fmts else 96
+    experts = make_experts(fmts, D=D, inter=40, gs=32, seed=21)
+    ids = mx.array(np.array([[0, 3, 5], [5, 5, 1], [2, -1, 4], [0, 3, 5]], np.int32))
+    w = mx.array(np.random.default_rng(5).uniform(0.1, 1, (4, 3)).astype(np.float32))
+    x, res = x_of(4, D, seed=6), x_of(4, D, seed=7) * 10
+    specs = []
+    monkeypatch.setattr(dispatch, "launch", lambda b, spec: specs.append(spec) or simulate(spec, simulator))
+    launch_args(monkeypatch, "gate_up_spec", per_token=True)
+    launch_args(monkeypatch, "down_spec", per_token=True)
+    grid = kernels.moe_block(x, experts, ids, w)
+    grid_res = kernels.moe_block(x, experts, ids, w, residual=res)
+    assert {dict(s.template)["TOK"] for s in specs if s.name in ("moe_gate_up", "moe_down")} == {1}
+    assert {s.grid[1] for s in specs if s.name == "moe_down"} == {4}
+    assert_moe_close(grid, x, experts, ids, w, "per-token grid")
+    for n in range(4):
+        one = kernels.moe_block(x[n:n + 1], experts, ids[n:n + 1], w[n:n + 1])
+        one_res = kernels.moe_block(x[n:n + 1], experts, ids[n:n + 1], w[n:n + 1], residual=res[n:n + 1])
+        assert np.array_equal(np.array(grid[n]), np.array(one[0])), n
+        assert np.array_equal(np.array(grid_res[n]), np.array(one_res[0])), n
+
+
+def test_moe_per_token_planted_defects_are_caught(metal, monkeypatch):
+    """Each token's offsets matter: a per-token grid reading token 0's x row, slots or h rows,
+    or writing every token's y into row 0's place, fails the oracle."""
+    experts = make_experts([4] * 6, D=96, inter=40, gs=32, seed=22)
+    ids, w = routing(3, 3, 6, seed=8)
+    x = x_of(3, 96, seed=9)
+    launch_args(monkeypatch, "gate_up_spec", per_token=True)
+    launch_args(monkeypatch, "down_spec", per_token=True)
+    run_moe(experts, N=3, K=3, ids=np.array(ids), seed=8)
+    defects = [("moe_gate_up", "xoff[s] = (tok + s) * I;", "xoff[s] = s * I;"),
+               ("moe_gate_up", "moe_slot_table(ids + slot0,", "moe_slot_table(ids,"),
+               ("moe_down", "(h + size_t(slot0) * hs,", "(h,"),
+               ("moe_down", "size_t(tok + s) * O + row0 + r;", "size_t(s) * O + row0 + r;")]
+    for name, good, bad in defects:
+        def planted(spec):
+            if spec.name == name:
+                assert spec.source.count(good) == 1, f"the defect {bad!r} no longer plants"
+                spec.source = spec.source.replace(good, bad)
+            return simulate(spec, simulator)
+
+        monkeypatch.setattr(dispatch, "launch", lambda b, spec: planted(spec))
+        with pytest.raises((AssertionError, simulator.SimulatorError)):   # wrong values or rows never written
+            run_moe(experts, N=3, K=3, ids=np.array(ids), seed=8)
 
 
 def test_moe_residual_planted_defect_is_caught(metal, monkeypatch):

@@ -271,10 +271,14 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int a = int(blockIdx.y);
+  // TOK 1 (S 1): grid.y is a slot of any of the batch's tokens; the block runs the one-token
+  // launch for that slot's token (its K slots, its x row, its h rows).
+  const int tok = TOK ? int(blockIdx.y) / K : 0;
+  const int slot0 = tok * K;                   // the token's first slot in ids and h
+  const int a = int(blockIdx.y) - slot0;
   __shared__ int sl[colibri_moe::max_slots()];
   __shared__ float red[NW * R2 * S];
-  colibri_moe::slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
+  colibri_moe::slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
   // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
   // whole units in xp_index's layout, which moe_down's lanes read coalesced.
@@ -290,7 +294,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       if (tid < ROWS && row0 + tid < O) {
         // The writer of row O - 1 also zeroes the padding past O (every element of h is written).
         for (int row = row0 + tid; row < (row0 + tid == O - 1 ? hs : row0 + tid + 1); ++row) {
-          h[size_t(a) * hs + (HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row)] = 0.0f;
+          h[size_t(slot0 + a) * hs + (HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row)] = 0.0f;
         }
       }
     }
@@ -320,7 +324,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     int xoff[S];
 #pragma unroll
     for (int s = 0; s < S; ++s) {
-      xoff[s] = s * I;
+      xoff[s] = (tok + s) * I;
     }
     float acc[R2][S];
 #pragma unroll
@@ -357,9 +361,9 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
         const int hi = HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row;
         for (int b = s * K; b < s * K + K; ++b) {
           if (sl[b] == e) {
-            h[size_t(b) * hs + hi] = hv;
+            h[size_t(slot0 + b) * hs + hi] = hv;
             for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
-              h[size_t(b) * hs + colibri_qd::xp_index<HPU>(O, pad)] = 0.0f;
+              h[size_t(slot0 + b) * hs + colibri_qd::xp_index<HPU>(O, pad)] = 0.0f;
             }
           }
         }
@@ -395,12 +399,16 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   __shared__ size_t ewo[colibri_moe::max_slots()];   // distinct expert: its first down row (bytes)
   __shared__ size_t eso[colibri_moe::max_slots()];   // ... and its first scale (floats)
   __shared__ float red[NW * ROWS * S];
+  // TOK 1 (S 1): grid.y is a token of the batch; the block runs the one-token launch for it (its
+  // K slots and h rows, its y row).
+  const int tok = TOK ? int(blockIdx.y) : 0;
+  const int slot0 = tok * K;
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
   for (int b = tid; b < n_slots; b += 32 * NW) {
-    swt[b] = weights[b];
+    swt[b] = weights[slot0 + b];
   }
-  colibri_moe::slot_table(ids, lut, n_slots, E, tid, 32 * NW, sl);
+  colibri_moe::slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   for (int b = tid; b < n_slots; b += 32 * NW) {
     int first = sl[b] >= 0 ? 1 : 0;
     for (int c = 0; c < b; ++c) {
@@ -444,7 +452,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int n_blocks = (O + ROWS - 1) / ROWS;
   const int blk_step = PERS ? int(gridDim.x) : n_blocks;
   const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
-  const bool x16 = (reinterpret_cast<uintptr_t>(h) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(h + size_t(slot0) * hs) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
     int rd[ROWS];                               // row r of the block: row0 + rd[r]
@@ -462,10 +470,12 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     }
     if (w16 && x16) {
       colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
-          h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
+          h + size_t(slot0) * hs, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items,
+          tid, acc);
     } else {
       colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
-          h, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
+          h + size_t(slot0) * hs, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items,
+          tid, acc);
     }
     colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
     __syncthreads();
@@ -480,7 +490,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       if (row0 + r < O) {
         // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
         const OT yv = static_cast<OT>(v);
-        const size_t at = size_t(s) * O + row0 + r;
+        const size_t at = size_t(tok + s) * O + row0 + r;
         y[at] = RES ? static_cast<OT>(static_cast<float>(res[at]) + static_cast<float>(yv)) : yv;
       }
     }

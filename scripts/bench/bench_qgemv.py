@@ -3,7 +3,7 @@
 
     PYTHONPATH=/root/site:$PWD python3 scripts/bench/bench_qgemv.py [--json out.json]
 
-Method: S = 1, bf16 x; each timed evaluation runs N independent GEMVs that
+Method: S = --rows rows of bf16 x (default 1); each timed evaluation runs N independent GEMVs that
 cycle through enough weight copies to exceed the 60 MB L2 several times, so weights come from
 HBM; the graph is built before the clock starts and the clock stops after mx.synchronize();
 median of REPS evaluations, divided by N. Bytes = packed weights + scales + x (what must be
@@ -165,6 +165,8 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=[f"{O}x{I}" for O, I in SHAPES],
                     help="OxI shapes to time (default: all of SHAPES)")
     ap.add_argument("--fmts", nargs="*", type=int, default=[1, 2, 3, 4, 5, 6])
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (a batch's decode rows)")
+    ap.add_argument("--no-variants", action="store_true", help="only the default launch of each fmt")
     args = ap.parse_args()
     if dispatch.gpu_backend() != dispatch.CUDA:
         print("bench_qgemv: needs MLX's CUDA backend")
@@ -172,16 +174,16 @@ def main():
     mx.random.seed(0)
     rows = []
     for O, I in (tuple(int(v) for v in s.split("x")) for s in args.shapes):
-        x = mx.random.normal((1, I)).astype(mx.bfloat16)
+        x = mx.random.normal((args.rows, I)).astype(mx.bfloat16)
         t_qmm, b_qmm = bench_mlx_qmm(O, I, x)
         rows.append(row("mx.quantized_matmul 4b g64", O, I, t_qmm, b_qmm))
-        tunings = TUNINGS if O * I >= 2**26 else SMALL_TUNINGS
+        tunings = [{}] if args.no_variants else TUNINGS if O * I >= 2**26 else SMALL_TUNINGS
         for fmt, gs in ((f, 64 if f == 4 else None) for f in (2, 4) if f in args.fmts):
             for tuning in tunings:
                 label = f"fmt {fmt} {O}x{I}" if not tuning else None
                 t, b = bench_ours(fmt, O, I, x, gs, label=label, **tuning)
                 rows.append(row(f"qgemv fmt {fmt} {launch_label(fmt, O, I, gs, x, tuning)}", O, I, t, b, t_qmm))
-            if O * I < 2**26:
+            if O * I < 2**26 and not args.no_variants:
                 t, b = bench_kernel_only(fmt, O, I, x, gs)
                 rows.append(row(f"qgemv fmt {fmt} kernel only (16 stacked)", O, I, t, b, t_qmm))
         for fmt in (f for f in (1, 3, 5, 6) if f in args.fmts):

@@ -107,7 +107,12 @@ def main():
     ap.add_argument("--rows", type=int, default=1,
                     help="also profile our forward step of this many rows at the same context, rolled back "
                          "each time (a speculative verify step: 1 + drafts)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together (a batch of B prompts, one token each a step: the serving "
+                         "engine's step at B streams)")
     args = ap.parse_args()
+    if args.batch > 1 and args.rows > 1:
+        ap.error("--batch and --rows: one at a time")
     if kernels.backend() != "cuda":
         print(f"profile_step: needs the CUDA backend (this is {kernels.backend()}); nothing to profile")
         return 0
@@ -115,16 +120,17 @@ def main():
 
     torch.cuda.init()
     cfg = E.model_config(args)
-    prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (1, 16)).astype(np.int32))
+    prompt = mx.array(np.random.default_rng(0).integers(0, args.vocab, (args.batch, 16)).astype(np.int32))
     header = (f"{'model':<22} {'wall':>8} {'host lead':>9} {'GPU busy':>8} {'gaps':>7} {'tail':>6} {'kernels':>8}")
-    print(f"per synchronized decode step, us (median of {args.steps}):")
+    print(f"per synchronized decode step of {args.batch} sequence(s), us (median of {args.steps}):")
     print(header)
     tops = []
     if args.model:
         from colibri_mlx.models.loading import load_model
 
         ours = load_model(args.model)
-        prompt = mx.array(np.random.default_rng(0).integers(0, ours.args.vocab_size, (1, 16)).astype(np.int32))
+        prompt = mx.array(np.random.default_rng(0).integers(0, ours.args.vocab_size, (args.batch, 16))
+                          .astype(np.int32))
         kernels.reset_counters()
     else:
         ours = E.our_model(cfg)

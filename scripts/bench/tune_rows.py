@@ -9,7 +9,7 @@ logits), 18432 x 7168, 7168 x 2048 and 2112 x 7168 (the stacked q_a / kv_a), and
 moe_down (8 routed experts a row of --experts, 7168 <-> 2048; each row its own random experts,
 as a verify step's rows of the random bench model route). Each at S = 1 (default settings), at
 S = --rows (default), then at S = --rows for each setting of --qgemv (ROWS:NW:UNROLL:NIB:PF[:PB])
-and --down / --gate-up (bench_moe_parts' syntax).
+and --down / --gate-up (bench_moe_parts' syntax; "tok": the grid of one-token launches).
 
 Method: profile_kernels.py's: CUPTI kernel records (PyTorch's profiler) of --iters rounds, each
 launch of a chain of 8 instances (own weights: nothing an L2 hit) evaluated alone; the median
@@ -39,8 +39,8 @@ import profile_kernels as P  # noqa: E402
 QGEMV_SHAPES = ((129280, 7168, mx.float32), (18432, 7168, None), (7168, 2048, None), (2112, 7168, None))
 QGEMV_SETTINGS = ["6:-:-:-:-", "2:-:-:-:-", "-:2:-:-:-", "-:-:2:-:0", "-:-:1:-:0", "8:1:1:-:1"]
 MOE_D, MOE_INTER = 7168, 2048
-DOWN_SETTINGS = ["-:-:1:-", "2:-:-:-", "8:-:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-:-:-:1024"]
-GATE_UP_SETTINGS = ["-:-:-:-:1", "-:-:1:-:0", "1:-:-:-:-", "4:-:-:-:-", "-:2:-:-:-"]
+DOWN_SETTINGS = ["tok", "-:-:1:-", "2:-:-:-", "8:-:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-:-:-:1024"]
+GATE_UP_SETTINGS = ["tok", "-:-:-:-:1", "-:-:1:-:0", "1:-:-:-:-", "4:-:-:-:-", "-:2:-:-:-"]
 
 
 def qgemv_launches(impl, S_list, settings):
@@ -92,7 +92,7 @@ def moe_launches(impl, S_list, experts, k, gate_up_settings, down_settings):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=4, help="S of the multi-row launches (2..8)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[4], help="S of the multi-row launches (2..8)")
     ap.add_argument("--experts", type=int, default=64, help="routed experts a layer (the bank; 8 instances)")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
@@ -106,7 +106,7 @@ def main():
     if impl != dispatch.CUDA:
         print(f"tune_rows: needs the CUDA backend (CUPTI; this is {impl}); nothing to time")
         return 0
-    S_list = (1, args.rows)
+    S_list = (1, *args.rows)
     launches, keep = qgemv_launches(impl, S_list, args.qgemv)
     more, keep_moe = moe_launches(impl, S_list, args.experts, args.k, args.gate_up, args.down)
     launches += more
@@ -132,11 +132,12 @@ def main():
         rows.append(dict(launch=name, S=S, setting=cfg, us=us, vs_one_row=ratio, bytes=nbytes, template=detail))
     best = {}
     for r in rows:
-        if r["S"] > 1 and (r["launch"] not in best or r["us"] < best[r["launch"]]["us"]):
-            best[r["launch"]] = r
-    print(f"\nfastest at S={args.rows}:")
+        key = f"{r['launch']} S={r['S']}"
+        if r["S"] > 1 and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    print("\nfastest at each S:")
     for name, r in best.items():
-        print(f"  {name:<22} {r['setting']:<18} {r['us']:8.1f} us  x{r['vs_one_row']:.2f} of one row  {r['template']}")
+        print(f"  {name:<27} {r['setting']:<18} {r['us']:8.1f} us  x{r['vs_one_row']:.2f} of one row  {r['template']}")
     if args.json:
         args.json.write_text(json.dumps(dict(rows=rows, best=best), indent=1))
     return 0
