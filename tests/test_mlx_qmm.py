@@ -65,6 +65,30 @@ def test_gpu_prefill_route_is_counted(monkeypatch):
     kernels.reset_counters()
 
 
+def test_cuda_decode_rows_from_qmm_min_rows(monkeypatch):
+    """On CUDA, kernels.QMM_MIN_ROWS (8) bfloat16 decode rows of a format MLX reads take
+    mx.quantized_matmul (its result, residual added, float32 logits cast from it); one row fewer
+    stays on qgemv, as does a format MLX does not read at 8 rows."""
+    monkeypatch.setattr(kernels, "backend", lambda: kernels.CUDA)
+    S = kernels.QMM_MIN_ROWS[kernels.CUDA]
+    assert S <= qgemv.MAX_ROWS
+    qt = random_qtensor(4, 24, 256, gs=64, seed=11)
+    x = random_x(S, 256, mx.bfloat16, seed=12)
+    res = random_x(S, 24, mx.bfloat16, seed=13)
+    kernels.reset_counters()
+    y = kernels.qmatmul(x, qt, residual=res)
+    logits = kernels.qmatmul(x.reshape(2, S // 2, 256), qt, out_dtype=mx.float32)
+    assert kernels.counters()["calls"] == {"qmm/mlx-quantized-matmul": 2}
+    want = mlx_qmm.qmatmul(x, qt)
+    assert np.array_equal(np.array(y.astype(mx.float32)), np.array((res + want).astype(mx.float32)))
+    assert logits.dtype == mx.float32 and logits.shape == (2, S // 2, 24)
+    assert np.array_equal(np.array(logits).reshape(S, 24), np.array(want.astype(mx.float32)))
+    assert not kernels._mlx_qmm_takes(x[: S - 1], qt, S - 1, kernels.CUDA)
+    assert not kernels._mlx_qmm_takes(x, random_qtensor(2, 24, 256, seed=14), S, kernels.CUDA)
+    assert not kernels._mlx_qmm_takes(x, qt, S, kernels.METAL)
+    kernels.reset_counters()
+
+
 @pytest.mark.parametrize("fmt,gs,I", CONTAINER_CASES, ids=[f"fmt{f}-gs{g}-I{i}" for f, g, i in CONTAINER_CASES])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.device

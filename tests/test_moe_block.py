@@ -94,26 +94,20 @@ def test_deepseek_shape_down_with_the_shape_from_params(monkeypatch, fmts):
 
 
 @gpu_only
-@pytest.mark.parametrize("per_token", [False, True])
-def test_deepseek_shape_rows_are_each_token_alone(monkeypatch, per_token):
-    """8 tokens of a batch (one of them repeated), as one S = 8 launch or as one grid of
-    one-token launches (per_token, TOK 1): within the float64 bound, and each token's row of the
-    per-token grid is bit for bit its own one-token launch."""
-    for name in ("gate_up_spec", "down_spec"):
-        real = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *a, _real=real, **kw: _real(*a, **{**kw, "per_token": per_token}))
+def test_deepseek_shape_rows_are_each_token_alone():
+    """8 tokens of a batch (one of them repeated) as one grid of one-token launches (TOK 1):
+    within the float64 bound, and each token's row bit for bit its own one-token launch."""
     experts = make_experts([4] * 24, D=7168, inter=2048, gs=64, seed=7)
     rng = np.random.default_rng(7)
     ids = np.stack([rng.choice(24, 8, replace=False) for _ in range(8)]).astype(np.int32)
     ids[5] = ids[2]
     run(experts, ids, dtype=mx.bfloat16, seed=7)
-    if per_token:
-        x = mx.array(rng.standard_normal((8, 7168)).astype(np.float32)).astype(mx.bfloat16)
-        w = mx.array(rng.uniform(0.1, 1.0, ids.shape).astype(np.float32))
-        grid = kernels.moe_block(x, experts, mx.array(ids), w)
-        for n in range(8):
-            one = kernels.moe_block(x[n:n + 1], experts, mx.array(ids[n:n + 1]), w[n:n + 1])
-            assert np.array_equal(np.array(grid[n].astype(mx.float32)), np.array(one[0].astype(mx.float32))), n
+    x = mx.array(rng.standard_normal((8, 7168)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.uniform(0.1, 1.0, ids.shape).astype(np.float32))
+    grid = kernels.moe_block(x, experts, mx.array(ids), w)
+    for n in range(8):
+        one = kernels.moe_block(x[n:n + 1], experts, mx.array(ids[n:n + 1]), w[n:n + 1])
+        assert np.array_equal(np.array(grid[n].astype(mx.float32)), np.array(one[0].astype(mx.float32))), n
 
 
 @gpu_only

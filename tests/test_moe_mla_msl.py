@@ -197,8 +197,8 @@ def test_moe_gate_up_persistent_grid(metal, monkeypatch, fmt):
 def test_cuda_persistent_grid_defaults():
     """CUDA, one token, fmt 4: moe_gate_up shares the resident one-warp blocks among the slots,
     moe_down runs as many blocks as its launch bounds keep resident, both balanced (every block
-    as many row blocks); Metal and more tokens keep one threadgroup a row block; persistent=0
-    turns them off."""
+    as many row blocks), several tokens sharing them; Metal keeps one threadgroup a row block;
+    persistent=0 turns them off."""
     experts = make_experts([4] * 8, D=4096, inter=1024, gs=64, seed=5)
     group = moe.resident_bank(experts).groups[0]
     ids = mx.array([list(range(8))], dtype=mx.int32)
@@ -216,7 +216,10 @@ def test_cuda_persistent_grid_defaults():
     # gate_up: 512 row blocks a slot, 2112 // 8 = 264 resident a slot -> two rounds of 256.
     assert gate_up(dispatch.CUDA) == (1, 256)
     assert gate_up(dispatch.METAL) == (0, 512)
-    assert gate_up(dispatch.CUDA, N=2) == (0, 512)
+    # two tokens, one grid of one-token launches: 16 slots share them, 2112 // 16 = 132 a slot ->
+    # four rounds of 128; down's 924 shared by the tokens, 462 each -> three rounds of 342
+    assert gate_up(dispatch.CUDA, N=2) == (1, 128)
+    assert down(dispatch.CUDA, N=2) == (1, 342, 7)
     # down: 1024 row blocks, launch bounds of 7 blocks an SM (924 resident) -> two rounds of 512.
     assert down(dispatch.CUDA) == (1, 512, 7)
     assert down(dispatch.METAL)[:2] == (0, 1024)
@@ -1070,7 +1073,7 @@ def test_moe_residual_is_the_separate_add(metal, monkeypatch, dtype, fmts):
 
 @pytest.mark.parametrize("fmts", [[4] * 6, [6] * 6, [2, 4, 2, 4, 5, 1]], ids=["fmt4", "fmt6", "mixed"])
 def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
-    """TOK 1 (per_token): S tokens as one grid of one-token launches give, bit for bit, each
+    """TOK 1: S tokens as one grid of one-token launches give, bit for bit, each
     token's own one-token moe_block, with and without the residual (the write's row offset),
     over ragged, dropped, repeated and shared slots; and they are within the float64 bound."""
     D = 300 if 6 in fmts else 96
@@ -1080,8 +1083,6 @@ def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
     x, res = x_of(4, D, seed=6), x_of(4, D, seed=7) * 10
     specs = []
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: specs.append(spec) or simulate(spec, simulator))
-    launch_args(monkeypatch, "gate_up_spec", per_token=True)
-    launch_args(monkeypatch, "down_spec", per_token=True)
     grid = kernels.moe_block(x, experts, ids, w)
     grid_res = kernels.moe_block(x, experts, ids, w, residual=res)
     assert {dict(s.template)["TOK"] for s in specs if s.name in ("moe_gate_up", "moe_down")} == {1}
@@ -1100,8 +1101,6 @@ def test_moe_per_token_planted_defects_are_caught(metal, monkeypatch):
     experts = make_experts([4] * 6, D=96, inter=40, gs=32, seed=22)
     ids, w = routing(3, 3, 6, seed=8)
     x = x_of(3, 96, seed=9)
-    launch_args(monkeypatch, "gate_up_spec", per_token=True)
-    launch_args(monkeypatch, "down_spec", per_token=True)
     run_moe(experts, N=3, K=3, ids=np.array(ids), seed=8)
     defects = [("moe_gate_up", "xoff[s] = (tok + s) * I;", "xoff[s] = s * I;"),
                ("moe_gate_up", "moe_slot_table(ids + slot0,", "moe_slot_table(ids,"),

@@ -49,8 +49,9 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtyp
 
     ``w`` is a float ``mx.array [O, I]`` or a :class:`QTensor` (fmt 0-6; for fmt 6 ``x`` must
     already be rotated, docs/format.md#rotation). Up to 8 rows of x go to the GEMV kernel, which reads
-    every weight byte once (and adds the residual as it writes: no launch of its own); more rows
-    (prefill) dequantize row tiles and use matmul.
+    every weight byte once (and adds the residual as it writes: no launch of its own), up to
+    QMM_MIN_ROWS[backend] - 1 where MLX's quantized matmul reads the format; more rows (prefill)
+    go to that quantized matmul, else dequantize row tiles and use matmul.
     """
     if residual is not None and out_dtype is not None and out_dtype != x.dtype:
         raise ValueError(f"qmatmul: a residual add keeps x's dtype {x.dtype}, not {out_dtype}")
@@ -77,10 +78,24 @@ def qmatmul(x: mx.array, w, residual: mx.array | None = None, out_dtype: mx.Dtyp
     return y.reshape(*shape[:-1], w.O)
 
 
+# Rows from which MLX's quantized matmul on the stored bytes (kernels.mlx_qmm) runs instead of the
+# GEMV kernel, per backend. H200, fmt 4 g64 as MLX affine 4-bit, scripts/bench/bench_qgemv.py
+# --rows S --fmts 4 --no-variants, 18432 x 7168: qgemv 129.9 us against 434.5 at 6 rows, 233.4
+# against 65.6 at 8 (MLX leaves its per-row kernel there); 7168 x 2048: 32.5 / 58.6, 37.6 / 16.0.
+QMM_MIN_ROWS = {CUDA: 8}
+
+
+def _mlx_qmm_takes(x: mx.array, qt: QTensor, S: int, impl: str) -> bool:
+    """Whether these ``S`` decode rows go to MLX's quantized matmul (QMM_MIN_ROWS)."""
+    return (S >= QMM_MIN_ROWS.get(impl, _qgemv.MAX_ROWS + 1) and x.dtype in (mx.float16, mx.bfloat16)
+            and mlx_qmm.decline_reason(qt, x.dtype) is None)
+
+
 def _gemv_takes(x: mx.array, qt: QTensor, S: int) -> bool:
     """Whether the qgemv kernel runs these ``S`` rows (a decline is counted by _qmatmul_2d)."""
-    return (qt.fmt != 0 and S <= _qgemv.MAX_ROWS and backend() != REFERENCE
-            and _qgemv.decline_reason_for(qt, S, x.dtype) is None)
+    impl = backend()
+    return (qt.fmt != 0 and S <= _qgemv.MAX_ROWS and impl != REFERENCE
+            and not _mlx_qmm_takes(x, qt, S, impl) and _qgemv.decline_reason_for(qt, S, x.dtype) is None)
 
 
 def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = None, out_dtype=None) -> mx.array:
@@ -88,7 +103,10 @@ def _qmatmul_2d(x: mx.array, qt: QTensor, S: int, residual: mx.array | None = No
     impl = backend()
     # The reference computes in float32: float32 logits skip the rounding to x's dtype there too.
     xr = x.astype(mx.float32) if out_dtype is not None and out_dtype == mx.float32 and residual is None else x
-    if qt.fmt != 0 and S <= _qgemv.MAX_ROWS and impl != REFERENCE:
+    if qt.fmt != 0 and impl != REFERENCE and _mlx_qmm_takes(x, qt, S, impl):
+        dispatch.record_call("qmm", "mlx-quantized-matmul")
+        y = mlx_qmm.qmatmul(x, qt)
+    elif qt.fmt != 0 and S <= _qgemv.MAX_ROWS and impl != REFERENCE:
         reason = _qgemv.decline_reason_for(qt, S, x.dtype)
         if reason is None:
             dispatch.record_call("qgemv", impl)

@@ -392,12 +392,6 @@ def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, 
     return 0
 
 
-def default_per_token(backend: str, S: int) -> bool:
-    """Whether S > 1 tokens run as S one-token launches in one grid (TOK 1): each token's
-    experts read for it alone, with the one-token template's rows and accumulators."""
-    return False
-
-
 def gate_up_rows(S: int) -> int:
     """Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load; ROWS * S <= 32
     final writers and the accumulators of qgemv's ROWS = 4 (2 for S > 4)."""
@@ -426,30 +420,34 @@ class _Static:
                                    self.threadgroup, self.template)
 
 
+# S > 1 tokens run as S one-token launches in one grid (TOK 1; grid.y: every token's slots for
+# moe_gate_up, the token for moe_down): the one-token template and defaults, each token's experts
+# read for it alone. An expert two tokens share is read twice, yet the one-token launch's
+# occupancy wins over threadgroups that loop over the tokens: H200, DeepSeek-V3 shapes
+# (scripts/bench/bench_moe_parts.py), moe_gate_up 318.8 -> 216.6 us at 4 tokens and 926.2 -> 385.6
+# at 8, moe_down 290.5 -> 149.0 and 699.5 -> 216.5.
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
-                    prefetch=None, persistent=None, per_token=False) -> _Static:
-    # per_token (TOK 1): S tokens as S one-token launches in one grid (grid.y = every token's
-    # slots): the one-token template and defaults, each token's experts read for it alone.
-    ts = 1 if per_token else S                       # the template's tokens
+                    prefetch=None, persistent=None) -> _Static:
+    per_token = S > 1
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
     # On by default on CUDA for one token: on the H200 (scripts/bench/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
     # independent launches in one graph, which the GPU overlaps, had ranked PF 0 first.)
-    pf = int(backend == dispatch.CUDA and ts == 1) if prefetch is None else int(prefetch)
+    pf = int(backend == dispatch.CUDA) if prefetch is None else int(prefetch)
     # PERS 1: each slot's blocks (grid.y = slot) loop over its row blocks on one slot table
     # (default: :func:`default_gate_up_persistent`).
-    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent, per_token)
+    key = ("gate_up", S, K, x_dtype, backend, rows, simdgroups, pf, persistent)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
     n_slots = S * K
     p = group.gate_up
-    rows = rows or gate_up_rows(ts)
-    busy = min(ts * K, len(group.experts))           # distinct experts at most (a token's, per token)
+    rows = rows or gate_up_rows(1)
+    busy = min(K, len(group.experts))                # distinct experts at most (a token's)
     n_blocks = -(-p.O // rows)
     nw = simdgroups or _simdgroups(n_blocks * busy, p.n_units)
     if persistent is None:
-        persistent = default_gate_up_persistent(p.fmt, ts, n_slots, nw, pf, n_blocks, backend)
+        persistent = default_gate_up_persistent(p.fmt, 1, n_slots, nw, pf, n_blocks, backend)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     header = kernel_header("moe_block", backend, group.gguf)
     _, bodies = read_kernel_sections("moe_block", backend)
@@ -458,32 +456,32 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         output_names=("h",), source=bodies["moe_gate_up"], header=header,
         output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, ts, rows, nw, x_dtype, backend, pf)
+        template=_template(p, 1, rows, nw, x_dtype, backend, pf)
         + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers), ("TOK", int(per_token))],
-        params=_params(p, K, ts * K, group.n_layer_experts))
+        params=_params(p, K, K, group.n_layer_experts))
     return st
 
 
 def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgroups, out_dtype,
-                 res: int = 0, min_blocks=None, persistent=None, shape_in=None, per_token=False) -> _Static:
+                 res: int = 0, min_blocks=None, persistent=None, shape_in=None) -> _Static:
     # CUDA: the projection's shape compiled in (template KO, KRB, KNG, KNU; qgemv's large-shape
     # default does so): a work item's expert and unit without a runtime division, constant
     # row offsets. H200, kernel alone, 8 experts of 2048 -> 7168 fmt 4: 28.8 us against 31.1.
     shape_in = (True if shape_in is None else bool(shape_in)) and backend == dispatch.CUDA
-    key = ("down", S, K, backend, rows, simdgroups, out_dtype, res, min_blocks, persistent, shape_in, per_token)
+    key = ("down", S, K, backend, rows, simdgroups, out_dtype, res, min_blocks, persistent, shape_in)
     hit = group.statics.get(key)
     if hit is not None:
         return hit
     p = group.down
-    ts = 1 if per_token else S                       # the template's tokens (TOK 1: grid.y = token)
-    rows = rows or qgemv.default_rows(ts)
-    busy = min(ts * K, len(group.experts))
+    per_token = S > 1
+    rows = rows or qgemv.default_rows(1)
+    busy = min(K, len(group.experts))
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
     # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
-    unroll = 1 if backend == dispatch.CUDA and ts == 1 else None
+    unroll = 1 if backend == dispatch.CUDA else None
     if min_blocks is None:
-        min_blocks = cuda_down_min_blocks(p.fmt, nw) if backend == dispatch.CUDA and ts == 1 else 0
+        min_blocks = cuda_down_min_blocks(p.fmt, nw) if backend == dispatch.CUDA else 0
     # PERS 1: blocks loop over the row blocks, each building the slot table once, not once a row
     # block. CUDA's default where launch bounds say how many blocks an SM keeps: that many a
     # round, balanced (dispatch.balanced_blocks). H200, kernel alone, 8 experts of 2048 -> 7168
@@ -491,7 +489,7 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     n_blocks = -(-p.O // rows)
     if persistent is None:       # per token: the resident blocks shared by the S tokens
         persistent = (dispatch.balanced_blocks(n_blocks, max(1, dispatch.CUDA_SMS * min_blocks // S))
-                      if backend == dispatch.CUDA and ts == 1 and min_blocks else 0)
+                      if backend == dispatch.CUDA and min_blocks else 0)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     header = kernel_header("moe_block", backend, group.gguf)
     _, bodies = read_kernel_sections("moe_block", backend)
@@ -501,27 +499,25 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         header=dispatch.bounded_header(header, SIMD * nw, min_blocks) if min_blocks else header,
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype],
         grid=(SIMD * nw * blocks, S if per_token else 1, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, ts, rows, nw, mx.float32, backend, unroll=unroll)
+        template=_template(p, 1, rows, nw, mx.float32, backend, unroll=unroll)
         + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("RES", res), ("PERS", pers), ("TOK", int(per_token))]
         + (list(zip(("KO", "KRB", "KNG", "KNU"), (p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 4))
            if backend == dispatch.CUDA else [])
         + ([("MINB", min_blocks)] if min_blocks else []),
-        params=_params(p, K, ts * K, group.n_layer_experts))
+        params=_params(p, K, K, group.n_layer_experts))
     return st
 
 
 def gate_up_spec(x: mx.array, group: ExpertGroup, ids: mx.array, K: int,
                  backend: str = dispatch.METAL, rows: Optional[int] = None,
                  simdgroups: Optional[int] = None, prefetch: Optional[int] = None,
-                 persistent: Optional[int] = None, per_token: Optional[bool] = None) -> dispatch.LaunchSpec:
+                 persistent: Optional[int] = None) -> dispatch.LaunchSpec:
     """``h[N * K, h_width]`` (float32) for the slots routed to this group (other slots get 0),
     in ``h_unit``'s layout. ``persistent``: threadgroups a slot that loop over its row blocks
     (0: one a row block; None: :func:`default_gate_up_persistent`). ``prefetch``: the PF 1 loop
-    (None: on CUDA for one token). ``per_token``: the N tokens as N one-token launches in one
-    grid (None: :func:`default_per_token`)."""
+    (None: on CUDA). N > 1 tokens run as N one-token launches in one grid."""
     S = x.shape[0]
-    per_token = default_per_token(backend, S) if per_token is None else bool(per_token) and S > 1
-    st = _gate_up_static(group, S, K, x.dtype, backend, rows, simdgroups, prefetch, persistent, per_token)
+    st = _gate_up_static(group, S, K, x.dtype, backend, rows, simdgroups, prefetch, persistent)
     p = group.gate_up
     return st.spec([at_least_8(x), p.packed, p.scales, e8grid(), _as_input(ids, mx.int32), group.lut, st.params])
 
@@ -530,18 +526,16 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
               backend: str = dispatch.METAL, rows: Optional[int] = None,
               simdgroups: Optional[int] = None, out_dtype=mx.float32, residual: Optional[mx.array] = None,
               min_blocks: Optional[int] = None, persistent: Optional[int] = None,
-              shape_in: Optional[bool] = None, per_token: Optional[bool] = None) -> dispatch.LaunchSpec:
+              shape_in: Optional[bool] = None) -> dispatch.LaunchSpec:
     """``y[N, D]`` (``out_dtype``, float32 accumulation): this group's weighted down projections
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :func:`cuda_down_min_blocks`; 0: none). ``persistent``: threadgroups that loop over
     the row blocks (0: one a row block; None: on CUDA for one token under launch bounds, the
     resident blocks, balanced). ``shape_in``: CUDA, the projection's shape compiled in (None:
-    yes). ``per_token``: the S tokens as S one-token launches in one grid (grid.y = token; None:
-    :func:`default_per_token`)."""
-    per_token = default_per_token(backend, S) if per_token is None else bool(per_token) and S > 1
+    yes). S > 1 tokens run as S one-token launches in one grid (grid.y = token)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, int(residual is not None), min_blocks,
-                      persistent, shape_in, per_token)
+                      persistent, shape_in)
     p = group.down
     hs = at_least_8(h)
     # With a residual of another rank ([..., D] holding the S rows), y takes its shape: the

@@ -14,8 +14,8 @@ launch timed alone is that kernel plus its launch cost. "read" is what the launc
 4.3 TB/s. "build" is the Python graph-building share of the whole calls (the GPU waits on it).
 
 Settings are ROWS:NW:UNROLL:NIB ("-" keeps the default moe.py picks), moe_gate_up's also :PF
-(1: the next step's loads in flight during this step's decode, UNROLL 1 unless given); "tok":
-the defaults of a grid of one-token launches (per_token, TOK 1); router_scores takes ROWS:NW.
+(1: the next step's loads in flight during this step's decode, UNROLL 1 unless given);
+router_scores takes ROWS:NW.
 "gather_qmm" times the whole layer as mlx-lm's SwitchGLU over the same bytes
 (moe.moe_gather_qmm: mx.gather_qmm, rows sorted by expert). A setting that does not build or launch prints its error and the sweep goes on. The
 last lines name the fastest setting of each launch.
@@ -44,9 +44,9 @@ CHAIN = 8
 GS = 64
 CFG = router.RouterConfig(top_k=8, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
 
-GATE_UP_CONFIGS = ["-:-:-:-:-", "tok", "-:-:-:-:0", "-:-:-:-:1", "-:-:1:-:0", "-:-:2:-:1", "1:-:-:-:-", "4:-:-:-:-",
+GATE_UP_CONFIGS = ["-:-:-:-:-", "-:-:-:-:0", "-:-:-:-:1", "-:-:1:-:0", "-:-:2:-:1", "1:-:-:-:-", "4:-:-:-:-",
                    "-:2:-:-:-", "-:4:-:-:-", "1:2:-:-:-", "-:2:-:-:0", "-:-:-:0:-", "4:2:-:-:-", "1:-:-:-:0"]
-DOWN_CONFIGS = ["-:-:-:-", "tok", "2:-:-:-", "8:-:-:-", "-:1:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-", "-:-:4:-",
+DOWN_CONFIGS = ["-:-:-:-", "2:-:-:-", "8:-:-:-", "-:1:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-", "-:-:4:-",
                 "2:8:-:-", "8:2:-:-", "-:8:1:-", "-:-:-:0"]
 SCORES_CONFIGS = ["-:-", "1:-", "4:-", "1:4", "1:16", "2:4", "2:16", "4:16", "8:8"]
 
@@ -110,13 +110,12 @@ def gate_up_setting(cfg, xs, layers, ids, K, impl) -> list:
     """moe_gate_up's launch per instance at setting ROWS:NW:UNROLL:NIB:PF[:MINB[:PB]] ("-":
     moe.py's; MINB: CUDA launch bounds, blocks an SM, dispatch.with_min_blocks; PB: blocks a slot
     of a persistent grid)."""
-    per_token = cfg == "tok"
-    rows, nw, unroll, nib, pf, minb, pb, shape = parse("-" if per_token else cfg, 8)
+    rows, nw, unroll, nib, pf, minb, pb, shape = parse(cfg, 8)
     if shape:
         raise ValueError("SHAPE: moe_gate_up reads its shape from params (moe_down alone compiles it in)")
     cuda_only(minb, impl)
     return [dispatch.with_min_blocks(with_template(moe.gate_up_spec(x, L.group, i, K, impl, rows=rows, simdgroups=nw,
-                                                                    prefetch=pf, persistent=pb, per_token=per_token),
+                                                                    prefetch=pf, persistent=pb),
                                                    UNROLL=unroll, NIB=nib), minb)
             for x, L, i in zip(xs, layers, ids)]
 
@@ -125,14 +124,13 @@ def down_setting(cfg, hs, layers, ids, gw, S, K, impl, out_dtype) -> list:
     """moe_down's launch per instance at setting ROWS:NW:UNROLL:NIB[:PF[:MINB[:PB[:SHAPE]]]] ("-":
     moe.py's; PF: none, moe_down has no prefetch loop; MINB 0: no launch bounds; PB: blocks of a
     persistent grid, 0: one a row block; SHAPE 1: the projection's shape compiled in, CUDA)."""
-    per_token = cfg == "tok"
-    rows, nw, unroll, nib, pf, minb, pb, shape = parse("-" if per_token else cfg, 8)
+    rows, nw, unroll, nib, pf, minb, pb, shape = parse(cfg, 8)
     if pf:
         raise ValueError("PF: moe_down has no prefetch loop")
     cuda_only(minb, impl)
     cuda_only(shape, impl, "SHAPE (the shape compiled in)")
     return [with_template(moe.down_spec(h, L.group, i, w, S, K, impl, rows=rows, simdgroups=nw, out_dtype=out_dtype,
-                                        min_blocks=minb, persistent=pb, per_token=per_token,
+                                        min_blocks=minb, persistent=pb,
                                         shape_in=None if shape is None else bool(shape)), UNROLL=unroll, NIB=nib)
             for h, L, i, w in zip(hs, layers, ids, gw)]
 

@@ -9,7 +9,7 @@ logits), 18432 x 7168, 7168 x 2048 and 2112 x 7168 (the stacked q_a / kv_a), and
 moe_down (8 routed experts a row of --experts, 7168 <-> 2048; each row its own random experts,
 as a verify step's rows of the random bench model route). Each at S = 1 (default settings), at
 S = --rows (default), then at S = --rows for each setting of --qgemv (ROWS:NW:UNROLL:NIB:PF[:PB])
-and --down / --gate-up (bench_moe_parts' syntax; "tok": the grid of one-token launches).
+and --down / --gate-up (bench_moe_parts' syntax).
 
 Method: profile_kernels.py's: CUPTI kernel records (PyTorch's profiler) of --iters rounds, each
 launch of a chain of 8 instances (own weights: nothing an L2 hit) evaluated alone; the median
@@ -39,8 +39,8 @@ import profile_kernels as P  # noqa: E402
 QGEMV_SHAPES = ((129280, 7168, mx.float32), (18432, 7168, None), (7168, 2048, None), (2112, 7168, None))
 QGEMV_SETTINGS = ["6:-:-:-:-", "2:-:-:-:-", "-:2:-:-:-", "-:-:2:-:0", "-:-:1:-:0", "8:1:1:-:1"]
 MOE_D, MOE_INTER = 7168, 2048
-DOWN_SETTINGS = ["tok", "-:-:1:-", "2:-:-:-", "8:-:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-:-:-:1024"]
-GATE_UP_SETTINGS = ["tok", "-:-:-:-:1", "-:-:1:-:0", "1:-:-:-:-", "4:-:-:-:-", "-:2:-:-:-"]
+DOWN_SETTINGS = ["-:-:1:-", "2:-:-:-", "8:-:-:-", "-:2:-:-", "-:8:-:-", "-:-:1:-:-:-:1024"]
+GATE_UP_SETTINGS = ["-:-:-:-:1", "-:-:1:-:0", "1:-:-:-:-", "4:-:-:-:-", "-:2:-:-:-"]
 
 
 def qgemv_launches(impl, S_list, settings):
