@@ -158,6 +158,8 @@ def bench_decode(args, res):
             else:
                 reference[prompt_name] = tokens
             out[key] = row
+            print(f"  {key:18s} {row['tok_s']:8.1f} tok/s (runs {', '.join(f'{r:.1f}' for r in rates)})",
+                  flush=True)
     for prompt_name in ("opening", "summary"):
         base = out[f"{prompt_name}/none"]["tok_s"]
         for label, *_ in decode_runs(args.num_draft)[1:]:
