@@ -1,8 +1,12 @@
-// moe_block: the routed experts of one MoE layer for S <= 8 tokens, two launches per
+// moe_block: the routed experts of one MoE layer for up to 8 tokens, two launches per
 // group of experts that share one fmt/gs (colibri_mlx/kernels/moe.py):
 //
 //   moe_gate_up  h[a, r] = silu(gate_e x_s)[r] * (up_e x_s)[r]   for every slot a = s * K + k
 //   moe_down     y[s, o] = sum_k w[s, k] * (down_e h[s * K + k])[o]
+//
+// Each launch computes one token; several tokens are that many one-token launches in one grid,
+// grid.y picking the token (moe_gate_up: its slot s * K + k, moe_down: s). A token's
+// threadgroups read its x row, K ids, gate weights and h rows, and write its h / y rows.
 //
 // The experts of a group are stacked into one byte buffer ([E_g][rows][row bytes]) and one
 // scale buffer; `lut[e]` maps a layer expert id to its index in the group or -1, so a kernel
@@ -15,24 +19,24 @@
 // memory), UNROLL units x rows of loads (and fmt 4/5 scales) are issued before any arithmetic, x is widened once
 // per 8 weights for all rows, decoding is qdecode.h's (prepended to this header).
 //
-// moe_gate_up: grid.y = slot. The slot that sees an expert first (its "leader") computes
-// ROWS gate rows and the same ROWS up rows of that expert (2 * ROWS rows share each x load)
-// for every token routed to it and writes all of that expert's slots; other slots' groups
-// return at once, so every weight byte is read once. Slots routed elsewhere get h = 0.
-// moe_down: one threadgroup per ROWS output rows visits the group's distinct experts in slot
+// moe_gate_up: grid.y = slot. The slot of the token that sees an expert first (its "leader")
+// computes ROWS gate rows and the same ROWS up rows of that expert (2 * ROWS rows share each x
+// load) and writes them to all of the token's slots of that expert; other slots' groups return
+// at once, so the token reads every weight byte once. Slots routed elsewhere get h = 0.
+// moe_down: one threadgroup per ROWS output rows visits the token's distinct experts in slot
 // order: the work items (expert, unit) are split across all threads (split-K over experts
 // and units together, so a 2048-wide down row still gives every thread loads in flight), each
-// item applied to every token that chose the expert with its gate weight. The weighted sum
-// over experts happens in registers and one fixed reduction: no atomics, deterministic.
+// item weighted by the expert's gate weight (summed over the slots listing it). The weighted
+// sum over experts happens in registers and one fixed reduction: no atomics, deterministic.
 // The CUDA twin metal_kernels/cuda/moe_block.cu implements the same algorithm line for line.
 //
 // params (int32[8]): I, O (rows per projection), row bytes, scales per row, units per row,
-// K (slots per token), n_slots (S * K), E (layer expert count, the size of lut).
+// K (slots per token), n_slots (a launch's slots: K), E (layer expert count, the size of lut).
 // h's layout: moe_gate_up's HP > 0 (moe_down's weights per unit) writes each slot's row padded
 // to whole down units in qd_xp_index's order and moe_down reads it so (XP 1): a SIMD group's
 // lanes take consecutive units and then read consecutive 16 bytes of h, where row order made
 // every lane's read a separate cache line. HP 0 / XP 0: row order (fmt 6 down rotates h first).
-// Template: FMT, S, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype),
+// Template: FMT, GS, VEC, XV (rows of x / h 16-byte aligned), UNROLL, ROWS, NW, T (x dtype),
 // NIB (fmt 2/4 decode, qgemv's: 1 fp16-subnormal codes + one -8 sum x per segment, 0 magic);
 // moe_down also OT, the dtype of y (x's when the layer is one group: no cast launch after it);
 // HP (moe_gate_up) and XP (moe_down): h's layout, above.
@@ -79,44 +83,42 @@ inline void moe_gate_up_load(const device uint8_t* wgu, const device float* sgu,
   }
 }
 
-// acc[r][s] += unit u of the rows (loaded as raw / scl) against the tokens in `tokens`.
-template <int FMT, int GS, int S, int R2, int XV, int NIB, typename T>
+// acc[r] += unit u of the rows (loaded as raw / scl) against the token's x row (x + xoff).
+// acc[r][0]: qdecode's qd_seg_dots / qd_simd_partials take rows x rows of x, here one.
+template <int FMT, int GS, int R2, int XV, int NIB, typename T>
 inline void moe_gate_up_unit(const device T* x, const device float* sgu, const device uint* e8grid,
-                             thread const int* rows, thread const int* xoff, uint tokens, int ng, int I, int u,
+                             thread const int* rows, int xoff, int ng, int I, int u,
                              thread const uint (*raw)[qd_words(FMT)],
                              thread const float (*scl)[qd_wpu(FMT) / qd_seg(FMT, GS)],
-                             thread float (*acc)[S]) {
+                             thread float (*acc)[1]) {
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
   for (int g = 0; g < NSEG; ++g) {
-    float d[R2][S];
-    qd_seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw, x, xoff, tokens, I, u, g, e8grid, d);
+    float d[R2][1];
+    qd_seg_dots<FMT, GS, 1, R2, XV, W, T, NIB>(raw, x, &xoff, 1u, I, u, g, e8grid, d);
     for (int r = 0; r < R2; ++r) {
       const float sc = qd_scales_in_memory(FMT) ? scl[r][g] : qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[r]);
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] += d[r][s] * sc;
-      }
+      acc[r][0] += d[r][0] * sc;
     }
   }
 }
 
-// acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+// acc[r] += the loaded units (base, base + 32 * NW, ...) against the token's x row.
 // A unit wholly inside x's row (aligned) reads x without per-8 bounds tests (XV 2), as
-// qgemv's units do; the guarded copy only for S <= 4 (qgemv's register reason).
-template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
+// qgemv's units do.
+template <int FMT, int GS, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
 inline void moe_gate_up_compute(const device T* x, const device float* sgu,
                                 const device uint* e8grid, thread const int* rows,
-                                thread const int* xoff, uint tokens, int ng, int I, int n_units,
+                                int xoff, int ng, int I, int n_units,
                                 int base, thread const uint (*raw)[R2][qd_words(FMT)],
                                 thread const float (*scl)[R2][qd_wpu(FMT) / qd_seg(FMT, GS)],
-                                thread float (*acc)[S]) {
-  constexpr bool FULL_UNITS = S <= 4;
+                                thread float (*acc)[1]) {
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (XV && FULL_UNITS && qd_wpu(FMT) * (u + 1) <= I) {
-      moe_gate_up_unit<FMT, GS, S, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+    if (XV && qd_wpu(FMT) * (u + 1) <= I) {
+      moe_gate_up_unit<FMT, GS, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I, u, raw[j], scl[j], acc);
     } else if (u < n_units) {
-      moe_gate_up_unit<FMT, GS, S, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+      moe_gate_up_unit<FMT, GS, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I, u, raw[j], scl[j], acc);
     }
   }
 }
@@ -153,18 +155,18 @@ inline void moe_down_load(const device uint8_t* wd8, const device float* sd, thr
   }
 }
 
-// acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
-// (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+// acc[r] += the loaded items (base, base + 32 * NW, ...): each expert's h row (eslot), weighted
+// by its summed gate weight (ewt). acc[r][0]: qdecode's helpers take rows x rows of h, here one.
 // XP 1: h rows are padded with zeros to whole units (moe_gate_up writes every element), so x
 // is read without bounds tests (XV 2) over the padded width hs.
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
 inline void moe_down_compute(const device float* h, const device float* sd, const device uint* e8grid,
                              threadgroup const ulong* eso, threadgroup const int* eslot,
                              threadgroup const float* ewt, thread const int* rd, int row0, size_t soff, int ng,
                              int I, int hs, int n_units, int n_items, int base,
                              thread const uint (*raw)[ROWS][qd_words(FMT)],
                              thread const float (*scl)[ROWS][qd_wpu(FMT) / qd_seg(FMT, GS)],
-                             thread float (*acc)[S]) {
+                             thread float (*acc)[1]) {
   constexpr int W = qd_words(FMT);
   constexpr int NSEG = qd_wpu(FMT) / qd_seg(FMT, GS);
   constexpr int XVD = (XP && XV) ? 2 : XV;
@@ -174,27 +176,18 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       const int je = item / n_units;
       const int u = item - je * n_units;
       const device float* se = sd + size_t(eso[je]);
-      int xoff[S];
-      float wt[S];
-      uint tokens = 0;
-      for (int s = 0; s < S; ++s) {
-        const int slot = eslot[je * S + s];
-        tokens |= (slot >= 0 ? 1u : 0u) << s;
-        xoff[s] = max(slot, 0) * hs;
-        wt[s] = ewt[je * S + s];
-      }
+      const int xoff = eslot[je] * hs;
+      const float wt = ewt[je];
       float rs[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         rs[r] = qd_row_scale<FMT>(se, row0 + rd[r]);
       }
       for (int g = 0; g < NSEG; ++g) {
-        float d[ROWS][S];
-        qd_seg_dots<FMT, GS, S, ROWS, XVD, W, float, NIB, XP>(raw[j], h, xoff, tokens, XP ? hs : I, u, g, e8grid, d);
+        float d[ROWS][1];
+        qd_seg_dots<FMT, GS, 1, ROWS, XVD, W, float, NIB, XP>(raw[j], h, &xoff, 1u, XP ? hs : I, u, g, e8grid, d);
         for (int r = 0; r < ROWS; ++r) {
           const float sc = (qd_scales_in_memory(FMT) ? scl[j][r][g] : qd_seg_scale<FMT, GS>(se + soff, rd[r], ng, u, g, raw[j][r])) * rs[r];
-          for (int s = 0; s < S; ++s) {
-            acc[r][s] += d[r][s] * (sc * wt[s]);
-          }
+          acc[r][0] += d[r][0] * (sc * wt);
         }
       }
     }
@@ -218,13 +211,14 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  // TOK 1 (S 1): grid.y is a slot of any of the batch's tokens; the block runs the one-token
-  // launch for that slot's token (its K slots, its x row, its h rows).
-  const int tok = TOK ? int(threadgroup_position_in_grid.y) / K : 0;
+  // grid.y is a slot of any of the batch's tokens: the block computes that slot's token (its K
+  // slots, its x row, its h rows).
+  const int tok = int(threadgroup_position_in_grid.y) / K;
   const int slot0 = tok * K;                   // the token's first slot in ids and h
   const int a = int(threadgroup_position_in_grid.y) - slot0;
+  const int xoff = tok * I;                    // the token's x row
   threadgroup int sl[moe_max_slots()];
-  threadgroup float red[NW * R2 * S];
+  threadgroup float red[NW * R2];
   moe_slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
   // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
@@ -252,12 +246,6 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       return;                                  // not the leader: the leader writes this slot
     }
   }
-  uint tokens = 0;
-  for (int b = a; b < n_slots; ++b) {
-    if (sl[b] == e) {
-      tokens |= 1u << (b / K);
-    }
-  }
   for (int blk = int(threadgroup_position_in_grid.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
     // Bank rows: expert e holds its O gate rows then its O up rows. Rows past O re-read O - 1.
@@ -266,15 +254,9 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       rows[r] = 2 * O * e + min(row0 + r, O - 1);
       rows[ROWS + r] = rows[r] + O;
     }
-    int xoff[S];
-    for (int s = 0; s < S; ++s) {
-      xoff[s] = (tok + s) * I;
-    }
-    float acc[R2][S];
+    float acc[R2][1];
     for (int r = 0; r < R2; ++r) {
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] = 0.0f;
-      }
+      acc[r][0] = 0.0f;
     }
     // PF 0: load UNROLL units x R2 rows, then compute them. PF 1 (qgemv's): two register
     // buffers, the next step's loads issued before this step's arithmetic, so a SIMD group keeps
@@ -289,42 +271,41 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       for (int base = tid; base < n_units; base += 2 * STEP) {
         moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + STEP,
                                                        raw_b, scl_b);
-        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                    I, n_units, base, raw_a, scl_a, acc);
+        moe_gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng,
+                                                                 I, n_units, base, raw_a, scl_a, acc);
         if (base + STEP >= n_units) {
           break;
         }
         moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base + 2 * STEP,
                                                        raw_a, scl_a);
-        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                    I, n_units, base + STEP, raw_b, scl_b, acc);
+        moe_gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng,
+                                                                 I, n_units, base + STEP, raw_b, scl_b, acc);
       }
     } else {
       for (int base = tid; base < n_units; base += STEP) {
         moe_gate_up_load<FMT, GS, R2, NW, UNROLL, VEC>(wgu8, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
-        moe_gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng,
-                                                                    I, n_units, base, raw_a, scl_a, acc);
+        moe_gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng,
+                                                                 I, n_units, base, raw_a, scl_a, acc);
       }
     }
-    qd_simd_partials<R2, S>(acc, red, warp, lane);
+    qd_simd_partials<R2, 1>(acc, red, warp, lane);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // Thread r * S + s writes h of token s, row row0 + r, into every slot of s routed to e.
-    if (tid < ROWS * S) {
-      const int r = tid / S;
-      const int s = tid % S;
+    // Thread r writes h row row0 + r into every slot of the token routed to e.
+    if (tid < ROWS) {
+      const int r = tid;
       const int row = row0 + r;
-      if (row < O && ((tokens >> s) & 1u)) {
+      if (row < O) {
         float gv = 0.0f;
         float uv = 0.0f;
         for (int k = 0; k < NW; ++k) {
-          gv += red[(k * R2 + r) * S + s];
-          uv += red[(k * R2 + ROWS + r) * S + s];
+          gv += red[k * R2 + r];
+          uv += red[k * R2 + ROWS + r];
         }
         gv *= qd_row_scale<FMT>(sgu, rows[r]);
         uv *= qd_row_scale<FMT>(sgu, rows[ROWS + r]);
         const float hv = gv / (1.0f + exp(-gv)) * uv;
         const int hi = HP > 0 ? qd_xp_index<HPU>(O, row) : row;
-        for (int b = s * K; b < s * K + K; ++b) {
+        for (int b = a; b < n_slots; ++b) {
           if (sl[b] == e) {
             h[size_t(slot0 + b) * hs + hi] = hv;
             for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
@@ -356,18 +337,17 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
   const int hs = XP ? n_units * qd_wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   threadgroup int sl[moe_max_slots()];
   threadgroup int lead[moe_max_slots()];         // 1: first slot of its expert
-  threadgroup int elead[moe_max_slots()];        // distinct experts in slot order: leader slot
-  threadgroup int eslot[moe_max_slots() * S];    // per distinct expert and token: h row or -1
-  threadgroup float ewt[moe_max_slots() * S];    // ... and the summed gate weight
+  threadgroup int eslot[moe_max_slots()];        // distinct experts in slot order: leader slot (h row)
+  threadgroup float ewt[moe_max_slots()];        // ... and the gate weight summed over its slots
   threadgroup float swt[moe_max_slots()];        // gate weight of every slot
   threadgroup int n_distinct[1];
   threadgroup ulong ewo[moe_max_slots()];        // distinct expert: its first down row (bytes)
   threadgroup ulong eso[moe_max_slots()];        // ... and its first scale (floats)
-  threadgroup float red[NW * ROWS * S];
-  // TOK 1 (S 1): grid.y is a token of the batch; the block runs the one-token launch for it (its
-  // K slots and h rows, its y row).
-  const int tok = TOK ? int(threadgroup_position_in_grid.y) : 0;
+  threadgroup float red[NW * ROWS];
+  // grid.y is a token of the batch: the block computes it (its K slots and h rows, its y row).
+  const int tok = int(threadgroup_position_in_grid.y);
   const int slot0 = tok * K;
+  const device float* ht = h + size_t(slot0) * hs;   // the token's h rows
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
   for (int b = tid; b < n_slots; b += 32 * NW) {
@@ -388,20 +368,18 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
       for (int c = 0; c < b; ++c) {
         j += lead[c];
       }
-      elead[j] = b;
       ewo[j] = ulong(sl[b]) * ulong(O) * ulong(rb);
       eso[j] = ulong(sl[b]) * ulong(O) * ulong(ng);
-      for (int s = 0; s < S; ++s) {
-        eslot[j * S + s] = -1;
-        ewt[j * S + s] = 0.0f;
-      }
-      // An expert listed twice for one token has the same h in both slots: weights add.
+      // An expert listed twice for the token has the same h in both slots (moe_gate_up's leader
+      // writes them all): the leader's h row, the weights added.
+      float wsum = 0.0f;
       for (int c = b; c < n_slots; ++c) {
         if (sl[c] == sl[b]) {
-          eslot[j * S + c / K] = c;
-          ewt[j * S + c / K] += swt[c];
+          wsum += swt[c];
         }
       }
+      eslot[j] = b;
+      ewt[j] = wsum;
     }
   }
   if (tid == 0) {
@@ -425,11 +403,9 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     }
     const size_t woff = size_t(row0) * size_t(rb);
     const size_t soff = size_t(row0) * size_t(ng);
-    float acc[ROWS][S];
+    float acc[ROWS][1];
     for (int r = 0; r < ROWS; ++r) {
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] = 0.0f;
-      }
+      acc[r][0] = 0.0f;
     }
     // Load UNROLL items x ROWS rows, then compute them.
     uint raw[UNROLL][ROWS][W];
@@ -437,24 +413,22 @@ inline void moe_down_compute(const device float* h, const device float* sd, cons
     for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
       moe_down_load<FMT, GS, ROWS, NW, UNROLL, VEC>(wd8, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
                                                     raw, scl);
-      moe_down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h + size_t(slot0) * hs, sd, e8grid, eso, eslot, ewt, rd, row0,
-                                                                  soff, ng, I, hs, n_units, n_items, base, raw,
-                                                                  scl, acc);
+      moe_down_compute<FMT, GS, ROWS, NW, UNROLL, XV, NIB, XP>(ht, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                               hs, n_units, n_items, base, raw, scl, acc);
     }
-    qd_simd_partials<ROWS, S>(acc, red, warp, lane);
+    qd_simd_partials<ROWS, 1>(acc, red, warp, lane);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    // Thread r * S + s writes y[s, row0 + r] (0 when no expert of this group serves token s).
-    if (tid < ROWS * S) {
-      const int r = tid / S;
-      const int s = tid % S;
+    // Thread r writes y[tok, row0 + r] (0 when no expert of this group serves the token).
+    if (tid < ROWS) {
+      const int r = tid;
       float v = 0.0f;
       for (int k = 0; k < NW; ++k) {
-        v += red[(k * ROWS + r) * S + s];
+        v += red[k * ROWS + r];
       }
       if (row0 + r < O) {
         // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
         const OT yv = static_cast<OT>(v);
-        const size_t at = size_t(tok + s) * O + row0 + r;
+        const size_t at = size_t(tok) * O + row0 + r;
         y[at] = RES ? static_cast<OT>(float(res[at]) + float(yv)) : yv;
       }
     }

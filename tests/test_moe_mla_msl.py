@@ -131,7 +131,7 @@ def test_moe_launch_variants(metal, monkeypatch, fmt, nw, rows_gu, rows_d):
     # Split-K across SIMD groups (partial sums through threadgroup memory), row blocks with
     # clamped rows past O, and down items that cross experts inside one unroll step.
     monkeypatch.setattr(moe, "_simdgroups", lambda row_blocks, units: nw)
-    monkeypatch.setattr(moe, "gate_up_rows", lambda S: rows_gu)
+    monkeypatch.setattr(moe, "GATE_UP_ROWS", rows_gu)
     monkeypatch.setattr(moe.qgemv, "default_rows", lambda S: rows_d)
     experts = make_experts([fmt] * 6, D=300 if fmt == 6 else 136, inter=72, gs=48, seed=30 + fmt)
     run_moe(experts, N=2, K=3, ids=[[0, 2, 5], [5, 1, 2]], seed=30 + fmt)
@@ -326,19 +326,19 @@ MOE_DEFECTS = {
     # (fmt 4 only: fmt 6 rotates h in row order, and its large outputs would widen the budget)
     "h padding past O left unwritten": ("for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {",
                                         "for (int pad = hs; pad < hs; ++pad) {", FMT4_ONLY),
-    "down reads h rows at the unpadded stride": ("xoff[s] = max(slot, 0) * hs;", "xoff[s] = max(slot, 0) * I;",
+    "down reads h rows at the unpadded stride": ("const int xoff = eslot[je] * hs;", "const int xoff = eslot[je] * I;",
                                                  FMT4_ONLY),
     "h second chunk of 8 read from the next unit": ("const device float* p1 = p0 + 4 * nu;",
                                                     "const device float* p1 = p0 + 4;", FMT4_ONLY),
     "up row read from gate": ("rows[ROWS + r] = rows[r] + O;", "rows[ROWS + r] = rows[r];"),
-    "gate weight ignored": ("acc[r][s] += d[r][s] * (sc * wt[s]);", "acc[r][s] += d[r][s] * sc;"),
-    "repeated expert counted once per token only": ("ewt[j * S + c / K] += swt[c];", "ewt[j * S + c / K] = swt[c];"),
+    "gate weight ignored": ("acc[r][0] += d[r][0] * (sc * wt);", "acc[r][0] += d[r][0] * sc;"),
+    "repeated expert's gate weights not added": ("wsum += swt[c];", "wsum = swt[c];"),
     "down skips the last distinct expert": ("const int n_items = n_distinct[0] * n_units;",
                                             "const int n_items = (n_distinct[0] - 1) * n_units;"),
-    "down split-K partial sums overwritten": ("v += red[(k * ROWS + r) * S + s];", "v = red[(k * ROWS + r) * S + s];"),
-    "gate_up split-K up partial dropped": ("uv += red[(k * R2 + ROWS + r) * S + s];", "uv = red[(k * R2 + ROWS + r) * S + s];"),
-    "gate_up reduction barrier missing": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    // Thread r * S + s writes h",
-                                          "    // Thread r * S + s writes h"),
+    "down split-K partial sums overwritten": ("v += red[k * ROWS + r];", "v = red[k * ROWS + r];"),
+    "gate_up split-K up partial dropped": ("uv += red[k * R2 + ROWS + r];", "uv = red[k * R2 + ROWS + r];"),
+    "gate_up reduction barrier missing": ("    threadgroup_barrier(mem_flags::mem_threadgroup);\n    // Thread r writes h",
+                                          "    // Thread r writes h"),
     "down expert table barrier missing": ("  threadgroup_barrier(mem_flags::mem_threadgroup);\n  const int n_items",
                                           "  const int n_items"),
     "gate_up hoisted scale of the wrong row": ("qd_seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[j][r]) : 1.0f;",
@@ -1073,8 +1073,8 @@ def test_moe_residual_is_the_separate_add(metal, monkeypatch, dtype, fmts):
 
 @pytest.mark.parametrize("fmts", [[4] * 6, [6] * 6, [2, 4, 2, 4, 5, 1]], ids=["fmt4", "fmt6", "mixed"])
 def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
-    """TOK 1: S tokens as one grid of one-token launches give, bit for bit, each
-    token's own one-token moe_block, with and without the residual (the write's row offset),
+    """S tokens as one grid of one-token launches (grid.y picks the token) give, bit for bit,
+    each token's own one-token moe_block, with and without the residual (the write's row offset),
     over ragged, dropped, repeated and shared slots; and they are within the float64 bound."""
     D = 300 if 6 in fmts else 96
     experts = make_experts(fmts, D=D, inter=40, gs=32, seed=21)
@@ -1085,7 +1085,7 @@ def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
     monkeypatch.setattr(dispatch, "launch", lambda b, spec: specs.append(spec) or simulate(spec, simulator))
     grid = kernels.moe_block(x, experts, ids, w)
     grid_res = kernels.moe_block(x, experts, ids, w, residual=res)
-    assert {dict(s.template)["TOK"] for s in specs if s.name in ("moe_gate_up", "moe_down")} == {1}
+    assert {s.grid[1] for s in specs if s.name == "moe_gate_up"} == {4 * 3}
     assert {s.grid[1] for s in specs if s.name == "moe_down"} == {4}
     assert_moe_close(grid, x, experts, ids, w, "per-token grid")
     for n in range(4):
@@ -1096,16 +1096,19 @@ def test_moe_per_token_grid_is_each_token_alone(metal, monkeypatch, fmts):
 
 
 def test_moe_per_token_planted_defects_are_caught(metal, monkeypatch):
-    """Each token's offsets matter: a per-token grid reading token 0's x row, slots or h rows,
-    or writing every token's y into row 0's place, fails the oracle."""
+    """Each token's offsets matter: a per-token grid reading token 0's x row, slots, gate
+    weights or h rows, or writing every token's h / y into token 0's place, fails the oracle."""
     experts = make_experts([4] * 6, D=96, inter=40, gs=32, seed=22)
     ids, w = routing(3, 3, 6, seed=8)
     x = x_of(3, 96, seed=9)
     run_moe(experts, N=3, K=3, ids=np.array(ids), seed=8)
-    defects = [("moe_gate_up", "xoff[s] = (tok + s) * I;", "xoff[s] = s * I;"),
+    defects = [("moe_gate_up", "const int xoff = tok * I;", "const int xoff = 0;"),
                ("moe_gate_up", "moe_slot_table(ids + slot0,", "moe_slot_table(ids,"),
-               ("moe_down", "(h + size_t(slot0) * hs,", "(h,"),
-               ("moe_down", "size_t(tok + s) * O + row0 + r;", "size_t(s) * O + row0 + r;")]
+               ("moe_gate_up", "h[size_t(slot0 + b) * hs + hi] = hv;", "h[size_t(b) * hs + hi] = hv;"),
+               ("moe_down", "moe_slot_table(ids + slot0,", "moe_slot_table(ids,"),
+               ("moe_down", "swt[b] = weights[slot0 + b];", "swt[b] = weights[b];"),
+               ("moe_down", "ht = h + size_t(slot0) * hs;", "ht = h;"),
+               ("moe_down", "const size_t at = size_t(tok) * O + row0 + r;", "const size_t at = row0 + r;")]
     for name, good, bad in defects:
         def planted(spec):
             if spec.name == name:

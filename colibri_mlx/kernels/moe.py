@@ -358,11 +358,12 @@ def _simdgroups(row_blocks: int, units: int) -> int:
     return nw
 
 
-def _template(p: Projection, S: int, rows: int, nw: int, x_dtype, backend: str, prefetch: int = 0,
+def _template(p: Projection, rows: int, nw: int, x_dtype, backend: str, prefetch: int = 0,
               unroll: Optional[int] = None) -> list:
+    """The template values both kernels share (each launch computes one token: grid.y picks it)."""
     x_vec = int((p.I * x_dtype.size) % 16 == 0)
-    unroll = unroll or (1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), S))
-    return [("T", x_dtype), ("FMT", p.fmt), ("S", int(S)), ("GS", int(p.gs) if p.fmt == 4 or p.mlx else 16),
+    unroll = unroll or (1 if prefetch else qgemv.default_unroll(max(p.fmt, 1), 1))
+    return [("T", x_dtype), ("FMT", p.fmt), ("GS", int(p.gs) if p.fmt == 4 or p.mlx else 16),
             ("VEC", p.vec), ("XV", x_vec), ("UNROLL", unroll),
             ("ROWS", int(rows)), ("NW", int(nw)), ("NIB", qgemv.DEFAULT_NIB[backend])]
 
@@ -380,22 +381,21 @@ def h_width(group: "ExpertGroup") -> int:
     return group.down.n_units * hp if hp else group.gate_up.O
 
 
-def default_gate_up_persistent(fmt: int, S: int, n_slots: int, simdgroups: int, prefetch: int,
+def default_gate_up_persistent(fmt: int, n_slots: int, simdgroups: int, prefetch: int,
                                n_blocks: int, backend: str) -> int:
-    """moe_gate_up's blocks a slot (0: one a row block). CUDA, one token, fmt 2/4 (and the
-    MLX formats qgemv.cuda_tuned takes; ``fmt`` the kernel FMT code), one-warp
-    blocks with PF 1 (<= 128 registers: qgemv's 16 an SM): the resident blocks shared by the
-    slots, balanced. H200, kernel alone, 8 experts of 7168 -> 2 x 2048 fmt 4: 256 blocks a slot
-    51.2 us, 264 51.7, 512 52.1, 128 71.8, one a row block (1024) 52.6."""
-    if backend == dispatch.CUDA and qgemv.cuda_tuned(fmt) and S == 1 and simdgroups == 1 and prefetch:
+    """moe_gate_up's blocks a slot (0: one a row block). CUDA, fmt 2/4 (and the MLX formats
+    qgemv.cuda_tuned takes; ``fmt`` the kernel FMT code), one-warp blocks with PF 1 (<= 128
+    registers: qgemv's 16 an SM): the resident blocks shared by the ``n_slots`` slots of the
+    grid, balanced. H200, kernel alone, one token, 8 experts of 7168 -> 2 x 2048 fmt 4: 256
+    blocks a slot 51.2 us, 264 51.7, 512 52.1, 128 71.8, one a row block (1024) 52.6."""
+    if backend == dispatch.CUDA and qgemv.cuda_tuned(fmt) and simdgroups == 1 and prefetch:
         return dispatch.balanced_blocks(n_blocks, qgemv.CUDA_PERSISTENT_BLOCKS // max(1, n_slots))
     return 0
 
 
-def gate_up_rows(S: int) -> int:
-    """Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load; ROWS * S <= 32
-    final writers and the accumulators of qgemv's ROWS = 4 (2 for S > 4)."""
-    return 2 if S <= 4 else 1
+# Gate/up row pairs per threadgroup: 2 * ROWS rows share each x load, the accumulators of
+# qgemv's ROWS = 4.
+GATE_UP_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -420,17 +420,16 @@ class _Static:
                                    self.threadgroup, self.template)
 
 
-# S > 1 tokens run as S one-token launches in one grid (TOK 1; grid.y: every token's slots for
-# moe_gate_up, the token for moe_down): the one-token template and defaults, each token's experts
-# read for it alone. An expert two tokens share is read twice, yet the one-token launch's
-# occupancy wins over threadgroups that loop over the tokens: H200, DeepSeek-V3 shapes
+# A kernel computes one token; S tokens run as S one-token launches in one grid (grid.y: every
+# token's slots for moe_gate_up, the token for moe_down), each token's experts read for it
+# alone. An expert two tokens share is read twice, yet the one-token launch's occupancy wins
+# over threadgroups that loop over the tokens: H200, DeepSeek-V3 shapes
 # (scripts/bench/bench_moe_parts.py), moe_gate_up 318.8 -> 216.6 us at 4 tokens and 926.2 -> 385.6
-# at 8, moe_down 290.5 -> 149.0 and 699.5 -> 216.5.
+# at 8, moe_down 290.5 -> 149.0 and 699.5 -> 216.5 (docs/kernels.md).
 def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, rows, simdgroups,
                     prefetch=None, persistent=None) -> _Static:
-    per_token = S > 1
     # PF 1 is qgemv's loop (next step's loads in flight during this step's decode, UNROLL 1).
-    # On by default on CUDA for one token: on the H200 (scripts/bench/profile_kernels.py, kernel time
+    # On by default on CUDA: on the H200 (scripts/bench/profile_kernels.py, kernel time
     # alone, 8 experts of 7168x2048 fmt 4) PF 1 took 54.1 us against PF 0's 58.1. (A chain of 8
     # independent launches in one graph, which the GPU overlaps, had ranked PF 0 first.)
     pf = int(backend == dispatch.CUDA) if prefetch is None else int(prefetch)
@@ -442,12 +441,12 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         return hit
     n_slots = S * K
     p = group.gate_up
-    rows = rows or gate_up_rows(1)
+    rows = rows or GATE_UP_ROWS
     busy = min(K, len(group.experts))                # distinct experts at most (a token's)
     n_blocks = -(-p.O // rows)
     nw = simdgroups or _simdgroups(n_blocks * busy, p.n_units)
     if persistent is None:
-        persistent = default_gate_up_persistent(p.fmt, 1, n_slots, nw, pf, n_blocks, backend)
+        persistent = default_gate_up_persistent(p.fmt, n_slots, nw, pf, n_blocks, backend)
     blocks, pers = dispatch.persistent_grid(n_blocks, persistent)
     header = kernel_header("moe_block", backend, group.gguf)
     _, bodies = read_kernel_sections("moe_block", backend)
@@ -456,8 +455,8 @@ def _gate_up_static(group: ExpertGroup, S: int, K: int, x_dtype, backend: str, r
         output_names=("h",), source=bodies["moe_gate_up"], header=header,
         output_shapes=[(n_slots, h_width(group))], output_dtypes=[mx.float32],
         grid=(SIMD * nw * blocks, n_slots, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, 1, rows, nw, x_dtype, backend, pf)
-        + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers), ("TOK", int(per_token))],
+        template=_template(p, rows, nw, x_dtype, backend, pf)
+        + [("PF", pf), ("HP", h_unit(group)), ("PERS", pers)],
         params=_params(p, K, K, group.n_layer_experts))
     return st
 
@@ -473,11 +472,10 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
     if hit is not None:
         return hit
     p = group.down
-    per_token = S > 1
     rows = rows or qgemv.default_rows(1)
     busy = min(K, len(group.experts))
     nw = simdgroups or _simdgroups(-(-p.O // rows), p.n_units * busy)
-    # One unit per load batch on CUDA for one token: fewer registers, more blocks resident
+    # One unit per load batch on CUDA: fewer registers, more blocks resident
     # (H200, profile_kernels.py, 8 experts of 2048 -> 7168 fmt 4: 41.2 us against 46.9 with 2).
     unroll = 1 if backend == dispatch.CUDA else None
     if min_blocks is None:
@@ -498,9 +496,9 @@ def _down_static(group: ExpertGroup, S: int, K: int, backend: str, rows, simdgro
         output_names=("y",), source=bodies["moe_down"],
         header=dispatch.bounded_header(header, SIMD * nw, min_blocks) if min_blocks else header,
         output_shapes=[(S, p.O)], output_dtypes=[out_dtype],
-        grid=(SIMD * nw * blocks, S if per_token else 1, 1), threadgroup=(SIMD * nw, 1, 1),
-        template=_template(p, 1, rows, nw, mx.float32, backend, unroll=unroll)
-        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("RES", res), ("PERS", pers), ("TOK", int(per_token))]
+        grid=(SIMD * nw * blocks, S, 1), threadgroup=(SIMD * nw, 1, 1),
+        template=_template(p, rows, nw, mx.float32, backend, unroll=unroll)
+        + [("OT", out_dtype), ("XP", int(h_unit(group) > 0)), ("RES", res), ("PERS", pers)]
         + (list(zip(("KO", "KRB", "KNG", "KNU"), (p.O, p.rb, p.ng, p.n_units) if shape_in else (0,) * 4))
            if backend == dispatch.CUDA else [])
         + ([("MINB", min_blocks)] if min_blocks else []),
@@ -531,9 +529,9 @@ def down_spec(h: mx.array, group: ExpertGroup, ids: mx.array, weights: mx.array,
     summed per token, added to ``residual`` (``[N, D]`` of ``out_dtype``) when given (RES 1; else
     h stands in for it, unread). ``min_blocks``: CUDA launch bounds (blocks an SM; None: the
     default, :func:`cuda_down_min_blocks`; 0: none). ``persistent``: threadgroups that loop over
-    the row blocks (0: one a row block; None: on CUDA for one token under launch bounds, the
-    resident blocks, balanced). ``shape_in``: CUDA, the projection's shape compiled in (None:
-    yes). S > 1 tokens run as S one-token launches in one grid (grid.y = token)."""
+    the row blocks (0: one a row block; None: on CUDA under launch bounds, the resident blocks
+    shared by the tokens, balanced). ``shape_in``: CUDA, the projection's shape compiled in
+    (None: yes). S > 1 tokens run as S one-token launches in one grid (grid.y = token)."""
     st = _down_static(group, S, K, backend, rows, simdgroups, out_dtype, int(residual is not None), min_blocks,
                       persistent, shape_in)
     p = group.down

@@ -1,12 +1,13 @@
 // moe_block, CUDA twin of metal_kernels/moe_block.metal (same algorithm, launches, params):
-// qgemv's structure on stacked expert banks. moe_gate_up: grid.y = slot; the leader slot of an
-// expert computes ROWS gate rows + the same ROWS up rows (2 * ROWS rows share each x load) for
-// every token routed to it, NW warps split the row (split-K, partials meet in shared memory),
-// silu(g) * u is written to all of that expert's slots. moe_down: one block per ROWS output
-// rows; the work items (distinct expert, unit) are split across all threads, each applied to
-// every token that chose the expert with its gate weight; the sum over experts is one fixed
-// reduction (no atomics, deterministic). Decoding is qdecode.cuh's (prepended to this header);
-// fmt 4/5 scales are loaded with the weights; NIB picks the fmt 2/4 decode (qgemv's).
+// qgemv's structure on stacked expert banks, one token a launch (grid.y picks it: moe_gate_up
+// its slot, moe_down the token). moe_gate_up: the token's leader slot of an expert computes
+// ROWS gate rows + the same ROWS up rows (2 * ROWS rows share each x load), NW warps split the
+// row (split-K, partials meet in shared memory), silu(g) * u is written to all of the token's
+// slots of that expert. moe_down: one block per ROWS output rows; the work items (distinct
+// expert, unit) are split across all threads, each weighted by the expert's summed gate
+// weight; the sum over experts is one fixed reduction (no atomics, deterministic). Decoding is
+// qdecode.cuh's (prepended to this header); fmt 4/5 scales are loaded with the weights; NIB
+// picks the fmt 2/4 decode (qgemv's).
 // h: moe_gate_up's HP > 0 writes it in xp_index's layout, moe_down's XP 1 reads it so (the
 // Metal header says why). Template values arrive as constexpr lines; MLX launches grid / block
 // of 32 * NW threads.
@@ -58,62 +59,59 @@ __device__ __forceinline__ void gate_up_load(const uint8_t* wgu, const float* sg
   }
 }
 
-// acc[r][s] += unit u of the rows (loaded as raw / scl) against the tokens in `tokens`.
-template <int FMT, int GS, int S, int R2, int XV, int NIB, typename T>
+// acc[r] += unit u of the rows (loaded as raw / scl) against the token's x row (x + xoff).
+// acc[r][0]: qdecode's seg_dots / warp_partials take rows x rows of x, here one.
+template <int FMT, int GS, int R2, int XV, int NIB, typename T>
 __device__ __forceinline__ void gate_up_unit(const T* x, const float* sgu, const uint32_t* e8grid, const int* rows,
-                                             const int* xoff, uint32_t tokens, int ng, int I, int u,
+                                             int xoff, int ng, int I, int u,
                                              const uint32_t (*raw)[qd::words(FMT)],
                                              const float (*scl)[qd::wpu(FMT) / qd::seg(FMT, GS)],
-                                             float (*acc)[S]) {
+                                             float (*acc)[1]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
 #pragma unroll
   for (int g = 0; g < NSEG; ++g) {
-    float d[R2][S];
-    qd::seg_dots<FMT, GS, S, R2, XV, W, T, NIB>(raw, x, xoff, tokens, I, u, g, e8grid, d);
+    float d[R2][1];
+    qd::seg_dots<FMT, GS, 1, R2, XV, W, T, NIB>(raw, x, &xoff, 1u, I, u, g, e8grid, d);
 #pragma unroll
     for (int r = 0; r < R2; ++r) {
       const float sc = qd::scales_in_memory(FMT) ? scl[r][g] : qd::seg_scale<FMT, GS>(sgu, rows[r], ng, u, g, raw[r]);
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] += d[r][s] * sc;
-      }
+      acc[r][0] += d[r][0] * sc;
     }
   }
 }
 
-// acc[r][s] += the loaded units (base, base + 32 * NW, ...) against the tokens in `tokens`.
+// acc[r] += the loaded units (base, base + 32 * NW, ...) against the token's x row.
 // A unit wholly inside x's row (aligned) reads x without per-8 bounds tests (XV 2), as
-// qgemv's units do; the guarded copy only for S <= 4 (qgemv's register reason).
-template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
+// qgemv's units do.
+template <int FMT, int GS, int R2, int NW, int UNROLL, int XV, int NIB, typename T>
 __device__ __forceinline__ void gate_up_compute(const T* x, const float* sgu, const uint32_t* e8grid,
-                                                const int* rows, const int* xoff, uint32_t tokens,
+                                                const int* rows, int xoff,
                                                 int ng, int I, int n_units, int base,
                                                 const uint32_t (*raw)[R2][qd::words(FMT)],
                                                 const float (*scl)[R2][qd::wpu(FMT) / qd::seg(FMT, GS)],
-                                                float (*acc)[S]) {
-  constexpr bool FULL_UNITS = S <= 4;
+                                                float (*acc)[1]) {
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
     const int u = base + 32 * NW * j;
-    if (XV && FULL_UNITS && qd::wpu(FMT) * (u + 1) <= I) {
-      gate_up_unit<FMT, GS, S, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+    if (XV && qd::wpu(FMT) * (u + 1) <= I) {
+      gate_up_unit<FMT, GS, R2, 2, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I, u, raw[j], scl[j], acc);
     } else if (u < n_units) {
-      gate_up_unit<FMT, GS, S, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I, u, raw[j], scl[j], acc);
+      gate_up_unit<FMT, GS, R2, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I, u, raw[j], scl[j], acc);
     }
   }
 }
 
-// acc[r][s] += the rows' units tid, tid + 32 * NW, ... against the tokens in `tokens`. PF 0:
+// acc[r] += the rows' units tid, tid + 32 * NW, ... against the token's x row. PF 0:
 // load UNROLL units x R2 rows, then compute them; PF 1 (qgemv's): two register buffers, the
 // next step's loads issued before this step's arithmetic, so a warp keeps bytes in flight
 // while it decodes (one load latency per block instead of one per step).
-template <int FMT, int GS, int S, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB,
+template <int FMT, int GS, int R2, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB,
           int PF, typename T>
 __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, const float* sgu,
                                                 const uint32_t* e8grid, const int* rows,
-                                                const int* xoff, uint32_t tokens, int rb, int ng,
-                                                int I, int n_units, int tid, float (*acc)[S]) {
+                                                int xoff, int rb, int ng,
+                                                int I, int n_units, int tid, float (*acc)[1]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   constexpr int STEP = 32 * NW * UNROLL;
@@ -126,21 +124,21 @@ __device__ __forceinline__ void gate_up_partial(const T* x, const uint8_t* wgu, 
     for (int base = tid; base < n_units; base += 2 * STEP) {
       gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units, base + STEP,
                                                       raw_b, scl_b);
-      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
-                                                              n_units, base, raw_a, scl_a, acc);
+      gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I,
+                                                           n_units, base, raw_a, scl_a, acc);
       if (base + STEP >= n_units) {
         break;
       }
       gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units,
                                                       base + 2 * STEP, raw_a, scl_a);
-      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
-                                                              n_units, base + STEP, raw_b, scl_b, acc);
+      gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I,
+                                                           n_units, base + STEP, raw_b, scl_b, acc);
     }
   } else {
     for (int base = tid; base < n_units; base += STEP) {
       gate_up_load<FMT, GS, R2, NW, UNROLL, VEC, W16>(wgu, sgu, rows, rb, ng, n_units, base, raw_a, scl_a);
-      gate_up_compute<FMT, GS, S, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, tokens, ng, I,
-                                                              n_units, base, raw_a, scl_a, acc);
+      gate_up_compute<FMT, GS, R2, NW, UNROLL, XV, NIB, T>(x, sgu, e8grid, rows, xoff, ng, I,
+                                                           n_units, base, raw_a, scl_a, acc);
     }
   }
 }
@@ -180,17 +178,17 @@ __device__ __forceinline__ void down_load(const uint8_t* wd, const float* sd, co
   }
 }
 
-// acc[r][s] += the loaded items (base, base + 32 * NW, ...): each expert's h rows of its tokens
-// (eslot; -1: the token does not use the expert), weighted by the summed gate weights (ewt).
+// acc[r] += the loaded items (base, base + 32 * NW, ...): each expert's h row (eslot), weighted
+// by its summed gate weight (ewt). acc[r][0]: qdecode's helpers take rows x rows of h, here one.
 // XP 1: h rows are padded with zeros to whole units (moe_gate_up writes every element), so x
 // is read without bounds tests (XV 2) over the padded width hs.
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int XV, int NIB, int XP>
 __device__ __forceinline__ void down_compute(const float* h, const float* sd, const uint32_t* e8grid, const size_t* eso,
                                              const int* eslot, const float* ewt, const int* rd, int row0,
                                              size_t soff, int ng, int I, int hs, int n_units, int n_items,
                                              int base, const uint32_t (*raw)[ROWS][qd::words(FMT)],
                                              const float (*scl)[ROWS][qd::wpu(FMT) / qd::seg(FMT, GS)],
-                                             float (*acc)[S]) {
+                                             float (*acc)[1]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   constexpr int XVD = (XP && XV) ? 2 : XV;
@@ -201,16 +199,8 @@ __device__ __forceinline__ void down_compute(const float* h, const float* sd, co
       const int je = item / n_units;
       const int u = item - je * n_units;
       const float* se = sd + eso[je];
-      int xoff[S];
-      float wt[S];
-      uint32_t tokens = 0;
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        const int slot = eslot[je * S + s];
-        tokens |= (slot >= 0 ? 1u : 0u) << s;
-        xoff[s] = max(slot, 0) * hs;
-        wt[s] = ewt[je * S + s];
-      }
+      const int xoff = eslot[je] * hs;
+      const float wt = ewt[je];
       float rs[ROWS];
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
@@ -218,28 +208,25 @@ __device__ __forceinline__ void down_compute(const float* h, const float* sd, co
       }
 #pragma unroll
       for (int g = 0; g < NSEG; ++g) {
-        float d[ROWS][S];
-        qd::seg_dots<FMT, GS, S, ROWS, XVD, W, float, NIB, XP>(raw[j], h, xoff, tokens, XP ? hs : I, u, g, e8grid, d);
+        float d[ROWS][1];
+        qd::seg_dots<FMT, GS, 1, ROWS, XVD, W, float, NIB, XP>(raw[j], h, &xoff, 1u, XP ? hs : I, u, g, e8grid, d);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           const float sc = (qd::scales_in_memory(FMT) ? scl[j][r][g] : qd::seg_scale<FMT, GS>(se + soff, rd[r], ng, u, g, raw[j][r])) * rs[r];
-#pragma unroll
-          for (int s = 0; s < S; ++s) {
-            acc[r][s] += d[r][s] * (sc * wt[s]);
-          }
+          acc[r][0] += d[r][0] * (sc * wt);
         }
       }
     }
   }
 }
 
-// acc[r][s] += work items tid, tid + 32 * NW, ...: load UNROLL items x ROWS rows, then compute them.
-template <int FMT, int GS, int S, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP>
+// acc[r] += work items tid, tid + 32 * NW, ...: load UNROLL items x ROWS rows, then compute them.
+template <int FMT, int GS, int ROWS, int NW, int UNROLL, int VEC, bool W16, int XV, int NIB, int XP>
 __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, const float* sd,
                                              const uint32_t* e8grid, const size_t* ewo, const size_t* eso,
                                              const int* eslot, const float* ewt,
                                              const int* rd, int row0, int rb, int ng, int I, int hs,
-                                             int n_units, int n_items, int tid, float (*acc)[S]) {
+                                             int n_units, int n_items, int tid, float (*acc)[1]) {
   constexpr int W = qd::words(FMT);
   constexpr int NSEG = qd::wpu(FMT) / qd::seg(FMT, GS);
   const size_t woff = size_t(row0) * size_t(rb);
@@ -249,8 +236,8 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   for (int base = tid; base < n_items; base += 32 * NW * UNROLL) {
     down_load<FMT, GS, ROWS, NW, UNROLL, VEC, W16>(wd, sd, ewo, eso, rd, woff, soff, rb, ng, n_units, n_items, base,
                                                    raw, scl);
-    down_compute<FMT, GS, S, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
-                                                            hs, n_units, n_items, base, raw, scl, acc);
+    down_compute<FMT, GS, ROWS, NW, UNROLL, XV, NIB, XP>(h, sd, e8grid, eso, eslot, ewt, rd, row0, soff, ng, I,
+                                                         hs, n_units, n_items, base, raw, scl, acc);
   }
 }
 
@@ -271,13 +258,14 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int tid = int(threadIdx.x);
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  // TOK 1 (S 1): grid.y is a slot of any of the batch's tokens; the block runs the one-token
-  // launch for that slot's token (its K slots, its x row, its h rows).
-  const int tok = TOK ? int(blockIdx.y) / K : 0;
+  // grid.y is a slot of any of the batch's tokens: the block computes that slot's token (its K
+  // slots, its x row, its h rows).
+  const int tok = int(blockIdx.y) / K;
   const int slot0 = tok * K;                   // the token's first slot in ids and h
   const int a = int(blockIdx.y) - slot0;
+  const int xoff = tok * I;                    // the token's x row
   __shared__ int sl[colibri_moe::max_slots()];
-  __shared__ float red[NW * R2 * S];
+  __shared__ float red[NW * R2];
   colibri_moe::slot_table(ids + slot0, lut, n_slots, E, tid, 32 * NW, sl);
   const int e = sl[a];
   // h rows: O values in order, or (HP > 0, moe_down's fmt has HP weights a unit) padded to
@@ -305,12 +293,6 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       return;
     }
   }
-  uint32_t tokens = 0;
-  for (int b = a; b < n_slots; ++b) {
-    if (sl[b] == e) {
-      tokens |= 1u << (b / K);
-    }
-  }
   const bool w16 = (reinterpret_cast<uintptr_t>(wgu8) & 15) == 0;
   const bool x16 = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
@@ -321,45 +303,37 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       rows[r] = 2 * O * e + min(row0 + r, O - 1);
       rows[ROWS + r] = rows[r] + O;
     }
-    int xoff[S];
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      xoff[s] = (tok + s) * I;
-    }
-    float acc[R2][S];
+    float acc[R2][1];
 #pragma unroll
     for (int r = 0; r < R2; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] = 0.0f;
-      }
+      acc[r][0] = 0.0f;
     }
     if (w16 && x16) {
-      colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
-          x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+      colibri_moe::gate_up_partial<FMT, GS, R2, NW, UNROLL, VEC, true, XV, NIB, PF, T>(
+          x, wgu8, sgu, e8grid, rows, xoff, rb, ng, I, n_units, tid, acc);
     } else {
-      colibri_moe::gate_up_partial<FMT, GS, S, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
-          x, wgu8, sgu, e8grid, rows, xoff, tokens, rb, ng, I, n_units, tid, acc);
+      colibri_moe::gate_up_partial<FMT, GS, R2, NW, UNROLL, VEC, false, 0, NIB, PF, T>(
+          x, wgu8, sgu, e8grid, rows, xoff, rb, ng, I, n_units, tid, acc);
     }
-    colibri_qd::warp_partials<R2, S>(acc, red, warp, lane);
+    colibri_qd::warp_partials<R2, 1>(acc, red, warp, lane);
     __syncthreads();
-    if (tid < ROWS * S) {
-      const int r = tid / S;
-      const int s = tid % S;
+    // Thread r writes h row row0 + r into every slot of the token routed to e.
+    if (tid < ROWS) {
+      const int r = tid;
       const int row = row0 + r;
-      if (row < O && ((tokens >> s) & 1u)) {
+      if (row < O) {
         float gv = 0.0f;
         float uv = 0.0f;
 #pragma unroll
         for (int k = 0; k < NW; ++k) {
-          gv += red[(k * R2 + r) * S + s];
-          uv += red[(k * R2 + ROWS + r) * S + s];
+          gv += red[k * R2 + r];
+          uv += red[k * R2 + ROWS + r];
         }
         gv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + row);
         uv *= colibri_qd::row_scale<FMT>(sgu, 2 * O * e + O + row);
         const float hv = gv / (1.0f + expf(-gv)) * uv;
         const int hi = HP > 0 ? colibri_qd::xp_index<HPU>(O, row) : row;
-        for (int b = s * K; b < s * K + K; ++b) {
+        for (int b = a; b < n_slots; ++b) {
           if (sl[b] == e) {
             h[size_t(slot0 + b) * hs + hi] = hv;
             for (int pad = (row == O - 1 ? O : hs); pad < hs; ++pad) {
@@ -391,18 +365,17 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int hs = XP ? n_units * colibri_qd::wpu(FMT) : I;   // h row stride (moe_gate_up's HP layout)
   __shared__ int sl[colibri_moe::max_slots()];
   __shared__ int lead[colibri_moe::max_slots()];
-  __shared__ int elead[colibri_moe::max_slots()];
-  __shared__ int eslot[colibri_moe::max_slots() * S];
-  __shared__ float ewt[colibri_moe::max_slots() * S];
+  __shared__ int eslot[colibri_moe::max_slots()];        // distinct experts in slot order: leader slot (h row)
+  __shared__ float ewt[colibri_moe::max_slots()];        // ... and the gate weight summed over its slots
   __shared__ float swt[colibri_moe::max_slots()];        // gate weight of every slot
   __shared__ int n_distinct[1];
   __shared__ size_t ewo[colibri_moe::max_slots()];   // distinct expert: its first down row (bytes)
   __shared__ size_t eso[colibri_moe::max_slots()];   // ... and its first scale (floats)
-  __shared__ float red[NW * ROWS * S];
-  // TOK 1 (S 1): grid.y is a token of the batch; the block runs the one-token launch for it (its
-  // K slots and h rows, its y row).
-  const int tok = TOK ? int(blockIdx.y) : 0;
+  __shared__ float red[NW * ROWS];
+  // grid.y is a token of the batch: the block computes it (its K slots and h rows, its y row).
+  const int tok = int(blockIdx.y);
   const int slot0 = tok * K;
+  const float* ht = h + size_t(slot0) * hs;   // the token's h rows
   // The gate weights are read with the ids (the slot table's barrier covers both): they do not
   // wait for the lut, so the table costs two dependent global loads, not three.
   for (int b = tid; b < n_slots; b += 32 * NW) {
@@ -423,19 +396,18 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
       for (int c = 0; c < b; ++c) {
         j += lead[c];
       }
-      elead[j] = b;
       ewo[j] = size_t(sl[b]) * size_t(O) * size_t(rb);
       eso[j] = size_t(sl[b]) * size_t(O) * size_t(ng);
-      for (int s = 0; s < S; ++s) {
-        eslot[j * S + s] = -1;
-        ewt[j * S + s] = 0.0f;
-      }
+      // An expert listed twice for the token has the same h in both slots: the leader's, the
+      // weights added.
+      float wsum = 0.0f;
       for (int c = b; c < n_slots; ++c) {
         if (sl[c] == sl[b]) {
-          eslot[j * S + c / K] = c;
-          ewt[j * S + c / K] += swt[c];
+          wsum += swt[c];
         }
       }
+      eslot[j] = b;
+      ewt[j] = wsum;
     }
   }
   if (tid == 0) {
@@ -452,7 +424,7 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
   const int n_blocks = (O + ROWS - 1) / ROWS;
   const int blk_step = PERS ? int(gridDim.x) : n_blocks;
   const bool w16 = (reinterpret_cast<uintptr_t>(wd8) & 15) == 0;
-  const bool x16 = (reinterpret_cast<uintptr_t>(h + size_t(slot0) * hs) & 15) == 0;
+  const bool x16 = (reinterpret_cast<uintptr_t>(ht) & 15) == 0;
   for (int blk = int(blockIdx.x); blk < n_blocks; blk += blk_step) {
     const int row0 = blk * ROWS;
     int rd[ROWS];                               // row r of the block: row0 + rd[r]
@@ -460,37 +432,32 @@ __device__ __forceinline__ void down_partial(const float* h, const uint8_t* wd, 
     for (int r = 0; r < ROWS; ++r) {
       rd[r] = min(r, O - 1 - row0);
     }
-    float acc[ROWS][S];
+    float acc[ROWS][1];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        acc[r][s] = 0.0f;
-      }
+      acc[r][0] = 0.0f;
     }
     if (w16 && x16) {
-      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
-          h + size_t(slot0) * hs, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items,
-          tid, acc);
+      colibri_moe::down_partial<FMT, GS, ROWS, NW, UNROLL, VEC, true, XV, NIB, XP>(
+          ht, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     } else {
-      colibri_moe::down_partial<FMT, GS, S, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
-          h + size_t(slot0) * hs, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items,
-          tid, acc);
+      colibri_moe::down_partial<FMT, GS, ROWS, NW, UNROLL, VEC, false, 0, NIB, XP>(
+          ht, wd8, sd, e8grid, ewo, eso, eslot, ewt, rd, row0, rb, ng, I, hs, n_units, n_items, tid, acc);
     }
-    colibri_qd::warp_partials<ROWS, S>(acc, red, warp, lane);
+    colibri_qd::warp_partials<ROWS, 1>(acc, red, warp, lane);
     __syncthreads();
-    if (tid < ROWS * S) {
-      const int r = tid / S;
-      const int s = tid % S;
+    // Thread r writes y[tok, row0 + r] (0 when no expert of this group serves the token).
+    if (tid < ROWS) {
+      const int r = tid;
       float v = 0.0f;
 #pragma unroll
       for (int k = 0; k < NW; ++k) {
-        v += red[(k * ROWS + r) * S + s];
+        v += red[k * ROWS + r];
       }
       if (row0 + r < O) {
         // RES 1: y = res + y (the decoder layer's residual add), rounded as that add would be.
         const OT yv = static_cast<OT>(v);
-        const size_t at = size_t(tok + s) * O + row0 + r;
+        const size_t at = size_t(tok) * O + row0 + r;
         y[at] = RES ? static_cast<OT>(static_cast<float>(res[at]) + static_cast<float>(yv)) : yv;
       }
     }
