@@ -59,6 +59,8 @@ class ModelServer(ThreadingHTTPServer):
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  api_key: Optional[str] = None, allow_origin: Optional[str] = None,
                  max_pending: Optional[int] = None):
+        if ":" in address[0]:  # an IPv6 address (--host ::1 or ::): the default family is IPv4's
+            self.address_family = socket.AF_INET6
         super().__init__(address, RequestHandler)
         self.model, self.tokenizer, self.model_id, self.defaults = model, tokenizer, model_id, defaults
         self.engine = engine if engine is not None else make_engine(model, tokenizer, defaults)
@@ -79,7 +81,7 @@ class ModelServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     # -- the bounded pool --
 
@@ -164,7 +166,9 @@ class ModelServer(ThreadingHTTPServer):
 
     def server_close(self):
         super().server_close()
-        if not self.stopping.is_set():
+        # TCPServer.__init__ calls this when the bind fails (address in use), before the rest of
+        # __init__ ran: there is nothing to drain, and the OSError must come through.
+        if hasattr(self, "stopping") and not self.stopping.is_set():
             self.drain()
 
 

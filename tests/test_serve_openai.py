@@ -8,6 +8,7 @@ disconnects, API key, CORS, graceful shutdown on SIGINT).
 from __future__ import annotations
 
 import copy
+import errno
 import http.client
 import io
 import json
@@ -435,6 +436,32 @@ def test_protocol_errors_are_openai_json(server, what, data, status):
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_address_in_use_is_the_bind_error(server, demo):
+    """A failed bind (the port taken) raises its OSError, which the command reports, not an
+    AttributeError from a drain of a server whose __init__ never finished."""
+    with pytest.raises(OSError) as e:
+        ModelServer(server.server_address[:2], *demo, "colibri-demo", log=io.StringIO())
+    assert e.value.errno == errno.EADDRINUSE
+
+
+def test_ipv6_loopback_is_served(demo):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        srv = ModelServer(("::1", 0), *demo, "colibri-demo", log=io.StringIO())
+    except OSError as e:  # the kernel has IPv6 off
+        pytest.skip(f"cannot bind ::1: {e}")
+    thread = start(srv)
+    try:
+        assert srv.url.startswith("http://[::1]:")
+        conn = http.client.HTTPConnection("::1", srv.server_address[1], timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        stop(srv, thread)
 
 
 def test_pipelined_requests_on_one_connection(server):
