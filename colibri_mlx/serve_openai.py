@@ -21,6 +21,8 @@ from .speculative import DEFAULT_NUM_DRAFT, DRAFT_KINDS, MAX_NUM_DRAFT
 
 MAX_JSON_DEPTH = 64
 SEED_LIMIT = 1 << 64
+MAX_STOP_STRINGS = 32     # OpenAI takes 4
+MAX_STOP_CHARS = 1000
 
 
 class RequestError(ValueError):
@@ -102,7 +104,13 @@ def _stop_strings(body: dict) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"'stop' must be a non-empty string or a list of them, got {json.dumps(stop)}", "stop")
+        raise RequestError(f"'stop' must be a non-empty string or a list of them, got {json.dumps(stop)[:200]}",
+                           "stop")
+    # Every token is searched for every stop string (and its tail for their prefixes): a million of
+    # them made each token take seconds of the GIL, slowing every other request.
+    if len(stops) > MAX_STOP_STRINGS or max(map(len, stops)) > MAX_STOP_CHARS:
+        raise RequestError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                           f"characters each, got {len(stops)} of up to {max(map(len, stops))}", "stop")
     return stops
 
 

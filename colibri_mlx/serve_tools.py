@@ -98,8 +98,9 @@ class HeldBackText:
 
     def _partial(self, markers, longest: int) -> int:
         """The length of the longest tail of the text that is a proper prefix of a marker."""
+        firsts = {s[0] for s in markers}  # a tail can only match where a marker's first character is
         for k in range(min(longest - 1, len(self.text)), 0, -1):
-            if any(s.startswith(self.text[-k:]) for s in markers):
+            if self.text[-k] in firsts and any(s.startswith(self.text[-k:]) for s in markers):
                 return k
         return 0
 

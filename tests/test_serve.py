@@ -232,6 +232,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "'stream' must be bool"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "'stop' must be a non-empty string or a list of them"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "'stop' must be"),
+    # a million stop strings made each token take seconds (every one is searched for per token)
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(33)]}, "'stop' takes at most 32 strings"),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 1001}, "of at most 1000 characters each"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "'n' must be 1"),
     ("/v1/completions", {"prompt": list(range(5, 1030))}, "exceeds the context limit of 1024 tokens"),
     ("/v1/completions", {"prompt": list(range(5, 1030)), "stream": True}, "exceeds the context limit"),
