@@ -203,6 +203,15 @@ class RequestHandler(BaseHTTPRequestHandler):
         self.rfile.close()
         self.rfile = ConnectionReader(self.received, self.connection)
 
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":  # "GET /": the answer would go out without a status line
+            self.send_error(HTTPStatus.BAD_REQUEST, f"Bad request line {self.requestline[:100]!r}: no HTTP version "
+                                                    "(HTTP/0.9 is not served)")
+            return False
+        return True
+
     def handle(self):
         """One request: the server hands the connection back to the reader between requests."""
         self.close_connection = True
@@ -259,14 +268,16 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True  # the unread body would be taken for the next request
             raise RequestError("missing Content-Length (chunked request bodies are not supported)",
                                status=HTTPStatus.LENGTH_REQUIRED)
-        try:
-            n = int(length)
-        except ValueError:
+        # Digits only, and one value: int() also takes "+5", "1_0" and " 5", and with two lengths a
+        # proxy in front may frame the body by the other one (request smuggling).
+        lengths = {v.strip() for v in self.headers.get_all("Content-Length")}
+        if len(lengths) > 1:
             self.close_connection = True
-            raise RequestError(f"bad Content-Length {length!r}") from None
-        if n < 0:
+            raise RequestError(f"several Content-Length values: {', '.join(sorted(lengths))[:200]}")
+        if not (length.strip().isascii() and length.strip().isdigit()):
             self.close_connection = True
-            raise RequestError(f"bad Content-Length {length!r}: negative")
+            raise RequestError(f"bad Content-Length {length[:100]!r}: not a number of bytes")
+        n = int(length)
         if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(f"request body of {n} bytes (limit {MAX_BODY_BYTES})",

@@ -33,12 +33,11 @@ def request_ready(buf: bytes, wait_for_body: bool) -> bool:
         return len(buf) > MAX_HEAD_BYTES
     if not wait_for_body or _EXPECT_CONTINUE.search(buf, 0, end + 1):
         return True  # (a client that expects "100 Continue" sends its body after the handler's answer)
-    m = _CONTENT_LENGTH.search(buf, 0, end + 1)
-    try:
-        n = int(m.group(1)) if m else 0
-    except ValueError:
-        return True  # the handler answers 400
-    return not 0 <= n <= BODY_WAIT_BYTES or len(buf) - end - sep >= n
+    lengths = {v.strip() for v in _CONTENT_LENGTH.findall(buf, 0, end + 1)}
+    if len(lengths) > 1 or lengths and not next(iter(lengths)).isdigit():
+        return True  # two lengths, or not digits ("1_0", "+5", which int() takes): the handler answers 400
+    n = int(lengths.pop()) if lengths else 0
+    return n > BODY_WAIT_BYTES or len(buf) - end - sep >= n
 
 
 class _Waiting:

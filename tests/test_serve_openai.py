@@ -421,6 +421,12 @@ PROTOCOL_ERRORS = [
     ("unknown method", b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 501),
     ("bad HTTP version", b"GET /health HTTP/9.9\r\n\r\n", 505),
     ("negative Content-Length", b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400),
+    # int() takes "1_0" (10) and "+2": the server waited a read timeout for bytes that never came
+    ("Content-Length 1_0", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1_0\r\n\r\n{}", 400),
+    ("Content-Length +2", b"POST /v1/completions HTTP/1.1\r\nContent-Length: +2\r\n\r\n{}", 400),
+    ("two Content-Lengths", b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 50\r\n\r\n{}",
+     400),
+    ("HTTP/0.9 request line", b"GET /v1/models\r\n\r\n", 400),  # was answered with a bare body, no status line
     ("lone surrogate", post_raw(b'{"prompt": "a\\ud800b", "max_tokens": 1}'), 400),
     ("deeply nested JSON", post_raw(b'{"prompt": "a", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}"), 400),
     ("nested past the limit", post_raw(b'{"prompt": "a", "x": ' + b"[" * 80 + b"]" * 80 + b"}"), 400),
@@ -510,6 +516,8 @@ def scripted(demo):
     (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n", True, True),
     (b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n", True, True),          # the handler answers 400
     (b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n", True, True),
+    (b"POST / HTTP/1.1\r\nContent-Length: 1_0\r\n\r\n{}", True, True),      # int() reads 10: not digits
+    (b"POST / HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 9\r\n\r\n{}", True, True),
     (b"POST / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n{", True, True),    # a large body: the worker reads it
     (b"GET /" + b"a" * 80000, True, True),                                      # too long: the handler answers 414
 ])
