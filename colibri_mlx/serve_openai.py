@@ -123,9 +123,10 @@ def _logit_bias(body: dict, vocab: int) -> Optional[tuple]:
         raise RequestError(f"'logit_bias' must be {what}", "logit_bias")
     pairs = []
     for k, v in bias.items():
-        if not (k.isdigit() and int(k) < vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) \
+        # ASCII digits, few: int() takes "٣" too, and raises past 4300 digits
+        if not (k.isascii() and k.isdigit() and len(k) < 20 and int(k) < vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) \
                 or not -100 <= v <= 100:
-            raise RequestError(f"'logit_bias' must be {what}, got {json.dumps({k: v})}", "logit_bias")
+            raise RequestError(f"'logit_bias' must be {what}, got {json.dumps({k: v})[:200]}", "logit_bias")
         pairs.append((int(k), float(v)))
     return tuple(pairs) or None
 

@@ -232,6 +232,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "'stream' must be bool"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "'stop' must be a non-empty string or a list of them"),
     ("/v1/completions", {"prompt": "x", "stop": 3}, "'stop' must be"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\u0663": 5}}, "'logit_bias' must be"),  # int() reads 3
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"9" * 5000: 5}}, "'logit_bias' must be"),
     # a million stop strings made each token take seconds (every one is searched for per token)
     ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(33)]}, "'stop' takes at most 32 strings"),
     ("/v1/completions", {"prompt": "x", "stop": "s" * 1001}, "of at most 1000 characters each"),
