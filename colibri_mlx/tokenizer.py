@@ -282,27 +282,164 @@ def _budgeted_concat(*parts) -> str:
     return text
 
 
+# Filters and str methods whose result can be far larger than their value and arguments (a long
+# replacement for each of many matches, a long separator between many items, a wide indent of many
+# lines, a sum of lists): the result's size is predicted from the arguments and refused before it is
+# built, and what it adds is charged to the render budget (a loop of them); the items of a join or a
+# sum are charged as loop iterations; pprint and list charge what they walk.
+def _items(value) -> list:
+    """The items of an iterable, charged as loop iterations (before, where it has a length)."""
+    try:
+        _iterate(len(value))
+    except TypeError:
+        return [item for item in _charged(value)]
+    return list(value)
+
+
+def _guard_replace(s, old, new, count=-1):
+    if isinstance(s, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        n = s.count(old)
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            n = min(n, count)
+        growth = n * (len(new) - len(old))
+        _check_size(len(s) + growth, "string (a replace)")
+        _spend(growth)
+
+
+def _joined_items(sep, value) -> list:
+    """The items of ``sep.join(value)``, taken one by one (each a loop iteration) while its size,
+    ``len(sep) * (n - 1)`` plus the items' text, is checked; what the separators add is charged."""
+    sep = sep if isinstance(sep, str) else str(sep)
+    items, total = [], -len(sep)
+    for item in _charged(value):
+        items.append(item)
+        total += len(sep) + (len(item) if isinstance(item, str) else len(str(item)))
+        _check_size(total, "string (a join)")
+    _spend(len(sep) * max(len(items) - 1, 0))
+    return items
+
+
+def _line_breaks(s: str) -> int:
+    """An upper bound on the line breaks ``str.splitlines`` finds (no list of the lines built)."""
+    return sum(s.count(c) for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def _guard_indent(s, width=4, first=False, blank=False):
+    if not isinstance(s, str):
+        return
+    pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    growth = max(pad, 0) * (_line_breaks(s) + 2)
+    _check_size(len(s) + growth, "string (an indent)")
+    _spend(growth)
+
+
+def _guard_expandtabs(s, tabsize=8):
+    if isinstance(s, str) and isinstance(tabsize, int):
+        growth = max(tabsize, 0) * s.count("\t")
+        _check_size(len(s) + growth, "string (an expandtabs)")
+        _spend(growth)
+
+
+def _guard_pprint(value) -> None:
+    """``pprint`` reprs each container once per level above it (and wraps long strings word by
+    word): its nodes, weighted by depth, are charged as loop iterations before it runs."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            _iterate(len(v) // 4 * depth)
+            _spend(len(v))
+        elif isinstance(v, (list, tuple, set, frozenset, dict)):
+            _iterate(len(v) * depth)
+            _spend(len(v))
+            stack.extend((x, depth + 1) for x in (v.items() if isinstance(v, dict) else v))
+
+
+_NUMBERS = (int, float)
+
+
+def _budgeted_list(call, env, value):
+    try:
+        _spend(len(value))
+    except TypeError:
+        out = call(value)
+        _spend(len(out))
+        return out
+    return call(value)
+
+
+def _budgeted_join(call, env, value, d="", attribute=None):
+    if attribute is not None:
+        from jinja2.filters import make_attrgetter
+
+        value = map(make_attrgetter(env, attribute), value)
+    return call(_joined_items(d, value), d)
+
+
+def _budgeted_sum(call, env, iterable, attribute=None, start=0):
+    """``sum``: of numbers as jinja2 sums them; of lists or tuples (each ``+`` a copy of all so
+    far: quadratic) its size checked first and built in one pass; of anything else the copies
+    charged to the budget."""
+    items = _items(iterable)
+    if attribute is not None:
+        from jinja2.filters import make_attrgetter
+
+        items = list(map(make_attrgetter(env, attribute), items))
+    if isinstance(start, _NUMBERS) and all(isinstance(x, _NUMBERS) for x in items):
+        return call(items, start=start)
+    sized = [start] + items
+    if not all(isinstance(x, (str, list, tuple)) for x in sized):
+        return call(items, start=start)  # a TypeError (dicts, None...)
+    total = sum(len(x) for x in sized)
+    _check_size(total, "list (a sum)")
+    _spend(total)
+    for kind in (list, tuple):
+        if all(type(x) is kind for x in sized):
+            out = []
+            for x in sized:
+                out.extend(x)
+            return kind(out)
+    copies, so_far = 0, 0
+    for x in sized:
+        so_far += len(x)
+        copies += so_far
+    _spend(copies)
+    return call(items, start=start)
+
+
+# Checked before the filter runs (its value and arguments); run instead of the filter (given it).
+_FILTER_GUARDS = {"replace": _guard_replace, "indent": _guard_indent, "pprint": _guard_pprint}
+_FILTER_WRAPPERS = {"join": _budgeted_join, "sum": _budgeted_sum, "list": _budgeted_list}
+
+
 def _budgeted_filter(name: str, f):
-    """A jinja2 filter with its widths checked first and its result's size after."""
+    """A jinja2 filter with its widths checked first and its result's size after (and, for those
+    of ``_FILTER_GUARDS`` / ``_FILTER_WRAPPERS``, the result's size predicted before it is built)."""
     import functools
 
-    def check(value, args, kwargs):
+    guard, wrap = _FILTER_GUARDS.get(name), _FILTER_WRAPPERS.get(name)
+
+    def run(first, value, args, kwargs):  # first: () or (the context, eval context or environment,)
         if name in _WIDTH_FILTERS:
             _check_widths(args, kwargs)
         elif name == "format":
             _check_format(value)
+        if guard is not None:
+            guard(value, *args, **kwargs)
+        if wrap is not None:
+            env = getattr(first[0], "environment", first[0]) if first else None
+            return _check_value(wrap(lambda v, *a, **k: f(*first, v, *a, **k), env, value, *args, **kwargs))
+        return _check_value(f(*first, value, *args, **kwargs))
 
     if getattr(f, "jinja_pass_arg", None) is not None:  # context/eval-context filters: the value comes second
         @functools.wraps(f)
         def passing(first, value, *args, **kwargs):
-            check(value, args, kwargs)
-            return _check_value(f(first, value, *args, **kwargs))
+            return run((first,), value, args, kwargs)
         return passing
 
     @functools.wraps(f)
     def plain(value, *args, **kwargs):
-        check(value, args, kwargs)
-        return _check_value(f(value, *args, **kwargs))
+        return run((), value, args, kwargs)
     return plain
 
 
@@ -388,8 +525,20 @@ def _compile_cached(source: str, origin: str):
             return _check_value(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
-            if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _WIDTH_METHODS:
-                _check_widths(args, kwargs)
+            s, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            if isinstance(s, str):
+                given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}  # jinja2's own
+                if name in _WIDTH_METHODS:
+                    _check_widths(args, given)
+                if name == "replace":
+                    _guard_replace(s, *args, **given)
+                elif name == "expandtabs":
+                    _guard_expandtabs(s, *args, **given)
+                elif name == "join" and len(args) == 1 and not given:
+                    args = (_joined_items(s, args[0]),)
+                elif name == "translate" and len(args) == 1 and isinstance(args[0], dict):
+                    longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+                    _check_size(len(s) * max(longest, 1), "string (a translate)")
             return _check_value(super().call(__context, __obj, *args, **kwargs))
 
         def wrap_str_format(self, value):

@@ -671,3 +671,95 @@ def test_yarn_and_dsa_configs_still_load(pristine, pristine_glm, tmp_path):
     edit_config(indexer_types=["full", "full"], index_topk_freq=None)(g)
     result = run("generate", "-m", g, "-p", "hi", "--max-tokens", "2")
     assert result.exit_code == 0, result.output
+
+
+# --- template bombs: the result's size is predicted before it is built ---------------------------
+# (a held-out tester's finds: each built gigabytes, or ran for minutes, before the size check).
+# The render budget is cut to 100k characters so that, unfixed, each would still finish here; the
+# peak allocation (tracemalloc) and the message naming the operation tell the check ran first.
+
+TEMPLATE_BOMBS = {
+    "replace-filter": ("{% set x = 'a' * 1000 %}{{ x|replace('a', 'b' * 50000)|replace('b', 'cc') }}",
+                       "a replace"),
+    "replace-method": ("{% set x = 'a' * 1000 %}{{ x.replace('a', 'b' * 50000).replace('b', 'cc') }}",
+                       "a replace"),
+    "join-filter": ("{{ range(2000)|join('x' * 50000) }}", "a join"),
+    "join-method": ("{{ ('x' * 50000).join(range(2000)|map('string')) }}", "a join"),
+    "join-of-big-items": ("{{ ([range(5)|list] * 90000)|join }}", "a join"),
+    "indent-filter": ("{{ ('a\\n' * 2000)|indent(50000) }}", "an indent"),
+    "expandtabs-method": ("{{ ('\\t' * 2000).expandtabs(50000) }}", "an expandtabs"),
+    "translate-method": ("{{ ('a' * 2000).translate({97: 'b' * 50000}) }}", "a translate"),
+    "sum-of-lists": ("{{ ([[1] * 50000] * 40)|sum(start=[]) }}", "a sum"),
+    "list-of-a-big-range": ("{{ range(90000)|list|length }}", "range elements"),
+}
+
+
+def render_with_small_budget(monkeypatch, text, content="hi"):
+    from colibri_mlx import tokenizer as tk
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    monkeypatch.setattr(tk, "RENDER_BUDGET", 100_000)
+    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, text)
+    return tok.apply_chat_template([{"role": "user", "content": content}])
+
+
+@pytest.mark.parametrize("case", sorted(TEMPLATE_BOMBS))
+def test_template_bomb_is_refused_before_it_is_built(monkeypatch, case):
+    import tracemalloc
+
+    from colibri_mlx.tokenizer import TokenizerError
+
+    text, needle = TEMPLATE_BOMBS[case]
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(TokenizerError, match="unsafe operation refused by the sandbox") as e:
+            render_with_small_budget(monkeypatch, text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - t0 < 2
+    assert peak < 20 << 20, f"{peak >> 20} MiB allocated before the refusal"
+    assert needle in str(e.value)
+
+
+def test_pprint_of_a_big_list_is_refused_before_it_runs():
+    """pprint (1 µs an element, more when nested): its elements are charged as loop iterations."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from colibri_mlx.tokenizer import Tokenizer, TokenizerError
+
+    tok = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, None)
+    for text, needle in [("{{ range(4000000)|list|pprint }}", "loop iterations"),
+                         ("{{ range(9000000)|list|pprint }}", "range elements"),  # the list is charged
+                         ("{{ ([range(1000)|list] * 2000)|pprint }}", "loop iterations")]:
+        tok.chat_template = text
+        t0 = time.perf_counter()
+        with pytest.raises(TokenizerError, match=needle):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert time.perf_counter() - t0 < 2, text
+
+
+def test_budgeted_filters_render_as_jinja2_does(monkeypatch):
+    """replace, join, indent, sum, list, pprint, expandtabs, translate as templates use them: the
+    same text as jinja2's own sandbox renders."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = ("{% set ns = namespace(n=0) %}{% for m in messages %}"
+            "{{ m.role|replace('user', 'User') }}: {{ m.content.replace('\\n', ' ').strip() }}\n"
+            "{{ m.content|indent(2, first=True) }}|{{ m.content|indent('> ', blank=True) }}\n"
+            "{{ m.tags|join(', ') }}/{{ '; '.join(m.tags) }}/{{ m['items']|join('|', attribute='name') }}\n"
+            "{{ m['items']|sum(attribute='n') }} {{ [1, 2.5]|sum(start=1) }} {{ [[1], [2, 3]]|sum(start=[0]) }}"
+            " {{ [(1,), (2,)]|sum(start=()) }} {{ m.tags|list }} {{ m['items']|pprint }}\n"
+            "{{ ('a\\tb').expandtabs(4) }}{{ 'ab'.translate({97: 'xy'}) }}\n"
+            "{% endfor %}")
+    messages = [{"role": "user", "content": "line one\nline two\n\nline four", "tags": ["a", "b"],
+                 "items": [{"name": "x", "n": 1}, {"name": "y", "n": 2}]},
+                {"role": "assistant", "content": "ok", "tags": [], "items": []}]
+    from colibri_mlx import tokenizer as tk
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, text)
+    ref = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(text)
+    assert tok.apply_chat_template(messages) == ref.render(messages=messages, add_generation_prompt=True,
+                                                           bos_token="", eos_token="")
