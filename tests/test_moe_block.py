@@ -95,7 +95,7 @@ def test_deepseek_shape_down_with_the_shape_from_params(monkeypatch, fmts):
 
 @gpu_only
 def test_deepseek_shape_rows_are_each_token_alone():
-    """8 tokens of a batch (one of them repeated) as one grid of one-token launches (TOK 1):
+    """8 tokens of a batch (one of them repeated) as one grid of one-token launches:
     within the float64 bound, and each token's row bit for bit its own one-token launch."""
     experts = make_experts([4] * 24, D=7168, inter=2048, gs=64, seed=7)
     rng = np.random.default_rng(7)
