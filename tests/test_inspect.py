@@ -276,8 +276,8 @@ def test_mtp_layer_and_indexer_absent_are_optional(tmp_path):
     result = run(tmp_path)
     assert result.exit_code == 0, result.output
     n_mtp = sum(n.startswith(MTP_LAYER) for n in dropped)
-    assert (f"absent (optional: MTP layer 2, written only by `colibri convert --mtp`; generation does not "
-            f"use it): {n_mtp} tensors") in result.stdout
+    assert (f"absent (optional: MTP layer 2, written only by `colibri convert --mtp`; without it generation "
+            f"drafts with `--draft ngram` or none): {n_mtp} tensors") in result.stdout
     assert f"absent (optional: DSA indexer, written only by `colibri convert --indexer`; without it the model " \
            f"runs dense attention" in result.stdout
     assert f"): {len(dropped) - n_mtp} tensors" in result.stdout

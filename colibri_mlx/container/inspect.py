@@ -114,7 +114,8 @@ MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # the loader ta
 
 # key -> why the loader does without it (formatted with the MTP layer numbers)
 OPTIONAL_PARTS = {
-    "mtp": "MTP layer {mtp}, written only by `colibri convert --mtp`; generation does not use it",
+    "mtp": "MTP layer {mtp}, written only by `colibri convert --mtp`; without it generation drafts "
+           "with `--draft ngram` or none",
     "indexer": "DSA indexer, written only by `colibri convert --indexer`; without it the model runs "
                "dense attention, the same as sparse up to index_topk tokens of context",
     "mtp_copy": "the MTP layer's own embedding/head copies; the loader takes them when stored",
