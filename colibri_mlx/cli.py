@@ -88,11 +88,13 @@ def main():
 
 
 @main.command()
-@click.argument("directory", metavar="MODEL", type=click.Path(exists=True))
+@click.argument("directory", metavar="MODEL")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
     """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
 
+    MODEL is a model directory, a .gguf file, or a Hugging Face hub id (mlx-community/...),
+    resolved through the hub's cache as `generate` resolves it.
     config.json is checked against the model's schema first, and the tokenizer files when the
     directory has any: a model directory that `generate` would refuse is refused here too.
     A GGUF model (a .gguf file, or a directory of split ones) lists its tensors with their ggml
@@ -102,13 +104,21 @@ def inspect(directory, as_json):
     from .container import ContainerError
     from .container.inspect import format_table, inspect_container, report_json, verdict_error
     from .models.gguf_checkpoint import is_gguf_path
+    from .models.modeldir import resolve_model_path
 
+    try:
+        directory = resolve_model_path(directory)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    if not os.path.exists(directory):
+        raise click.BadParameter(f"{directory!r}: no such file or directory (give a model directory, a .gguf "
+                                 "file or a Hugging Face hub id)", param_hint="'MODEL'")
     if is_gguf_path(directory):
         _inspect_gguf(directory, as_json)
         return
     if not os.path.isdir(directory):
         raise click.BadParameter(f"{directory!r} is a file (give a model directory or a .gguf file)",
-                                 param_hint="'DIRECTORY'")
+                                 param_hint="'MODEL'")
     _check_model_files(directory)
     try:
         report = inspect_container(directory)

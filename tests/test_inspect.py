@@ -327,3 +327,30 @@ def test_without_config_the_check_is_skipped_and_said(tmp_path):
     assert result.exit_code == 0, result.output
     assert "missing-weight check skipped: the container has no config.json" in result.stdout
     assert "every weight config.json requires" not in result.stdout
+
+
+def test_hub_id_resolves_from_the_cache(container, tmp_path, monkeypatch):
+    """A hub id is inspected from the hub cache's snapshot, as generate resolves it; one that is
+    not cached while offline, or a missing path, is a clean error."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / "models--owner--Tiny-Container"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(container[0], root / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)                         # no local directory of that name
+    by_id = run("--json", "owner/Tiny-Container")
+    assert by_id.exit_code == 0, by_id.output
+    got, want = json.loads(by_id.stdout), json.loads(run("--json", container[0]).stdout)
+    assert got.pop("path").endswith(os.path.join("snapshots", commit))
+    assert {k: v for k, v in want.items() if k != "path"} == got
+    missing = run("owner/Not-Cached")
+    assert missing.exit_code != 0 and "not in the cache" in missing.output, missing.output
+    absent = run(tmp_path / "nowhere")
+    assert absent.exit_code != 0 and "no such file or directory" in absent.output, absent.output
