@@ -147,6 +147,31 @@ def test_context_limit_ends_as_without_speculation(models):
     assert got == want and len(want) == 96 - 79 + 1 and want[-1][1] == "length"
 
 
+GGUF_GLM = os.path.join(os.path.dirname(__file__), "data", "gguf", "tiny-glm-bf16.gguf")
+
+
+@pytest.mark.parametrize("prompt, n", [(PROMPTS[1], 9), (PROMPTS[3], 24)])   # 19 + 24 tokens: past index_topk 16
+def test_gguf_nextn_layer_drafts_with_greedy_identity(oracle_drafts, prompt, n):
+    """A GGUF file's NextN layer (``blk.N.nextn.*``, llama.cpp's glm-dsa files; tests/data/gguf)
+    loads as the MTP layer and is the default draft; greedy output with it is the output without
+    speculation, with its own drafts (random weights: rejected) and with oracle drafts through
+    the layer (kept and rejected)."""
+    import colibri_mlx
+
+    model, _ = colibri_mlx.load(GGUF_GLM, dtype="float32")
+    assert len(model.mtp_layers) == 1
+    assert speculative.resolve_draft(model, None) == "mtp"
+    want = tokens_of(model, prompt, n, draft="none")
+    default = run(model, prompt, n)                              # no draft given: the NextN layer's
+    assert [t for t, _ in default] == want
+    assert default[-1][1]["draft_proposed"] > default[-1][1]["draft_accepted"], default[-1][1]
+    assert tokens_of(model, prompt, n, draft="mtp", num_draft=4) == want
+    oracle_drafts(prompt, want, seed=n)
+    got = run(model, prompt, n, draft="mtp", num_draft=3)
+    assert [t for t, _ in got] == want
+    assert 0 < got[-1][1]["draft_accepted"] < got[-1][1]["draft_proposed"], got[-1][1]
+
+
 # ----------------------------------------------------------------------------- rollback
 
 
@@ -213,7 +238,9 @@ def test_mtp_layer_from_out_mtp_shard(tmp_path, models):
 def test_mtp_logits_match_float64_formula(tmp_path):
     """The MTP layer's logits against the formula in float64: numpy for the norms, eh_proj and
     head, transformers' DeepSeek-V3 decoder layer (the parity oracle) for the layer, its main
-    hidden states from transformers' model (after the final norm)."""
+    hidden states from transformers' model (after the final norm). Then two recurrent draft
+    steps as MTPDraft.propose takes them (offsets L and L + 1): the layer's own output x as h,
+    the drafted token's embedding, one row attending to the layer's cache."""
     import torch
     from safetensors.numpy import save_file
 
@@ -242,8 +269,17 @@ def test_mtp_logits_match_float64_formula(tmp_path):
     L = len(ids) - 1
     # ours: rows 0..L-1 see tokens 1..L
     h = rms_norm(model.hidden_states(mx.array([ids[:L]])), model.norm, model.args.rms_norm_eps)
-    got, _ = mtp_head(model)(h, mx.array([ids[1:]]), mtp_head(model).make_cache())
+    head = mtp_head(model)
+    cache = head.make_cache()
+    got, x = head(h, mx.array([ids[1:]]), cache)
     got = np.array(got[0], dtype=np.float64)
+    drafts = [int(np.argmax(got[-1]))]          # greedy drafts, fed back as propose does
+    steps = []
+    for _ in range(2):
+        assert cache.offset == L + len(steps) > 0
+        step_logits, x = head(x[:, -1:], mx.array([[drafts[-1]]]), cache, last_only=True)
+        steps.append(np.array(step_logits[0, -1], dtype=np.float64))
+        drafts.append(int(np.argmax(steps[-1])))
 
     # float64 oracle
     eps = hf.config.rms_norm_eps
@@ -266,12 +302,35 @@ def test_mtp_logits_match_float64_formula(tmp_path):
         p = "model.layers.3."
         y = np.concatenate([norm(e, f64[p + "enorm.weight"]), norm(hidden, f64[p + "hnorm.weight"])], -1)
         y = y @ f64[p + "eh_proj.weight"].T
-        y = hf.model.layers[3](torch.tensor(y)[None], attention_mask=mask, position_ids=pos,
-                               position_embeddings=cos_sin)[0].numpy()
-        want = norm(y, f64[p + "shared_head.norm.weight"]) @ f64["lm_head.weight"].T
+
+        def mtp_layer(rows):   # the layer over every row so far: causal, so earlier rows are unchanged
+            n = len(rows)
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), -1e300, dtype=torch.float64).triu(1)[None, None]
+            rows = torch.tensor(rows)[None]
+            return hf.model.layers[3](rows, attention_mask=mask, position_ids=pos,
+                                      position_embeddings=hf.model.rotary_emb(rows, pos))[0].numpy()
+
+        def head_logits(y):
+            return norm(y, f64[p + "shared_head.norm.weight"]) @ f64["lm_head.weight"].T
+
+        out = mtp_layer(y)
+        want = head_logits(out)
+        want_steps = []
+        for token in drafts[:2]:
+            # h = the layer's own output at the last row (before shared_head.norm), e = the draft's embedding
+            e = f64["model.embed_tokens.weight"][token]
+            row = np.concatenate([norm(e, f64[p + "enorm.weight"]), norm(out[-1], f64[p + "hnorm.weight"])])
+            y = np.vstack([y, row @ f64[p + "eh_proj.weight"].T])
+            out = mtp_layer(y)
+            want_steps.append(head_logits(out[-1]))
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-4, err
     assert np.abs(want).max() > 1.0   # far from degenerate
+    for j, (g, w) in enumerate(zip(steps, want_steps)):
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err < 1e-4, (j, err)
+        assert np.abs(w - want[-1]).max() > 0.1 * np.abs(w).max()   # a step's own logits, not the row before's
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -468,21 +527,36 @@ def test_serve_request_draft_fields(models):
 # ----------------------------------------------------------------------------- kernels (MSL simulator)
 
 
+REPEATS = [109, 4, 5, 9, 5, 9, 5]   # glm: ngram drafts from the repeats, one kept and one rejected in 8 tokens
+KERNEL_CASES = [
+    pytest.param("glm", "mtp", PROMPTS[2], 9, id="glm-mtp"),
+    pytest.param("glm", "ngram", REPEATS, 8, id="glm-ngram"),
+    pytest.param("v3", "mtp", PROMPTS[2], 9, marks=pytest.mark.slow, id="v3-mtp"),
+    pytest.param("v3", "ngram", PROMPTS[1], 16, marks=pytest.mark.slow, id="v3-ngram"),
+    pytest.param("glm", "mtp", PROMPTS[3], 20, marks=pytest.mark.slow, id="glm-mtp-long"),   # DSA selection
+    pytest.param("glm", "ngram", REPEATS, 16, marks=pytest.mark.slow, id="glm-ngram-long"),
+]
+
+
 @pytest.mark.msl
-@pytest.mark.parametrize("name", [pytest.param("v3", marks=pytest.mark.slow), "glm"])
-def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkeypatch, name):
+@pytest.mark.parametrize("name, draft, prompt, n", KERNEL_CASES)
+def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkeypatch, name, draft, prompt, n):
     """Every hot-path launch in the MSL simulator, as on a Mac: the verify steps (multi-row
-    qgemv, moe_block, mla_decode) keep greedy output identical to single-row decoding."""
+    qgemv, moe_block, mla_decode) keep greedy output identical to single-row decoding. ``mtp``:
+    the MTP layer runs on the kernels, its drafts the oracle's (kept and rejected); ``ngram``:
+    the drafts prompt lookup finds in the repeats, some kept and some rejected."""
     from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
 
     simulator = simulator_or_skip()
     model = models[name]
-    prompt = PROMPTS[2]
     launched = route_launches_to_simulator(monkeypatch, simulator)
-    want = tokens_of(model, prompt, 9, draft="none")
-    oracle_drafts(prompt, want, seed=2)
-    got = tokens_of(model, prompt, 9, draft="mtp", num_draft=3)
-    assert got == want
+    want = tokens_of(model, prompt, n, draft="none")
+    if draft == "mtp":
+        oracle_drafts(prompt, want, seed=2)
+    got = run(model, prompt, n, draft=draft, num_draft=3)
+    assert [t for t, _ in got] == want
+    stats = got[-1][1]
+    assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats   # drafts kept and rejected
     assert {"qgemv", "moe_gate_up"} <= set(launched), set(launched)
 
 
