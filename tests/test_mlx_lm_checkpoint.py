@@ -428,3 +428,83 @@ def test_decode_step_launches_as_the_container(hf_dirs, tmp_path_factory, tmp_pa
     assert extra == {"Gather": 2, "Compiled": 2} and not steps["container"][2] - steps["mlx"][2], (
         f"launching nodes of the mlx-lm step beyond the container's: {dict(extra)}; "
         f"mlx-lm {dict(steps['mlx'][2])}, container {dict(steps['container'][2])}")
+
+
+# The kernel path's VALUES on mlx-lm checkpoints, every launch in the MSL simulator (as on a Mac).
+# Both sides decode the same stored codes to float32 and compute in float32; they differ only in
+# summation order (per-simdgroup partial sums, per-group sums of x, fused residual adds), an error
+# of a few float32 ulps of each dot product: ~1e-6 of the largest logit or hidden value on these
+# 128-wide layers, which a wrong code, scale or group offset (an O(1) relative change in a dot
+# product) exceeds by orders of magnitude. 2e-5 leaves an order of margin above the ~1e-6 seen.
+STEP_REL_TOL = 2e-5
+STEP_CASES = [FAST[0], FAST[1], FAST[3], FAST[4]]   # affine 4-bit g64, 3-bit g32, mxfp4, mixed_3_4
+
+
+def _decode_step_values(model, prompt, token, monkeypatch):
+    """The prompt prefilled on the reference path, then one decode step of ``token`` (on whatever
+    path is active): the embedding row, every decoder layer's output (the residual stream before
+    the next norm) and the float32 logits, as numpy."""
+    from colibri_mlx import kernels
+    from colibri_mlx.models import deepseek_v3
+
+    cache = model.make_cache()
+    with kernels.force_reference():
+        mx.eval(model(prompt, cache))
+    hidden = []
+    layer_call = deepseek_v3.DecoderLayer.__call__
+
+    def record(self, *args, **kw):
+        out = layer_call(self, *args, **kw)
+        hidden.append(np.array(out[0]))
+        return out
+
+    embed = deepseek_v3.embedding_rows
+
+    def record_embed(*args, **kw):
+        out = embed(*args, **kw)
+        hidden.insert(0, np.array(out.astype(mx.float32)))
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(deepseek_v3.DecoderLayer, "__call__", record)
+        m.setattr(deepseek_v3, "embedding_rows", record_embed)
+        logits = np.array(model(mx.array([[token]], dtype=mx.int32), cache))
+    return hidden, logits
+
+
+def _rel(got, want):
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.msl
+@pytest.mark.parametrize("case", STEP_CASES, ids=_case_id)
+def test_decode_step_kernel_values_equal_reference(hf_dirs, tmp_path_factory, monkeypatch, case):
+    """One decode step (after a 5-token prompt) of an mlx-lm DeepSeek-V3 checkpoint with every
+    kernel launch (qgemv, mla_rows_into, mla_qb_qabs, the attention, moe_gate_up / moe_down, the
+    lm head) run in the MSL simulator: the embedding row, each layer's output and the logits equal
+    the reference path's (kernels.force_reference) to STEP_REL_TOL of their largest magnitude."""
+    from colibri_mlx.kernels import dispatch, moe
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    simulator = simulator_or_skip()
+    model = _ours(converted(hf_dirs, tmp_path_factory, case))
+    prompt, token = _prompt(5, seed=1), 17
+    monkeypatch.setenv("COLIBRI_COMPILE", "0")
+    want_h, want = _decode_step_values(model, prompt, token, monkeypatch)
+    try:
+        launched = route_launches_to_simulator(monkeypatch, simulator)
+        got_h, got = _decode_step_values(model, prompt, token, monkeypatch)
+        counters = dispatch.counters()
+    finally:
+        monkeypatch.undo()
+        moe.clear_banks()
+    assert {"qgemv", "mla_qb_qabs", "moe_gate_up", "moe_down"} <= set(launched), launched
+    assert not counters["fallbacks"], counters
+    assert len(got_h) == len(want_h) == len(model.layers) + 1
+    assert np.abs(want).max() > 1.0   # O(1) logits: a relative bound that means something
+    rels = [_rel(g, w) for g, w in zip(got_h, want_h)]
+    logit_rel = _rel(got, want)
+    print(f"{_case_id(case)}: logits {logit_rel:.2e}, embedding + layers {' '.join(f'{r:.2e}' for r in rels)}")
+    assert all(r <= STEP_REL_TOL for r in rels), f"hidden states (embedding, layer 0..) differ by {rels}"
+    assert logit_rel <= STEP_REL_TOL, f"logits differ from the reference by {logit_rel:.2e} relative"
+    assert np.argmax(got) == np.argmax(want)
