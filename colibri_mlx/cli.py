@@ -648,6 +648,10 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
     click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
 
 
+# serve's continuous-batching options, which --draft mtp|ngram (one request at a time) does not use
+BATCHING_OPTIONS = ("decode_concurrency", "prompt_concurrency", "prefill_step_size", "prompt_cache_bytes")
+
+
 @main.command()
 @_MODEL_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -678,13 +682,20 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
 @click.option("--prompt-cache-bytes", default=None, type=_ByteSize(),
               help="Byte bound of the prompt cache (e.g. 8GB; default unbounded, as mlx_lm.server; at most 10 entries).")
 @_with_streaming_options
-def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
+@click.pass_context
+def serve(ctx, model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
           allow_origin, max_connections, read_timeout, decode_concurrency, prompt_concurrency, prefill_step_size,
           prompt_cache_bytes):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
     from .serve import SamplingDefaults, model_id_for, serve as run_server
 
     _check_load_options()
+    if draft not in (None, "none"):  # the drafting engine serves one request at a time: say what it ignores
+        given = [f"--{name.replace('_', '-')}" for name in BATCHING_OPTIONS
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            click.echo(f"colibri serve: WARNING: {', '.join(given)} ignored: --draft {draft} serves one request "
+                       "at a time, without batching or a prompt cache", err=True)
     opened, tokenizer = _open_for_cli(model_path)
     if tokenizer.chat_template:  # /v1/chat/completions would fail on every request: say so now
         tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
