@@ -10,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from colibri_mlx.formats.gguf_quant import GGUF_TYPES
+from colibri_mlx.formats.gguf_quant import GGUF_TYPES, qtensor_from_gguf
 from colibri_mlx.kernels import dispatch, gguf_decode, qgemv
 from colibri_mlx.kernels.reference import e8_grid_words
-from kernel_oracle import assert_close, random_gguf_qtensor, random_x
+from helpers_gguf import fixture_keys, fixtures
+from kernel_oracle import assert_close, dequant_gguf_f64 as gguf_decode_f64, random_gguf_qtensor, random_x
 
 pytest.importorskip("gguf", reason="gguf-py is the dequantization oracle")
 
@@ -96,6 +97,30 @@ def run_case(name, O, I, S, dtype=mx.float32, seed=0, backend=dispatch.METAL, **
 @pytest.mark.parametrize("name", [n if n in HOT_TYPES else pytest.param(n, marks=pytest.mark.slow) for n in KERNEL_TYPES])
 def test_every_kernel_type(name):
     run_case(name, 5, 768, 3)
+
+
+# Blocks written by llama.cpp's own quantizer (tests/data/gguf_quants.npz: per type, and per type
+# with an importance matrix, 8 rows of 512 weights of very different magnitudes, heavy tails, an
+# all-zero 32-block) rather than random bytes: the codes and scales an encoder actually emits.
+@pytest.mark.parametrize("key", fixture_keys())
+def test_llama_cpp_quantized_blocks(key):
+    raw = _quant_fixtures()[key]
+    name = key.removesuffix("_imatrix")
+    qt = qtensor_from_gguf(key, name, raw, (raw.shape[0], _quant_fixtures()["x"].shape[1]))
+    assert qt.fmt == GGUF_TYPES[name].fmt and qgemv.decline_reason_for(qt, 3, mx.float32) is None
+    x = random_x(3, qt.I, seed=sum(map(ord, key)))
+    y = simulate(qgemv.launch_spec(x, qt, dispatch.METAL))
+    assert y.dtype == mx.float32 and y.shape == (3, qt.O)
+    assert_close(y, x, qt, f"llama.cpp {key}")
+
+
+_FIXTURES = {}
+
+
+def _quant_fixtures() -> dict:
+    if not _FIXTURES:
+        _FIXTURES.update(fixtures())
+    return _FIXTURES
 
 
 @pytest.mark.slow
@@ -228,8 +253,14 @@ def gguf_experts(pairs, D, inter, seed=0):
              random_gguf_qtensor(d, D, inter, seed=seed + 10 * e + 2)) for e, (gu, d) in enumerate(pairs)]
 
 
-@pytest.mark.parametrize("gate_up,down", [("IQ2_XXS", "IQ4_XS"), pytest.param("Q4_K", "Q6_K", marks=pytest.mark.slow),
-                                          pytest.param("Q8_0", "Q4_K", marks=pytest.mark.slow)])
+# Slow: every kernel type as gate/up (paired with the next type's down, rotating), so each
+# decoder runs in moe_gate_up and in moe_down.
+ROTATED_PAIRS = list(zip(KERNEL_TYPES, KERNEL_TYPES[1:] + KERNEL_TYPES[:1]))
+MOE_PAIRS = [("IQ2_XXS", "IQ4_XS"), ("Q4_K", "Q6_K"), ("Q8_0", "Q4_K")]
+
+
+@pytest.mark.parametrize("gate_up,down", [MOE_PAIRS[0]] + [pytest.param(*p, marks=pytest.mark.slow) for p in
+                                          MOE_PAIRS[1:] + [p for p in ROTATED_PAIRS if p not in MOE_PAIRS]])
 def test_moe_gguf_experts(metal, gate_up, down):
     from colibri_mlx import kernels
     from test_moe_mla_msl import run_moe
@@ -245,11 +276,34 @@ def test_moe_gguf_experts(metal, gate_up, down):
 # mla_decode: kv_b (mla_qabs' W_UK columns, mla_out's W_UV rows) and q_b (mla_qb_qabs) of GGUF types.
 
 def _gguf_weights(monkeypatch, name):
-    """test_moe_mla_msl's cases with their quantized weights made GGUF ``name`` blocks."""
+    """test_moe_mla_msl's cases with their quantized weights made GGUF ``name`` blocks, scaled to
+    an RMS of 0.01 (:func:`_rms_scaled`)."""
     import test_moe_mla_msl as t
 
-    monkeypatch.setattr(t, "random_qtensor", lambda fmt, O, I, gs=None, seed=0: random_gguf_qtensor(name, O, I, seed))
+    monkeypatch.setattr(t, "random_qtensor",
+                        lambda fmt, O, I, gs=None, seed=0: _rms_scaled(random_gguf_qtensor(name, O, I, seed), name))
     return t
+
+
+def _rms_scaled(qt, name, rms=0.01):
+    """``qt`` (random blocks) with every fp16 scale field (d and dmin; IQ1_M's nibble-split scale)
+    multiplied by one factor, so the weight's RMS is about ``rms``; blocks keep their own scales
+    and signs. mla_oracle's budget grows with |W_UK| |W_UV| (a score error times the spread of
+    the latent rows) against an output of |W_UV|: at the random blocks' RMS (~1) it exceeds most
+    decode errors (15 of DEFECTS' 17 types' first defect passed kv_b), at 0.01 16 are caught
+    (Q5_1's dropped m, a constant offset, still passes kv_b; q_b's tighter check catches all)."""
+    from helpers_gguf import FP16_FIELDS, set_half, set_iq1m_scale
+
+    t = GGUF_TYPES[name]
+    factor = rms / float(np.sqrt(np.mean(gguf_decode_f64(qt) ** 2)))
+    blocks = np.array(qt.packed, np.uint8).reshape(qt.O, -1, t.type_size)
+    for off in FP16_FIELDS[name]:
+        set_half(blocks, off, blocks[..., off:off + 2].copy().view("<f2")[..., 0].astype(np.float64) * factor)
+    if name == "IQ1_M":
+        nib = blocks[..., 48:56].copy().view("<u2") >> 12
+        bits = (nib[..., 0] | (nib[..., 1] << 4) | (nib[..., 2] << 8) | (nib[..., 3] << 12)).astype(np.uint16)
+        set_iq1m_scale(blocks, bits.view(np.float16).astype(np.float64) * factor)
+    return type(qt)(blocks.reshape(qt.O, -1), qt.scales, qt.fmt, qt.O, qt.I, qt.gs, qt.name)
 
 
 def test_moe_gguf_q4k_subnormal_codes(metal, monkeypatch):
@@ -269,16 +323,42 @@ def test_moe_gguf_q4k_subnormal_codes(metal, monkeypatch):
     assert nibs and set(nibs) == {1}, nibs
 
 
-@pytest.mark.parametrize("name", ["Q6_K", pytest.param("Q8_0", marks=pytest.mark.slow),
-                                  pytest.param("IQ4_XS", marks=pytest.mark.slow),
-                                  pytest.param("IQ2_XXS", marks=pytest.mark.slow),
-                                  pytest.param("Q4_K", marks=pytest.mark.slow)])
+# kv_b: Q6_K fast, the hot types first, then every other kernel type, slow.
+KV_B_TYPES = ["Q6_K", "Q8_0", "IQ4_XS", "IQ2_XXS", "Q4_K"]
+
+
+@pytest.mark.parametrize("name", [KV_B_TYPES[0]] + [pytest.param(n, marks=pytest.mark.slow) for n in
+                                  KV_B_TYPES[1:] + [n for n in KERNEL_TYPES if n not in KV_B_TYPES]])
 def test_mla_gguf_kv_b(metal, monkeypatch, name):
     _gguf_weights(monkeypatch, name).run_mla(metal, fmt=4, R=256, seed=2, tile=16, variant="mma")
 
 
+def test_mla_gguf_kv_b_defect_is_caught(metal, monkeypatch):
+    """The kv_b cases can fail: a Q6_K decoder defect planted in every mla_decode launch."""
+    t = _gguf_weights(monkeypatch, "Q6_K")
+    _, good, bad = DEFECTS["Q6_K high bits of the wrong quarter"]
+    simulated, planted = t.simulate, []
+
+    def plant(spec, *args):
+        if good in spec.header:
+            planted.append(spec.name)
+            spec.header = spec.header.replace(good, bad)
+        return simulated(spec, *args)
+
+    monkeypatch.setattr(t, "simulate", plant)
+    with pytest.raises(AssertionError, match="over budget"):
+        t.run_mla(metal, fmt=4, R=256, seed=2, tile=16, variant="mma")
+    assert {"mla_qabs", "mla_out"} <= set(planted), planted
+
+
+# q_b (and kv_b) of every kernel type, the q_latent dtypes rotating over the types.
+Q_B_CASES = [("Q4_K", mx.bfloat16), ("IQ2_XXS", mx.float32), ("Q8_0", mx.float16)]
+Q_B_CASES += [(n, [mx.float32, mx.bfloat16, mx.float16][i % 3])
+              for i, n in enumerate(n for n in KERNEL_TYPES if n not in dict(Q_B_CASES))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,dtype", [("Q4_K", mx.bfloat16), ("IQ2_XXS", mx.float32), ("Q8_0", mx.float16)])
+@pytest.mark.parametrize("name,dtype", Q_B_CASES, ids=[f"{n}-{str(d).split('.')[-1]}" for n, d in Q_B_CASES])
 def test_mla_gguf_q_b(metal, monkeypatch, name, dtype):
     """mla_qb_qabs with q_b (and kv_b) GGUF blocks, raw output against float64."""
     t = _gguf_weights(monkeypatch, name)
