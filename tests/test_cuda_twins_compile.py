@@ -74,6 +74,18 @@ def test_covering_holds_every_setting_once_chosen():
     assert every == {(s.name, k, str(v)) for _, s in chosen for k, v in s.template}
 
 
+@pytest.mark.parametrize("family,kernels", [("moe", ("moe_gate_up", "moe_down")),
+                                             ("mla", ("mla_qb_qabs", "mla_qabs", "mla_out"))])
+def test_covering_compiles_every_gguf_decoder(family, kernels):
+    """The default set compiles every GGUF decoder (kernels/gguf_decode.py KERNEL_FMTS) in moe_block
+    and in mla_decode at least once (moe: each type as gate/up or as down; mla: as kv_b or q_b)."""
+    from colibri_mlx.kernels.gguf_decode import KERNEL_FMTS
+
+    chosen = covering(list(cct.FAMILIES[family](False)))
+    fmts = {v for _, spec in chosen if spec.name in kernels for k, v in spec.template if k in ("FMT", "FMTB")}
+    assert set(KERNEL_FMTS) <= fmts, sorted(set(KERNEL_FMTS) - fmts)
+
+
 @pytest.mark.parametrize("family", sorted(cct.FAMILIES))
 def test_cuda_twins_compile_without_spills(family, tmp_path):
     specs = covering(list(cct.FAMILIES[family](False)))

@@ -215,19 +215,27 @@ def mla_specs(full: bool):
         label = f"qb{qfmt}_{dtype}" if setting is None else setting.replace(":", "x")
         yield f"mla_qb_qabs_{label}", mla.planned_launches(run)[0]
     # MLX-format and GGUF kv_b (mla_qabs, mla_out) and q_b (mla_qb_qabs): each kernel FMT family of
-    # mlx_cases, the GGUF types (Q4_K, the most registers, unless ``full``)
+    # mlx_cases, the GGUF types (Q4_K, the most registers, in all three; unless ``full`` the other
+    # types two a launch in mla_qb_qabs alone, one as kv_b (FMT), one as q_b (FMTB): every decoder
+    # compiled in mla_decode once, in 9 more compiles rather than 3 a type)
     weights = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",
                 random_mlx_qtensor(mode, bits, gs, H * (nope + v), R, sdt, seed=bits),
-                random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1))
+                random_mlx_qtensor(mode, bits, gs, H * (nope + rope), 1536, sdt, seed=bits + 1), True)
                for mode, bits, gs, sdt in mlx_cases(full)]
-    weights += [(f"gguf_{name}", random_gguf_qtensor(name, H * (nope + v), R, seed=2),
-                 random_gguf_qtensor(name, H * (nope + rope), 1536, seed=3))
-                for name in (gguf_kernel_types() if full else ("Q4_K",))]
-    for label, kv_b, q_b in weights:
+    gguf = gguf_kernel_types()
+    rest = [name for name in gguf if name != "Q4_K"]
+    pairs = ([(name, name) for name in gguf] if full
+             else [("Q4_K", "Q4_K")] + list(zip(rest[::2], (rest + ["Q4_K"])[1::2])))
+    weights += [(f"gguf_{kv}" if kv == qb else f"gguf_{kv}_qb_{qb}", random_gguf_qtensor(kv, H * (nope + v), R, seed=2),
+                 random_gguf_qtensor(qb, H * (nope + rope), 1536, seed=3), kv == qb)
+                for kv, qb in pairs]
+    for label, kv_b, q_b, every in weights:
         run = mla.launch_specs(None, None, joint, None, kv_b, 0.1, None, nope, v, backend=dispatch.CUDA,
                                q_proj=(mx.zeros((1, 1, 1536), mx.bfloat16), q_b))
         specs = mla.planned_launches(run)
         yield f"mla_qb_qabs_{label}", specs[0]
+        if not every:
+            continue
         yield f"mla_out_{label}", specs[-1]
         run = mla.launch_specs(z(1, H, 1, nope), z(1, H, 1, rope), z(1, T, R), z(1, T, rope), kv_b, 0.1, None,
                                nope, v, backend=dispatch.CUDA)
@@ -305,8 +313,10 @@ def moe_specs(full: bool):
             yield "gate_up_fmt4_words", moe.gate_up_spec(x, words, ids, K, dispatch.CUDA)
             yield "down_fmt4_words", moe.down_spec(h, words, ids, w, S, K, dispatch.CUDA)
     # The MLX formats' kernel FMT families, and GGUF decoders as gate/up and as down (every one
-    # with ``full``; qgemv compiles every decoder anyway): (gate/up label, down label, 4 experts of
-    # 512 -> 256 -> 512, whether gate/up's persistent grid is a default: qgemv.cuda_tuned).
+    # in both with ``full``, rotating; else the hot pairs Q4_K / Q6_K and IQ2_XXS / IQ4_XS, and
+    # every other type once, paired in order: each decoder compiled in moe_block once): (gate/up
+    # label, down label, 4 experts of 512 -> 256 -> 512, whether gate/up's persistent grid is a
+    # default: qgemv.cuda_tuned).
     D, inter = 512, 256
     banks = [(f"mlx_{mode}{bits}g{gs}_{str(sdt).split('.')[-1]}",) * 2
              + ([tuple(random_mlx_qtensor(mode, bits, gs, O, I, sdt, seed=e + 10 * k)
@@ -314,7 +324,12 @@ def moe_specs(full: bool):
                 bits <= 4)
              for mode, bits, gs, sdt in mlx_cases(full)]
     gguf = gguf_kernel_types()
-    pairs = list(zip(gguf, gguf[1:] + gguf[:1])) if full else [("Q4_K", "Q6_K"), ("IQ2_XXS", "IQ4_XS")]
+    if full:
+        pairs = list(zip(gguf, gguf[1:] + gguf[:1]))
+    else:
+        pairs = [("Q4_K", "Q6_K"), ("IQ2_XXS", "IQ4_XS")]
+        rest = [name for name in gguf if name not in {n for p in pairs for n in p}]
+        pairs += list(zip(rest[::2], (rest + rest[:1])[1::2]))
     banks += [(f"gguf_{gu}", f"gguf_{dn}",
                [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
                  random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)], False)
