@@ -674,7 +674,7 @@ def test_yarn_and_dsa_configs_still_load(pristine, pristine_glm, tmp_path):
 
 
 # --- template bombs: the result's size is predicted before it is built ---------------------------
-# (a held-out tester's finds: each built gigabytes, or ran for minutes, before the size check).
+# (unbounded, each builds gigabytes or runs for minutes before a size check after the call).
 # The render budget is cut to 100k characters so that, unfixed, each would still finish here; the
 # peak allocation (tracemalloc) and the message naming the operation tell the check ran first.
 
