@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 from datetime import datetime
 from typing import Iterable
@@ -240,6 +241,92 @@ def _check_format(fmt) -> None:
             _check_size(int(digits), "width")
 
 
+# A format string repeats its arguments: ``('{0}' * 1000).format(big)``, ``('%s' * 1000) % ((big,) * 1000)``,
+# ``'%99999s' * 1000``. Its result's size is bounded before it is built: for each replacement field
+# or conversion specifier, the longest argument's text (repr's up to 10 characters a character) plus
+# the field's width and precision (and 330 digits of a float), plus the format string itself.
+_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?([-#0 +]*(\*|\d*)(?:\.(\*|\d*))?)[hlL]?([a-zA-Z%])")
+
+
+def _text_len(v, conversion: str = "s") -> int:
+    """``len(str(v))`` (``repr``/``ascii`` bounded by 10 characters a character), a container's
+    lower bound (its strings' lengths, an item a character) checked against the cap first."""
+    if not isinstance(v, str):
+        stack, low = [v], 0
+        while stack:
+            x = stack.pop()
+            if isinstance(x, str):
+                low += len(x)
+            elif isinstance(x, (list, tuple, set, frozenset, dict)):
+                _iterate(len(x))
+                low += len(x)
+                stack.extend(x.items() if isinstance(x, dict) else x)
+            _check_size(low, "string (a format)")
+        try:
+            v = str(v)
+        except Exception:  # noqa: BLE001 (formatting it fails the same way, if a field takes it)
+            return 0
+    return len(v) * 10 + 2 if conversion in ("r", "a") else len(v)
+
+
+def _spec_size(spec: str) -> int:
+    return sum(int(d) for d in re.findall(r"\d+", spec))
+
+
+def _check_formatted(fmt: str, fields: list, values, widths=()) -> None:
+    """``fields``: (conversion, format spec, nested fields) of each field; ``values``: what a field
+    may take (each one's text measured once); ``widths``: integers a nested or ``*`` width may take."""
+    if not fields:
+        return
+    longest = {}
+    for conv, _, _ in fields:
+        if conv not in longest:
+            longest[conv] = max((_text_len(v, conv) for v in values), default=0)
+    wide = 0
+    if any(nested for _, _, nested in fields):
+        wide = max((abs(w) for w in widths if isinstance(w, int) and not isinstance(w, bool)), default=0)
+        _check_size(wide, "width")
+    total = len(fmt) + sum(longest[conv] + _spec_size(spec) + 330 + nested * wide
+                           for conv, spec, nested in fields)
+    _check_size(total, "string (a format)")
+    _spend(total - len(fmt))
+
+
+def _guard_str_format(fmt, args, kwargs) -> None:
+    """``fmt.format(*args, **kwargs)``: each replacement field may take any argument."""
+    import string
+
+    if not isinstance(fmt, str):
+        return
+    fields = []
+    for _, name, spec, conv in string.Formatter().parse(fmt):
+        if name is not None:
+            fields.append((conv or "s", spec or "", (spec or "").count("{")))
+    values = list(args) + list(kwargs.values())
+    _check_formatted(fmt, fields, values, values)
+
+
+def _guard_percent(fmt, values) -> None:
+    """``fmt % values``: each conversion specifier may take the tuple's items, the mapping's values
+    or the value itself."""
+    if not isinstance(fmt, str):
+        return
+    fields = [(m.group(4), m.group(1), m.group(1).count("*")) for m in _PERCENT_SPEC.finditer(fmt)
+              if m.group(4) != "%"]
+    items = list(values) if isinstance(values, tuple) else [values]
+    if isinstance(values, dict):
+        items += list(values.values())
+    _check_formatted(fmt, fields, items, items)
+
+
+def _guard_wordwrap(s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    """A wrapstring between each of at most ``len(s)`` lines."""
+    if isinstance(s, str) and isinstance(wrapstring, str):
+        growth = len(s) * len(wrapstring)
+        _check_size(len(s) + growth, "string (a wordwrap)")
+        _spend(growth)
+
+
 # Filters whose integer arguments are widths or counts of what they build.
 _WIDTH_FILTERS = frozenset(("center", "indent", "batch", "slice", "wordwrap", "truncate"))
 # str methods whose integer arguments are widths (str.format's are values: not these).
@@ -408,7 +495,8 @@ def _budgeted_sum(call, env, iterable, attribute=None, start=0):
 
 
 # Checked before the filter runs (its value and arguments); run instead of the filter (given it).
-_FILTER_GUARDS = {"replace": _guard_replace, "indent": _guard_indent, "pprint": _guard_pprint}
+_FILTER_GUARDS = {"replace": _guard_replace, "indent": _guard_indent, "pprint": _guard_pprint,
+                  "wordwrap": _guard_wordwrap}
 _FILTER_WRAPPERS = {"join": _budgeted_join, "sum": _budgeted_sum, "list": _budgeted_list}
 
 
@@ -424,6 +512,7 @@ def _budgeted_filter(name: str, f):
             _check_widths(args, kwargs)
         elif name == "format":
             _check_format(value)
+            _guard_percent(value, kwargs or args)
         if guard is not None:
             guard(value, *args, **kwargs)
         if wrap is not None:
@@ -520,6 +609,7 @@ def _compile_cached(source: str, origin: str):
                 _check_size(size)
             if operator == "%" and isinstance(left, str):
                 _check_format(left)
+                _guard_percent(left, right)
             if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 _check_size(len(left) + len(right))
             return _check_value(super().call_binop(context, operator, left, right))
@@ -546,8 +636,13 @@ def _compile_cached(source: str, origin: str):
             if fmt is None:
                 return None
             _check_format(value.__self__)
+            is_map = getattr(value, "__name__", "") == "format_map"
 
             def checked(*args, **kwargs):
+                if is_map and len(args) == 1 and isinstance(args[0], dict):
+                    _guard_str_format(value.__self__, list(args[0].values()), {})
+                elif not is_map:
+                    _guard_str_format(value.__self__, args, kwargs)
                 return _check_value(fmt(*args, **kwargs))
             return checked
 

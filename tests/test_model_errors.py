@@ -691,6 +691,18 @@ TEMPLATE_BOMBS = {
     "translate-method": ("{{ ('a' * 2000).translate({97: 'b' * 50000}) }}", "a translate"),
     "sum-of-lists": ("{{ ([[1] * 50000] * 40)|sum(start=[]) }}", "a sum"),
     "list-of-a-big-range": ("{{ range(90000)|list|length }}", "range elements"),
+    "str-format-repeating-an-argument": ("{% set big = 'x' * 50000 %}{{ ('{0}' * 1000).format(big) }}",
+                                         "a format"),
+    "format-map-repeating-a-value": ("{% set big = 'x' * 50000 %}{{ ('{a}' * 1000).format_map({'a': big}) }}",
+                                     "a format"),
+    "percent-repeating-an-argument": ("{% set big = 'x' * 50000 %}{{ ('%s' * 1000) % ((big,) * 1000) }}",
+                                      "a format"),
+    "percent-repeating-a-mapping-value": ("{% set big = 'x' * 50000 %}{{ ('%(a)s' * 1000) % {'a': big} }}",
+                                          "a format"),
+    "percent-widths-repeated": ("{{ ('%99999s' * 1000) % (('a',) * 1000) }}", "a format"),
+    "format-filter-repeating-an-argument": (
+        "{% set big = 'x' * 50000 %}{{ ('%s' * 1000)|format(*([big] * 1000)) }}", "a format"),
+    "wordwrap-long-wrapstring": ("{{ ('a ' * 2000)|wordwrap(1, wrapstring='x' * 50000) }}", "a wordwrap"),
 }
 
 
@@ -741,8 +753,8 @@ def test_pprint_of_a_big_list_is_refused_before_it_runs():
 
 
 def test_budgeted_filters_render_as_jinja2_does(monkeypatch):
-    """replace, join, indent, sum, list, pprint, expandtabs, translate as templates use them: the
-    same text as jinja2's own sandbox renders."""
+    """replace, join, indent, sum, list, pprint, expandtabs, translate, str.format, format_map, %,
+    format and wordwrap as templates use them: the same text as jinja2's own sandbox renders."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     text = ("{% set ns = namespace(n=0) %}{% for m in messages %}"
@@ -752,6 +764,11 @@ def test_budgeted_filters_render_as_jinja2_does(monkeypatch):
             "{{ m['items']|sum(attribute='n') }} {{ [1, 2.5]|sum(start=1) }} {{ [[1], [2, 3]]|sum(start=[0]) }}"
             " {{ [(1,), (2,)]|sum(start=()) }} {{ m.tags|list }} {{ m['items']|pprint }}\n"
             "{{ ('a\\tb').expandtabs(4) }}{{ 'ab'.translate({97: 'xy'}) }}\n"
+            "{{ '{0}: {1!r} {n:>5} {2:.2f}'.format(m.role, m.content, 3.14159, n=loop.index) }}"
+            "{{ '{role}'.format_map(m) }}"
+            "{{ '%s|%5d|%-4s|%.1f%%' % (m.role, 7, 'a', 2.25) }} {{ '%(role)s' % m }} {{ '%r' % (m.tags,) }}"
+            " {{ '%s, %s!'|format(m.role, 'hi') }} {{ '%(a)s'|format(a=m.role) }}\n"
+            "{{ m.content|wordwrap(5) }}|{{ m.content|wordwrap(4, wrapstring='<br>') }}\n"
             "{% endfor %}")
     messages = [{"role": "user", "content": "line one\nline two\n\nline four", "tags": ["a", "b"],
                  "items": [{"name": "x", "n": 1}, {"name": "y", "n": 2}]},
