@@ -214,6 +214,12 @@ def _check_size(n: int, what: str = "string") -> None:
                             "render (a runaway loop or width?)")
 
 
+def _grow(s: str, growth: int, op: str) -> None:
+    """``op`` makes ``s`` ``growth`` characters longer: refused over the cap, charged to the budget."""
+    _check_size(len(s) + growth, f"string ({op})")
+    _spend(growth)
+
+
 def _check_value(value):
     if isinstance(value, (str, list, tuple)):
         _check_size(len(value))
@@ -323,8 +329,7 @@ def _guard_wordwrap(s, width=79, break_long_words=True, wrapstring=None, break_o
     """A wrapstring between each of at most ``len(s)`` lines."""
     if isinstance(s, str) and isinstance(wrapstring, str):
         growth = len(s) * len(wrapstring)
-        _check_size(len(s) + growth, "string (a wordwrap)")
-        _spend(growth)
+        _grow(s, growth, "a wordwrap")
 
 
 # Filters whose integer arguments are widths or counts of what they build.
@@ -389,8 +394,7 @@ def _guard_replace(s, old, new, count=-1):
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             n = min(n, count)
         growth = n * (len(new) - len(old))
-        _check_size(len(s) + growth, "string (a replace)")
-        _spend(growth)
+        _grow(s, growth, "a replace")
 
 
 def _joined_items(sep, value) -> list:
@@ -416,15 +420,13 @@ def _guard_indent(s, width=4, first=False, blank=False):
         return
     pad = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
     growth = max(pad, 0) * (_line_breaks(s) + 2)
-    _check_size(len(s) + growth, "string (an indent)")
-    _spend(growth)
+    _grow(s, growth, "an indent")
 
 
 def _guard_expandtabs(s, tabsize=8):
     if isinstance(s, str) and isinstance(tabsize, int):
         growth = max(tabsize, 0) * s.count("\t")
-        _check_size(len(s) + growth, "string (an expandtabs)")
-        _spend(growth)
+        _grow(s, growth, "an expandtabs")
 
 
 def _guard_pprint(value) -> None:
