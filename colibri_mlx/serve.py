@@ -28,7 +28,7 @@ from typing import Optional
 
 from .batch_engine import BatchEngine
 from .serve_engine import ENGINE_OPTIONS, SerialEngine
-from .serve_reader import ConnectionReader, RequestReader
+from .serve_reader import ConnectionReader, RequestReader, content_length
 from .serve_openai import (CompletionRequest, CompletionText, RequestError, Response, SamplingDefaults,  # noqa: F401
                            StopStringFilter, error_body, model_card, parse_completion, parse_sampling)
 
@@ -268,16 +268,11 @@ class RequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True  # the unread body would be taken for the next request
             raise RequestError("missing Content-Length (chunked request bodies are not supported)",
                                status=HTTPStatus.LENGTH_REQUIRED)
-        # Digits only, and one value: int() also takes "+5", "1_0" and " 5", and with two lengths a
-        # proxy in front may frame the body by the other one (request smuggling).
-        lengths = {v.strip() for v in self.headers.get_all("Content-Length")}
-        if len(lengths) > 1:
+        try:
+            n = content_length(self.headers.get_all("Content-Length"))
+        except ValueError as e:
             self.close_connection = True
-            raise RequestError(f"several Content-Length values: {', '.join(sorted(lengths))[:200]}")
-        if not (length.strip().isascii() and length.strip().isdigit()):
-            self.close_connection = True
-            raise RequestError(f"bad Content-Length {length[:100]!r}: not a number of bytes")
-        n = int(length)
+            raise RequestError(str(e)) from None
         if n > MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError(f"request body of {n} bytes (limit {MAX_BODY_BYTES})",

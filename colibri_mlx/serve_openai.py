@@ -124,8 +124,8 @@ def _logit_bias(body: dict, vocab: int) -> Optional[tuple]:
     pairs = []
     for k, v in bias.items():
         # ASCII digits, few: int() takes "٣" too, and raises past 4300 digits
-        if not (k.isascii() and k.isdigit() and len(k) < 20 and int(k) < vocab) or isinstance(v, bool) or not isinstance(v, (int, float)) \
-                or not -100 <= v <= 100:
+        token_ok = k.isascii() and k.isdigit() and len(k) < 20 and int(k) < vocab
+        if not token_ok or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
             raise RequestError(f"'logit_bias' must be {what}, got {json.dumps({k: v})[:200]}", "logit_bias")
         pairs.append((int(k), float(v)))
     return tuple(pairs) or None

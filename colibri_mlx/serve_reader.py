@@ -33,11 +33,25 @@ def request_ready(buf: bytes, wait_for_body: bool) -> bool:
         return len(buf) > MAX_HEAD_BYTES
     if not wait_for_body or _EXPECT_CONTINUE.search(buf, 0, end + 1):
         return True  # (a client that expects "100 Continue" sends its body after the handler's answer)
-    lengths = {v.strip() for v in _CONTENT_LENGTH.findall(buf, 0, end + 1)}
-    if len(lengths) > 1 or lengths and not next(iter(lengths)).isdigit():
-        return True  # two lengths, or not digits ("1_0", "+5", which int() takes): the handler answers 400
-    n = int(lengths.pop()) if lengths else 0
+    values = [v.decode("latin-1") for v in _CONTENT_LENGTH.findall(buf, 0, end + 1)]
+    try:
+        n = content_length(values) if values else 0
+    except ValueError:
+        return True  # the handler answers 400
     return n > BODY_WAIT_BYTES or len(buf) - end - sep >= n
+
+
+def content_length(values) -> int:
+    """The body length that a request's Content-Length header values give: one value, ASCII digits
+    (int() also takes "+5", "1_0" and " 5", and with two lengths a proxy in front may frame the body
+    by the other one: request smuggling). ValueError, saying which, otherwise."""
+    lengths = {v.strip() for v in values}
+    if len(lengths) > 1:
+        raise ValueError(f"several Content-Length values: {', '.join(sorted(lengths))[:200]}")
+    (length,) = lengths
+    if not (length.isascii() and length.isdigit()):
+        raise ValueError(f"bad Content-Length {length[:100]!r}: not a number of bytes")
+    return int(length)
 
 
 class _Waiting:
