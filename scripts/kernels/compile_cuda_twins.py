@@ -104,6 +104,11 @@ def gguf_kernel_types() -> list:
     return [GGUF_FMTS[f].name for f in KERNEL_FMTS]
 
 
+def paired(names: list, pad: str) -> list:
+    """``names`` two by two in order (an odd last one with ``pad``): each compiled once."""
+    return list(zip(names[::2], (names + [pad])[1::2]))
+
+
 def qgemv_specs(full: bool):
     """Launches covering every fmt, x dtype, S and load path the GPU check and bench use."""
     shapes = [(64, 4096), (7, 300)] if full else [(64, 4096)]
@@ -225,7 +230,7 @@ def mla_specs(full: bool):
     gguf = gguf_kernel_types()
     rest = [name for name in gguf if name != "Q4_K"]
     pairs = ([(name, name) for name in gguf] if full
-             else [("Q4_K", "Q4_K")] + list(zip(rest[::2], (rest + ["Q4_K"])[1::2])))
+             else [("Q4_K", "Q4_K")] + paired(rest, "Q4_K"))
     weights += [(f"gguf_{kv}" if kv == qb else f"gguf_{kv}_qb_{qb}", random_gguf_qtensor(kv, H * (nope + v), R, seed=2),
                  random_gguf_qtensor(qb, H * (nope + rope), 1536, seed=3), kv == qb)
                 for kv, qb in pairs]
@@ -329,7 +334,7 @@ def moe_specs(full: bool):
     else:
         pairs = [("Q4_K", "Q6_K"), ("IQ2_XXS", "IQ4_XS")]
         rest = [name for name in gguf if name not in {n for p in pairs for n in p}]
-        pairs += list(zip(rest[::2], (rest + rest[:1])[1::2]))
+        pairs += paired(rest, rest[0])
     banks += [(f"gguf_{gu}", f"gguf_{dn}",
                [(random_gguf_qtensor(gu, inter, D, seed=e), random_gguf_qtensor(gu, inter, D, seed=e + 10),
                  random_gguf_qtensor(dn, D, inter, seed=e + 20)) for e in range(4)], False)
