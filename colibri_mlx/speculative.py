@@ -193,19 +193,41 @@ class Acceptor:
     def sample(self, p: np.ndarray) -> int:
         return int(self.rng.choice(p.size, p=p))
 
+    @property
+    def lazy_greedy(self) -> bool:
+        """Greedy without a repetition penalty: a row's target is the plain argmax, which stays
+        on the device (a penalized row's target depends on the tokens kept before it)."""
+        return self.greedy and self.params.repetition_penalty == 1.0
+
+    def greedy_token(self, logits: mx.array, extra: Sequence[int]) -> int:
+        """The argmax of ``logits [V]`` after the repetition penalty over ``seen + extra``."""
+        from .generate import apply_repetition_penalty
+
+        penalized = apply_repetition_penalty(logits, self.seen + list(extra), self.params.repetition_penalty)
+        return int(mx.argmax(penalized).item())
+
     def choose(self, logits: mx.array, drafts: Sequence) -> tuple:
         """A draft token from draft logits and its q. Greedy: a lazy token (an ``mx.array``,
         read with the verify step's logits: no device round trip per draft) and q None."""
-        if self.greedy:
+        if self.lazy_greedy:
             return mx.argmax(logits), None
+        if self.greedy:
+            return self.greedy_token(logits, drafts), None
         q = self.probs(logits, drafts)
         return self.sample(q), q
 
     def accept(self, logits: mx.array, drafts: Sequence[int], qs: Sequence) -> list[int]:
         """Kept drafts plus the model's own token, from the verify logits ``[k + 1, V]``.
         ``qs[j]`` None means a deterministic draft (one-hot q)."""
-        if self.greedy:
+        if self.lazy_greedy:
             return greedy_accept(np.array(mx.argmax(logits, axis=-1)).tolist(), drafts)
+        if self.greedy:
+            out: list[int] = []
+            for j, d in enumerate(drafts):
+                out.append(self.greedy_token(logits[j], out))
+                if out[-1] != d:
+                    return out
+            return out + [self.greedy_token(logits[len(drafts)], out)]
         out: list[int] = []
         for j, d in enumerate(drafts):
             p = self.probs(logits[j], out)

@@ -102,6 +102,21 @@ def test_greedy_identity_real_drafts(models, name):
         assert tokens_of(model, prompt, 20, draft=draft, num_draft=3) == want, draft
 
 
+@pytest.mark.parametrize("draft", ["mtp", "ngram"])
+def test_greedy_identity_with_repetition_penalty(models, oracle_drafts, draft):
+    """Greedy with a repetition penalty: a verify row's target is the argmax after the penalty
+    over the tokens kept before it, so drafts of the penalized continuation are kept and the
+    plain argmax (what an unpenalized target would be) is not taken for them."""
+    model = models["v3"]
+    prompt = PROMPTS[1]
+    want = tokens_of(model, prompt, 23, draft="none", repetition_penalty=1.8)
+    assert want != tokens_of(model, prompt, 23, draft="none")        # the penalty changes the text
+    oracle_drafts(prompt, want, seed=5)
+    stats = last_stats(model, prompt, 23, draft=draft, num_draft=3, repetition_penalty=1.8)
+    assert tokens_of(model, prompt, 23, draft=draft, num_draft=3, repetition_penalty=1.8) == want
+    assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["v3", "glm"])
 @pytest.mark.parametrize("draft", ["mtp", "ngram"])
