@@ -6,10 +6,10 @@
         ...
     engine.close()
 
-It is the default engine of ``colibri serve`` and implements the server's engine seam
+It is the engine of ``colibri serve`` and implements the server's engine seam
 (colibri_mlx.serve_engine: ``submit``, ``handle.cancel()``, ``handle.cached_tokens``,
-``cancel_all``, ``close``). It decodes without speculation: ``draft`` other than None/"none"
-is refused (the server runs :class:`serve_engine.SerialEngine` for ``--draft``).
+``cancel_all``, ``close``), speculative decoding included (``draft`` / ``num_draft``, the
+engine's default and each request's own: colibri_mlx.speculative).
 
 One background thread owns the model: every MLX operation runs on it. ``submit`` is
 thread-safe and returns at once; each request's events flow through its own queue.
@@ -27,6 +27,20 @@ A loop iteration (a *step*):
 4. every running request gets one token from one batched decode step
    (colibri_mlx.models.batch_decode), each sampled with the request's own sampler: its own
    parameters and seed, so seeded output does not depend on what else is in the batch.
+   While some running request speculates, the step is a verify step instead
+   (``DecodeBatch.verify``): each speculating request feeds its pending token and its drafts
+   (MTP or n-gram), the others their pending token, all as rows of one step; each keeps the
+   drafts its model agrees with plus one token of its own (speculative.Acceptor: the same
+   tokens as without speculation when greedy, the same distribution when sampling) and its
+   rows past them are rolled back.
+
+Drafts fill the decode rows a step has room for: a request drafts up to
+``ROW_GROUP // running - 1`` tokens (7 alone, 3 beside one other, 1 with three others, none
+with five or more), so a verify step reads every weight once, as a decode step does, and a
+large batch decodes plainly. A seeded sampling request always drafts its own ``num_draft``
+(its random draws then do not depend on the batch). An MTP request's draft layer sees the rows
+of the verify steps it takes part in; after plain steps it lags, drafts nothing in the next
+verify step and catches up there (drafts are verified, so a lag only costs acceptance).
 
 A request ends at ``max_tokens``, at one of the model's stop token ids (``finish_reason="stop"``,
 the stop token is the last event's token) or at the context limit (``"length"``). Stop strings
@@ -49,10 +63,14 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from .generate import SamplingParams, _stop_ids, adjust_logits, log_softmax32, make_sampler
-from .models.batch_decode import DecodeBatch
+from .generate import (SamplingParams, _stop_ids, adjust_logits, log_softmax32, make_sampler,
+                       needs_plain_decoding)
+from .models.batch_decode import ROW_GROUP, DecodeBatch
+from .models.deepseek_v3 import rms_norm
 from .prompt_cache import PromptCache
 from .serve_engine import ENGINE_OPTIONS, TokenEvent, sorted_pairs, top_logprobs
+from .speculative import (DEFAULT_NUM_DRAFT, Acceptor, DraftLength, DraftStats, MTPDraft, check_num_draft,
+                          greedy_accept, ngram_drafts, resolve_draft)
 
 PROMPT_CACHE_ENTRIES = 10      # mlx-lm's server default (--prompt-cache-size)
 
@@ -67,6 +85,8 @@ class _Request:
     max_tokens: int
     seed: Optional[int]
     logprobs: Optional[int]
+    draft: str = "none"
+    num_draft: int = DEFAULT_NUM_DRAFT
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: bool = False
     cached_tokens: int = 0
@@ -78,6 +98,14 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    acceptor: Optional[Acceptor] = None        # speculating: drafts' choice and acceptance
+    draft_length: Optional[DraftLength] = None
+    mtp: Optional[MTPDraft] = None
+    draft_stats: DraftStats = field(default_factory=DraftStats)
+
+    @property
+    def seeded_sampling(self) -> bool:
+        return self.params.temperature > 0 and self.seed is not None
 
 
 class RequestHandle:
@@ -112,8 +140,11 @@ class RequestHandle:
         r = self._request
         if r.first_token_at is None:
             return {}
-        return {"prompt_tokens": len(r.prompt), "prompt_time": r.first_token_at - r.submitted,
-                "generation_tokens": len(r.generated), "generation_time": r.last_token_at - r.first_token_at}
+        stats = {"prompt_tokens": len(r.prompt), "prompt_time": r.first_token_at - r.submitted,
+                 "generation_tokens": len(r.generated), "generation_time": r.last_token_at - r.first_token_at}
+        if r.draft != "none":
+            stats.update(r.draft_stats.as_dict())
+        return stats
 
     @property
     def cached_tokens(self) -> int:
@@ -124,7 +155,7 @@ class RequestHandle:
 class BatchEngine:
     """Serves :meth:`submit` calls from one model thread (module docstring)."""
 
-    takes_draft = False
+    takes_draft = True
 
     def __init__(self, model, tokenizer=None, draft: Optional[str] = None, num_draft: Optional[int] = None,
                  decode_concurrency: int = ENGINE_OPTIONS["decode_concurrency"],
@@ -132,9 +163,6 @@ class BatchEngine:
                  prefill_step_size: int = ENGINE_OPTIONS["prefill_step_size"],
                  prompt_cache_bytes: Optional[int] = ENGINE_OPTIONS["prompt_cache_bytes"],
                  prompt_cache_entries: int = PROMPT_CACHE_ENTRIES, stop_ids: Optional[Sequence[int]] = None):
-        if draft not in (None, "none"):
-            raise ValueError(f"the batching engine decodes without speculation (draft={draft!r}): "
-                             "use SerialEngine for speculative decoding")
         from .distributed import DistributedModel
 
         if isinstance(model, DistributedModel):   # the other ranks mirror the single-sequence forward only
@@ -145,6 +173,9 @@ class BatchEngine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model = model
+        # the requests' default: None is "none" (a request speculates when it asks, or by --draft)
+        self.draft = resolve_draft(model, "none" if draft is None else draft)
+        self.num_draft = check_num_draft(DEFAULT_NUM_DRAFT if num_draft is None else num_draft)
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = min(prompt_concurrency, decode_concurrency)
         self.prefill_step_size = prefill_step_size
@@ -152,7 +183,7 @@ class BatchEngine:
         self.stop_ids = frozenset(int(s) for s in (_stop_ids(model, tokenizer) if stop_ids is None else stop_ids))
         self.vocab_size = model.args.vocab_size
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_chunks": 0, "prefill_tokens": 0, "cached_tokens": 0,
-                      "steps_ahead": 0}
+                      "steps_ahead": 0, "verify_steps": 0, "draft_proposed": 0, "draft_accepted": 0}
         self._cond = threading.Condition()
         self._inbox: deque = deque()
         self._live: set = set()       # submitted and not ended (guarded by _cond)
@@ -169,10 +200,13 @@ class BatchEngine:
     # ------------------------------------------------------------------------ caller side
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
-               seed: Optional[int] = None, logprobs: Optional[int] = None) -> RequestHandle:
-        """Queue a request; raises ValueError for a bad one (nothing is queued then)."""
+               seed: Optional[int] = None, logprobs: Optional[int] = None, draft: Optional[str] = None,
+               num_draft: Optional[int] = None) -> RequestHandle:
+        """Queue a request; raises ValueError for a bad one (nothing is queued then). ``draft``
+        ("mtp", "ngram", "none"; None: the engine's default, "none" for a request that needs plain
+        decoding) and ``num_draft`` (None: the engine's) are its speculative decoding."""
         return self.submit_all([dict(prompt_ids=prompt_ids, params=params, max_tokens=max_tokens, seed=seed,
-                                     logprobs=logprobs)])[0]
+                                     logprobs=logprobs, draft=draft, num_draft=num_draft)])[0]
 
     def submit_all(self, requests: Sequence[dict]) -> list[RequestHandle]:
         """Queue several requests (each a dict of :meth:`submit`'s arguments) at once: the engine
@@ -187,7 +221,8 @@ class BatchEngine:
         return [RequestHandle(self, r) for r in made]
 
     def _request(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), max_tokens: int = 256,
-                 seed: Optional[int] = None, logprobs: Optional[int] = None) -> _Request:
+                 seed: Optional[int] = None, logprobs: Optional[int] = None, draft: Optional[str] = None,
+                 num_draft: Optional[int] = None) -> _Request:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -204,7 +239,14 @@ class BatchEngine:
             raise ValueError(f"logprobs must be an integer in 0..{self.vocab_size} or None, got {logprobs!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        return _Request(prompt, params, max_tokens, seed, logprobs)
+        plain = needs_plain_decoding(params, logprobs is not None)
+        if draft is None:
+            draft = "none" if plain else self.draft
+        elif plain and draft != "none":
+            raise ValueError("logprobs, logit_bias and the presence/frequency penalties need draft='none'")
+        draft = resolve_draft(self.model, draft)
+        num_draft = check_num_draft(self.num_draft if num_draft is None else num_draft)
+        return _Request(prompt, params, max_tokens, seed, logprobs, draft, num_draft)
 
     def shutdown(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
         """Stop the model thread: with ``cancel`` every request not finished ends (without a
@@ -296,6 +338,10 @@ class BatchEngine:
                 r.cached_tokens = r.prefilled
                 self.stats["cached_tokens"] += r.prefilled
                 r.sampler = make_sampler(r.params, r.seed)
+                if r.draft != "none":
+                    r.acceptor = Acceptor(r.params, r.seed, list(r.prompt))
+                    r.draft_length = DraftLength(r.num_draft, adaptive=r.draft == "mtp")
+                    r.mtp = MTPDraft(self.model, r.cache) if r.draft == "mtp" else None
             except Exception as e:  # noqa: BLE001 (the request's error, not the engine's)
                 self._fail([r], e)
                 continue
@@ -311,16 +357,23 @@ class BatchEngine:
             n = min(self.prefill_step_size, len(r.prompt) - r.prefilled, budget)
             budget -= n
             try:
-                x = self.model.hidden_states(mx.array([r.prompt[r.prefilled: r.prefilled + n]]), r.cache)
+                start = r.prefilled
+                x = self.model.hidden_states(mx.array([r.prompt[start: start + n]]), r.cache)
                 r.prefilled += n
                 self.stats["prefill_chunks"] += 1
                 self.stats["prefill_tokens"] += n
+                # the MTP layer sees every prompt row, with the token after it
+                h = None if r.mtp is None else rms_norm(x, self.model.norm, self.model.args.rms_norm_eps)
                 if r.prefilled < len(r.prompt):
-                    mx.eval(x)
+                    if h is not None:
+                        r.mtp.observe(h, r.prompt[start + 1: r.prefilled + 1])
+                    mx.eval(x, *self._mtp_state(r))
                     continue
                 logits = self.model.head(x[:, -1:])[0, -1]       # the last row only
                 self._prefilling.remove(r)
                 self._emit([r], *self._sample([r], logits[None]))
+                if h is not None and not r.done:
+                    r.mtp.observe(h, r.prompt[start + 1:] + r.generated[-1:])
                 if not r.done:
                     self._batch.add(r.cache)
                     r.cache = None
@@ -334,6 +387,10 @@ class BatchEngine:
         host builds step n + 1 while the device runs step n, as mlx-lm's generate loop does;
         a request that ends takes its fed-ahead row back (DecodeBatch.take_back)."""
         rows = list(self._running)
+        if self._ahead is None:
+            counts = self._draft_counts(rows)
+            if counts is not None:
+                return self._verify_step(rows, counts)
         try:
             if self._ahead is not None:
                 logits, ahead_rows = self._ahead
@@ -361,6 +418,8 @@ class BatchEngine:
         continues, and no row can reach the context limit."""
         if not self._batch.pooled or self._waiting or self._prefilling or self._inbox:
             return False
+        if self._draft_counts(rows) is not None:     # the next step verifies drafts of these tokens
+            return False
         limit = self.model.max_length
         return (any(len(r.generated) + 1 < r.max_tokens for r in rows)
                 and all(len(r.prompt) + len(r.generated) + 2 < limit for r in rows))
@@ -374,6 +433,13 @@ class BatchEngine:
         for i, r in enumerate(rows):
             p = r.params
             row = logits[i]
+            if r.acceptor is not None and not r.acceptor.lazy_greedy:
+                # a speculating request draws every token through its acceptor (its own random
+                # stream, whether the step verifies drafts or not)
+                r.acceptor.seen = r.prompt + r.generated
+                tokens.append(mx.array(r.acceptor.accept(row[None], [], [])[0], dtype=mx.int32))
+                extras.append(())
+                continue
             adjusted = p.counts_tokens or bool(p.logit_bias)
             if adjusted:
                 row = adjust_logits(row, p, r.prompt + r.generated, len(r.prompt))
@@ -393,26 +459,140 @@ class BatchEngine:
         """Read the tokens (one transfer) and hand out the events."""
         values = tokens.tolist()
         mx.eval([a for e in extras for a in e])
+        self._deliver(rows, [[v] for v in values], [[e] for e in extras])
+
+    def _finish_reason(self, r: _Request, token: int, generated: int) -> Optional[str]:
+        """How ``r`` ends with ``token`` as its ``generated``-th token, or None."""
+        if token in self.stop_ids:
+            return "stop"
+        if generated >= r.max_tokens or len(r.prompt) + generated > self.model.max_length:
+            return "length"
+        return None
+
+    def _deliver(self, rows: list, outs: list, extras: list) -> None:
+        """Hand out each row's tokens ``outs[i]`` (with their logprob arrays ``extras[i]``),
+        ending a request at the token that finishes it."""
         now = time.perf_counter()
-        for r, token, extra in zip(rows, values, extras):
-            r.generated.append(token)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            r.last_token_at = now
-            logprob = top = finish = None
-            if extra:
-                logprob = float(extra[0].item())
-                if len(extra) == 3:
-                    top = sorted_pairs(*extra[1:])
-            if token in self.stop_ids:
-                finish = "stop"
-            elif len(r.generated) >= r.max_tokens or len(r.prompt) + len(r.generated) > self.model.max_length:
-                finish = "length"
-            ev = TokenEvent(token, logprob, top, finish)
-            if finish is None:
+        for r, out, extra_list in zip(rows, outs, extras):
+            for token, extra in zip(out, extra_list):
+                r.generated.append(token)
+                if r.first_token_at is None:
+                    r.first_token_at = now
+                r.last_token_at = now
+                logprob = top = None
+                if extra:
+                    logprob = float(extra[0].item())
+                    if len(extra) == 3:
+                        top = sorted_pairs(*extra[1:])
+                finish = self._finish_reason(r, token, len(r.generated))
+                ev = TokenEvent(token, logprob, top, finish)
+                if finish is not None:
+                    self._finish(r, ev)
+                    break
                 r.events.put(ev)
-            else:
-                self._finish(r, ev)
+
+    # ------------------------------------------------------------------------ speculation
+
+    def _draft_counts(self, rows: list) -> Optional[list]:
+        """Drafts each running request feeds the next step, or None when no request has any to
+        feed (a plain decode step). Drafts fill the rows one GEMV launch takes (module docstring);
+        a request whose MTP layer lags drafts none and catches up in the step."""
+        budget = ROW_GROUP // len(rows) - 1
+        counts, wanted = [], False
+        for r in rows:
+            k = 0
+            if r.draft != "none":
+                held = len(r.prompt) + len(r.generated) - 1          # rows in the cache
+                room = min(r.max_tokens - len(r.generated), self.model.max_length - held)
+                k = max(min(r.draft_length.k, room - 1, r.draft_length.k if r.seeded_sampling else budget), 0)
+                wanted = wanted or k > 0
+                if r.mtp is not None and r.mtp.cache.offset != held:
+                    k = 0
+            counts.append(k)
+        return counts if wanted else None
+
+    def _drafts(self, r: _Request, k: int) -> tuple[list, list]:
+        """``k`` drafts (ints, or lazy arrays: greedy MTP drafts) and their q's."""
+        if k == 0:
+            return [], []
+        r.acceptor.seen = r.prompt + r.generated
+        if r.mtp is not None:
+            return r.mtp.propose(k, r.acceptor.choose)
+        drafts = ngram_drafts(r.prompt + r.generated, k)
+        return drafts, [None] * len(drafts)
+
+    @staticmethod
+    def _mtp_state(r: _Request) -> list:
+        """The arrays of ``r``'s MTP layer a step leaves (evaluated with the step)."""
+        if r.mtp is None or r.mtp.logits is None:
+            return []
+        return [r.mtp.logits, r.mtp.x, *r.mtp.cache.layers[0].buffers.values()]
+
+    def _verify_step(self, rows: list, counts: list) -> None:
+        """One verify step (module docstring): every running request's pending token and its
+        ``counts[i]`` drafts as rows of one step."""
+        try:
+            drafted = [self._drafts(r, k) for r, k in zip(rows, counts)]
+            pieces = []
+            for r, (drafts, _) in zip(rows, drafted):
+                pieces.append(mx.array([r.generated[-1]], dtype=mx.int32))
+                pieces += [d.astype(mx.int32).reshape(1) if isinstance(d, mx.array) else mx.array([d], dtype=mx.int32)
+                           for d in drafts]
+            ids = mx.concatenate(pieces)
+            fed = [1 + len(d) for d, _ in drafted]
+            starts = [sum(fed[:i]) for i in range(len(rows))]
+            held = [self._batch.length(i) for i in range(len(rows))]
+            h, logits = self._batch.verify(ids, fed)
+            self.stats["verify_steps"] += 1
+            self.stats["decode_rows"] += ids.size
+            plain = [i for i, r in enumerate(rows) if r.acceptor is None]
+            plain_tokens, plain_extras = self._sample([rows[i] for i in plain],
+                                                      logits[mx.array([starts[i] for i in plain])]) if plain else \
+                (mx.zeros((0,), mx.int32), [])
+            # the drafts (lazy MTP ones included), the greedy targets and the plain rows' tokens: one read
+            values = mx.concatenate([ids, mx.argmax(logits, axis=-1).astype(mx.int32), plain_tokens]).tolist()
+            mx.eval([a for e in plain_extras for a in e])
+            R = ids.size
+            outs, extras = [], []
+            for i, r in enumerate(rows):
+                a, m = starts[i], fed[i]
+                if r.acceptor is None:
+                    outs.append([values[2 * R + plain.index(i)]])
+                    extras.append([plain_extras[plain.index(i)]])
+                    continue
+                drafts = values[a + 1: a + m]
+                if r.acceptor.lazy_greedy:
+                    out = greedy_accept(values[R + a: R + a + m], drafts)
+                else:
+                    r.acceptor.seen = r.prompt + r.generated
+                    out = r.acceptor.accept(logits[a: a + m], drafts, drafted[i][1])
+                r.draft_stats.steps += 1
+                r.draft_stats.proposed += len(drafts)
+                r.draft_stats.accepted += len(out) - 1
+                self.stats["draft_proposed"] += len(drafts)
+                self.stats["draft_accepted"] += len(out) - 1
+                r.draft_length.update(len(drafts), len(out) - 1)
+                outs.append(out)
+                extras.append([()] * len(out))
+            for i, r in enumerate(rows):
+                out = outs[i] = self._emitted(r, outs[i])
+                self._batch.rewind(i, held[i] + len(out))          # the rows of rejected drafts go
+                if r.mtp is not None and self._finish_reason(r, out[-1], len(r.generated) + len(out)) is None:
+                    r.mtp.cache.offset = held[i]                  # a lagging layer skips the rows it missed
+                    r.mtp.observe(h[starts[i]: starts[i] + len(out)][None], out)
+            mx.eval([a for r in rows for a in self._mtp_state(r)])
+            self._deliver(rows, outs, extras)
+        except Exception as e:  # noqa: BLE001
+            self._batch = DecodeBatch(self.model)      # its rows may be half written: start afresh
+            self._running, self._ahead = [], None
+            self._fail(rows, e)
+
+    def _emitted(self, r: _Request, out: list) -> list:
+        """``out`` up to the token that ends ``r`` (that token included)."""
+        for j, token in enumerate(out):
+            if self._finish_reason(r, token, len(r.generated) + j + 1) is not None:
+                return out[: j + 1]
+        return out
 
     def _finish(self, r: _Request, last) -> None:
         """End ``r`` with ``last`` (its final event, or ``_CANCELLED``) and leave its cache to the
@@ -430,6 +610,7 @@ class BatchEngine:
         if r in self._waiting:
             self._waiting.remove(r)
         r.done = True
+        r.mtp = r.acceptor = None
         self._ended(r)
         r.events.put(last)
         if cache is None or cache.offset == 0:
@@ -444,7 +625,7 @@ class BatchEngine:
                 if r in group:
                     group.remove(r)
             r.done = True
-            r.cache = None
+            r.cache = r.mtp = r.acceptor = None
             self._ended(r)
             r.events.put(error)
 

@@ -648,10 +648,6 @@ def bench(model_path, prompt_tokens, gen_tokens, repeat, batch, seed, as_json):
     click.echo(json.dumps(report_json(report), indent=1) if as_json else format_table(report))
 
 
-# serve's continuous-batching options, which --draft mtp|ngram (one request at a time) does not use
-BATCHING_OPTIONS = ("decode_concurrency", "prompt_concurrency", "prefill_step_size", "prompt_cache_bytes")
-
-
 @main.command()
 @_MODEL_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -663,7 +659,12 @@ BATCHING_OPTIONS = ("decode_concurrency", "prompt_concurrency", "prefill_step_si
 @click.option("--top-p", default=1.0, show_default=True, type=_Finite(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 disables top-k.")
 @click.option("--min-p", default=0.0, show_default=True, type=_Finite(0, 1))
-@_draft_options
+@click.option("--draft", type=click.Choice(["mtp", "ngram", "none"]), default=None,
+              help="Speculative decoding for requests that name no draft (docs/speculative.md): the model's MTP "
+                   "layer, prompt lookup, or off (the default). Drafts fill the decode rows a step has room for: "
+                   "up to 4 requests at once speculate.")
+@click.option("--num-draft", default=3, show_default=True, type=click.IntRange(1, 7),
+              help="Tokens drafted per step, at most.")
 @click.option("--api-key", default=None, envvar="COLIBRI_API_KEY",
               help="Require 'Authorization: Bearer KEY' (401 otherwise; /health stays open). Env: COLIBRI_API_KEY.")
 @click.option("--allow-origin", default=None,
@@ -674,7 +675,7 @@ BATCHING_OPTIONS = ("decode_concurrency", "prompt_concurrency", "prefill_step_si
 @click.option("--read-timeout", default=30.0, show_default=True, type=_Finite(min=0, min_open=True),
               help="Seconds a request may take to arrive (a half-sent one gets 408; an idle keep-alive is closed).")
 @click.option("--decode-concurrency", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Requests decoded together (continuous batching; with --draft mtp|ngram one at a time).")
+              help="Requests decoded together (continuous batching).")
 @click.option("--prompt-concurrency", default=8, show_default=True, type=click.IntRange(min=1),
               help="Prompts prefilled together (continuous batching).")
 @click.option("--prefill-step-size", default=2048, show_default=True, type=click.IntRange(min=1),
@@ -682,20 +683,13 @@ BATCHING_OPTIONS = ("decode_concurrency", "prompt_concurrency", "prefill_step_si
 @click.option("--prompt-cache-bytes", default=None, type=_ByteSize(),
               help="Byte bound of the prompt cache (e.g. 8GB; default unbounded, as mlx_lm.server; at most 10 entries).")
 @_with_streaming_options
-@click.pass_context
-def serve(ctx, model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
+def serve(model_path, host, port, max_tokens, temperature, top_p, top_k, min_p, draft, num_draft, api_key,
           allow_origin, max_connections, read_timeout, decode_concurrency, prompt_concurrency, prefill_step_size,
           prompt_cache_bytes):
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models (docs/serve.md)."""
     from .serve import SamplingDefaults, model_id_for, serve as run_server
 
     _check_load_options()
-    if draft not in (None, "none"):  # the drafting engine serves one request at a time: say what it ignores
-        given = [f"--{name.replace('_', '-')}" for name in BATCHING_OPTIONS
-                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            click.echo(f"colibri serve: WARNING: {', '.join(given)} ignored: --draft {draft} serves one request "
-                       "at a time, without batching or a prompt cache", err=True)
     opened, tokenizer = _open_for_cli(model_path)
     if tokenizer.chat_template:  # /v1/chat/completions would fail on every request: say so now
         tokenizer.encode_chat([{"role": "user", "content": "Hello"}])

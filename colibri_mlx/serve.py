@@ -524,15 +524,12 @@ def _draft_note(stats: dict) -> str:
 
 
 def engine_class_for(model, defaults: SamplingDefaults):
-    """:class:`BatchEngine` (continuous batching, prompt cache); :class:`SerialEngine` (one
-    request at a time) when the server's default is a speculative draft (``--draft mtp|ngram``),
-    which the batch does not run, and for a model spread over processes (mlx.launch), whose
-    other ranks mirror only the single-sequence forward."""
+    """:class:`BatchEngine` (continuous batching, prompt cache, speculative decoding);
+    :class:`SerialEngine` (one request at a time) for a model spread over processes
+    (mlx.launch), whose other ranks mirror only the single-sequence forward."""
     from .distributed import DistributedModel
 
-    if defaults.draft not in (None, "none") or isinstance(model, DistributedModel):
-        return SerialEngine
-    return BatchEngine
+    return SerialEngine if isinstance(model, DistributedModel) else BatchEngine
 
 
 def make_engine(model, tokenizer, defaults: SamplingDefaults, engine_class=None, **engine_options):
@@ -564,14 +561,13 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8080, model_id:
         print(f"colibri serve: WARNING: listening on {host} (not loopback) without --api-key: anyone who can "
               "reach this address can use the model", file=sys.stderr, flush=True)
     if isinstance(engine, BatchEngine):
+        drafts = "no speculative decoding by default" if engine.draft == "none" else \
+            f"speculative decoding --draft {engine.draft} --num-draft {engine.num_draft}"
         print(f"colibri serve: continuous batching (--decode-concurrency {engine.decode_concurrency}, "
               f"--prompt-concurrency {engine.prompt_concurrency}, --prefill-step-size {engine.prefill_step_size}, "
-              f"prompt cache {_bytes_text(engine.prompt_cache.max_bytes)}), no speculative decoding",
-              file=sys.stderr, flush=True)
+              f"prompt cache {_bytes_text(engine.prompt_cache.max_bytes)}), {drafts}", file=sys.stderr, flush=True)
     elif isinstance(engine, SerialEngine):
-        why = f"speculative decoding, --draft {defaults.draft}" if defaults.draft not in (None, "none") else \
-            "a model over several processes"
-        print(f"colibri serve: one request at a time ({why})", file=sys.stderr, flush=True)
+        print("colibri serve: one request at a time (a model over several processes)", file=sys.stderr, flush=True)
     print(f"colibri serve: {model_id} at {server.url}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
 
     def interrupt(signum, frame):

@@ -424,6 +424,36 @@ def test_pooled_step_metal_kernels(metal, tmp_path):
         assert np.abs(row - w).max() <= 1e-4 * np.abs(w).max()
 
 
+def test_pooled_verify_step_metal_kernels(metal, tmp_path):
+    """A pooled verify step (2, 4 and 1 rows of three sequences: rows of one sequence at
+    consecutive positions, each attending to its slot's rows) with the Metal kernels in the
+    simulator: the rows' logits equal each sequence's rows through the reference model."""
+    from helpers_models import build_hf_model, save_checkpoint, state_dict_numpy, write_container
+    from colibri_mlx.models.loading import load_model
+
+    hf = build_hf_model("deepseek_v3", seed=3, first_k_dense_replace=1)
+    path = save_checkpoint(hf, str(tmp_path / "hf"))
+    write_container(state_dict_numpy(hf), path, str(tmp_path / "c"))
+    model = load_model(tmp_path / "c", dtype="float32")
+    V = model.args.vocab_size
+    ps = [[t % V for t in p] for p in prompts(3, 6, 4, seed=12)]
+    rows = [[5, 9], [1, 2, 3, 4], [8]]
+    batch, want = DecodeBatch(model), []
+    with kernels.dispatch.force_reference():
+        for p, r in zip(ps, rows):
+            c = model.make_cache()
+            mx.eval(model(mx.array([p]), c))
+            batch.add(copy_prefix(c, c.offset))
+            want.append(np.array(model(mx.array([r]), c)[0]))
+    metal.clear()
+    _, logits = batch.verify(mx.array(sum(rows, []), dtype=mx.int32), [len(r) for r in rows])
+    got = np.array(logits)
+    assert len([name for name in metal if name.startswith("mla_attn")]) == len(model.layers), metal
+    assert not kernels.dispatch.counters()["fallbacks"].get("mla_decode")
+    want = np.concatenate(want)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_dsa_model_keeps_a_cache_per_sequence(tmp_path):
     """A DSA model (an indexer selects over each cache) cannot pool: the batch keeps one cache
     per sequence and steps each alone; the engine's output still equals each request alone,
@@ -442,3 +472,150 @@ def test_dsa_model_keeps_a_cache_per_sequence(tmp_path):
     assert got == [alone(model, p, 5) for p in ps]
     assert kernels.dispatch.counters()["calls"].get(
         "batch_decode/declined: DSA indexer selects over each cache", 0) > 0
+
+
+# ----------------------------------------------------------------------------- speculation
+
+
+def test_verify_step_equals_each_sequence_alone_and_rewinds(demo):
+    """A pooled verify step of ragged row counts (1, 4 and 2 rows of three sequences, some rows
+    rejected drafts): each sequence's logits equal its own rows through the model, and after a
+    rewind to the kept rows the next step equals a cache that never saw the rejected ones."""
+    model, _ = demo
+    ps = prompts(5, 9, 3, seed=21)
+    rows = [[7], [11, 12, 13, 14], [21, 22]]
+    kept = [1, 2, 2]
+    batch, own = DecodeBatch(model), []
+    for p in ps:
+        c = model.make_cache()
+        mx.eval(model(mx.array([p]), c))
+        batch.add(copy_prefix(c, c.offset))
+        own.append(c)
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/pooled verify", 0)
+    h, logits = batch.verify(mx.array(sum(rows, []), dtype=mx.int32), [len(r) for r in rows])
+    assert kernels.dispatch.counters()["calls"]["batch_decode/pooled verify"] == before + 1
+    assert h.shape == (7, model.args.hidden_size) and logits.shape == (7, model.args.vocab_size)
+    a = 0
+    for i, (r, c) in enumerate(zip(rows, own)):
+        want = np.array(model(mx.array([r]), copy_prefix(c, c.offset))[0])
+        got = np.array(logits[a: a + len(r)])
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        assert batch.length(i) == len(ps[i]) + len(r)
+        batch.rewind(i, len(ps[i]) + kept[i])
+        mx.eval(model(mx.array([r[: kept[i]]]), c))          # the kept rows only
+        a += len(r)
+    nxt = [3, 4, 5]
+    got = np.array(batch.step(nxt))
+    for row, t, c in zip(got, nxt, own):
+        want = np.array(model(mx.array([[t]]), c)[0, -1])
+        assert np.abs(row - want).max() <= 1e-4 * np.abs(want).max()
+    with pytest.raises(ValueError, match="rewind: 99 rows"):
+        batch.rewind(0, 99)
+
+
+def test_speculating_requests_equal_each_request_alone(demo):
+    """MTP and n-gram drafts of several widths, greedy with and without a repetition penalty,
+    beside plain requests; requests join while others run and prefill in chunks. Each request
+    gives exactly its tokens alone; drafts were both kept and rejected."""
+    model, tok = demo
+    text = tok.encode("And God said, Let there be light: and there was light. And God saw the light, that it was")
+    ps = [text, text[:11], prompts(7, seed=22)[0], text[4:], text[:6]]
+    asks = [dict(draft="mtp", num_draft=3), dict(draft="ngram", num_draft=2), dict(),
+            dict(draft="mtp", num_draft=1, params=SamplingParams(repetition_penalty=1.4)),
+            dict(draft="ngram", num_draft=7)]
+    lengths = [20, 14, 9, 16, 12]
+    engine = BatchEngine(model, tok, prefill_step_size=5, stop_ids=())
+    try:
+        first = engine.submit(ps[0], max_tokens=lengths[0], **asks[0])
+        it = iter(first)
+        head = [next(it).token, next(it).token]
+        later = engine.submit_all([dict(prompt_ids=p, max_tokens=n, **a)
+                                   for p, n, a in zip(ps[1:], lengths[1:], asks[1:])])
+        got = [head + [e.token for e in it]] + [tokens(h) for h in later]
+        stats = dict(engine.stats)
+        per_request = [h.stats for h in [first] + later]
+    finally:
+        engine.shutdown()
+    want = [alone(model, p, n, a.get("params", SamplingParams())) for p, n, a in zip(ps, lengths, asks)]
+    assert got == want
+    assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
+    assert stats["verify_steps"] > 0
+    assert "draft_steps" not in per_request[2] and per_request[0]["draft_steps"] > 0
+
+
+def test_seeded_speculative_sampling_independent_of_batch(demo):
+    """A seeded sampling request that speculates draws its own drafts and acceptances whatever
+    runs beside it: its tokens alone in the engine, in a full batch, and from generate_tokens
+    with the same draft and seed are the same."""
+    model, tok = demo
+    p, q, s = prompts(8, 5, 6, seed=23)
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    want = [t for t, _ in generate_tokens(model, p, 12, params, 99, stop_ids=(), draft="mtp", num_draft=2)]
+    engine = BatchEngine(model, tok, stop_ids=())
+    try:
+        solo = tokens(engine.submit(p, params, 12, seed=99, draft="mtp", num_draft=2))
+        company = engine.submit_all([dict(prompt_ids=q, max_tokens=12, draft="ngram"),
+                                     dict(prompt_ids=p, params=params, max_tokens=12, seed=99, draft="mtp",
+                                          num_draft=2),
+                                     dict(prompt_ids=s, params=SamplingParams(temperature=1.0), max_tokens=10),
+                                     dict(prompt_ids=q, params=params, max_tokens=7, seed=5, draft="mtp")])
+        in_batch = [tokens(h) for h in company][1]
+    finally:
+        engine.shutdown()
+    assert solo == want and in_batch == want
+
+
+def test_speculative_stop_inside_drafts_leaves_its_cache(demo):
+    """A stop id among the kept drafts ends the request there; its cache (rewound to the tokens
+    before the stop) serves the next turn, which gives a cold run's tokens."""
+    model, tok = demo
+    text = tok.encode("In the beginning God created the heaven and the earth. And the earth was")
+    ref = alone(model, text, 12)
+    k = 7
+    engine = BatchEngine(model, tok, stop_ids=[ref[k]], draft="mtp", num_draft=4)
+    try:
+        h = engine.submit(text, max_tokens=12)
+        got = tokens(h)
+        follow = text + got + [17]
+        h2 = engine.submit(follow, max_tokens=3, draft="none")
+        again = tokens(h2)
+        assert h2.cached_tokens == len(text) + len(got) - 1
+        assert engine.stats["draft_accepted"] > 0
+    finally:
+        engine.shutdown()
+    assert got == ref[: ref.index(ref[k]) + 1]
+    assert again == [t for t, _ in generate_tokens(model, follow, 3, stop_ids=[ref[k]], draft="none")]
+
+
+def test_speculation_refusals(demo):
+    model, tok = demo
+    engine = BatchEngine(model, tok, draft="ngram")
+    try:
+        with pytest.raises(ValueError, match="need draft='none'"):
+            engine.submit([5, 6], max_tokens=2, logprobs=0, draft="mtp")
+        with pytest.raises(ValueError, match="num_draft must be an integer in 1..7"):
+            engine.submit([5, 6], max_tokens=2, num_draft=8)
+        with pytest.raises(ValueError, match="draft must be one of"):
+            engine.submit([5, 6], max_tokens=2, draft="medusa")
+        ev = list(engine.submit([5, 6], max_tokens=2, logprobs=0))      # the engine's default yields to plain
+        assert ev[0].logprob is not None
+    finally:
+        engine.shutdown()
+
+
+def test_dsa_model_speculates_with_a_cache_per_sequence(tmp_path):
+    """A DSA model's separate caches take verify steps too (each sequence's rows through the
+    model's own pass, its indexer keys rolled back with the latent rows), past index_topk."""
+    from helpers_models import build_config_model, save_checkpoint
+    from colibri_mlx.models import load_model
+
+    model = load_model(save_checkpoint(build_config_model("v32_groups"), str(tmp_path / "v32")), dtype="float32")
+    ps = [[t % 250 for t in p] for p in prompts(6, 10, seed=10)]
+    ps[0] = ps[0] + ps[0] + ps[0]                                       # repeats: n-gram drafts are kept
+    engine = BatchEngine(model, None, stop_ids=(), draft="ngram", num_draft=3)
+    try:
+        got = [tokens(h) for h in engine.submit_all([dict(prompt_ids=p, max_tokens=12) for p in ps])]
+        assert engine.stats["verify_steps"] > 0 and engine.stats["draft_proposed"] > 0
+    finally:
+        engine.shutdown()
+    assert got == [alone(model, p, 12) for p in ps]

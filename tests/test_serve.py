@@ -351,24 +351,18 @@ def test_ctrl_c_shuts_down_cleanly():
             proc.kill()
 
 
-@pytest.mark.parametrize("args, warned", [
-    (["--draft", "ngram", "--decode-concurrency", "4", "--prompt-cache-bytes", "1GB"],
-     "--decode-concurrency, --prompt-cache-bytes ignored: --draft ngram"),
-    (["--draft", "ngram"], None),
-    (["--decode-concurrency", "4"], None),
-], ids=["draft-with-batching-flags", "draft-alone", "batching-alone"])
-def test_serve_says_which_batching_flags_a_draft_ignores(monkeypatch, args, warned):
+@pytest.mark.parametrize("args", [["--draft", "ngram", "--decode-concurrency", "4", "--prompt-cache-bytes", "1GB"],
+                                  ["--decode-concurrency", "4"]], ids=["draft-with-batching-flags", "batching-alone"])
+def test_serve_draft_keeps_the_batching_flags(monkeypatch, args):
     from click.testing import CliRunner
 
     import colibri_mlx.serve
     from colibri_mlx.cli import main
 
     started = {}
-    monkeypatch.setattr(colibri_mlx.serve, "serve", lambda *a, **k: started.update(k))
+    monkeypatch.setattr(colibri_mlx.serve, "serve", lambda *a, **k: started.update(k, defaults=a[5]))
     result = CliRunner().invoke(main, ["serve", *args])
     assert result.exit_code == 0, result.output
-    assert started["engine_options"]["decode_concurrency"] == (4 if "4" in args else 32)
-    if warned:
-        assert f"WARNING: {warned} serves one request at a time" in result.output
-    else:
-        assert "WARNING" not in result.output
+    assert started["engine_options"]["decode_concurrency"] == 4
+    assert started["defaults"].draft == ("ngram" if "--draft" in args else None)
+    assert "WARNING" not in result.output

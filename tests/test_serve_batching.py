@@ -129,6 +129,19 @@ def test_second_turn_starts_from_the_prompt_cache(server, demo):
     assert second.choices[0].message.content == alone(demo, tok.encode_chat(turn2), 12)
 
 
-def test_a_request_naming_a_draft_is_refused_under_batching(server):
-    with pytest.raises(openai.BadRequestError, match="does not take 'draft'"):
-        client(server).completions.create(model="x", prompt=PROMPTS[0], max_tokens=2, extra_body={"draft": "ngram"})
+def test_requests_naming_a_draft_speculate_in_the_batch(server, demo):
+    """Requests with their own ``draft`` run in the batch beside plain ones; greedy, each gets
+    its text alone, and the drafts were verified (the engine counts its verify steps)."""
+    c = client(server)
+    engine = server.engine
+    before = dict(engine.stats)
+    drafts = ["mtp", "ngram", None, "mtp"]
+    calls = [lambda p=p, d=d: c.completions.create(model="x", prompt=p, max_tokens=10,
+                                                   extra_body={} if d is None else {"draft": d, "num_draft": 2})
+             for p, d in zip(PROMPTS, drafts)]
+    got = [r.choices[0].text for r in at_once(calls)]
+    assert got == [alone(demo, p, 10) for p in PROMPTS[:4]]
+    assert engine.stats["verify_steps"] > before["verify_steps"]
+    assert engine.stats["draft_accepted"] > before["draft_accepted"]
+    with pytest.raises(openai.BadRequestError, match="'draft' must be one of"):
+        c.completions.create(model="x", prompt=PROMPTS[0], max_tokens=2, extra_body={"draft": "medusa"})

@@ -586,19 +586,22 @@ def test_bench_script_runs_on_cpu(tmp_path):
     assert report["greedy_identity"]["ok"] and report["verify"]["ratio"] > 0
 
 
-def test_server_request_draft(tmp_path):
+@pytest.mark.parametrize("engine", ["BatchEngine", "SerialEngine"])
+def test_server_request_draft(tmp_path, engine):
+    """A request's own draft, under the batching engine (the server's) and the serial one (a
+    model over several processes)."""
     import threading
 
     import colibri_mlx
+    from colibri_mlx import batch_engine, serve_engine
     from colibri_mlx.serve import ModelServer
-    from colibri_mlx.serve_engine import SerialEngine
     from test_serve import post
 
+    engine_class = getattr(batch_engine, engine, None) or getattr(serve_engine, engine)
     replies = {}
     for name, config in (("mtp", MODELS["v3"]), ("plain", CONFIG)):
         model, tokenizer = colibri_mlx.load(write_tiny_container(tmp_path / name, config, seed=4), dtype="float32")
-        # the engine of `colibri serve --draft ...`: a request's own draft (batching takes none)
-        srv = ModelServer(("127.0.0.1", 0), model, tokenizer, name, log=None, engine=SerialEngine(model, tokenizer))
+        srv = ModelServer(("127.0.0.1", 0), model, tokenizer, name, log=None, engine=engine_class(model, tokenizer))
         thread = threading.Thread(target=srv.serve_forever, daemon=True)
         thread.start()
         try:

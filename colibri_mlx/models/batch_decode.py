@@ -23,7 +23,7 @@ import mlx.core as mx
 from .. import kernels
 from ..kernels import qgemv
 from .cache import LatentCache, capacity_for
-from .deepseek_v3 import CACHE_STREAM, embedding_rows, stream_norm
+from .deepseek_v3 import CACHE_STREAM, embedding_rows, rms_norm, stream_norm
 
 ROW_GROUP = qgemv.MAX_ROWS     # rows a GEMV / moe_block launch takes as decode rows
 
@@ -158,6 +158,43 @@ class DecodeBatch:
         else:
             self.lengths[i] -= 1
 
+    def length(self, i: int) -> int:
+        """Rows sequence ``i`` holds (its next row's position)."""
+        if not self.pooled:
+            return self.caches[i].offset
+        return self.single.offset if self.single is not None else self.lengths[i]
+
+    def rewind(self, i: int, length: int) -> None:
+        """Keep sequence ``i``'s first ``length`` rows (rows past them are rewritten before they
+        are read: every step writes at a sequence's length and attends up to its position)."""
+        if not 0 < length <= self.length(i):
+            raise ValueError(f"DecodeBatch.rewind: {length} rows of a sequence holding {self.length(i)}")
+        if not self.pooled:
+            self.caches[i].offset = length
+        elif self.single is not None:
+            self.single.offset = length
+        else:
+            self.lengths[i] = length
+
+    def verify(self, ids: mx.array, counts: Sequence[int]) -> tuple[mx.array, mx.array]:
+        """A speculative verify step: ``counts[i]`` rows of sequence ``i`` (``ids [R]`` int32,
+        sequence 0's rows first, each sequence's at its next positions). Returns the rows'
+        hidden states after the final norm ``[R, D]`` (the MTP layer's input) and float32 logits
+        ``[R, vocab]``; every sequence advances by its count (:meth:`rewind` drops rejected rows)."""
+        if len(counts) != len(self) or sum(counts) != ids.size or min(counts) < 1:
+            raise ValueError(f"DecodeBatch.verify: rows {list(counts)} for {len(self)} sequences and {ids.size} ids")
+        model = self.model
+        if self.pooled and self.single is None:
+            x = self._pool_verify(ids, counts)
+        else:
+            caches = [self.single] if self.pooled else self.caches
+            x, a = [], 0
+            for cache, m in zip(caches, counts):      # each sequence's rows through the model's own pass
+                x.append(model.hidden_states(ids[a: a + m].reshape(1, m), cache)[0])
+                a += m
+            x = x[0] if len(x) == 1 else mx.concatenate(x)
+        return normed_logits(model, x)
+
     def step(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Logits ``[n, vocab]`` (float32) of one new token per sequence, in slot order."""
         if not self.pooled:
@@ -209,6 +246,24 @@ class DecodeBatch:
         self.lengths.pop()
         return out
 
+    def _pool_verify(self, ids: mx.array, counts: Sequence[int]) -> mx.array:
+        model = self.model
+        slots = [i for i, m in enumerate(counts) for _ in range(m)]
+        positions = [self.lengths[i] + j for i, m in enumerate(counts) for j in range(m)]
+        end = max(positions) + 1
+        if end > model.max_length:
+            raise ValueError(f"context of {end} tokens exceeds max_position_embeddings={model.max_length}")
+        self._reserve(len(counts), end)
+        kernels.dispatch.record_call("batch_decode", "pooled verify")
+        R = len(slots)
+        slots, positions = mx.array(slots, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
+        x = embedding_rows(model.embed_tokens, ids.reshape(R, 1).astype(mx.int32)).astype(model.dtype)
+        for layer, block, buffers in zip(model.layers, _pooled_blocks(model, "pooled_verify"), self.buffers):
+            x, buffers[CACHE_STREAM] = block(x, positions, buffers[CACHE_STREAM], slots,
+                                             static=layer.mlp.host_reason(x[: ROW_GROUP]))
+        self.lengths = [t + m for t, m in zip(self.lengths, counts)]
+        return x[:, 0]
+
     def _pool_step(self, tokens) -> mx.array:
         model = self.model
         n, D = len(self.lengths), model.args.hidden_size
@@ -229,22 +284,28 @@ class DecodeBatch:
         return (logits[0] if len(logits) == 1 else mx.concatenate(logits))[:, -1]
 
 
-def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array) -> tuple[mx.array, mx.array]:
+def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array,
+                 slots: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """One decoder layer over ``n`` pooled sequences (:class:`DecodeBatch`): ``x [n, 1, D]``,
     ``positions [n]`` (each new row's position and cache slot), ``buf [slots, capacity, W]``.
     Returns the layer's output and the buffer with the new rows. Attention reads the whole
     capacity of the first ``n`` slots under a mask (row ``i`` sees its first ``positions[i] + 1``
     rows), so the graph's shapes change only when the pool grows: compiled on GPUs, one trace
-    per batch size and pool shape."""
+    per batch size and pool shape.
+
+    ``slots [n]`` (a verify step, several rows a sequence): row ``i`` belongs to slot
+    ``slots[i]``. Every row is written before any is attended, so a row sees the rows of its
+    sequence before it in this step; attention reads each row's slot (a copy of the slot's
+    rows per row)."""
     n = x.shape[0]
     attn = layer.self_attn
     groups = row_groups(n)
     parts = [layer._decode_in(x[a:b], positions[a:b]) for a, b in groups]   # q_rope left unrotated
     q_nope, q_rope, kv = (p[0] if len(p) == 1 else mx.concatenate(p) for p in zip(*parts))
     q_rope = attn.rope.apply_fast(q_rope, positions)
-    buf[mx.arange(n), positions] = kv[:, 0].astype(buf.dtype)
+    buf[mx.arange(n) if slots is None else slots, positions] = kv[:, 0].astype(buf.dtype)
     mask = (mx.arange(buf.shape[1], dtype=mx.int32)[None] <= positions[:, None])[:, None, None]
-    core = attn.attend(q_nope, q_rope, buf[:n], mask)                         # [n, H * v]
+    core = attn.attend(q_nope, q_rope, buf[:n] if slots is None else buf[slots], mask)   # [n, H * v]
     out = [layer._decode_out(x[a:b], core[a:b]) for a, b in groups]
     return (out[0] if len(out) == 1 else mx.concatenate(out)), buf
 
@@ -252,13 +313,26 @@ def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array) -> tupl
 _BLOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _pooled_blocks(model) -> list:
-    """The compiled :func:`pooled_layer` of each layer of ``model`` (made once per model)."""
-    blocks = _BLOCKS.get(model)
-    if blocks is None:
-        blocks = _BLOCKS[model] = [kernels.compiled.CompiledBlock(functools.partial(pooled_layer, layer),
-                                                                  "pooled_layer") for layer in model.layers]
-    return blocks
+def _pooled_blocks(model, name: str = "pooled_layer") -> list:
+    """The compiled :func:`pooled_layer` of each layer of ``model`` (made once per model and
+    ``name``: "pooled_layer" for decode steps, "pooled_verify" for verify steps)."""
+    made = _BLOCKS.setdefault(model, {})
+    if name not in made:
+        made[name] = [kernels.compiled.CompiledBlock(functools.partial(pooled_layer, layer), name)
+                      for layer in model.layers]
+    return made[name]
+
+
+def normed_logits(model, x: mx.array) -> tuple[mx.array, mx.array]:
+    """``(final norm of x, float32 logits)`` of rows ``x [R, D]``, the row groups of
+    :func:`row_groups` through the head."""
+    from ..speculative import verify_head
+
+    if x.shape[0] == 1 or x.shape[0] > ROW_GROUP:
+        h = rms_norm(x, model.norm, model.args.rms_norm_eps)
+        return h, kernels.qmatmul(h, model.lm_head, out_dtype=mx.float32)
+    h, logits = verify_head(model)(x[None])
+    return h[0], logits[0]
 
 
 def model_batch_reason(model) -> str | None:
