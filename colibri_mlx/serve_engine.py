@@ -27,9 +27,9 @@ and ignores the batching options. An engine with ``takes_draft = True`` also tak
 ``num_draft=`` keywords in ``submit`` (a request's own choice); the server refuses requests that
 name them otherwise.
 
-The engines: :class:`colibri_mlx.batch_engine.BatchEngine` (continuous batching and a prompt
-cache; the server's default) and :class:`SerialEngine` (one request at a time, with speculative
-decoding; the server's engine under ``--draft mtp|ngram`` and for a model over several processes).
+The engines: :class:`colibri_mlx.batch_engine.BatchEngine` (continuous batching, a prompt
+cache and speculative decoding; the server's engine) and :class:`SerialEngine` (one request at a
+time, with speculative decoding; the server's engine for a model over several processes).
 
 Log-probabilities are those of the logits the sampler saw: after ``logit_bias`` and the
 penalties, before temperature and the top-k/top-p/min-p filters (``generate_tokens``).
