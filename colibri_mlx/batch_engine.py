@@ -577,7 +577,7 @@ class BatchEngine:
             for i, r in enumerate(rows):
                 out = outs[i] = self._emitted(r, outs[i])
                 self._batch.rewind(i, held[i] + len(out))          # the rows of rejected drafts go
-                if r.mtp is not None and self._finish_reason(r, out[-1], len(r.generated) + len(out)) is None:
+                if r.mtp is not None:       # also as the request ends: its rows go to the prompt cache
                     r.mtp.cache.offset = held[i]                  # a lagging layer skips the rows it missed
                     r.mtp.observe(h[starts[i]: starts[i] + len(out)][None], out)
             mx.eval([a for r in rows for a in self._mtp_state(r)])
@@ -609,6 +609,8 @@ class BatchEngine:
             self._prefilling.remove(r)
         if r in self._waiting:
             self._waiting.remove(r)
+        if r.mtp is not None and cache is not None:
+            cache.mtp_cache = r.mtp.cache          # kept with the cache by the prompt cache
         r.done = True
         r.mtp = r.acceptor = None
         self._ended(r)

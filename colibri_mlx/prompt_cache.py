@@ -10,6 +10,10 @@ server bounds its cache.
 
 A hit gives the same tokens as a miss: the rows a request reuses are the rows it would have
 computed (a decode row and a prefill row of the same token differ only by float rounding).
+An entry keeps its MTP layer's rows too (a request that drafted with ``mtp``), so a later turn
+drafts from the history it shares; the layer's row at the last shared position was made with
+the token that followed it then (speculation verifies drafts, so such a row costs acceptance
+only).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from .models.cache import LatentCache, capacity_for
 
 def copy_prefix(cache: LatentCache, length: int) -> LatentCache:
     """A new cache holding the first ``length`` rows of ``cache`` in buffers of its own (the
-    decode kernels write rows into their buffer in place, so entries never share one)."""
+    decode kernels write rows into their buffer in place, so entries never share one), and of
+    its MTP layer's cache (``mtp_cache``, speculative.MTPDraft) the rows it has of those."""
     if not 0 < length <= cache.offset:
         raise ValueError(f"copy_prefix: {length} rows asked of a cache holding {cache.offset}")
     out = LatentCache(len(cache.layers), cache.max_length)
@@ -38,7 +43,17 @@ def copy_prefix(cache: LatentCache, length: int) -> LatentCache:
         dst.length = length
     out.offset = length
     mx.eval([b for layer in out.layers for b in layer.buffers.values()])
+    mtp = getattr(cache, "mtp_cache", None)
+    if mtp is not None and mtp.offset > 0:
+        out.mtp_cache = copy_prefix(mtp, min(length, mtp.offset))
     return out
+
+
+def cache_bytes(cache: LatentCache) -> int:
+    """Bytes of ``cache``'s buffers as allocated (rows beyond the offset included), its MTP
+    layer's cache included."""
+    mtp = getattr(cache, "mtp_cache", None)
+    return cache.nbytes + (0 if mtp is None else mtp.nbytes)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -76,7 +91,7 @@ class PromptCache:
         key = tuple(int(t) for t in tokens)
         if cache.offset != len(key) or not key:
             raise ValueError(f"prompt cache: a cache of {cache.offset} rows for {len(key)} tokens")
-        size = cache.nbytes      # its buffers as allocated (rows beyond the offset included)
+        size = cache_bytes(cache)
         if self.max_entries == 0 or (self.max_bytes is not None and size > self.max_bytes):
             return False
         for other in list(self._entries):

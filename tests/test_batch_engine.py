@@ -619,3 +619,35 @@ def test_dsa_model_speculates_with_a_cache_per_sequence(tmp_path):
     finally:
         engine.shutdown()
     assert got == [alone(model, p, 12) for p in ps]
+
+
+def test_prompt_cache_keeps_the_mtp_rows(demo, monkeypatch):
+    """A request that drafted with the MTP layer leaves that layer's rows with its cache: the next
+    turn starts from both (the layer's rows of the shared history are not zeros) and gives the
+    tokens of a cold run."""
+    model, tok = demo
+    text = tok.encode("And God called the light Day, and the darkness he called Night. And the evening")
+    engine = BatchEngine(model, tok, stop_ids=(), draft="mtp")
+    fetched = []
+    real = engine.prompt_cache.fetch
+
+    def fetch(tokens):
+        cache, n = real(tokens)
+        mtp = getattr(cache, "mtp_cache", None)
+        # what the request starts from (the engine goes on to extend these caches)
+        fetched.append((n, None if mtp is None else (mtp.offset, np.array(mtp.layers[0].read("kv", mtp.offset)))))
+        return cache, n
+
+    monkeypatch.setattr(engine.prompt_cache, "fetch", fetch)
+    try:
+        reply = tokens(engine.submit(text, max_tokens=8))
+        follow = text + reply + [17]
+        h = engine.submit(follow, max_tokens=6)
+        got = tokens(h)
+    finally:
+        engine.shutdown()
+    n, (mtp_rows, rows) = fetched[-1]
+    assert n == h.cached_tokens == len(text) + len(reply) - 1
+    assert mtp_rows == n and rows.shape[1] == n
+    assert np.abs(rows).sum(axis=-1).min() > 0                  # every shared position has its row
+    assert got == alone(model, follow, 6)
