@@ -34,8 +34,9 @@ def test_bench_e2e_rows():
 
 def test_bench_serve_rows():
     out = run_script("scripts/bench/bench_serve.py", "--tiny", "--streams", "1,2", "--tokens", "3", "--prompt", "4",
-                     "--experts", "16", "--vocab", "4096", "--http")
-    for row in ("colibri BatchEngine", "colibri serve over HTTP", "mlx-lm BatchGenerator", "ours / mlx-lm decode: 1: "):
+                     "--experts", "16", "--vocab", "4096", "--http", "--drafts", "none,ngram")
+    for row in ("colibri BatchEngine", "colibri serve over HTTP", "mlx-lm BatchGenerator", "ours / mlx-lm decode: 1: ",
+                "--draft ngram (", "ngram / none decode: 1: "):
         assert row in out, out
 
 

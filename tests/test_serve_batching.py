@@ -143,5 +143,6 @@ def test_requests_naming_a_draft_speculate_in_the_batch(server, demo):
     assert got == [alone(demo, p, 10) for p in PROMPTS[:4]]
     assert engine.stats["verify_steps"] > before["verify_steps"]
     assert engine.stats["draft_accepted"] > before["draft_accepted"]
+    assert "% accepted" in server.log.getvalue()            # a speculating request's stats line
     with pytest.raises(openai.BadRequestError, match="'draft' must be one of"):
         c.completions.create(model="x", prompt=PROMPTS[0], max_tokens=2, extra_body={"draft": "medusa"})

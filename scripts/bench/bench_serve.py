@@ -7,10 +7,18 @@ and the official ``openai`` client (what users see).
     PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --http --out serve.json   # H200: the e2e model
     PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --tiny --http             # CPU smoke run
     PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --demo --http             # CPU: the demo model
+    PYTHONPATH=$PWD python3 scripts/bench/bench_serve.py --demo --drafts none,mtp,ngram --streams 1,2,4
 
 Model: the random DeepSeek-V3-shaped model of bench_e2e.py (4 layers: 1 dense + 3 MoE, 256
 experts top-8; ours container fmt 4 g64, mlx-lm affine 4-bit g64, bf16), or with ``--demo``
-the bundled demo model (ours only: mlx-lm cannot read its container).
+the bundled demo model (ours only: mlx-lm cannot read its container); its prompts are windows
+of a text (bench_speculative.py's summarisation prompt, each request's window starting one
+token later), random token ids otherwise.
+
+``--drafts none,mtp,ngram``: the rounds of ours once per draft kind (the engine's default
+draft for every request, BatchEngine's speculation inside the batch; ``mtp`` needs a model
+with an MTP layer: the demo), each with its own warm-up, and each kind's decode tok/s against
+the first kind's at every concurrency, with the drafts' acceptance.
 
 Method, per engine and concurrency c: c requests with distinct random prompts of ``--prompt``
 tokens are submitted at once, each asking for ``--tokens`` tokens (no stop tokens). A first
@@ -171,7 +179,7 @@ def http_round(url: str, prompts: list, n_tokens: int) -> dict:
     return summarize(submit, times)
 
 
-def run_http(model, vocab: int, streams: list, args) -> list:
+def run_http(model, vocab: int, streams: list, args, text=None) -> list:
     """The rounds of ``--http`` (module docstring): warm-up, then one measured round a concurrency."""
     import multiprocessing
 
@@ -187,9 +195,9 @@ def run_http(model, vocab: int, streams: list, args) -> list:
     try:
         with multiprocessing.get_context("spawn").Pool(1) as clients:
             for c in streams:
-                clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens))
+                clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, 100 + c, text), args.tokens))
             for c in streams:
-                r = clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, seed=c), args.tokens))
+                r = clients.apply(http_round, (server.url, make_prompts(c, args.prompt, vocab, c, text), args.tokens))
                 rows.append(r)
                 print(f"http {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
                       flush=True)
@@ -200,9 +208,35 @@ def run_http(model, vocab: int, streams: list, args) -> list:
     return rows
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> list:
+def make_prompts(n: int, length: int, vocab: int, seed: int, text: list | None = None) -> list:
+    """``n`` prompts of ``length`` tokens: random ids, or windows of ``text`` (token ids)."""
+    if text is not None:
+        start = seed % max(len(text) - length - n, 1)
+        return [text[start + i: start + i + length] for i in range(n)]
     rng = np.random.default_rng(seed)
     return [[int(v) for v in rng.integers(0, vocab, length)] for _ in range(n)]
+
+
+def ours_rounds(ours, streams: list, args, vocab: int, text, draft: str) -> tuple[list, dict]:
+    """Warm-up and measured rounds of one BatchEngine (``draft``: every request's default)."""
+    from colibri_mlx.batch_engine import BatchEngine
+
+    engine = BatchEngine(ours, None, decode_concurrency=max(streams), stop_ids=(), prompt_cache_entries=0,
+                         draft=draft)
+    rows = []
+    try:
+        for c in streams:            # warm-up round: every row count's kernels built once
+            run_ours(engine, make_prompts(c, args.prompt, vocab, 100 + c, text), args.tokens)
+        before = dict(engine.stats)
+        for c in streams:
+            r = run_ours(engine, make_prompts(c, args.prompt, vocab, c, text), args.tokens)
+            rows.append(r)
+            print(f"ours {draft:5s} {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
+                  flush=True)
+    finally:
+        engine.shutdown(timeout=10)
+    stats = {k: v - before.get(k, 0) for k, v in engine.stats.items()} if rows else dict(engine.stats)
+    return rows, stats
 
 
 def table(rows: list, name: str) -> str:
@@ -225,58 +259,59 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--drafts", default="none", help="draft kinds of ours' rounds, compared with the first")
     ap.add_argument("--http", action="store_true", help="also through the HTTP server and the openai client")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
+    drafts = args.drafts.split(",")
     from colibri_mlx import kernels
-    from colibri_mlx.batch_engine import BatchEngine
 
     res = {"backend": kernels.backend(), "tokens": args.tokens, "prompt": args.prompt, "streams": streams}
     t0 = time.perf_counter()
     if args.demo:
         import colibri_mlx
 
-        ours, _ = colibri_mlx.load()
+        from bench_speculative import SUMMARY_PROMPT
+
+        ours, tokenizer = colibri_mlx.load()
         cfg = None
         vocab = ours.args.vocab_size
+        text = tokenizer.encode(SUMMARY_PROMPT * 4)
         res["model"] = "demo"
     else:
         cfg = bench_e2e.model_config(args)
         ours = bench_e2e.our_model(cfg)
         vocab = cfg["vocab_size"]
+        text = None
         res["model"] = {k: cfg[k] for k in ("num_hidden_layers", "n_routed_experts", "hidden_size", "vocab_size")}
-    engine = BatchEngine(ours, None, decode_concurrency=max(streams), stop_ids=(), prompt_cache_entries=0)
-    res["ours"] = []
-    try:
-        for c in streams:            # warm-up round: every row count's kernels built once
-            run_ours(engine, make_prompts(c, args.prompt, vocab, seed=100 + c), args.tokens)
-        for c in streams:
-            r = run_ours(engine, make_prompts(c, args.prompt, vocab, seed=c), args.tokens)
-            res["ours"].append(r)
-            print(f"ours {c:3d} streams: {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
-                  flush=True)
-    except Exception as e:  # noqa: BLE001 (mlx-lm's rows still run)
-        res["ours_error"] = repr(e)
-        print(f"ours FAILED: {e!r}", flush=True)
-    engine.shutdown(timeout=10)
-    res["ours_engine_stats"] = dict(engine.stats)
+    res["ours"], res["drafts"] = [], {}
+    for draft in drafts:
+        try:
+            rows, stats = ours_rounds(ours, streams, args, vocab, text, draft)
+        except Exception as e:  # noqa: BLE001 (mlx-lm's rows still run)
+            res["ours_error"] = repr(e)
+            print(f"ours FAILED: {e!r}", flush=True)
+            break
+        res["drafts"][draft] = {"rows": rows, "engine_stats": stats}
+        if draft == drafts[0]:
+            res["ours"], res["ours_engine_stats"] = rows, stats
     res["counters"] = kernels.dispatch.counters()
     pooled = {k: v for k, v in res["counters"]["calls"].items() if k.startswith(("batch_decode", "compiled"))}
-    print(f"ours engine: {res['ours_engine_stats']}; {pooled}; fallbacks: {res['counters']['fallbacks'] or 'none'}",
+    print(f"ours engine: {res.get('ours_engine_stats')}; {pooled}; fallbacks: {res['counters']['fallbacks'] or 'none'}",
           flush=True)
     print(f"[ours: {time.perf_counter() - t0:.0f} s]", flush=True)
     if args.http:
         t0 = time.perf_counter()
         try:
-            res["http"] = run_http(ours, vocab, streams, args)
+            res["http"] = run_http(ours, vocab, streams, args, text)
         except Exception as e:  # noqa: BLE001 (the other rows still run)
             res["http_error"] = repr(e)
             print(f"http FAILED: {e!r}", flush=True)
         print(f"[http: {time.perf_counter() - t0:.0f} s]", flush=True)
     if args.out:                  # ours kept even if mlx-lm's rows fail
         Path(args.out).write_text(json.dumps(res, indent=1))
-    del ours, engine
+    del ours
     kernels.moe.clear_banks()
     mx.clear_cache()
 
@@ -305,6 +340,15 @@ def main():
         print(table(res["mlx_lm"], "mlx-lm BatchGenerator"))
         print("ours / mlx-lm decode: " + ", ".join(
             f"{o['streams']}: {o['decode_tok_s'] / m['decode_tok_s']:.2f}" for o, m in zip(res["ours"], res["mlx_lm"])))
+    for draft in drafts[1:]:
+        if draft not in res["drafts"]:
+            continue
+        got, st = res["drafts"][draft]["rows"], res["drafts"][draft]["engine_stats"]
+        accepted = st["draft_accepted"] / max(st["draft_proposed"], 1)
+        print(table(got, f"colibri BatchEngine, --draft {draft} ({100 * accepted:.0f}% of "
+                         f"{st['draft_proposed']} drafts kept, {st['verify_steps']} verify steps)"))
+        print(f"{draft} / {drafts[0]} decode: " + ", ".join(
+            f"{o['streams']}: {o['decode_tok_s'] / b['decode_tok_s']:.2f}" for o, b in zip(got, res["ours"])))
     if res["ours"]:
         one = {r["streams"]: r["decode_tok_s"] for r in res["ours"]}
         if 1 in one and 8 in one:
