@@ -18,7 +18,7 @@ import pytest
 
 from helpers_tiny import CONFIG, GLM, write_tiny_container
 
-from colibri_mlx import speculative
+from colibri_mlx import kernels, speculative
 from colibri_mlx.generate import SamplingParams, generate_tokens
 from colibri_mlx.models.deepseek_v3 import rms_norm
 from colibri_mlx.models.loading import load_model
@@ -573,6 +573,35 @@ def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkey
     stats = got[-1][1]
     assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats   # drafts kept and rejected
     assert {"qgemv", "moe_gate_up"} <= set(launched), set(launched)
+
+
+@pytest.mark.msl
+def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch):
+    """The batching engine's verify steps with every hot-path launch in the MSL simulator: a
+    pooled verify step of ragged rows (n-gram drafts from repeats, kept and rejected; MTP drafts
+    from the layer on the kernels; a plain request) keeps each request's greedy output its
+    single-row output alone."""
+    from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
+
+    from colibri_mlx.batch_engine import BatchEngine
+
+    simulator = simulator_or_skip()
+    model = models["v3"]
+    asks = [(PROMPTS[1], 10, "ngram"), (PROMPTS[2], 6, "mtp"), ([3, 1, 4, 1, 5], 5, "none")]
+    want = [tokens_of(model, p, n, draft="none") for p, n, _ in asks]
+    launched = route_launches_to_simulator(monkeypatch, simulator)
+    pooled = kernels.dispatch.counters()["calls"].get("batch_decode/pooled verify", 0)
+    engine = BatchEngine(model, None, stop_ids=())
+    try:
+        handles = engine.submit_all([dict(prompt_ids=p, max_tokens=n, draft=d, num_draft=2) for p, n, d in asks])
+        got = [[e.token for e in h] for h in handles]
+        stats = dict(engine.stats)
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
+    assert kernels.dispatch.counters()["calls"]["batch_decode/pooled verify"] > pooled
+    assert {"qgemv", "moe_gate_up"} <= set(launched) and any(k.startswith("mla_attn") for k in launched), set(launched)
 
 
 @pytest.mark.slow
