@@ -248,18 +248,20 @@ class DecodeBatch:
 
     def _pool_verify(self, ids: mx.array, counts: Sequence[int]) -> mx.array:
         model = self.model
-        slots = [i for i, m in enumerate(counts) for _ in range(m)]
         positions = [self.lengths[i] + j for i, m in enumerate(counts) for j in range(m)]
         end = max(positions) + 1
         if end > model.max_length:
             raise ValueError(f"context of {end} tokens exceeds max_position_embeddings={model.max_length}")
         self._reserve(len(counts), end)
         kernels.dispatch.record_call("batch_decode", "pooled verify")
-        R = len(slots)
-        slots, positions = mx.array(slots, dtype=mx.int32), mx.array(positions, dtype=mx.int32)
+        R, m = len(positions), max(counts)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        order = mx.array([[a + min(j, c - 1) for j in range(m)] for a, c in zip(starts, counts)], dtype=mx.int32)
+        back = mx.array([i * m + j for i, c in enumerate(counts) for j in range(c)], dtype=mx.int32)
+        positions = mx.array(positions, dtype=mx.int32)
         x = embedding_rows(model.embed_tokens, ids.reshape(R, 1).astype(mx.int32)).astype(model.dtype)
         for layer, block, buffers in zip(model.layers, _pooled_blocks(model, "pooled_verify"), self.buffers):
-            x, buffers[CACHE_STREAM] = block(x, positions, buffers[CACHE_STREAM], slots,
+            x, buffers[CACHE_STREAM] = block(x, positions, buffers[CACHE_STREAM], order, back,
                                              static=layer.mlp.host_reason(x[: ROW_GROUP]))
         self.lengths = [t + m for t, m in zip(self.lengths, counts)]
         return x[:, 0]
@@ -285,7 +287,7 @@ class DecodeBatch:
 
 
 def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array,
-                 slots: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                 order: mx.array | None = None, back: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """One decoder layer over ``n`` pooled sequences (:class:`DecodeBatch`): ``x [n, 1, D]``,
     ``positions [n]`` (each new row's position and cache slot), ``buf [slots, capacity, W]``.
     Returns the layer's output and the buffer with the new rows. Attention reads the whole
@@ -293,19 +295,33 @@ def pooled_layer(layer, x: mx.array, positions: mx.array, buf: mx.array,
     rows), so the graph's shapes change only when the pool grows: compiled on GPUs, one trace
     per batch size and pool shape.
 
-    ``slots [n]`` (a verify step, several rows a sequence): row ``i`` belongs to slot
-    ``slots[i]``. Every row is written before any is attended, so a row sees the rows of its
-    sequence before it in this step; attention reads each row's slot (a copy of the slot's
-    rows per row)."""
+    A verify step (several rows a sequence, :meth:`DecodeBatch.verify`): ``order [S, m]`` holds
+    the rows of slot ``s`` in ``order[s]`` (m the most rows a sequence has; a shorter one repeats
+    its last row), ``back [n]`` each row's place ``s * m + j`` in it. Every row is written before
+    any is attended, so a row sees the rows of its sequence before it in this step; attention
+    runs once over the first ``S`` slots with ``m`` query rows each (mla_decode's rows of a
+    sequence under the mask), and ``back`` takes the rows' outputs from it."""
     n = x.shape[0]
     attn = layer.self_attn
     groups = row_groups(n)
     parts = [layer._decode_in(x[a:b], positions[a:b]) for a, b in groups]   # q_rope left unrotated
     q_nope, q_rope, kv = (p[0] if len(p) == 1 else mx.concatenate(p) for p in zip(*parts))
     q_rope = attn.rope.apply_fast(q_rope, positions)
-    buf[mx.arange(n) if slots is None else slots, positions] = kv[:, 0].astype(buf.dtype)
-    mask = (mx.arange(buf.shape[1], dtype=mx.int32)[None] <= positions[:, None])[:, None, None]
-    core = attn.attend(q_nope, q_rope, buf[:n] if slots is None else buf[slots], mask)   # [n, H * v]
+    keys = mx.arange(buf.shape[1], dtype=mx.int32)
+    if order is None:
+        buf[mx.arange(n), positions] = kv[:, 0].astype(buf.dtype)
+        mask = (keys[None] <= positions[:, None])[:, None, None]
+        core = attn.attend(q_nope, q_rope, buf[:n], mask)                     # [n, H * v]
+    else:
+        S, m = order.shape
+        buf[back // m, positions] = kv[:, 0].astype(buf.dtype)
+        rows = order.reshape(-1)
+
+        def by_sequence(q):       # [n, H, 1, d] -> [S, H, m, d]
+            return q[rows].reshape(S, m, *q.shape[1:2], q.shape[-1]).transpose(0, 2, 1, 3)
+
+        mask = (keys[None, None] <= positions[order][..., None])[:, None]     # [S, 1, m, capacity]
+        core = attn.attend(by_sequence(q_nope), by_sequence(q_rope), buf[:S], mask)[back]
     out = [layer._decode_out(x[a:b], core[a:b]) for a, b in groups]
     return (out[0] if len(out) == 1 else mx.concatenate(out)), buf
 
