@@ -575,6 +575,30 @@ def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkey
     assert {"qgemv", "moe_gate_up"} <= set(launched), set(launched)
 
 
+@pytest.mark.parametrize("name", ["v3", "glm"])
+def test_batch_engine_greedy_identity(models, oracle_drafts, name):
+    """The batching engine's verify steps on models with an MTP layer, the DSA one included
+    (one cache per sequence, its indexer keys rolled back, past index_topk): MTP drafts (the
+    oracle's for the first request: kept and rejected at every depth), n-gram drafts and a plain
+    request decode together, each with its tokens alone."""
+    from colibri_mlx.batch_engine import BatchEngine
+
+    model = models[name]
+    asks = [(PROMPTS[3], 24, "mtp", 3), (PROMPTS[1], 20, "ngram", 2), (PROMPTS[2], 12, "none", 1)]
+    want = [tokens_of(model, p, n, draft="none") for p, n, _, _ in asks]
+    oracle_drafts(asks[0][0], want[0], seed=7)
+    engine = BatchEngine(model, None, stop_ids=())
+    try:
+        handles = engine.submit_all([dict(prompt_ids=p, max_tokens=n, draft=d, num_draft=k) for p, n, d, k in asks])
+        got = [[e.token for e in h] for h in handles]
+        stats = [h.stats for h in handles]
+    finally:
+        engine.shutdown()
+    assert got == want
+    assert 0 < stats[0]["draft_accepted"] < stats[0]["draft_proposed"], stats[0]
+    assert stats[1]["draft_accepted"] > 0, stats[1]
+
+
 @pytest.mark.msl
 def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch):
     """The batching engine's verify steps with every hot-path launch in the MSL simulator: a
