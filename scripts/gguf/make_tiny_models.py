@@ -1,6 +1,7 @@
 """Tiny deepseek2 GGUF models, made by llama.cpp itself, for tests/test_gguf_model.py.
 
-    PYTHONPATH=$PWD python scripts/gguf/make_tiny_models.py [--llama-cpp DIR] [--out tests/data/gguf]
+    PYTHONPATH=$PWD python scripts/gguf/make_tiny_models.py [--llama-cpp DIR] [--llama-imatrix PATH]
+        [--out tests/data/gguf]
 
 1. A tiny random DeepSeek-V3 Hugging Face checkpoint (numpy weights, safetensors), a byte-level
    BPE tokenizer with DeepSeek-V3's pre-tokenizer, and a chat template.
@@ -10,10 +11,17 @@
    tokenizer matches no known hash, so its ``get_vocab_base_pre`` is mapped to "deepseek-v3"
    (the pre-tokenizer the tokenizer does use): the one line this script changes.
 3. ``llama_cpp.llama_model_quantize`` quantizes the F32 file to Q4_K_M and IQ2_XXS (llama.cpp's
-   own mixes: IQ2_XXS on the routed experts, K-quants elsewhere). IQ2_XXS needs an importance
-   matrix; llama-cpp-python has no binding for llama.cpp's imatrix tool, so a uniform one is
-   given (every column weight 1: what llama.cpp's quantizer assumes for a column it has no
-   statistics for).
+   own mixes; IQ2_XXS's: IQ2_XXS on the attention and expert matrices, IQ4_NL on rows of 32 and
+   64, Q5_K output, Q2_K embeddings). IQ2_XXS needs an importance matrix: llama.cpp's imatrix
+   tool (``llama-imatrix``, built from the same vendored tree; CPU, one thread) runs the F32
+   file over ``CALIBRATION`` (twelve English sentences: 12 chunks of 64 tokens) and writes a
+   GGUF imatrix: ``<tensor>.in_sum2``, the sums of squared activations per input column (a row
+   per expert for the stacked expert tensors), and ``<tensor>.counts``, the tokens each row
+   saw. It is read as ``llama-quantize --imatrix`` reads it (in_sum2 / counts row by row; 1 for
+   an expert no token reached) and given to the quantizer with llama-quantize's
+   ``quantize.imatrix.*`` metadata: the file is what ``llama-quantize --imatrix`` writes, byte
+   for byte. The imatrix is kept beside the fixtures as ``tiny-iq2_xxs.imatrix.gguf``. Q4_K_M
+   is quantized without one.
 4. llama.cpp's logits on a fixed prompt (every position, CPU, F32 KV cache) are saved beside each
    file as ``<name>.llama_logits.npy`` with the prompt in ``prompt.json``, and llama.cpp's own
    tokenization of a probe text (the tokenizer's oracle).
@@ -31,6 +39,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,6 +47,9 @@ import tempfile
 import numpy as np
 
 DEFAULT_LLAMA_CPP = "/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"
+# llama.cpp's imatrix tool built from that tree:
+#   cmake -S DIR -B /work/llama/build -DLLAMA_CURL=OFF && cmake --build /work/llama/build --target llama-imatrix
+DEFAULT_LLAMA_IMATRIX = "/work/llama/build/bin/llama-imatrix"
 PROMPT = "The quick brown fox jumps over the lazy dog. 123 + 456"
 # Text llama.cpp's own tokenizer splits (digits, CJK, punctuation runs, spaces, newlines): its ids
 # are saved for the tokenizer built from the GGUF metadata to match.
@@ -67,6 +79,7 @@ SHAPES["glm"] = dict(SHAPES["float"], architectures=["GlmMoeDsaForCausalLM"], mo
 GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<|user|>", "<|observation|>"]   # what llama.cpp's GLM vocab looks up
 # llama_ftype values (llama.h)
 FTYPES = {"Q4_K_M": 15, "IQ2_XXS": 19}
+NEEDS_IMATRIX = ("IQ2_XXS",)   # its mix has tensors llama.cpp refuses to quantize without one
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -79,6 +92,23 @@ DEEPSEEK_V3_SPLITS = [
 ]
 TRAINING_TEXT = ("the quick brown fox jumps over the lazy dog and the dog sleeps while the fox runs away. "
                  "numbers 123 456 789 and words like model, weight, expert, router, latent attention.") * 4
+# The importance matrix's calibration text: it tokenizes to 769 tokens (BOS first), IMATRIX_CHUNKS
+# chunks of IMATRIX_CTX tokens for llama-imatrix.
+CALIBRATION = "\n".join([
+    "The quick brown fox jumps over the lazy dog, and the dog sleeps while the fox runs away.",
+    "A model reads a prompt one token at a time; each layer mixes what it has read so far.",
+    "The router sends every token to two experts out of four, and a shared expert sees them all.",
+    "Latent attention keeps a small compressed cache: keys and values are rebuilt from it.",
+    "Numbers such as 123, 456 and 7890 are split into groups of at most three digits.",
+    "On Monday the weather was cold and grey; by Friday the sun had come back to the hills.",
+    "She asked whether the train would leave at 9:15 or at 10:30, and nobody knew the answer.",
+    "Weights are stored in blocks of 256 values, each with its own scale and a few bits per weight.",
+    "The experts learn different things: one likes punctuation, another likes words, a third digits.",
+    "When the river rose, the farmers moved their sheep to the high field above the old mill.",
+    "Please write a short story about a robot who learns to bake bread in a small village.",
+    "the fox runs, the dog sleeps, the model weighs every expert and the router picks two.",
+])
+IMATRIX_CTX, IMATRIX_CHUNKS = 64, 12
 
 
 def hf_shapes(config: dict) -> dict[str, tuple]:
@@ -188,31 +218,95 @@ def convert(llama_cpp: str, hf_dir: str, out: str, outtype: str, pre: str = "dee
     subprocess.run([sys.executable, "-c", code], check=True, env=env, stdout=subprocess.DEVNULL)
 
 
-def quantize(src: str, out: str, ftype: str) -> None:
+def compute_imatrix(llama_imatrix: str, model: str, workdir: str) -> str:
+    """llama.cpp's imatrix tool on ``model`` over ``CALIBRATION`` (IMATRIX_CHUNKS chunks of
+    IMATRIX_CTX tokens, one sequence a batch, CPU, one thread); returns the GGUF imatrix file it
+    wrote. It runs in ``workdir`` so the dataset it records is the text's bare file name."""
+    with open(os.path.join(workdir, "calibration.txt"), "w") as f:
+        f.write(CALIBRATION)
+    out = os.path.join(workdir, "imatrix.gguf")
+    cmd = [llama_imatrix, "-m", model, "-f", "calibration.txt", "-o", out, "-c", str(IMATRIX_CTX),
+           "-b", str(IMATRIX_CTX), "--chunks", str(IMATRIX_CHUNKS), "-ngl", "0", "-t", "1", "--no-ppl",
+           "--output-format", "gguf"]
+    run = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    if run.returncode != 0 or not os.path.exists(out):
+        raise SystemExit(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
+    chunks = read_imatrix(out)[1]["chunks"]
+    if chunks != IMATRIX_CHUNKS:
+        raise SystemExit(f"llama-imatrix used {chunks} chunks of the calibration text, not {IMATRIX_CHUNKS}")
+    return out
+
+
+def read_imatrix(path: str) -> tuple[dict[str, np.ndarray], dict]:
+    """An imatrix GGUF as ``llama-quantize --imatrix`` reads it (tools/quantize/quantize.cpp's
+    load_imatrix): for each tensor, ``<name>.in_sum2`` (ne0 x n_mat floats, n_mat the experts of a
+    stacked tensor, else 1) divided row by row by ``<name>.counts`` (n_mat floats, rounded to
+    integers), in float32; a row no token reached weighs every column 1. Returns ``{name: the
+    flat float32 values}`` and the metadata llama-quantize records."""
     import gguf
+
+    reader = gguf.GGUFReader(path)
+    sums, counts = {}, {}
+    for t in reader.tensors:
+        if t.name.endswith(".in_sum2"):
+            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, np.float32).reshape(-1)
+        elif t.name.endswith(".counts"):
+            # stored as floats, read back with std::lround (the counts are whole numbers)
+            counts[t.name[:-len(".counts")]] = np.floor(np.asarray(t.data, np.float64).reshape(-1) + 0.5)
+    assert sums.keys() == counts.keys(), "in_sum2 and counts tensors do not pair up"
+    values = {}
+    for name in sorted(sums):
+        c = counts[name].astype(np.float32)
+        rows = sums[name].reshape(len(c), -1)
+        v = np.ones_like(rows)
+        v[c > 0] = rows[c > 0] / c[c > 0, None]   # float32, as load_imatrix divides
+        values[name] = v.reshape(-1)
+    field = reader.fields
+    meta = {"dataset": field["imatrix.datasets"].contents()[0],
+            "chunks": int(field["imatrix.chunk_count"].contents())}
+    return values, meta
+
+
+def kv_overrides(llama_cpp, items: list[tuple[str, object]]):
+    """A ``llama_model_kv_override`` array (string or integer values) ending in an empty key."""
+    array = (llama_cpp.llama_model_kv_override * (len(items) + 1))()
+    for kv, (key, value) in zip(array, items):
+        kv.key = key.encode()
+        if isinstance(value, str):
+            kv.tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR
+            kv.value.val_str = value.encode()[:127]
+        else:
+            kv.tag = llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT
+            kv.value.val_i64 = value
+    return array
+
+
+def quantize(src: str, out: str, ftype: str, imatrix: str | None = None) -> None:
+    """llama.cpp's quantizer; with ``imatrix`` (a GGUF imatrix file, kept as ``<out>.imatrix.gguf``)
+    it is given as llama-quantize gives it: the values and the ``quantize.imatrix.*`` metadata."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[ftype]
     params.nthread = 1
-    keep = []
-    if ftype.startswith("IQ"):
-        entries = []
-        for t in gguf.GGUFReader(src).tensors:
-            if len(t.shape) < 2:
-                continue
-            n = int(t.shape[0]) * (int(t.shape[2]) if len(t.shape) == 3 else 1)   # ne0 per expert
-            data = np.ones(n, np.float32)
-            keep.append(data)
-            entries.append(llama_cpp.llama_model_imatrix_data(t.name.encode(), data.ctypes.data_as(
-                ctypes.POINTER(ctypes.c_float)), n))
+    if imatrix is not None:   # the arrays stay referenced (locals) until llama_model_quantize returns
+        values, meta = read_imatrix(imatrix)
+        entries = [llama_cpp.llama_model_imatrix_data(name.encode(), data.ctypes.data_as(
+            ctypes.POINTER(ctypes.c_float)), data.size) for name, data in values.items()]
         entries.append(llama_cpp.llama_model_imatrix_data(None, None, 0))
         array = (llama_cpp.llama_model_imatrix_data * len(entries))(*entries)
-        keep.append(array)
         params.imatrix = ctypes.cast(array, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        kvs = kv_overrides(llama_cpp, [
+            ("quantize.imatrix.file", os.path.basename(out)[:-len(".gguf")] + ".imatrix.gguf"),
+            ("quantize.imatrix.dataset", meta["dataset"]),
+            ("quantize.imatrix.entries_count", len(values)),
+            ("quantize.imatrix.chunks_count", meta["chunks"])])
+        params.kv_overrides = ctypes.cast(kvs, ctypes.POINTER(llama_cpp.llama_model_kv_override))
     rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), ctypes.byref(params))
     if rc != 0:
         raise SystemExit(f"llama_model_quantize {src} -> {ftype} failed ({rc})")
+    if imatrix is not None:
+        shutil.copyfile(imatrix, out[:-len(".gguf")] + ".imatrix.gguf")
 
 
 def llama_logits(path: str, ids: list[int]) -> np.ndarray:
@@ -230,6 +324,8 @@ def llama_logits(path: str, ids: list[int]) -> np.ndarray:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", default=DEFAULT_LLAMA_CPP, help="llama.cpp source tree (convert_hf_to_gguf.py)")
+    parser.add_argument("--llama-imatrix", default=DEFAULT_LLAMA_IMATRIX,
+                        help="llama.cpp's imatrix tool (llama-imatrix), built from that tree")
     parser.add_argument("--out", default="tests/data/gguf")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -250,9 +346,10 @@ def main():
             else:
                 f32 = os.path.join(tmp, "quant-f32.gguf")
                 convert(args.llama_cpp, hf, f32, "f32")
+                imatrix = compute_imatrix(args.llama_imatrix, f32, tmp)
                 for ftype in FTYPES:
                     out = os.path.join(args.out, f"tiny-{ftype.lower()}.gguf")
-                    quantize(f32, out, ftype)
+                    quantize(f32, out, ftype, imatrix if ftype in NEEDS_IMATRIX else None)
                     made.append(out)
         from tokenizers import Tokenizer
 
