@@ -26,7 +26,7 @@
    file as ``<name>.llama_logits.npy`` with the prompt in ``prompt.json``, and llama.cpp's own
    tokenization of a probe text (the tokenizer's oracle).
 
-Three shapes, small enough that every file together stays under 2 MB: ``float`` (hidden 32, a
+Three shapes, small enough that every file together stays near 2 MB (1.93 MiB with the imatrix): ``float`` (hidden 32, a
 leading dense layer and a MoE layer, tied embeddings: no ``output`` tensor), ``quant`` (one MoE
 layer; hidden, intermediate, q_lora and kv_lora 256: llama.cpp writes K- and IQ-quants only for
 rows that are a multiple of 256) and ``glm`` (GLM-5, ``glm-dsa``: ``float`` with the DSA indexer
