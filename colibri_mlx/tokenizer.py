@@ -9,6 +9,7 @@ import json
 import os
 import re
 import threading
+import time
 from datetime import datetime
 from typing import Iterable
 
@@ -110,6 +111,7 @@ class Tokenizer:
             extra["tools"] = tools
         _render_state.left, _render_state.iterations = RENDER_BUDGET, RENDER_ITERATIONS
         _render_state.max_chars = RENDER_BUDGET + 2 * _content_chars(messages)
+        _render_state.deadline = time.monotonic() + RENDER_SECONDS
         try:
             parts, size = [], 0
             for part in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -178,6 +180,10 @@ class StreamingDetokenizer:
 # (padding to a width of 10**9, a string doubled in a loop, the output).
 RENDER_BUDGET = 10_000_000
 RENDER_ITERATIONS = 1_000_000
+# What one render may last: a loop of operations that build nothing but each scan a long string
+# (``x|upper``, ``'a' in x`` over a string of the longest size) costs time the budgets above do
+# not see; every loop iteration and output chunk checks the clock (a render takes milliseconds).
+RENDER_SECONDS = 10.0
 _render_state = threading.local()
 
 
@@ -189,6 +195,14 @@ def _iterate(n: int) -> None:
     if left < 0:
         raise SecurityError(f"the template runs more than {RENDER_ITERATIONS} loop iterations in one render "
                             "(a runaway loop?)")
+    _check_deadline()
+
+
+def _check_deadline() -> None:
+    from jinja2.exceptions import SecurityError
+
+    if time.monotonic() > getattr(_render_state, "deadline", float("inf")):
+        raise SecurityError(f"the template runs for more than {RENDER_SECONDS:g} s in one render (a runaway loop?)")
 
 
 def _spend(n: int) -> None:
@@ -357,12 +371,19 @@ def _budgeted_iter(iterable):
     except TypeError:
         return _charged(iterable)
     _iterate(n)
-    return iterable
+    return _timed(iterable)
 
 
 def _charged(iterable):
     for item in iterable:
         _iterate(1)
+        yield item
+
+
+def _timed(iterable):
+    """The items of a loop charged before it started, each checking the render's deadline."""
+    for item in iterable:
+        _check_deadline()
         yield item
 
 
@@ -510,6 +531,7 @@ def _budgeted_filter(name: str, f):
     guard, wrap = _FILTER_GUARDS.get(name), _FILTER_WRAPPERS.get(name)
 
     def run(first, value, args, kwargs):  # first: () or (the context, eval context or environment,)
+        _check_deadline()
         if name in _WIDTH_FILTERS:
             _check_widths(args, kwargs)
         elif name == "format":
@@ -618,6 +640,7 @@ def _compile_cached(source: str, origin: str):
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's signature)
             s, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            _check_deadline()
             if isinstance(s, str):
                 given = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}  # jinja2's own
                 if name in _WIDTH_METHODS:

@@ -735,6 +735,26 @@ def test_template_bomb_is_refused_before_it_is_built(monkeypatch, case):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("loop", ["{% set y = x|upper %}", "{% if 'q' in x %}{% endif %}", "{% set y = x.split('b') %}"],
+                         ids=["upper", "in", "split"])
+def test_a_loop_scanning_a_long_string_is_cut_by_the_render_deadline(monkeypatch, loop):
+    """Operations that build nothing new but scan a long string, looped (1 ms an iteration over
+    a 1M-character string: minutes at the loop budget): the render stops at its deadline."""
+    from colibri_mlx import tokenizer as tk
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    monkeypatch.setattr(tk, "RENDER_SECONDS", 0.5)
+    text = "{% set x = messages[0]['content'] %}{% for i in range(N) %}" + loop + "{% endfor %}ok"
+    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {},
+                       text.replace("N", "900000"))
+    t0 = time.perf_counter()
+    with pytest.raises(tk.TokenizerError, match="runs for more than 0.5 s"):
+        tok.apply_chat_template([{"role": "user", "content": "a" * 1_000_000}])
+    assert time.perf_counter() - t0 < 3
+    tok.chat_template = text.replace("N", "1000")                    # a short loop renders
+    assert tok.apply_chat_template([{"role": "user", "content": "a" * 1000}]) == "ok"
+
+
 def test_pprint_of_a_big_list_is_refused_before_it_runs():
     """pprint (1 µs an element, more when nested): its elements are charged as loop iterations."""
     from tokenizers import Tokenizer as HFTokenizer, models
