@@ -651,3 +651,36 @@ def test_prompt_cache_keeps_the_mtp_rows(demo, monkeypatch):
     assert mtp_rows == n and rows.shape[1] == n
     assert np.abs(rows).sum(axis=-1).min() > 0                  # every shared position has its row
     assert got == alone(model, follow, 6)
+
+
+def test_speculating_requests_cancel_and_faults(demo, monkeypatch):
+    """A verify step that fails reaches the requests in it and the engine goes on; a speculating
+    request cancelled mid-run ends without a finish_reason while the others keep their tokens."""
+    model, tok = demo
+    p, q = prompts(6, 8, seed=24)
+    engine = BatchEngine(model, tok, stop_ids=(), draft="ngram")
+    faults = {"verify": 1}
+    real = DecodeBatch.verify
+
+    def verify(self, ids, counts):
+        if faults["verify"]:
+            faults["verify"] -= 1
+            raise RuntimeError("verify fault")
+        return real(self, ids, counts)
+
+    monkeypatch.setattr(DecodeBatch, "verify", verify)
+    try:
+        with pytest.raises(RuntimeError, match="verify fault"):
+            list(engine.submit(p, max_tokens=5))
+        long = engine.submit(p, max_tokens=300, draft="mtp")
+        other = engine.submit(q, max_tokens=6, draft="mtp", num_draft=2)
+        it = iter(long)
+        next(it)
+        next(it)
+        long.cancel()
+        rest = list(it)
+        assert all(e.finish_reason is None for e in rest) and len(rest) < 100
+        assert tokens(other) == alone(model, q, 6)
+        assert engine.stats["verify_steps"] > 0
+    finally:
+        engine.shutdown()
