@@ -8,8 +8,9 @@ grow with the batch. :func:`decode_rows` steps sequences that each keep their ow
 
 Rows run in groups of at most :data:`ROW_GROUP` (the GEMV and MoE kernels' decode rows: every
 projection reads its weights once per group, and ``moe_block`` groups the rows by expert). A
-model with a DSA indexer (selection over each cache) or a single sequence goes through the
-model's own forward pass per sequence; :func:`batch_reason` says why, and it is counted.
+model with a DSA indexer runs its projections and MoE the same way, and each sequence's indexer
+selects over that sequence's cache. A single sequence goes through the model's own forward pass;
+:func:`batch_reason` says why, and it is counted.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ def batch_reason(model, caches: Sequence[LatentCache]) -> str | None:
     """Why these sequences do not take the batched step (each then runs the model alone), or None."""
     if len(caches) < 2:
         return "one sequence (the model's own decode step)"
-    if model.args.dsa:
-        return "DSA indexer selects over each cache"
     if getattr(model, "pipeline", None) is not None or len(model.layers) != model.args.num_hidden_layers:
         return "pipeline stage holds a part of the layers"
     for c in caches:
@@ -64,13 +63,21 @@ def _group(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.ar
     starts = [c.offset for c in caches]
     offsets = mx.array(starts, dtype=mx.int32)           # each row's position (mx.fast.rope per row)
     x = embedding_rows(model.embed_tokens, mx.array([[int(t)] for t in tokens], dtype=mx.int32)).astype(model.dtype)
+    cos = sin = None
+    if model.args.dsa:                                   # the indexer rotates with cos/sin
+        cos, sin = model.rope.cos_sin(offsets[:, None])
+    selections = [None] * n                              # each sequence's DSA selection (shared layers reuse it)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        q_nope, q_rope, kv, _ = attn.rows(stream_norm(x, layer.input_norm, layer.eps), rope_offset=offsets)
+        normed = stream_norm(x, layer.input_norm, layer.eps)
+        q_nope, q_rope, kv, q_latent = attn.rows(normed, rope_offset=offsets)
         cores = []
         for b, (cache, start) in enumerate(zip(caches, starts)):
             seen = attn.cached(kv[b: b + 1], cache.layers[i], start)        # [1, start + 1, R + rope]
-            cores.append(attn.attend(q_nope[b: b + 1], q_rope[b: b + 1], seen, None))
+            if attn.indexer is not None:
+                selections[b] = attn.indexer.select(normed[b: b + 1], q_latent[b: b + 1].reshape(1, 1, -1),
+                                                    cos[b: b + 1], sin[b: b + 1], None, cache.layers[i], start)
+            cores.append(attn.attend(q_nope[b: b + 1], q_rope[b: b + 1], seen, selections[b]))
         core = cores[0] if n == 1 else mx.concatenate(cores)               # [n, H * v]
         x = attn.output(core, x.reshape(n, D)).reshape(n, 1, D)
         x = layer._feed_forward(x)
@@ -99,8 +106,9 @@ class DecodeBatch:
     :class:`LatentCache`) and the last slot moves into its place. A lone sequence runs in its
     own cache through the model's single-sequence decode step (compiled on GPUs).
 
-    Separate (:func:`batch_reason` of the model declines pooling: DSA selection): one cache per
-    sequence and :func:`decode_rows`.
+    Separate (:func:`model_batch_reason` declines pooling: DSA selection): one cache per
+    sequence and :func:`decode_rows` (the projections and the MoE over the rows together, each
+    sequence's indexer and attention over its own cache).
     """
 
     def __init__(self, model):
