@@ -454,6 +454,29 @@ def test_pooled_verify_step_metal_kernels(metal, tmp_path):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_dsa_decode_rows_equal_each_sequence_alone(tmp_path):
+    """decode_rows of a DSA model, contexts past index_topk (the indexer selects 8 of 9-13 keys):
+    the rows' logits equal each sequence's own decode step, every cache (latent rows and indexer
+    keys) advanced by one."""
+    from helpers_models import build_config_model, save_checkpoint
+    from colibri_mlx.models import load_model
+
+    model = load_model(save_checkpoint(build_config_model("v32_groups"), str(tmp_path / "v32")), dtype="float32")
+    ps = [[t % 250 for t in p] for p in prompts(9, 12, 10, seed=25)]
+    caches, own = [], []
+    for p in ps:
+        c = model.make_cache()
+        mx.eval(model(mx.array([p]), c))
+        caches.append(c)
+        own.append(np.array(model(mx.array([[p[-1]]]), copy_prefix(c, c.offset))[0, -1]))
+    got = np.array(decode_rows(model, [p[-1] for p in ps], caches))
+    for row, want in zip(got, own):
+        assert np.abs(row - want).max() <= 1e-4 * np.abs(want).max()
+    assert [c.offset for c in caches] == [len(p) + 1 for p in ps]
+    for c, p in zip(caches, ps):
+        assert c.layers[0].read("index_key", c.offset).shape[1] == len(p) + 1
+
+
 def test_dsa_model_keeps_a_cache_per_sequence(tmp_path):
     """A DSA model (an indexer selects over each cache) cannot pool: the batch keeps one cache
     per sequence, runs the projections and the MoE over the rows together and each sequence's
