@@ -475,6 +475,18 @@ def test_dsa_decode_rows_equal_each_sequence_alone(tmp_path):
     assert [c.offset for c in caches] == [len(p) + 1 for p in ps]
     for c, p in zip(caches, ps):
         assert c.layers[0].read("index_key", c.offset).shape[1] == len(p) + 1
+    # a verify step of 3, 1 and 2 rows (causal over each sequence's rows, selection per row)
+    rows = [[5, 6, 7], [8], [9, 10]]
+    batch = DecodeBatch(model)
+    own = []
+    for c, r in zip(caches, rows):
+        own.append(np.array(model(mx.array([r]), copy_prefix(c, c.offset))[0]))
+        batch.add(c)
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/rows verify", 0)
+    _, logits = batch.verify(mx.array(sum(rows, []), dtype=mx.int32), [len(r) for r in rows])
+    want = np.concatenate(own)
+    assert np.abs(np.array(logits) - want).max() <= 1e-4 * np.abs(want).max()
+    assert kernels.dispatch.counters()["calls"]["batch_decode/rows verify"] == before + 1
 
 
 def test_dsa_model_keeps_a_cache_per_sequence(tmp_path):

@@ -53,37 +53,51 @@ def decode_rows(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> 
         kernels.dispatch.record_call("batch_decode", f"declined: {reason}")
         return mx.concatenate([model(mx.array([[int(t)]]), c)[:, -1] for t, c in zip(tokens, caches)])
     kernels.dispatch.record_call("batch_decode", "rows")
-    out = [_group(model, tokens[a:b], caches[a:b]) for a, b in row_groups(len(tokens))]
+    out = [model.head(rows_forward(model, mx.array([int(t) for t in tokens[a:b]], dtype=mx.int32), caches[a:b],
+                                   [1] * (b - a)))[:, -1] for a, b in row_groups(len(tokens))]
     return out[0] if len(out) == 1 else mx.concatenate(out)
 
 
-def _group(model, tokens: Sequence[int], caches: Sequence[LatentCache]) -> mx.array:
-    n = len(tokens)
+def rows_forward(model, ids: mx.array, caches: Sequence[LatentCache], counts: Sequence[int]) -> mx.array:
+    """The last layer's output ``[R, 1, D]`` (before the final norm) of ``counts[b]`` rows of
+    sequence ``b`` at its next positions (``ids [R]``, sequence 0's first; at most
+    :data:`ROW_GROUP` rows): the projections and the MoE over all the rows together, each
+    sequence's cache rows, DSA selection and attention (causal over its rows) on its own cache.
+    Advances every cache by its count."""
+    R = ids.size
     D = model.args.hidden_size
     starts = [c.offset for c in caches]
-    offsets = mx.array(starts, dtype=mx.int32)           # each row's position (mx.fast.rope per row)
-    x = embedding_rows(model.embed_tokens, mx.array([[int(t)] for t in tokens], dtype=mx.int32)).astype(model.dtype)
+    offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)   # per row
+    x = embedding_rows(model.embed_tokens, ids.reshape(R, 1).astype(mx.int32)).astype(model.dtype)
     cos = sin = None
     if model.args.dsa:                                   # the indexer rotates with cos/sin
         cos, sin = model.rope.cos_sin(offsets[:, None])
-    selections = [None] * n                              # each sequence's DSA selection (shared layers reuse it)
+    selections = [None] * len(caches)                    # each sequence's DSA selection (shared layers reuse it)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         normed = stream_norm(x, layer.input_norm, layer.eps)
-        q_nope, q_rope, kv, q_latent = attn.rows(normed, rope_offset=offsets)
-        cores = []
-        for b, (cache, start) in enumerate(zip(caches, starts)):
-            seen = attn.cached(kv[b: b + 1], cache.layers[i], start)        # [1, start + 1, R + rope]
+        q_nope, q_rope, kv, q_latent = attn.rows(normed, rope_offset=offsets)      # rows of [R, 1, ...]
+        cores, a = [], 0
+        for b, (cache, start, m) in enumerate(zip(caches, starts, counts)):
+            rows = slice(a, a + m)
+            a += m
+            seen = attn.cached(kv[rows].reshape(1, m, -1), cache.layers[i], start)   # [1, start + m, R + rope]
+            mask = None if m == 1 else kernels.mla.causal_mask(m, start + m)
             if attn.indexer is not None:
-                selections[b] = attn.indexer.select(normed[b: b + 1], q_latent[b: b + 1].reshape(1, 1, -1),
-                                                    cos[b: b + 1], sin[b: b + 1], None, cache.layers[i], start)
-            cores.append(attn.attend(q_nope[b: b + 1], q_rope[b: b + 1], seen, selections[b]))
-        core = cores[0] if n == 1 else mx.concatenate(cores)               # [n, H * v]
-        x = attn.output(core, x.reshape(n, D)).reshape(n, 1, D)
+                selections[b] = attn.indexer.select(normed[rows].reshape(1, m, D), q_latent[rows].reshape(1, m, -1),
+                                                    cos[rows].reshape(1, m, -1), sin[rows].reshape(1, m, -1), mask,
+                                                    cache.layers[i], start)
+            if selections[b] is not None:
+                mask = selections[b] if mask is None else mask & selections[b]
+            # a sequence's rows as the query rows of one attention: [1, H, m, d]
+            cores.append(attn.attend(q_nope[rows].transpose(2, 1, 0, 3), q_rope[rows].transpose(2, 1, 0, 3), seen,
+                                     mask))
+        core = cores[0] if len(cores) == 1 else mx.concatenate(cores)       # [R, H * v]
+        x = attn.output(core, x.reshape(R, D)).reshape(R, 1, D)
         x = layer._feed_forward(x)
-    for c in caches:
-        c.advance(1)
-    return model.head(x)[:, -1]
+    for c, m in zip(caches, counts):
+        c.advance(m)
+    return x
 
 
 def row_groups(n: int) -> list[tuple[int, int]]:
@@ -194,6 +208,10 @@ class DecodeBatch:
         model = self.model
         if self.pooled and self.single is None:
             x = self._pool_verify(ids, counts)
+        elif not self.pooled and len(counts) > 1 and ids.size <= ROW_GROUP \
+                and batch_reason(model, self.caches) is None:
+            kernels.dispatch.record_call("batch_decode", "rows verify")
+            x = rows_forward(model, ids, self.caches, counts)[:, 0]
         else:
             caches = [self.single] if self.pooled else self.caches
             x, a = [], 0
