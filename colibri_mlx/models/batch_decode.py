@@ -294,7 +294,7 @@ class DecodeBatch:
 
     def _pool_step(self, tokens) -> mx.array:
         model = self.model
-        n, D = len(self.lengths), model.args.hidden_size
+        n = len(self.lengths)
         end = max(self.lengths) + 1
         if end > model.max_length:
             raise ValueError(f"context of {end} tokens exceeds max_position_embeddings={model.max_length}")
