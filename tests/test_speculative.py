@@ -600,21 +600,23 @@ def test_batch_engine_greedy_identity(models, oracle_drafts, name):
 
 
 @pytest.mark.msl
-def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch):
+@pytest.mark.parametrize("name, verify", [("v3", "pooled verify"), ("glm", "rows verify")])
+def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch, name, verify):
     """The batching engine's verify steps with every hot-path launch in the MSL simulator: a
-    pooled verify step of ragged rows (n-gram drafts from repeats, kept and rejected; MTP drafts
-    from the layer on the kernels; a plain request) keeps each request's greedy output its
-    single-row output alone."""
+    verify step of ragged rows (n-gram drafts from repeats, kept and rejected; MTP drafts from
+    the layer on the kernels; a plain request) keeps each request's greedy output its single-row
+    output alone. v3 pools its caches; the DSA model (glm) verifies each sequence's rows over its
+    own cache, past index_topk."""
     from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
 
     from colibri_mlx.batch_engine import BatchEngine
 
     simulator = simulator_or_skip()
-    model = models["v3"]
+    model = models[name]
     asks = [(PROMPTS[1], 10, "ngram"), (PROMPTS[2], 6, "mtp"), ([3, 1, 4, 1, 5], 5, "none")]
     want = [tokens_of(model, p, n, draft="none") for p, n, _ in asks]
     launched = route_launches_to_simulator(monkeypatch, simulator)
-    pooled = kernels.dispatch.counters()["calls"].get("batch_decode/pooled verify", 0)
+    pooled = kernels.dispatch.counters()["calls"].get(f"batch_decode/{verify}", 0)
     engine = BatchEngine(model, None, stop_ids=())
     try:
         handles = engine.submit_all([dict(prompt_ids=p, max_tokens=n, draft=d, num_draft=2) for p, n, d in asks])
@@ -624,7 +626,7 @@ def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch)
         engine.shutdown()
     assert got == want
     assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
-    assert kernels.dispatch.counters()["calls"]["batch_decode/pooled verify"] > pooled
+    assert kernels.dispatch.counters()["calls"].get(f"batch_decode/{verify}", 0) > pooled
     assert {"qgemv", "moe_gate_up"} <= set(launched) and any(k.startswith("mla_attn") for k in launched), set(launched)
 
 
