@@ -44,15 +44,17 @@ NGRAM_MAX = 3
 def resolve_draft(model, draft: Optional[str], seeded_sampling: bool = False) -> str:
     """``draft`` checked against the model. None (the default) is "mtp" when the model has an
     MTP layer, else "none"; and "none" for seeded sampling, whose text then stays the same
-    whether the model has an MTP layer or not (speculation draws other random numbers)."""
-    has_mtp = bool(getattr(model, "mtp_layers", None))
-    if draft is None:
-        return "mtp" if has_mtp and not seeded_sampling else "none"
-    if draft not in DRAFT_KINDS:
-        raise ValueError(f"draft must be one of {DRAFT_KINDS}, got {draft!r}")
+    whether the model has an MTP layer or not (speculation draws other random numbers), and for
+    a model over several processes (which speculation refuses)."""
     from .distributed import DistributedModel
 
-    if isinstance(model, DistributedModel) and draft != "none":
+    has_mtp = bool(getattr(model, "mtp_layers", None))
+    several_ranks = isinstance(model, DistributedModel)
+    if draft is None:
+        return "mtp" if has_mtp and not seeded_sampling and not several_ranks else "none"
+    if draft not in DRAFT_KINDS:
+        raise ValueError(f"draft must be one of {DRAFT_KINDS}, got {draft!r}")
+    if several_ranks and draft != "none":
         # The other ranks mirror rank 0's forward steps; a rejected draft rewinds rank 0's cache
         # outside them.
         raise ValueError("speculative decoding runs in one process, not under mlx.launch: use draft='none'")

@@ -681,11 +681,12 @@ def test_drafts_refused_under_several_ranks():
 
     from types import SimpleNamespace
 
-    model = DistributedModel(SimpleNamespace(mtp_layers=[]), comm=None, load=None)
-    for draft in ("ngram", "mtp"):
-        with pytest.raises(ValueError, match="one process"):
-            resolve_draft(model, draft)
-    assert resolve_draft(model, None) == "none" and resolve_draft(model, "none") == "none"
+    for mtp_layers in ([], [object()]):      # the default is "none" there, MTP layer or not
+        model = DistributedModel(SimpleNamespace(mtp_layers=mtp_layers), comm=None, load=None)
+        for draft in ("ngram", "mtp"):
+            with pytest.raises(ValueError, match="one process"):
+                resolve_draft(model, draft)
+        assert resolve_draft(model, None) == "none" and resolve_draft(model, "none") == "none"
 
 
 @pytest.mark.msl
