@@ -70,7 +70,7 @@ from .models.deepseek_v3 import rms_norm
 from .prompt_cache import PromptCache
 from .serve_engine import ENGINE_OPTIONS, TokenEvent, sorted_pairs, top_logprobs
 from .speculative import (DEFAULT_NUM_DRAFT, Acceptor, DraftLength, DraftStats, MTPDraft, check_num_draft,
-                          greedy_accept, ngram_drafts, resolve_draft)
+                          NgramIndex, greedy_accept, resolve_draft)
 
 PROMPT_CACHE_ENTRIES = 10      # mlx-lm's server default (--prompt-cache-size)
 
@@ -101,6 +101,7 @@ class _Request:
     acceptor: Optional[Acceptor] = None        # speculating: drafts' choice and acceptance
     draft_length: Optional[DraftLength] = None
     mtp: Optional[MTPDraft] = None
+    ngrams: Optional[NgramIndex] = None         # draft="ngram": the context's lookup index
     draft_stats: DraftStats = field(default_factory=DraftStats)
 
     @property
@@ -342,6 +343,7 @@ class BatchEngine:
                     r.acceptor = Acceptor(r.params, r.seed, list(r.prompt))
                     r.draft_length = DraftLength(r.num_draft, adaptive=r.draft == "mtp")
                     r.mtp = MTPDraft(self.model, r.cache) if r.draft == "mtp" else None
+                    r.ngrams = NgramIndex(r.prompt) if r.draft == "ngram" else None
             except Exception as e:  # noqa: BLE001 (the request's error, not the engine's)
                 self._fail([r], e)
                 continue
@@ -476,6 +478,8 @@ class BatchEngine:
         for r, out, extra_list in zip(rows, outs, extras):
             for token, extra in zip(out, extra_list):
                 r.generated.append(token)
+                if r.ngrams is not None:
+                    r.ngrams.extend([token])
                 if r.first_token_at is None:
                     r.first_token_at = now
                 r.last_token_at = now
@@ -518,7 +522,7 @@ class BatchEngine:
         r.acceptor.seen = r.prompt + r.generated
         if r.mtp is not None:
             return r.mtp.propose(k, r.acceptor.choose)
-        drafts = ngram_drafts(r.prompt + r.generated, k)
+        drafts = r.ngrams.drafts(k)
         return drafts, [None] * len(drafts)
 
     @staticmethod
@@ -612,7 +616,7 @@ class BatchEngine:
         if r.mtp is not None and cache is not None:
             cache.mtp_cache = r.mtp.cache          # kept with the cache by the prompt cache
         r.done = True
-        r.mtp = r.acceptor = None
+        r.mtp = r.acceptor = r.ngrams = None
         self._ended(r)
         r.events.put(last)
         if cache is None or cache.offset == 0:

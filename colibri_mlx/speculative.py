@@ -75,15 +75,43 @@ def check_num_draft(num_draft) -> int:
 # ----------------------------------------------------------------------------- drafts
 
 
+class NgramIndex:
+    """Prompt lookup over a growing context: each token's positions are kept, so a lookup visits
+    the earlier occurrences of the context's last token, latest first, instead of scanning the
+    whole context each step (a host cost that grows with the context)."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self.tokens: list[int] = []
+        self.positions: dict[int, list[int]] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.positions.setdefault(t, []).append(len(self.tokens))
+            self.tokens.append(t)
+
+    def drafts(self, k: int, max_n: int = NGRAM_MAX) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens
+        (n = ``max_n`` down to 1)."""
+        seq, L = self.tokens, len(self.tokens)
+        if L < 2:
+            return []
+        ends = self.positions[seq[-1]]          # where an occurrence of the last n tokens can end
+        for n in range(min(max_n, L - 1), 0, -1):
+            tail = seq[-n:]
+            for p in reversed(ends):
+                if p > L - 2:                     # the last token itself: no token follows it yet
+                    continue
+                if p < n - 1:
+                    break
+                if seq[p - n + 1: p + 1] == tail:
+                    return seq[p + 1: p + 1 + k]
+        return []
+
+
 def ngram_drafts(history: Sequence[int], k: int, max_n: int = NGRAM_MAX) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens."""
-    seq = list(history)
-    for n in range(min(max_n, len(seq) - 1), 0, -1):
-        tail = seq[-n:]
-        for i in range(len(seq) - n - 1, -1, -1):
-            if seq[i:i + n] == tail:
-                return seq[i + n:i + n + k]
-    return []
+    return NgramIndex([int(t) for t in history]).drafts(k, max_n)
 
 
 class MTPDraft:
@@ -304,6 +332,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
 
     mtp = MTPDraft(model, cache) if draft == "mtp" else None
+    ngrams = NgramIndex(seen) if draft == "ngram" else None
     length = DraftLength(num_draft, adaptive=draft == "mtp")   # n-gram drafts cost no model step
     t0 = time.perf_counter()
     h, logits = verify(prompt_ids, last_only=True)
@@ -318,6 +347,8 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         for i, token in enumerate(out):
             n += 1
             seen.append(token)
+            if ngrams is not None:
+                ngrams.extend([token])
             continues = n < max_tokens and base + i < limit
             reason = "stop" if token in stop else (None if continues else "length")
             stats.update(generation_tokens=n, generation_time=time.perf_counter() - t1, finish_reason=reason,
@@ -334,7 +365,7 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
         if draft == "mtp" and k > 0:
             drafts, qs = mtp.propose(k, acceptor.choose)
         elif draft == "ngram" and k > 0:
-            drafts = ngram_drafts(seen, k)
+            drafts = ngrams.drafts(k)
             qs = [None] * len(drafts)
         else:
             drafts, qs = [], []

@@ -65,13 +65,13 @@ def oracle_drafts(monkeypatch):
                 return 0
             return reference[i] if rng.random() > 0.33 else (reference[i] + 1) % 200
 
-        def ngram(history, k, max_n=3):
-            return [truth(history, j) for j in range(k)]
+        def ngram(index, k, max_n=3):
+            return [truth(index.tokens, j) for j in range(k)]
 
         def choose(self, logits, drafts):
             return truth(self.seen, len(drafts)), None
 
-        monkeypatch.setattr(speculative, "ngram_drafts", ngram)
+        monkeypatch.setattr(speculative.NgramIndex, "drafts", ngram)
         monkeypatch.setattr(speculative.Acceptor, "choose", choose)
 
     return install
@@ -455,6 +455,22 @@ def test_seeded_sampling_default_is_without_speculation(models):
 
 
 def test_ngram_drafts():
+    """The lookup index against a scan of the whole context for the latest earlier match, over
+    random contexts of a small vocabulary (many matches of every length) as they grow."""
+    def scan(seq, k, max_n=3):
+        for n in range(min(max_n, len(seq) - 1), 0, -1):
+            for i in range(len(seq) - n - 1, -1, -1):
+                if seq[i:i + n] == seq[-n:]:
+                    return seq[i + n:i + n + k]
+        return []
+
+    rng = np.random.default_rng(3)
+    for vocab in (3, 8, 50):
+        seq = [int(t) for t in rng.integers(0, vocab, 300)]
+        index = speculative.NgramIndex(seq[:1])
+        for i in range(1, len(seq)):
+            index.extend(seq[i:i + 1])
+            assert index.drafts(4) == scan(seq[:i + 1], 4), (vocab, i)
     assert speculative.ngram_drafts([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
     assert speculative.ngram_drafts([5, 1, 2, 7, 2], 2) == [7, 2]          # the 1-gram "2"
     assert speculative.ngram_drafts([1, 2, 3], 2) == []
@@ -576,7 +592,7 @@ def test_greedy_identity_with_kernels_in_simulator(models, oracle_drafts, monkey
 
 
 @pytest.mark.parametrize("name", ["v3", "glm"])
-def test_batch_engine_greedy_identity(models, oracle_drafts, name):
+def test_batch_engine_greedy_identity(models, oracle_drafts, monkeypatch, name):
     """The batching engine's verify steps on models with an MTP layer, the DSA one included
     (one cache per sequence, its indexer keys rolled back, past index_topk): MTP drafts (the
     oracle's for the first request: kept and rejected at every depth), n-gram drafts and a plain
@@ -586,7 +602,9 @@ def test_batch_engine_greedy_identity(models, oracle_drafts, name):
     model = models[name]
     asks = [(PROMPTS[3], 24, "mtp", 3), (PROMPTS[1], 20, "ngram", 2), (PROMPTS[2], 12, "none", 1)]
     want = [tokens_of(model, p, n, draft="none") for p, n, _, _ in asks]
-    oracle_drafts(asks[0][0], want[0], seed=7)
+    real_ngrams = speculative.NgramIndex.drafts
+    oracle_drafts(asks[0][0], want[0], seed=7)       # the MTP request's drafts; n-gram drafts stay real
+    monkeypatch.setattr(speculative.NgramIndex, "drafts", real_ngrams)
     engine = BatchEngine(model, None, stop_ids=())
     try:
         handles = engine.submit_all([dict(prompt_ids=p, max_tokens=n, draft=d, num_draft=k) for p, n, d, k in asks])
