@@ -156,3 +156,8 @@ def test_bench_gguf_gemv_rows():
     out = run_script("scripts/bench/bench_gguf_gemv.py", "--tiny", "--types", "Q4_K", "IQ2_XXS")
     for row in ("mx.quantized_matmul 4b g64", "Q4_K R4", "IQ2_XXS R4", "paired A/B", "  IQ1_M "):
         assert row in out, out
+
+
+def test_bench_ngram_rows():
+    out = run_script("scripts/bench/bench_ngram.py", "--contexts", "256")
+    assert "random     256" in out and "text     256" in out, out
