@@ -161,3 +161,12 @@ def test_bench_gguf_gemv_rows():
 def test_bench_ngram_rows():
     out = run_script("scripts/bench/bench_ngram.py", "--contexts", "256")
     assert "random     256" in out and "text     256" in out, out
+
+
+def test_glm_topk_ties_rows():
+    import shutil
+
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("no C++ compiler")
+    out = run_script("scripts/gguf/glm_topk_ties.py")
+    assert "ties as llama.cpp" in out and "     26 " in out, out
