@@ -119,8 +119,21 @@ class GgufOracle:
 
     def indexer(self, x, q_latent, i):
         """The DSA lightning indexer's choice, ``[T, T]`` bool (transformers' GlmMoeDsaIndexer):
-        per query the ``top_k`` keys of highest sum_h w_h relu(q_h . k) among the causal ones;
-        rope on the first ``rope`` dims of each head (pairs), k LayerNorm with bias."""
+        per query the ``top_k`` keys of highest score (:meth:`index_scores`), ties to the lowest
+        positions."""
+        T = x.shape[0]
+        order = self.top_k(self.index_scores(x, q_latent, i), self.index_topk)
+        selected = np.zeros((T, T), bool)
+        np.put_along_axis(selected, order, True, axis=-1)
+        return selected & np.tril(np.ones((T, T), bool))
+
+    @staticmethod
+    def top_k(index, k):
+        return np.argsort(-index, axis=-1, kind="stable")[:, :k]
+
+    def index_scores(self, x, q_latent, i):
+        """``[T, T]``: sum_h w_h relu(q_h . k) of each causal key (-inf past the query); rope on
+        the first ``rope`` dims of each head (pairs), k LayerNorm with bias."""
         p = f"blk.{i}."
         T, nh, hd = x.shape[0], self.index_heads, self.index_dim
         pos = np.arange(T, dtype=np.float64)
@@ -133,12 +146,7 @@ class GgufOracle:
         scores = np.maximum(np.einsum("thd,sd->ths", q, k) * hd ** -0.5, 0)
         weights = (x @ self.w(p + "indexer.proj.weight").T) * nh ** -0.5
         index = np.einsum("th,ths->ts", weights, scores)
-        causal = np.tril(np.ones((T, T), bool))
-        index = np.where(causal, index, -np.inf)
-        order = np.argsort(-index, axis=-1, kind="stable")[:, :self.index_topk]
-        selected = np.zeros((T, T), bool)
-        np.put_along_axis(selected, order, True, axis=-1)
-        return selected & causal
+        return np.where(np.tril(np.ones((T, T), bool)), index, -np.inf)
 
     def mlp(self, x, gate, up, down):
         g, u = x @ gate.T, x @ up.T

@@ -79,35 +79,21 @@ def main():
     k = oracle.index_topk
     margins: dict = {}                      # (layer, position) -> top-k margin, of the last run
     top_k_exe = {"path": None}              # None: the oracle's own choice
+    scores = oracle.index_scores
 
-    def indexer(x, q_latent, i):
-        # the oracle's index scores (its indexer, up to the choice), then the choice
-        p = f"blk.{i}."
-        T, nh, hd = x.shape[0], oracle.index_heads, oracle.index_dim
-        pos = np.arange(T, dtype=np.float64)
-        q = (q_latent @ oracle.w(p + "indexer.attn_q_b.weight").T).reshape(T, nh, hd)
-        key = x @ oracle.w(p + "indexer.attn_k.weight").T
-        key = (key - key.mean(-1, keepdims=True)) / np.sqrt(key.var(-1, keepdims=True) + 1e-6)
-        key = key * oracle.w(p + "indexer.k_norm.weight") + oracle.w(p + "indexer.k_norm.bias")
-        r = oracle.rope
-        q = np.concatenate([oracle.rotate(q[..., :r], pos), q[..., r:]], -1)
-        key = np.concatenate([oracle.rotate(key[:, :r], pos), key[:, r:]], -1)
-        scores = np.maximum(np.einsum("thd,sd->ths", q, key) * hd ** -0.5, 0)
-        weights = (x @ oracle.w(p + "indexer.proj.weight").T) * nh ** -0.5
-        causal = np.tril(np.ones((T, T), bool))
-        index = np.where(causal, np.einsum("th,ths->ts", weights, scores), -np.inf)
+    def index_scores(x, q_latent, i):
+        index = scores(x, q_latent, i)
         best = -np.sort(-index, axis=-1)
-        for t in range(k, T):
+        for t in range(k, index.shape[0]):
             margins[(i, t)] = (best[t, k - 1] - best[t, k]) / np.abs(best[t, : t + 1]).max()
-        if top_k_exe["path"] is None:
-            order = np.argsort(-index, axis=-1, kind="stable")[:, :k]
-        else:
-            order = llama_top_k(top_k_exe["path"], index, k)
-        chosen = np.zeros((T, T), bool)
-        np.put_along_axis(chosen, order, True, axis=-1)
-        return chosen & causal
+        return index
 
-    oracle.indexer = indexer
+    def top_k(index, n):
+        if top_k_exe["path"] is None:
+            return GgufOracle.top_k(index, n)
+        return llama_top_k(top_k_exe["path"], index, n)
+
+    oracle.index_scores, oracle.top_k = index_scores, top_k
     ours = oracle.logits(ids)[0]
     with tempfile.TemporaryDirectory() as tmp:
         top_k_exe["path"] = build_top_k(tmp)
