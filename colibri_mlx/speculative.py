@@ -109,11 +109,6 @@ class NgramIndex:
         return []
 
 
-def ngram_drafts(history: Sequence[int], k: int, max_n: int = NGRAM_MAX) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n tokens."""
-    return NgramIndex([int(t) for t in history]).drafts(k, max_n)
-
-
 class MTPDraft:
     """The MTP layer's state: its cache (one row per position the main model has seen) and its
     prediction for the token after the pending one."""
@@ -307,12 +302,24 @@ def verify_head(model):
     return block
 
 
+def verify_logits(model, x: mx.array) -> tuple[mx.array, mx.array]:
+    """``(final norm of x, float32 logits)`` of verify rows ``x [R, D]``: up to DECODE_ROWS rows
+    through :func:`verify_head`'s compiled graph, more through the norm and the head's matmul."""
+    from .models.deepseek_v3 import DECODE_ROWS, rms_norm
+
+    if x.shape[0] <= DECODE_ROWS:
+        h, logits = verify_head(model)(x[None])
+        return h[0], logits[0]
+    h = rms_norm(x, model.norm, model.args.rms_norm_eps)
+    return h, kernels.qmatmul(h, model.lm_head, out_dtype=mx.float32)
+
+
 def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, seed, cache, stop_ids,
                        draft: str, num_draft: int) -> Iterator[tuple[int, dict]]:
     """:func:`generate.generate_tokens` with speculation (same tokens when greedy, same
     distribution when sampling; same stats plus ``draft_*`` counts and the cache left holding
     the prompt and every generated token but the last)."""
-    from .models.deepseek_v3 import DECODE_ROWS, rms_norm
+    from .models.deepseek_v3 import rms_norm
 
     limit = model.max_length
     stop = set(int(s) for s in stop_ids)
@@ -321,15 +328,13 @@ def speculative_tokens(model, prompt_ids: list[int], max_tokens: int, params, se
     counts = DraftStats()
     eps = model.args.rms_norm_eps
 
-    head = verify_head(model)
-
     def verify(rows, last_only=False):
         x = model.hidden_states(rows if isinstance(rows, mx.array) else mx.array([rows], dtype=mx.int32), cache)
-        if not last_only and x.shape[1] <= DECODE_ROWS:
-            h, logits = head(x)
-            return h, logits[0]
+        if not last_only:
+            h, logits = verify_logits(model, x[0])
+            return h[None], logits
         h = rms_norm(x, model.norm, eps)
-        return h, kernels.qmatmul(h[:, -1:] if last_only else h, model.lm_head, out_dtype=mx.float32)[0]
+        return h, kernels.qmatmul(h[:, -1:], model.lm_head, out_dtype=mx.float32)[0]
 
     mtp = MTPDraft(model, cache) if draft == "mtp" else None
     ngrams = NgramIndex(seen) if draft == "ngram" else None

@@ -471,10 +471,10 @@ def test_ngram_drafts():
         for i in range(1, len(seq)):
             index.extend(seq[i:i + 1])
             assert index.drafts(4) == scan(seq[:i + 1], 4), (vocab, i)
-    assert speculative.ngram_drafts([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
-    assert speculative.ngram_drafts([5, 1, 2, 7, 2], 2) == [7, 2]          # the 1-gram "2"
-    assert speculative.ngram_drafts([1, 2, 3], 2) == []
-    assert speculative.ngram_drafts([4, 4, 4, 4], 5) == [4]                # the latest earlier 3-gram match
+    assert speculative.NgramIndex([1, 2, 3, 9, 1, 2, 3]).drafts(3) == [9, 1, 2]
+    assert speculative.NgramIndex([5, 1, 2, 7, 2]).drafts(2) == [7, 2]          # the 1-gram "2"
+    assert speculative.NgramIndex([1, 2, 3]).drafts(2) == []
+    assert speculative.NgramIndex([4, 4, 4, 4]).drafts(5) == [4]                # the latest earlier 3-gram match
 
 
 def test_bad_draft_options(tmp_path):

@@ -23,8 +23,9 @@ import mlx.core as mx
 
 from .. import kernels
 from ..kernels import qgemv
+from ..speculative import verify_logits
 from .cache import LatentCache, capacity_for
-from .deepseek_v3 import CACHE_STREAM, embedding_rows, rms_norm, stream_norm
+from .deepseek_v3 import CACHE_STREAM, embedding_rows, stream_norm
 
 ROW_GROUP = qgemv.MAX_ROWS     # rows a GEMV / moe_block launch takes as decode rows
 
@@ -208,8 +209,7 @@ class DecodeBatch:
         model = self.model
         if self.pooled and self.single is None:
             x = self._pool_verify(ids, counts)
-        elif not self.pooled and len(counts) > 1 and ids.size <= ROW_GROUP \
-                and batch_reason(model, self.caches) is None:
+        elif not self.pooled and ids.size <= ROW_GROUP and batch_reason(model, self.caches) is None:
             kernels.dispatch.record_call("batch_decode", "rows verify")
             x = rows_forward(model, ids, self.caches, counts)[:, 0]
         else:
@@ -219,7 +219,7 @@ class DecodeBatch:
                 x.append(model.hidden_states(ids[a: a + m].reshape(1, m), cache)[0])
                 a += m
             x = x[0] if len(x) == 1 else mx.concatenate(x)
-        return normed_logits(model, x)
+        return verify_logits(model, x)
 
     def step(self, tokens: Sequence[int] | mx.array) -> mx.array:
         """Logits ``[n, vocab]`` (float32) of one new token per sequence, in slot order."""
@@ -363,18 +363,6 @@ def _pooled_blocks(model, name: str = "pooled_layer") -> list:
         made[name] = [kernels.compiled.CompiledBlock(functools.partial(pooled_layer, layer), name)
                       for layer in model.layers]
     return made[name]
-
-
-def normed_logits(model, x: mx.array) -> tuple[mx.array, mx.array]:
-    """``(final norm of x, float32 logits)`` of rows ``x [R, D]``, the row groups of
-    :func:`row_groups` through the head."""
-    from ..speculative import verify_head
-
-    if x.shape[0] == 1 or x.shape[0] > ROW_GROUP:
-        h = rms_norm(x, model.norm, model.args.rms_norm_eps)
-        return h, kernels.qmatmul(h, model.lm_head, out_dtype=mx.float32)
-    h, logits = verify_head(model)(x[None])
-    return h[0], logits[0]
 
 
 def model_batch_reason(model) -> str | None:
