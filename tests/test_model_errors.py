@@ -706,13 +706,19 @@ TEMPLATE_BOMBS = {
 }
 
 
-def render_with_small_budget(monkeypatch, text, content="hi"):
-    from colibri_mlx import tokenizer as tk
+def template_tokenizer(template):
+    """A one-word tokenizer with ``template`` as its chat template (the template is what runs)."""
+    from colibri_mlx.tokenizer import Tokenizer
     from tokenizers import Tokenizer as HFTokenizer, models
 
+    return Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, template)
+
+
+def render_with_small_budget(monkeypatch, text, content="hi"):
+    from colibri_mlx import tokenizer as tk
+
     monkeypatch.setattr(tk, "RENDER_BUDGET", 100_000)
-    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, text)
-    return tok.apply_chat_template([{"role": "user", "content": content}])
+    return template_tokenizer(text).apply_chat_template([{"role": "user", "content": content}])
 
 
 @pytest.mark.parametrize("case", sorted(TEMPLATE_BOMBS))
@@ -741,12 +747,10 @@ def test_a_loop_scanning_a_long_string_is_cut_by_the_render_deadline(monkeypatch
     """Operations that build nothing new but scan a long string, looped (1 ms an iteration over
     a 1M-character string: minutes at the loop budget): the render stops at its deadline."""
     from colibri_mlx import tokenizer as tk
-    from tokenizers import Tokenizer as HFTokenizer, models
 
     monkeypatch.setattr(tk, "RENDER_SECONDS", 0.5)
     text = "{% set x = messages[0]['content'] %}{% for i in range(N) %}" + loop + "{% endfor %}ok"
-    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {},
-                       text.replace("N", "900000"))
+    tok = template_tokenizer(text.replace("N", "900000"))
     t0 = time.perf_counter()
     with pytest.raises(tk.TokenizerError, match="runs for more than 0.5 s"):
         tok.apply_chat_template([{"role": "user", "content": "a" * 1_000_000}])
@@ -757,11 +761,9 @@ def test_a_loop_scanning_a_long_string_is_cut_by_the_render_deadline(monkeypatch
 
 def test_pprint_of_a_big_list_is_refused_before_it_runs():
     """pprint (1 µs an element, more when nested): its elements are charged as loop iterations."""
-    from tokenizers import Tokenizer as HFTokenizer, models
+    from colibri_mlx.tokenizer import TokenizerError
 
-    from colibri_mlx.tokenizer import Tokenizer, TokenizerError
-
-    tok = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, None)
+    tok = template_tokenizer(None)
     for text, needle in [("{{ range(4000000)|list|pprint }}", "loop iterations"),
                          ("{{ range(9000000)|list|pprint }}", "range elements"),  # the list is charged
                          ("{{ ([range(1000)|list] * 2000)|pprint }}", "loop iterations")]:
@@ -793,10 +795,7 @@ def test_budgeted_filters_render_as_jinja2_does(monkeypatch):
     messages = [{"role": "user", "content": "line one\nline two\n\nline four", "tags": ["a", "b"],
                  "items": [{"name": "x", "n": 1}, {"name": "y", "n": 2}]},
                 {"role": "assistant", "content": "ok", "tags": [], "items": []}]
-    from colibri_mlx import tokenizer as tk
-    from tokenizers import Tokenizer as HFTokenizer, models
-
-    tok = tk.Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")), {}, text)
+    tok = template_tokenizer(text)
     ref = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(text)
     assert tok.apply_chat_template(messages) == ref.render(messages=messages, add_generation_prompt=True,
                                                            bos_token="", eos_token="")
