@@ -29,6 +29,9 @@ arrival (ours: by a thread per request reading its events, as a server's connect
   decode tok/s: tokens that arrive while all c streams decode (from the last first token to
     the first last token) / that window: the batch's steady aggregate;
   total tok/s: every token / (last token - submit), prefill included.
+With 1 in ``--streams``, the 1-stream prompt also runs through ``generate_tokens`` alone (the loop
+of ``colibri generate``, pipelined the same way), in the main thread and in a worker thread, after
+an unrecorded run of each: the engine's cost at one stream against the loop it batches.
 
 ``--http``: the same rounds through a ModelServer (the engine of ``colibri serve``, its HTTP
 layer and worker threads) in this process, and c streaming ``/v1/completions`` requests (prompts
@@ -103,6 +106,28 @@ def run_ours(engine, prompts: list, n_tokens: int) -> dict:
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"{len(prompts)} streams not done after {ROUND_TIMEOUT} s")
     return summarize(submit, times)
+
+
+def run_generate(model, prompt: list, n_tokens: int, in_thread: bool) -> dict:
+    """One request through ``generate_tokens`` (what ``colibri generate`` runs), in this thread or
+    a worker thread, timed as ``run_ours`` times a stream: the engine's 1-stream row against the
+    loop it batches."""
+    from colibri_mlx.generate import SamplingParams, generate_tokens
+
+    times = []
+    submit = time.perf_counter()
+
+    def consume():
+        for _ in generate_tokens(model, prompt, max_tokens=n_tokens, params=SamplingParams(), stop_ids=()):
+            times.append(time.perf_counter())
+
+    if in_thread:
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        t.join(ROUND_TIMEOUT)
+    else:
+        consume()
+    return summarize(submit, [times])
 
 
 def run_mlx_lm(model, prompts: list, n_tokens: int, concurrency: int) -> dict:
@@ -296,6 +321,14 @@ def main():
         res["drafts"][draft] = {"rows": rows, "engine_stats": stats}
         if draft == drafts[0]:
             res["ours"], res["ours_engine_stats"] = rows, stats
+    if 1 in streams and res["ours"]:
+        prompt = make_prompts(1, args.prompt, vocab, 1, text)[0]
+        res["generate"] = {}
+        for where, in_thread in (("main thread", False), ("worker thread", True)):
+            run_generate(ours, prompt, args.tokens, in_thread)
+            r = res["generate"][where] = run_generate(ours, prompt, args.tokens, in_thread)
+            print(f"generate_tokens ({where}): {r['decode_tok_s']:8.1f} tok/s decode, ttft {r['ttft_ms']:.1f} ms",
+                  flush=True)
     res["counters"] = kernels.dispatch.counters()
     pooled = {k: v for k, v in res["counters"]["calls"].items() if k.startswith(("batch_decode", "compiled"))}
     print(f"ours engine: {res.get('ours_engine_stats')}; {pooled}; fallbacks: {res['counters']['fallbacks'] or 'none'}",
@@ -353,6 +386,8 @@ def main():
         one = {r["streams"]: r["decode_tok_s"] for r in res["ours"]}
         if 1 in one and 8 in one:
             print(f"ours 8 streams / 1 stream: {one[8] / one[1]:.2f} (target >= 4)")
+        for where, r in res.get("generate", {}).items():
+            print(f"ours 1 stream / generate_tokens ({where}): {one[1] / r['decode_tok_s']:.2f}")
 
 
 if __name__ == "__main__":
