@@ -180,8 +180,6 @@ class DraftLength:
         self.k = min(self.k + 1, self.max) if kept == proposed else max(self.k - 1, 1)
 
 
-
-
 # ----------------------------------------------------------------------------- acceptance
 
 
