@@ -29,9 +29,10 @@ arrival (ours: by a thread per request reading its events, as a server's connect
   decode tok/s: tokens that arrive while all c streams decode (from the last first token to
     the first last token) / that window: the batch's steady aggregate;
   total tok/s: every token / (last token - submit), prefill included.
-With 1 in ``--streams``, the 1-stream prompt also runs through ``generate_tokens`` alone (the loop
-of ``colibri generate``, pipelined the same way), in the main thread and in a worker thread, after
-an unrecorded run of each: the engine's cost at one stream against the loop it batches.
+With 1 in ``--streams``, the 1-stream prompt also runs through ``generate_tokens`` alone without
+drafts (the loop of ``colibri generate``, pipelined the same way), in the main thread and in a
+worker thread, after an unrecorded run of each: the engine's cost at one stream against the loop
+it batches.
 
 ``--http``: the same rounds through a ModelServer (the engine of ``colibri serve``, its HTTP
 layer and worker threads) in this process, and c streaming ``/v1/completions`` requests (prompts
@@ -118,7 +119,8 @@ def run_generate(model, prompt: list, n_tokens: int, in_thread: bool) -> dict:
     submit = time.perf_counter()
 
     def consume():
-        for _ in generate_tokens(model, prompt, max_tokens=n_tokens, params=SamplingParams(), stop_ids=()):
+        for _ in generate_tokens(model, prompt, max_tokens=n_tokens, params=SamplingParams(), stop_ids=(),
+                                 draft="none"):
             times.append(time.perf_counter())
 
     if in_thread:
