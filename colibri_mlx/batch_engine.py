@@ -69,8 +69,8 @@ from .models.batch_decode import ROW_GROUP, DecodeBatch
 from .models.deepseek_v3 import rms_norm
 from .prompt_cache import PromptCache
 from .serve_engine import ENGINE_OPTIONS, TokenEvent, sorted_pairs, top_logprobs
-from .speculative import (DEFAULT_NUM_DRAFT, Acceptor, DraftLength, DraftStats, MTPDraft, check_num_draft,
-                          NgramIndex, greedy_accept, resolve_draft)
+from .speculative import (DEFAULT_NUM_DRAFT, Acceptor, DraftLength, DraftStats, MTPDraft, NgramIndex,
+                          check_num_draft, greedy_accept, observe_rows, propose_rows, resolve_draft)
 
 PROMPT_CACHE_ENTRIES = 10      # mlx-lm's server default (--prompt-cache-size)
 
@@ -515,15 +515,22 @@ class BatchEngine:
             counts.append(k)
         return counts if wanted else None
 
-    def _drafts(self, r: _Request, k: int) -> tuple[list, list]:
-        """``k`` drafts (ints, or lazy arrays: greedy MTP drafts) and their q's."""
-        if k == 0:
-            return [], []
-        r.acceptor.seen = r.prompt + r.generated
-        if r.mtp is not None:
-            return r.mtp.propose(k, r.acceptor.choose)
-        drafts = r.ngrams.drafts(k)
-        return drafts, [None] * len(drafts)
+    def _drafts(self, rows: list, counts: list) -> list:
+        """Each request's ``counts[i]`` drafts (ints, or lazy arrays: greedy MTP drafts) and their
+        q's; the MTP requests draft together (speculative.propose_rows)."""
+        drafted = [([], []) for _ in rows]
+        mtp = [i for i, (r, k) in enumerate(zip(rows, counts)) if k > 0 and r.mtp is not None]
+        for i in mtp:
+            rows[i].acceptor.seen = rows[i].prompt + rows[i].generated
+        proposed = propose_rows([rows[i].mtp for i in mtp], [counts[i] for i in mtp],
+                                [rows[i].acceptor.choose for i in mtp]) if mtp else []
+        for i, d in zip(mtp, proposed):
+            drafted[i] = d
+        for i, (r, k) in enumerate(zip(rows, counts)):
+            if k > 0 and r.ngrams is not None:
+                drafts = r.ngrams.drafts(k)
+                drafted[i] = (drafts, [None] * len(drafts))
+        return drafted
 
     @staticmethod
     def _mtp_state(r: _Request) -> list:
@@ -536,7 +543,7 @@ class BatchEngine:
         """One verify step (module docstring): every running request's pending token and its
         ``counts[i]`` drafts as rows of one step."""
         try:
-            drafted = [self._drafts(r, k) for r, k in zip(rows, counts)]
+            drafted = self._drafts(rows, counts)
             pieces = []
             for r, (drafts, _) in zip(rows, drafted):
                 pieces.append(mx.array([r.generated[-1]], dtype=mx.int32))
@@ -578,12 +585,16 @@ class BatchEngine:
                 r.draft_length.update(len(drafts), len(out) - 1)
                 outs.append(out)
                 extras.append([()] * len(out))
+            observing = []
             for i, r in enumerate(rows):
                 out = outs[i] = self._emitted(r, outs[i])
                 self._batch.rewind(i, held[i] + len(out))          # the rows of rejected drafts go
                 if r.mtp is not None:       # also as the request ends: its rows go to the prompt cache
                     r.mtp.cache.offset = held[i]                  # a lagging layer skips the rows it missed
-                    r.mtp.observe(h[starts[i]: starts[i] + len(out)][None], out)
+                    observing.append(i)
+            if observing:
+                observe_rows([rows[i].mtp for i in observing],
+                             [h[starts[i]: starts[i] + len(outs[i])] for i in observing], [outs[i] for i in observing])
             mx.eval([a for r in rows for a in self._mtp_state(r)])
             self._deliver(rows, outs, extras)
         except Exception as e:  # noqa: BLE001

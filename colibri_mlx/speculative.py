@@ -155,11 +155,78 @@ class MTPDraft:
             if isinstance(token, mx.array):
                 self._commit(token)
             if j + 1 < k:
-                token = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]], dtype=mx.int32)
-                step_logits, x = self.head(x, token, self.cache, last_only=True)
+                step_logits, x = self.head(x, _token_row(token).reshape(1, 1), self.cache, last_only=True)
                 logits = step_logits[0, -1]
         self.cache.offset = start   # the drafts' rows are rewritten by the next observe
         return drafts, qs
+
+
+def _token_row(token) -> mx.array:
+    """A draft token (an int, or a lazy scalar array) as an int32 ``[1]``."""
+    return token.astype(mx.int32).reshape(1) if isinstance(token, mx.array) else mx.array([token], dtype=mx.int32)
+
+
+def observe_rows(drafters: Sequence[MTPDraft], hidden: Sequence[mx.array],
+                 next_tokens: Sequence[Sequence[int]]) -> None:
+    """``drafters[i].observe(hidden[i][None], next_tokens[i])`` for every ``i`` (``hidden[i]
+    [L_i, D]``), the MTP layer run once over the rows of several drafters (MTPHead.rows), in
+    groups of at most DECODE_ROWS rows: a continuous batch's requests after a verify step."""
+    from .models.deepseek_v3 import DECODE_ROWS
+
+    groups, held = [], DECODE_ROWS
+    for i, tokens in enumerate(next_tokens):
+        if held + len(tokens) > DECODE_ROWS:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += len(tokens)
+    for group in groups:
+        if len(group) == 1:
+            drafters[group[0]].observe(hidden[group[0]][None], next_tokens[group[0]])
+            continue
+        counts = [len(next_tokens[i]) for i in group]
+        ids = mx.array([t for i in group for t in next_tokens[i]], dtype=mx.int32)
+        logits, x = drafters[group[0]].head.rows(mx.concatenate([hidden[i] for i in group]), ids,
+                                                 [drafters[i].cache for i in group], counts)
+        a = 0
+        for n, (i, m) in enumerate(zip(group, counts)):
+            drafters[i].logits, drafters[i].x = logits[n][None, None], x[a: a + m][None]
+            a += m
+        drafters[group[0]]._commit(logits, x)
+
+
+def propose_rows(drafters: Sequence[MTPDraft], ks: Sequence[int], chooses: Sequence) -> list[tuple[list, list]]:
+    """``drafters[i].propose(ks[i], chooses[i])`` for every ``i``: each step of the MTP layer
+    runs once for every drafter still drafting (MTPHead.rows, a row each), so ``n`` requests
+    drafting ``k`` tokens take ``k - 1`` steps of the layer instead of ``n (k - 1)``."""
+    if len(drafters) == 1:
+        return [drafters[0].propose(ks[0], chooses[0])]
+    starts = [d.cache.offset for d in drafters]
+    out = [([], []) for _ in drafters]
+    logits = [d.logits[0, -1] for d in drafters]
+    xs = [d.x[0, -1] for d in drafters]
+    for j in range(max(ks)):
+        lazy = []
+        for i, (k, choose) in enumerate(zip(ks, chooses)):
+            if k > j:
+                token, q = choose(logits[i], out[i][0])
+                out[i][0].append(token)
+                out[i][1].append(q)
+                if isinstance(token, mx.array):
+                    lazy.append(token)
+        if lazy:
+            drafters[0]._commit(*lazy)
+        stepping = [i for i, k in enumerate(ks) if j + 1 < k]
+        if not stepping:
+            continue
+        step_logits, x = drafters[0].head.rows(mx.stack([xs[i] for i in stepping]),
+                                               mx.concatenate([_token_row(out[i][0][-1]) for i in stepping]),
+                                               [drafters[i].cache for i in stepping], [1] * len(stepping))
+        for n, i in enumerate(stepping):
+            logits[i], xs[i] = step_logits[n], x[n]
+    for d, start in zip(drafters, starts):
+        d.cache.offset = start    # the drafts' rows are rewritten by the next observe
+    return out
 
 
 class DraftLength:

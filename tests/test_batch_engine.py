@@ -17,7 +17,9 @@ from colibri_mlx.batch_engine import BatchEngine
 from colibri_mlx.generate import SamplingParams, generate_tokens
 from colibri_mlx.models.batch_decode import DecodeBatch, decode_rows
 from colibri_mlx.models.cache import LatentCache
+from colibri_mlx.models.deepseek_v3 import rms_norm
 from colibri_mlx.prompt_cache import PromptCache, copy_prefix
+from colibri_mlx.speculative import MTPDraft, observe_rows, propose_rows
 
 
 @pytest.fixture(scope="module")
@@ -577,6 +579,69 @@ def test_speculating_requests_equal_each_request_alone(demo):
     assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
     assert stats["verify_steps"] > 0
     assert "draft_steps" not in per_request[2] and per_request[0]["draft_steps"] > 0
+
+
+def test_mtp_requests_draft_together_as_each_alone(demo):
+    """Two and three MTP requests running together draft through one MTP layer step a draft
+    (propose_rows, observe_rows) and each gives its tokens alone."""
+    model, tok = demo
+    text = tok.encode("In the beginning God created the heaven and the earth. And the earth was without form")
+    ps = [text, text[3:], text[:9]]
+    lengths = [18, 15, 12]
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/mtp rows", 0)
+    engine = BatchEngine(model, tok, stop_ids=(), draft="mtp")
+    try:
+        got = [tokens(h) for h in engine.submit_all([dict(prompt_ids=p, max_tokens=n) for p, n in zip(ps, lengths)])]
+        stats = dict(engine.stats)
+    finally:
+        engine.shutdown()
+    assert got == [alone(model, p, n) for p, n in zip(ps, lengths)]
+    assert stats["draft_accepted"] > 0
+    assert kernels.dispatch.counters()["calls"].get("batch_decode/mtp rows", 0) > before
+
+
+def test_mtp_drafts_of_several_requests_equal_each_alone(demo):
+    """propose_rows / observe_rows (the MTP layer over the rows of several requests, each on
+    its own cache) against each request's own MTPDraft: the same greedy drafts of ragged
+    lengths, the same logits and hidden rows after observing ragged rows, and the caches left
+    so that the next drafts agree too."""
+    model, _ = demo
+    D = model.args.hidden_size
+    ps = prompts(6, 11, 8, seed=31)
+
+    def drafter(p):
+        cache = model.make_cache()
+        x = model.hidden_states(mx.array([p]), cache)
+        d = MTPDraft(model, cache)
+        d.observe(rms_norm(x, model.norm, model.args.rms_norm_eps), p[1:] + [5])
+        return d
+
+    def greedy(logits, drafts):
+        return mx.argmax(logits), None
+
+    def ints(proposed):
+        return [[int(t) for t in drafts] for drafts, _ in proposed]
+
+    alone, together = [drafter(p) for p in ps], [drafter(p) for p in ps]
+    ks = [3, 1, 2]
+    want = ints([d.propose(k, greedy) for d, k in zip(alone, ks)])
+    before = kernels.dispatch.counters()["calls"].get("batch_decode/mtp rows", 0)
+    assert ints(propose_rows(together, ks, [greedy] * 3)) == want
+    assert kernels.dispatch.counters()["calls"]["batch_decode/mtp rows"] == before + 1   # rows 2 then 1 (alone)
+    assert [d.cache.offset for d in together] == [d.cache.offset for d in alone]
+
+    rng = np.random.default_rng(32)
+    hidden = [mx.array(rng.standard_normal((m, D)).astype(np.float32)) for m in (2, 1, 3)]
+    tokens = [[9, 10], [11], [12, 13, 14]]
+    for d, h, t in zip(alone, hidden, tokens):
+        d.observe(h[None], t)
+    observe_rows(together, hidden, tokens)
+    for a, b in zip(alone, together):
+        for x, y in ((a.logits, b.logits), (a.x, b.x)):
+            assert x.shape == y.shape
+            assert np.abs(np.array(x) - np.array(y)).max() <= 1e-5 * np.abs(np.array(x)).max()
+    assert ints(propose_rows(together, [3, 3, 3], [greedy] * 3)) == \
+        ints([d.propose(3, greedy) for d in alone])
 
 
 def test_seeded_speculative_sampling_independent_of_batch(demo):

@@ -621,8 +621,8 @@ def test_batch_engine_greedy_identity(models, oracle_drafts, monkeypatch, name):
 @pytest.mark.parametrize("name, verify", [("v3", "pooled verify"), ("glm", "rows verify")])
 def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch, name, verify):
     """The batching engine's verify steps with every hot-path launch in the MSL simulator: a
-    verify step of ragged rows (n-gram drafts from repeats, kept and rejected; MTP drafts from
-    the layer on the kernels; a plain request) keeps each request's greedy output its single-row
+    verify step of ragged rows (n-gram drafts from repeats, kept and rejected; MTP drafts of two
+    requests from one step of the layer on the kernels; a plain request) keeps each request's greedy output its single-row
     output alone. v3 pools its caches; the DSA model (glm) verifies each sequence's rows over its
     own cache, past index_topk."""
     from moe_mla_oracle import route_launches_to_simulator, simulator_or_skip
@@ -631,10 +631,11 @@ def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch,
 
     simulator = simulator_or_skip()
     model = models[name]
-    asks = [(PROMPTS[1], 10, "ngram"), (PROMPTS[2], 6, "mtp"), ([3, 1, 4, 1, 5], 5, "none")]
+    asks = [(PROMPTS[1], 10, "ngram"), (PROMPTS[2], 6, "mtp"), ([3, 1, 4, 1, 5], 5, "none"), (PROMPTS[0], 5, "mtp")]
     want = [tokens_of(model, p, n, draft="none") for p, n, _ in asks]
     launched = route_launches_to_simulator(monkeypatch, simulator)
     pooled = kernels.dispatch.counters()["calls"].get(f"batch_decode/{verify}", 0)
+    mtp_rows = kernels.dispatch.counters()["calls"].get("batch_decode/mtp rows", 0)
     engine = BatchEngine(model, None, stop_ids=())
     try:
         handles = engine.submit_all([dict(prompt_ids=p, max_tokens=n, draft=d, num_draft=2) for p, n, d in asks])
@@ -645,6 +646,7 @@ def test_batch_engine_speculation_with_kernels_in_simulator(models, monkeypatch,
     assert got == want
     assert 0 < stats["draft_accepted"] < stats["draft_proposed"], stats
     assert kernels.dispatch.counters()["calls"].get(f"batch_decode/{verify}", 0) > pooled
+    assert kernels.dispatch.counters()["calls"].get("batch_decode/mtp rows", 0) > mtp_rows   # the MTP requests' rows together
     assert {"qgemv", "moe_gate_up"} <= set(launched) and any(k.startswith("mla_attn") for k in launched), set(launched)
 
 

@@ -66,7 +66,6 @@ def rows_forward(model, ids: mx.array, caches: Sequence[LatentCache], counts: Se
     sequence's cache rows, DSA selection and attention (causal over its rows) on its own cache.
     Advances every cache by its count."""
     R = ids.size
-    D = model.args.hidden_size
     starts = [c.offset for c in caches]
     offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)   # per row
     x = embedding_rows(model.embed_tokens, ids.reshape(R, 1).astype(mx.int32)).astype(model.dtype)
@@ -75,30 +74,42 @@ def rows_forward(model, ids: mx.array, caches: Sequence[LatentCache], counts: Se
         cos, sin = model.rope.cos_sin(offsets[:, None])
     selections = [None] * len(caches)                    # each sequence's DSA selection (shared layers reuse it)
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        normed = stream_norm(x, layer.input_norm, layer.eps)
-        q_nope, q_rope, kv, q_latent = attn.rows(normed, rope_offset=offsets)      # rows of [R, 1, ...]
-        cores, a = [], 0
-        for b, (cache, start, m) in enumerate(zip(caches, starts, counts)):
-            rows = slice(a, a + m)
-            a += m
-            seen = attn.cached(kv[rows].reshape(1, m, -1), cache.layers[i], start)   # [1, start + m, R + rope]
-            mask = None if m == 1 else kernels.mla.causal_mask(m, start + m)
-            if attn.indexer is not None:
-                selections[b] = attn.indexer.select(normed[rows].reshape(1, m, D), q_latent[rows].reshape(1, m, -1),
-                                                    cos[rows].reshape(1, m, -1), sin[rows].reshape(1, m, -1), mask,
-                                                    cache.layers[i], start)
-            if selections[b] is not None:
-                mask = selections[b] if mask is None else mask & selections[b]
-            # a sequence's rows as the query rows of one attention: [1, H, m, d]
-            cores.append(attn.attend(q_nope[rows].transpose(2, 1, 0, 3), q_rope[rows].transpose(2, 1, 0, 3), seen,
-                                     mask))
-        core = cores[0] if len(cores) == 1 else mx.concatenate(cores)       # [R, H * v]
-        x = attn.output(core, x.reshape(R, D)).reshape(R, 1, D)
-        x = layer._feed_forward(x)
+        x = rows_layer(layer, x, [c.layers[i] for c in caches], starts, counts, offsets, cos, sin, selections)
     for c, m in zip(caches, counts):
         c.advance(m)
     return x
+
+
+def rows_layer(layer, x: mx.array, layer_caches: Sequence, starts: Sequence[int], counts: Sequence[int],
+               offsets: mx.array, cos=None, sin=None, selections: list | None = None) -> mx.array:
+    """One decoder layer of :func:`rows_forward` over rows ``x [R, 1, D]`` (``counts[b]`` rows of
+    sequence ``b`` at positions ``offsets [R]``, its cache rows from ``starts[b]`` in
+    ``layer_caches[b]``): the projections and the MLP over all the rows, each sequence's cache
+    write, DSA selection (``selections[b]``, set by an indexer layer and reused by the layers that
+    share it) and attention on its own cache. The layer's output ``[R, 1, D]``."""
+    R, _, D = x.shape
+    attn = layer.self_attn
+    selections = [None] * len(layer_caches) if selections is None else selections
+    normed = stream_norm(x, layer.input_norm, layer.eps)
+    q_nope, q_rope, kv, q_latent = attn.rows(normed, rope_offset=offsets)      # rows of [R, 1, ...]
+    cores, a = [], 0
+    for b, (layer_cache, start, m) in enumerate(zip(layer_caches, starts, counts)):
+        rows = slice(a, a + m)
+        a += m
+        seen = attn.cached(kv[rows].reshape(1, m, -1), layer_cache, start)   # [1, start + m, R + rope]
+        mask = None if m == 1 else kernels.mla.causal_mask(m, start + m)
+        if attn.indexer is not None:
+            selections[b] = attn.indexer.select(normed[rows].reshape(1, m, D), q_latent[rows].reshape(1, m, -1),
+                                                cos[rows].reshape(1, m, -1), sin[rows].reshape(1, m, -1), mask,
+                                                layer_cache, start)
+        if selections[b] is not None:
+            mask = selections[b] if mask is None else mask & selections[b]
+        # a sequence's rows as the query rows of one attention: [1, H, m, d]
+        cores.append(attn.attend(q_nope[rows].transpose(2, 1, 0, 3), q_rope[rows].transpose(2, 1, 0, 3), seen,
+                                 mask))
+    core = cores[0] if len(cores) == 1 else mx.concatenate(cores)       # [R, H * v]
+    x = attn.output(core, x.reshape(R, D)).reshape(R, 1, D)
+    return layer._feed_forward(x)
 
 
 def row_groups(n: int) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ feeds the layer its own output ``x`` as ``h`` (vLLM's recurrent MTP drafting).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .. import kernels
 from .cache import LatentCache
@@ -101,6 +102,33 @@ class MTPHead:
         x, _ = self.layer.layer(x, cos, sin, mask, cache.layers[0], start, None, rope_offset)
         cache.advance(L)
         return self._logits(x[:, -1:] if last_only else x), x
+
+
+    def rows(self, hidden: mx.array, next_tokens: mx.array, caches: list, counts: list):
+        """``counts[b]`` rows of sequence ``b``, each sequence on its own cache (the drafting of a
+        continuous batch): ``hidden [R, D]`` and ``next_tokens [R]`` (sequence 0's rows first;
+        at most DECODE_ROWS rows, every cache past its first position). Returns float32 logits of
+        each sequence's last row ``[n, vocab]`` and ``x [R, D]``; advances every cache by its
+        count. eh_proj, the decoder layer's projections and MoE, and the head run over all the
+        rows at once (batch_decode.rows_layer); a lone sequence takes :meth:`__call__`."""
+        R, D = hidden.shape
+        if len(caches) == 1:
+            logits, x = self(hidden.reshape(1, R, D), next_tokens.reshape(1, R), caches[0], last_only=True)
+            return logits[:, -1], x.reshape(R, D)
+        from .batch_decode import rows_layer
+
+        kernels.dispatch.record_call("batch_decode", "mtp rows")
+        starts = [c.offset for c in caches]
+        offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)
+        x = self._inputs(hidden.reshape(R, 1, D), next_tokens.reshape(R, 1))
+        cos = sin = None
+        if self.model.args.dsa:                              # the indexer rotates with cos/sin
+            cos, sin = self.model.rope.cos_sin(offsets[:, None])
+        x = rows_layer(self.layer.layer, x, [c.layers[0] for c in caches], starts, counts, offsets, cos, sin)
+        for c, m in zip(caches, counts):
+            c.advance(m)
+        last = mx.array([int(s) - 1 for s in np.cumsum(counts)], dtype=mx.int32)
+        return self._logits(x[last])[:, -1], x.reshape(R, D)
 
 
 def mtp_head(model) -> MTPHead | None:
