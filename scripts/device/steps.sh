@@ -121,8 +121,10 @@ for s in "${steps[@]}"; do
                    step bench_serve 300 python3 scripts/bench/bench_serve.py --out "$out/bench_serve.json" ;;
     bench_serve_drafts) # speculative decoding inside the batch: the demo model's decode tok/s at 1-8
                    # streams with --draft none, mtp and ngram (drafts fill the 8 decode rows a step has)
+                   # and the MTP drafting of several requests, pooled against one by one
                    step bench_serve_drafts 300 python3 scripts/bench/bench_serve.py --demo --drafts none,mtp,ngram \
-                       --streams 1,2,4,8 --out "$out/bench_serve_drafts.json" ;;
+                       --streams 1,2,4,8 --out "$out/bench_serve_drafts.json"
+                   step bench_mtp_rows 120 python3 scripts/bench/bench_mtp_rows.py --requests 2 4 2 --drafts 3 1 1 ;;
     bench_serve_http) # the same rounds direct and through colibri serve's HTTP server with the openai client
                    # (openai==3.51.0 and its dependencies installed; without it the HTTP rows report the error)
                    step bench_serve_http 300 python3 scripts/bench/bench_serve.py --http --no-mlx-lm \
