@@ -68,7 +68,7 @@ from .generate import (SamplingParams, _stop_ids, adjust_logits, log_softmax32, 
 from .models.batch_decode import ROW_GROUP, DecodeBatch
 from .models.deepseek_v3 import rms_norm
 from .prompt_cache import PromptCache
-from .serve_engine import ENGINE_OPTIONS, TokenEvent, sorted_pairs, top_logprobs
+from .serve_engine import ENGINE_OPTIONS, TokenEvent, end_model_thread, sorted_pairs, top_logprobs
 from .speculative import (DEFAULT_NUM_DRAFT, Acceptor, DraftLength, DraftStats, MTPDraft, NgramIndex,
                           check_num_draft, greedy_accept, observe_rows, propose_rows, resolve_draft)
 
@@ -287,7 +287,7 @@ class BatchEngine:
             self._serve_steps()
         finally:
             self._ahead = None
-            mx.synchronize()     # no queued step may outlive the thread (MLX aborts at exit otherwise)
+            end_model_thread()   # no queued step or MLX thread state may outlive the thread
 
     def _serve_steps(self) -> None:
         while True:

@@ -42,6 +42,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import mlx.core as mx
+
 from .generate import SamplingParams, needs_plain_decoding
 
 # mlx_lm.server's defaults (its --decode-concurrency, --prompt-concurrency, --prefill-step-size,
@@ -54,8 +56,6 @@ MAX_TOP_LOGPROBS = 20
 def top_logprobs(logp, k: int) -> tuple:
     """The ``k`` largest entries of a log-softmax row, lazily and unordered: ``(ids, values)``
     (a partition, not a sort of the vocabulary)."""
-    import mlx.core as mx
-
     ids = mx.argpartition(-logp, k - 1)[:k]
     return ids, logp[ids]
 
@@ -63,6 +63,15 @@ def top_logprobs(logp, k: int) -> tuple:
 def sorted_pairs(ids, values) -> list:
     """``[(token id, logprob)]`` of :func:`top_logprobs`'s arrays, most likely first."""
     return sorted(zip(ids.tolist(), values.tolist()), key=lambda p: -p[1])
+
+
+def end_model_thread() -> None:
+    """The last call of an engine's model thread: wait for the work it queued, then destroy the
+    streams MLX made for the thread (``mx.clear_streams``, as MLX's own threaded tests end),
+    so that their teardown runs here and not in the thread's exit, which may run beside the
+    interpreter's teardown when the process exits right after the engine closes."""
+    mx.synchronize()
+    mx.clear_streams()
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,12 @@ class SerialEngine:
     # -- the worker thread --
 
     def _run(self) -> None:
+        try:
+            self._serve_jobs()
+        finally:
+            end_model_thread()
+
+    def _serve_jobs(self) -> None:
         while True:
             handle = self.jobs.get()
             if handle is None:
