@@ -173,13 +173,13 @@ def observe_rows(drafters: Sequence[MTPDraft], hidden: Sequence[mx.array],
     groups of at most DECODE_ROWS rows: a continuous batch's requests after a verify step."""
     from .models.deepseek_v3 import DECODE_ROWS
 
-    groups, held = [], DECODE_ROWS
+    groups, in_group = [], DECODE_ROWS
     for i, tokens in enumerate(next_tokens):
-        if held + len(tokens) > DECODE_ROWS:
+        if in_group + len(tokens) > DECODE_ROWS:
             groups.append([])
-            held = 0
+            in_group = 0
         groups[-1].append(i)
-        held += len(tokens)
+        in_group += len(tokens)
     for group in groups:
         if len(group) == 1:
             drafters[group[0]].observe(hidden[group[0]][None], next_tokens[group[0]])

@@ -103,7 +103,6 @@ class MTPHead:
         cache.advance(L)
         return self._logits(x[:, -1:] if last_only else x), x
 
-
     def rows(self, hidden: mx.array, next_tokens: mx.array, caches: list, counts: list):
         """``counts[b]`` rows of sequence ``b``, each sequence on its own cache (the drafting of a
         continuous batch): ``hidden [R, D]`` and ``next_tokens [R]`` (sequence 0's rows first;
