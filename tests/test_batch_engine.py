@@ -633,15 +633,17 @@ def test_mtp_drafts_of_several_requests_equal_each_alone(demo):
     assert [d.cache.offset for d in together] == [d.cache.offset for d in alone]
 
     rng = np.random.default_rng(32)
-    hidden = [mx.array(rng.standard_normal((m, D)).astype(np.float32)) for m in (2, 1, 3)]
-    tokens = [[9, 10], [11], [12, 13, 14]]
-    for d, h, t in zip(alone, hidden, tokens):
-        d.observe(h[None], t)
-    observe_rows(together, hidden, tokens)
-    for a, b in zip(alone, together):
-        for x, y in ((a.logits, b.logits), (a.x, b.x)):
-            assert x.shape == y.shape
-            assert np.abs(np.array(x) - np.array(y)).max() <= 1e-5 * np.abs(np.array(x)).max()
+    # 6 rows in one step of the layer; then 4 + 3 rows in one and 5 alone (8 rows a step at most)
+    for widths in ((2, 1, 3), (4, 3, 5)):
+        hidden = [mx.array(rng.standard_normal((m, D)).astype(np.float32)) for m in widths]
+        tokens = [[int(t) for t in rng.integers(4, 4000, m)] for m in widths]
+        for d, h, t in zip(alone, hidden, tokens):
+            d.observe(h[None], t)
+        observe_rows(together, hidden, tokens)
+        for a, b in zip(alone, together):
+            for x, y in ((a.logits, b.logits), (a.x, b.x)):
+                assert x.shape == y.shape
+                assert np.abs(np.array(x) - np.array(y)).max() <= 1e-5 * np.abs(np.array(x)).max()
     assert ints(propose_rows(together, [3, 3, 3], [greedy] * 3)) == \
         ints([d.propose(3, greedy) for d in alone])
 
