@@ -144,21 +144,8 @@ class MTPDraft:
 
     def propose(self, k: int, choose) -> tuple[list, list]:
         """``k`` drafts from ``choose(logits, drafts so far) -> (token, q)`` (ints or lazy
-        scalar arrays), their q's."""
-        start = self.cache.offset
-        drafts, qs = [], []
-        logits, x = self.logits[0, -1], self.x[:, -1:]
-        for j in range(k):
-            token, q = choose(logits, drafts)
-            drafts.append(token)
-            qs.append(q)
-            if isinstance(token, mx.array):
-                self._commit(token)
-            if j + 1 < k:
-                step_logits, x = self.head(x, _token_row(token).reshape(1, 1), self.cache, last_only=True)
-                logits = step_logits[0, -1]
-        self.cache.offset = start   # the drafts' rows are rewritten by the next observe
-        return drafts, qs
+        scalar arrays), their q's (:func:`propose_rows` of this drafter alone)."""
+        return propose_rows([self], [k], [choose])[0]
 
 
 def _token_row(token) -> mx.array:
@@ -181,9 +168,6 @@ def observe_rows(drafters: Sequence[MTPDraft], hidden: Sequence[mx.array],
         groups[-1].append(i)
         in_group += len(tokens)
     for group in groups:
-        if len(group) == 1:
-            drafters[group[0]].observe(hidden[group[0]][None], next_tokens[group[0]])
-            continue
         counts = [len(next_tokens[i]) for i in group]
         ids = mx.array([t for i in group for t in next_tokens[i]], dtype=mx.int32)
         logits, x = drafters[group[0]].head.rows(mx.concatenate([hidden[i] for i in group]), ids,
@@ -199,8 +183,6 @@ def propose_rows(drafters: Sequence[MTPDraft], ks: Sequence[int], chooses: Seque
     """``drafters[i].propose(ks[i], chooses[i])`` for every ``i``: each step of the MTP layer
     runs once for every drafter still drafting (MTPHead.rows, a row each), so ``n`` requests
     drafting ``k`` tokens take ``k - 1`` steps of the layer instead of ``n (k - 1)``."""
-    if len(drafters) == 1:
-        return [drafters[0].propose(ks[0], chooses[0])]
     starts = [d.cache.offset for d in drafters]
     out = [([], []) for _ in drafters]
     logits = [d.logits[0, -1] for d in drafters]

@@ -66,18 +66,26 @@ def rows_forward(model, ids: mx.array, caches: Sequence[LatentCache], counts: Se
     sequence's cache rows, DSA selection and attention (causal over its rows) on its own cache.
     Advances every cache by its count."""
     R = ids.size
-    starts = [c.offset for c in caches]
-    offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)   # per row
+    starts, offsets, cos, sin = row_positions(model, caches, counts)
     x = embedding_rows(model.embed_tokens, ids.reshape(R, 1).astype(mx.int32)).astype(model.dtype)
-    cos = sin = None
-    if model.args.dsa:                                   # the indexer rotates with cos/sin
-        cos, sin = model.rope.cos_sin(offsets[:, None])
     selections = [None] * len(caches)                    # each sequence's DSA selection (shared layers reuse it)
     for i, layer in enumerate(model.layers):
         x = rows_layer(layer, x, [c.layers[i] for c in caches], starts, counts, offsets, cos, sin, selections)
     for c, m in zip(caches, counts):
         c.advance(m)
     return x
+
+
+def row_positions(model, caches: Sequence[LatentCache], counts: Sequence[int]) -> tuple:
+    """``(starts, offsets, cos, sin)`` of ``counts[b]`` rows of sequence ``b`` at its cache's
+    offset: each sequence's first position, each row's position ``[R]`` int32, and the rows'
+    rope cos/sin where the model has a DSA indexer (which rotates with them; else None)."""
+    starts = [c.offset for c in caches]
+    offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)
+    cos = sin = None
+    if model.args.dsa:
+        cos, sin = model.rope.cos_sin(offsets[:, None])
+    return starts, offsets, cos, sin
 
 
 def rows_layer(layer, x: mx.array, layer_caches: Sequence, starts: Sequence[int], counts: Sequence[int],

@@ -106,7 +106,7 @@ class MTPHead:
     def rows(self, hidden: mx.array, next_tokens: mx.array, caches: list, counts: list):
         """``counts[b]`` rows of sequence ``b``, each sequence on its own cache (the drafting of a
         continuous batch): ``hidden [R, D]`` and ``next_tokens [R]`` (sequence 0's rows first;
-        at most DECODE_ROWS rows, every cache past its first position). Returns float32 logits of
+        several sequences: at most DECODE_ROWS rows, every cache past its first position). Returns float32 logits of
         each sequence's last row ``[n, vocab]`` and ``x [R, D]``; advances every cache by its
         count. eh_proj, the decoder layer's projections and MoE, and the head run over all the
         rows at once (batch_decode.rows_layer); a lone sequence takes :meth:`__call__`."""
@@ -114,15 +114,11 @@ class MTPHead:
         if len(caches) == 1:
             logits, x = self(hidden.reshape(1, R, D), next_tokens.reshape(1, R), caches[0], last_only=True)
             return logits[:, -1], x.reshape(R, D)
-        from .batch_decode import rows_layer
+        from .batch_decode import row_positions, rows_layer
 
         kernels.dispatch.record_call("batch_decode", "mtp rows")
-        starts = [c.offset for c in caches]
-        offsets = mx.array([s + j for s, m in zip(starts, counts) for j in range(m)], dtype=mx.int32)
+        starts, offsets, cos, sin = row_positions(self.model, caches, counts)
         x = self._inputs(hidden.reshape(R, 1, D), next_tokens.reshape(R, 1))
-        cos = sin = None
-        if self.model.args.dsa:                              # the indexer rotates with cos/sin
-            cos, sin = self.model.rope.cos_sin(offsets[:, None])
         x = rows_layer(self.layer.layer, x, [c.layers[0] for c in caches], starts, counts, offsets, cos, sin)
         for c, m in zip(caches, counts):
             c.advance(m)
