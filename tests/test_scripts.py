@@ -36,7 +36,7 @@ def test_bench_serve_rows():
     out = run_script("scripts/bench/bench_serve.py", "--tiny", "--streams", "1,2", "--tokens", "3", "--prompt", "4",
                      "--experts", "16", "--vocab", "4096", "--http", "--drafts", "none,ngram")
     for row in ("colibri BatchEngine", "colibri serve over HTTP", "mlx-lm BatchGenerator", "ours / mlx-lm decode: 1: ",
-                "--draft ngram (", "ngram / none decode: 1: "):
+                "--draft ngram (", "ngram / none decode: 1: ", "ours 1 stream / generate_tokens (worker thread): "):
         assert row in out, out
 
 
@@ -156,6 +156,11 @@ def test_bench_gguf_gemv_rows():
     out = run_script("scripts/bench/bench_gguf_gemv.py", "--tiny", "--types", "Q4_K", "IQ2_XXS")
     for row in ("mx.quantized_matmul 4b g64", "Q4_K R4", "IQ2_XXS R4", "paired A/B", "  IQ1_M "):
         assert row in out, out
+
+
+def test_bench_mtp_rows_rows():
+    out = run_script("scripts/bench/bench_mtp_rows.py", "--requests", "2", "--drafts", "2", "--pairs", "1")
+    assert "one by one ms" in out and "       2  2 " in out, out
 
 
 def test_bench_ngram_rows():
