@@ -273,7 +273,7 @@ def bad_bodies(vocab: int, context: int):
                       ("presence_penalty", 3), ("frequency_penalty", "x"), ("repetition_penalty", -1),
                       ("stream", "yes"), ("stream_options", {"include_usage": True}),
                       ("response_format", {"type": "json_object"}), ("response_format", "json"),
-                      ("draft", "mtp"), ("num_draft", 100)]:
+                      ("draft", "eagle"), ("draft", 3), ("draft", "mtp"), ("num_draft", 100), ("num_draft", 0)]:
         allowed = (400,)
         if name == "stop" and isinstance(val, list) and len(val) == 50:
             allowed = (200, 400)
@@ -281,8 +281,10 @@ def bad_bodies(vocab: int, context: int):
             allowed = (200, 400)  # clipped to the context, or refused
         if name == "temperature" and val == 1e308:
             allowed = (200, 400)
+        if name == "draft" and val == "mtp":
+            allowed = (200,)  # the demo model has an MTP layer
         body = dict(p, **{name: val})
-        if allowed == (200, 400):  # accepted: the demo model's greedy text meets one of these soon
+        if 200 in allowed:  # accepted: the demo model's greedy text meets one of these soon
             body.setdefault("stop", QUICK_STOPS)
         B.append((f"field: {name}={json.dumps(val)[:40]}", COMP, body, allowed))
     B += [("field: chat logprobs top_logprobs=21", CHAT, dict(c, logprobs=True, top_logprobs=21), (400,)),
