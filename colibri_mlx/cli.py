@@ -84,14 +84,14 @@ class _ByteSize(click.ParamType):
 @click.version_option(__version__, prog_name="colibri")
 def main():
     """colibri_mlx: run DeepSeek-V3/R1, Kimi-K2 and GLM-5.x mixture-of-experts models
-    from colibri containers (or Hugging Face checkpoints) on MLX."""
+    on MLX, from colibri containers, Hugging Face checkpoints, mlx-lm checkpoints or GGUF files."""
 
 
 @main.command()
 @click.argument("directory", metavar="MODEL")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def inspect(directory, as_json):
-    """List every tensor of a container: fmt, gs, O x I, bytes, totals; exit 1 if any cannot be read.
+    """List every tensor of a model: format, O x I, bytes, totals; exit 1 if any cannot be read.
 
     MODEL is a model directory, a .gguf file, or a Hugging Face hub id (mlx-community/...),
     resolved through the hub's cache as `generate` resolves it.

@@ -164,19 +164,30 @@ def decline_reason(q_nope, latent, kv_b) -> Optional[str]:
     return decline_reason_shapes(q_nope.shape[2], latent, kv_b)
 
 
+def weight_decline_reason(name: str, w, fmts: tuple, fmts_text: str) -> Optional[str]:
+    """Why a kernel that decodes ``w`` (``name``: kv_b or q_b) in place declines it, or None: an
+    MLX or GGUF layout the decoders lack, a colibri fmt outside ``fmts``, an fmt 4 group size that
+    is not a multiple of 16."""
+    if isinstance(w, QTensor):
+        why = mlx_formats.decline_reason(w)
+        if why:
+            return f"{name} {describe(w)}: {why}"
+        why = gguf_formats.decline_reason(w)
+        if why:
+            return f"{name}: {why}"
+    fmt, gs = weight_format(w)
+    if fmt not in fmts and not mlx_formats.is_mlx(w) and not gguf_formats.is_gguf(w):
+        return f"{name} fmt {fmt} ({fmts_text})"
+    if fmt == 4 and (not gs or gs % 16):
+        return f"{name} fmt 4 gs={gs} (needs a multiple of 16)"
+    return None
+
+
 def decline_reason_shapes(L: int, latent, kv_b) -> Optional[str]:
     """decline_reason for ``L`` query rows a sequence."""
-    why = isinstance(kv_b, QTensor) and mlx_formats.decline_reason(kv_b)
+    why = weight_decline_reason("kv_b", kv_b, KV_B_FMTS, "fmt 0-5, the MLX formats and the GGUF types only")
     if why:
-        return f"kv_b {describe(kv_b)}: {why}"
-    why = isinstance(kv_b, QTensor) and gguf_formats.decline_reason(kv_b)
-    if why:
-        return f"kv_b: {why}"
-    fmt, gs = weight_format(kv_b)
-    if fmt not in KV_B_FMTS and not mlx_formats.is_mlx(kv_b) and not gguf_formats.is_gguf(kv_b):
-        return f"kv_b fmt {fmt} (fmt 0-5, the MLX formats and the GGUF types only)"
-    if fmt == 4 and (not gs or gs % 16):
-        return f"kv_b fmt 4 gs={gs} (needs a multiple of 16)"
+        return why
     if L > MAX_QUERY_ROWS:
         return f"{L} query rows (absorbed path takes <= {MAX_QUERY_ROWS})"
     if latent.dtype not in CACHE_DTYPES:
@@ -193,17 +204,10 @@ def qb_decline_reason(q_latent: mx.array, q_b, H: int, nope: int) -> Optional[st
     """Why mla_qb_qabs does not take q_b's projection (the q_b GEMV and mla_qabs run instead)."""
     if not isinstance(q_b, QTensor):
         return "q_b is a float weight"
-    why = mlx_formats.decline_reason(q_b)
+    why = weight_decline_reason("q_b", q_b, QB_FMTS,
+                                "fmt 1-5, the MLX formats and the GGUF types: fmt 6 rotates its input first")
     if why:
-        return f"q_b {describe(q_b)}: {why}"
-    why = gguf_formats.decline_reason(q_b)
-    if why:
-        return f"q_b: {why}"
-    fmt, gs = weight_format(q_b)
-    if fmt not in QB_FMTS and not mlx_formats.is_mlx(q_b) and not gguf_formats.is_gguf(q_b):
-        return f"q_b fmt {fmt} (fmt 1-5, the MLX formats and the GGUF types: fmt 6 rotates its input first)"
-    if fmt == 4 and (not gs or gs % 16):
-        return f"q_b fmt 4 gs={gs} (needs a multiple of 16)"
+        return why
     rows = q_latent.size // q_latent.shape[-1]
     if rows > MAX_QUERY_ROWS:
         return f"{rows} query rows (up to {MAX_QUERY_ROWS})"
