@@ -108,6 +108,7 @@ def test_bench_mlx_lm_checkpoint_rows():
                      "--greedy", "4", "--experts", "16", "--vocab", "512")
     assert "affine3g64" in out and "4 greedy tokens kernels vs reference: identical" in out, out
     assert "token 0 prefill  kernels vs reference" in out and "token 0 stepwise kernels vs reference" in out, out
+    assert "affine3g64 / container" in out, out
 
 
 def test_bench_gguf_metadata_rows():

@@ -18,7 +18,9 @@ Token 0 is also computed with the 16-token prompt fed one token at a time from a
 (every call a decode step, the first at offset 0), kernels and reference in lockstep: each step's
 largest logit difference, the first step past 5e-2 of the largest logit, and each side's last
 step against its own prefill (which side leaves the prompt's logits). Per format the seconds of
-each phase are printed (write, our load, our timing, checks, mlx-lm's load and timing).
+each phase are printed (write, our load, our timing, checks, mlx-lm's load and timing). Last, ours
+on the same model as a colibri fmt 4 g64 container (bench_e2e.py's), timed the same way
+(``--no-container`` skips it): each checkpoint's time against the container's.
 ``--dir DIR --reuse``: a checkpoint already in DIR/<format> with the same config.json is used as
 it is and kept (a second run skips the write).
 """
@@ -247,6 +249,21 @@ def run_format(name: str, cfg: dict, prompt, args, root: Path) -> dict:
     return res
 
 
+def container_ms(cfg: dict, prompt, steps: int) -> float:
+    """Ours on bench_e2e.py's model as a colibri fmt 4 g64 container, timed as run_format times a
+    checkpoint: the margin on containers, in the same run."""
+    mx.random.seed(0)
+    model = E.our_model(cfg)
+    cache = model.make_cache()
+    E.decode_times(lambda t: model(t, cache), prompt, steps)
+    cache = model.make_cache()
+    ms = E.decode_times(lambda t: model(t, cache), prompt, steps) * 1e3
+    del model, cache
+    kernels.moe.clear_banks()
+    mx.clear_cache()
+    return ms
+
+
 def checkpoint_bytes(cfg: dict, name: str) -> int:
     """About the bytes of ``name``'s checkpoint of the ``cfg`` model (every matrix quantized, the
     norms and router left out): weights times bits a weight, scales and biases included."""
@@ -296,6 +313,8 @@ def main():
     ap.add_argument("--out", "--json", dest="out", default=None, help="write the rows as JSON here")
     ap.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory "
                     "in /dev/shm when it has room, else the system's)")
+    ap.add_argument("--no-container", action="store_true",
+                    help="skip the row of ours on the same model as a colibri fmt 4 g64 container")
     ap.add_argument("--reuse", action="store_true",
                     help="with --dir: use a checkpoint already there with the same config, and keep them all")
     args = ap.parse_args()
@@ -316,11 +335,18 @@ def main():
         for name in formats:
             mx.random.seed(0)
             out["rows"].append(run_format(name, cfg, prompt, args, root))
+    if not args.no_container:
+        out["container_ms"] = container_ms(cfg, prompt, args.steps)
+        print(f"container    ours {out['container_ms']:7.2f} ms/token (the same model as a colibri fmt 4 g64 container)",
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\n{'format':12s} {'ours ms':>8s} {'mlx-lm ms':>9s} {'mlx-lm/ours':>11s}  greedy kernels = reference  declines")
     for r in out["rows"]:
         print(f"{r['format']:12s} {r['ours_ms']:8.2f} {r['mlxlm_ms']:9.2f} {r['speedup']:11.2f}  {str(r['greedy_identical']):25s}  {r['declines']}")
+    if "container_ms" in out:
+        print(f"{'container':12s} {out['container_ms']:8.2f}  (ours on a fmt 4 g64 container of the same model; "
+              + ", ".join(f"{r['format']} / container {r['ours_ms'] / out['container_ms']:.2f}x" for r in out["rows"]) + ")")
     print(f"backend {out['backend']}; ms/token: median of --steps synchronized decode steps (bench_e2e.py)")
 
 

@@ -103,7 +103,8 @@ for s in "${steps[@]}"; do
                    step spec_tests ${SPEC_TESTS_LIMIT:-240} python3 -m pytest -q $(xdist_args) tests/test_compiled_rows.py \
                      tests/test_speculative.py tests/test_mla_decode.py -m "not msl and not slow"; reap ;;
     mlx_e2e)       # mlx-lm checkpoints of bench_e2e's model (affine 4-bit g64, 3-bit g64, mxfp4, written by
-                   # mlx-lm): ours vs mlx-lm ms/token on the same files, 64 greedy tokens kernels vs reference
+                   # mlx-lm): ours vs mlx-lm ms/token on the same files, 64 greedy tokens kernels vs reference,
+                   # then ours on the same model as a fmt 4 g64 container (the margin on containers, same run)
                    step mlx_e2e ${MLX_E2E_LIMIT:-240} python3 scripts/bench/bench_mlx_lm_checkpoint.py --steps 16 --greedy 64 \
                        --out "$out/mlx_lm_e2e.json" ${MLX_E2E_ARGS:-} ;;
     bench_qgemv)   step bench_qgemv 130 python3 scripts/bench/bench_qgemv.py --json "$out/bench_qgemv.json" ;;
