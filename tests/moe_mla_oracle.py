@@ -67,7 +67,7 @@ def moe_oracle(x, experts, ids, weights) -> tuple[np.ndarray, np.ndarray]:
                 xe = hadamard_f64(xe.size).T @ xe
             g, u = gate @ xe, up @ xe
             dg, du = REL * (np.abs(gate) @ np.abs(xe)), REL * (np.abs(up) @ np.abs(xe))
-            sig = 1.0 / (1.0 + np.exp(-g))
+            sig = np.exp(-np.logaddexp(0.0, -g))     # 1 / (1 + e^-g) without overflow for g << 0
             h = g * sig * u
             dh = 1.1 * dg * np.abs(u) + np.abs(g * sig) * du
             if isinstance(experts[e][2], QTensor) and experts[e][2].fmt == 6:
